@@ -1,0 +1,71 @@
+"""Helpers for checking kernels against fp32 references (used by the tests and benchmarks).
+
+The error-relative rule (DESIGN.md): a low-precision kernel passes when its error against the
+fp32 reference is at most ``factor`` times the error that PyTorch itself makes computing the
+same function in the same low precision, plus a small absolute floor. This scales with the
+dtype, the problem size and the input scale, where a fixed ``atol`` does not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref|| / ||ref|| in float64 (0 when both are zero)."""
+    x64, r64 = x.detach().double(), ref.detach().double()
+    denom = r64.norm()
+    num = (x64 - r64).norm()
+    if denom == 0:
+        return float(num)
+    return float(num / denom)
+
+
+def max_abs_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((x.detach().double() - ref.detach().double()).abs().max()) if x.numel() else 0.0
+
+
+def assert_no_nan(name: str, x: torch.Tensor) -> None:
+    bad = torch.isnan(x)
+    if bad.any():
+        raise AssertionError(f"{name}: {int(bad.sum())} NaN elements of {x.numel()}")
+
+
+def assert_error_relative(
+    name: str,
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    baseline: torch.Tensor,
+    *,
+    factor: float = 2.0,
+    atol: float = 1e-5,
+) -> None:
+    """``max|out - ref| <= factor * max|baseline - ref| + atol``.
+
+    ``ref`` is the fp32 (or fp64) reference; ``baseline`` is the same function computed by
+    PyTorch in the kernel's low precision.
+    """
+    assert_no_nan(name, out)
+    err = max_abs_err(out, ref)
+    base = max_abs_err(baseline, ref)
+    bound = factor * base + atol
+    if not err <= bound:
+        raise AssertionError(
+            f"{name}: max abs error {err:.3e} > {factor} * baseline {base:.3e} + {atol:.1e}"
+            f" (rel L2 {rel_l2(out, ref):.3e}, baseline rel L2 {rel_l2(baseline, ref):.3e})"
+        )
+
+
+def assert_rel_l2(name: str, out: torch.Tensor, ref: torch.Tensor, bound: float) -> None:
+    """Relative L2 bound; state the dtype it is meant for at the call site."""
+    assert_no_nan(name, out)
+    err = rel_l2(out, ref)
+    if not err <= bound:
+        raise AssertionError(f"{name}: relative L2 error {err:.3e} > {bound:.1e}")
+
+
+def poison_(x: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN (floating) or a sentinel (integer) so unwritten elements show up."""
+    if x.is_floating_point():
+        return x.fill_(float("nan"))
+    return x.fill_(-12345)

@@ -1,0 +1,59 @@
+"""Argument validation shared by the public interfaces.
+
+Every check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape,
+range or device) naming the argument and what was expected, before any compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def check_tensor(name: str, x, *, ndim: int | None = None, dtypes=None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if dtypes is not None and x.dtype not in dtypes:
+        allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {x.dtype}")
+    return x
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    present = {k: v for k, v in tensors.items() if v is not None}
+    devices = {k: v.device for k, v in present.items()}
+    first_name, first = next(iter(devices.items()))
+    for name, dev in devices.items():
+        if dev != first:
+            raise ValueError(
+                f"{name} is on {dev} but {first_name} is on {first}; all inputs must share a device"
+            )
+    return first
+
+
+def check_positive_ints(name: str, values: Sequence[int], length: int | None = None) -> tuple:
+    try:
+        values = tuple(values)
+    except TypeError:
+        raise TypeError(f"{name} must be a sequence of ints, got {values!r}") from None
+    if length is not None and len(values) != length:
+        raise ValueError(f"{name} must have {length} entries, got {values!r}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name} must hold ints, got {values!r}")
+        if v <= 0:
+            raise ValueError(f"{name} must be positive, got {values!r}")
+    return values
+
+
+def check_positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value

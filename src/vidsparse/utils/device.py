@@ -1,0 +1,46 @@
+"""Device facts the launchers need, queried without ever requiring a GPU at import."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the tile configs are keyed on."""
+
+    backend: str  # "cuda" | "hip" | "cpu"
+    arch: int | str  # 90 for sm_90, "gfx942" for MI300, ... ; 0 for the CPU interpreter
+
+    @property
+    def is_hopper(self) -> bool:
+        return self.backend == "cuda" and isinstance(self.arch, int) and 90 <= self.arch < 100
+
+    @property
+    def is_cdna(self) -> bool:
+        return self.backend == "hip" and str(self.arch).startswith("gfx9")
+
+
+CPU_INTERPRETER = Target("cpu", 0)
+
+
+@functools.lru_cache(maxsize=None)
+def target_of(device: torch.device) -> Target:
+    """The compile target for ``device``; the interpreter target for CPU tensors."""
+    if device.type != "cuda":
+        return CPU_INTERPRETER
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    if getattr(torch.version, "hip", None):
+        return Target("hip", props.gcnArchName.split(":")[0])
+    return Target("cuda", props.major * 10 + props.minor)
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count

@@ -1,0 +1,50 @@
+"""Test configuration.
+
+Without a GPU the Triton kernels run in the interpreter: ``TRITON_INTERPRET=1`` must be set
+before any ``@triton.jit`` function is defined, so it is set here, before vidsparse is imported.
+"""
+
+import os
+
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+# The reference path is what unmarked tests exercise unless they ask for a backend.
+os.environ.setdefault("VIDSPARSE_BACKEND", "auto")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def torch_backend(monkeypatch):
+    """Force the PyTorch reference backend for the duration of a test."""
+    monkeypatch.setenv("VIDSPARSE_BACKEND", "torch")
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """Force the Triton backend (interpreter on CPU, compiled kernels on GPU)."""
+    monkeypatch.setenv("VIDSPARSE_BACKEND", "triton")
+
+
+@pytest.fixture
+def device():
+    """Where kernel tests run: the GPU if there is one, else the CPU interpreter."""
+    return torch.device("cuda" if HAS_GPU else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
