@@ -1,21 +1,35 @@
 """vidsparse: sparse attention for video Diffusion Transformers.
 
 Public API (see DESIGN.md): ``VideoGrid``, ``block_sparse_attn``, ``video_sparse_attn``,
-``StripeSpec``, ``stripe_block_mask``. Importing this package needs no GPU.
+``StripeSpec``, ``stripe_block_mask``. Importing this package needs no GPU, and the names are
+resolved lazily so that ``import vidsparse`` stays cheap (no Triton import until a kernel runs).
 """
 
-from vidsparse.layout import VideoGrid
-from vidsparse.masks.stripe import StripeSpec, stripe_block_mask
-from vidsparse.ops.block_sparse_attn import block_sparse_attn
-from vidsparse.ops.video_sparse_attn import video_sparse_attn
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "VideoGrid",
-    "block_sparse_attn",
-    "video_sparse_attn",
-    "StripeSpec",
-    "stripe_block_mask",
-    "__version__",
-]
+_EXPORTS = {
+    "VideoGrid": "vidsparse.layout",
+    "block_sparse_attn": "vidsparse.ops.block_sparse_attn",
+    "video_sparse_attn": "vidsparse.ops.video_sparse_attn",
+    "StripeSpec": "vidsparse.masks.stripe",
+    "stripe_block_mask": "vidsparse.masks.stripe",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vidsparse' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(__all__)

@@ -1,0 +1,257 @@
+"""Backward launchers and kernels of block-sparse flash attention.
+
+Recomputes the attention probabilities from the forward's log-sum-exp, FlashAttention-2 style,
+in three launches and without atomics (so gradients are bit-identical across runs):
+
+1. ``_block_sparse_attn_bwd_preprocess_kernel``: ``delta = rowsum(o * do)`` and the base-2 lse,
+   with ``-inf`` (empty rows) turned into ``+inf`` so their probabilities recompute to 0.
+2. ``_block_sparse_attn_bwd_dkdv_kernel``: one program per key block, walking the *transposed*
+   lists (the query blocks that attend to it) to accumulate dK and dV.
+3. ``_block_sparse_attn_bwd_dq_kernel``: one program per query (sub-)block, walking its own
+   list to accumulate dQ.
+
+The softmax scale stays an fp32 multiplier on fp32 scores: K is never pre-scaled in bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vidsparse.masks.block_sparse import transpose_block_lists
+from vidsparse.ops.block_sparse_attn.configs import backward_config
+from vidsparse.ops.block_sparse_attn.fwd import LOG2E, _broadcast_strides
+from vidsparse.utils.device import target_of
+
+
+@triton.jit
+def _block_sparse_attn_bwd_preprocess_kernel(
+    O, DO, LSE, DELTA, LSE2,  # o, do [B, H, Sq, D]; lse, delta, lse2 fp32 [B, H, Sq]
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    H, Sq,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BM]
+    row = pid_bh.to(tl.int64) * Sq + offs_m
+    lse = tl.load(LSE + row)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tl.store(DELTA + row, delta)
+    tl.store(LSE2 + row, lse2)
+
+
+@triton.jit
+def _block_sparse_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    H, Sq,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    NSUB: tl.constexpr = BLOCK_M // SUB_M
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_sub = tl.arange(0, SUB_M)
+    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    if HAS_KV_SIZES:
+        real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)  # [BN]
+        k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
+        v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+
+    q_base = Q + b * stride_qb + h * stride_qh
+    do_base = DO + b * stride_dob + h * stride_doh
+    row_base = pid_bh.to(tl.int64) * Sq
+    off_row = Q_OFF + b * stride_offb + h * stride_offh
+    idx_row = Q_IDX + b * stride_qib + h * stride_qih
+    start = tl.load(off_row + pid_n)
+    end = tl.load(off_row + pid_n + 1)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # One flat loop over (listed query block, sub-block) pairs pipelines better than two.
+    for t in range(start * NSUB, end * NSUB):
+        q_block = tl.load(idx_row + t // NSUB).to(tl.int64)
+        offs_m = q_block * BLOCK_M + (t % NSUB) * SUB_M + offs_sub  # [SUB_M]
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)  # [SUB_M, D]
+        do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+        lse2 = tl.load(LSE2 + row_base + offs_m)  # [SUB_M]
+        delta = tl.load(DELTA + row_base + offs_m)
+        if IEEE_DOT:
+            qk_t = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            qk_t = tl.dot(k, tl.trans(q))  # [BN, SUB_M]
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if HAS_KV_SIZES:
+            p_t = tl.where(real[:, None], p_t, 0.0)
+        if IEEE_DOT:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BN, D]
+            dp_t = tl.dot(v, tl.trans(do))  # [BN, SUB_M]
+        ds_t = p_t * (dp_t - delta[None, :])
+        if IEEE_DOT:
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+        else:
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BN, D]
+    dk = dk * scale
+
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _block_sparse_attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE2, DELTA,
+    KV_IDX, KV_CNT, KV_SIZES,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    H, Sq,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    NSUB: tl.constexpr = BLOCK_M // SUB_M
+    pid = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_block = (pid // NSUB).to(tl.int64)
+
+    offs_m = pid.to(tl.int64) * SUB_M + tl.arange(0, SUB_M)  # [SUB_M]; sub-blocks tile the rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+    row = pid_bh.to(tl.int64) * Sq + offs_m
+    lse2 = tl.load(LSE2 + row)  # [SUB_M]
+    delta = tl.load(DELTA + row)
+
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    idx_row = KV_IDX + b * stride_ib + h * stride_ih + q_block * stride_iq
+    count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + q_block * stride_cq)
+
+    dq = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
+    for j in range(0, count):
+        kv_block = tl.load(idx_row + j * stride_ik).to(tl.int64)
+        offs_kv = kv_block * BLOCK_N + offs_n
+        k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if HAS_KV_SIZES:
+            real = offs_n < tl.load(KV_SIZES + kv_block)
+            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
+            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        if IEEE_DOT:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))  # [SUB_M, BN]
+            dp = tl.dot(do, tl.trans(v))  # [SUB_M, BN]
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if HAS_KV_SIZES:
+            p = tl.where(real[None, :], p, 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE_DOT:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)  # [SUB_M, D]
+    dq = dq * scale
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+
+
+def block_sparse_attn_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor | None,
+    block_q: int,
+    block_kv: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the three backward kernels on validated inputs; returns ``(dq, dk, dv)``."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    num_q_blocks, num_kv_blocks = Sq // block_q, Skv // block_kv
+    target = target_of(q.device)
+    ieee = q.dtype == torch.float32
+    has_sizes = kv_block_sizes is not None
+    sizes = kv_block_sizes if has_sizes else kv_counts  # dummy pointer when unused
+
+    delta = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    _block_sparse_attn_bwd_preprocess_kernel[(num_q_blocks, B * H)](
+        o, do, lse, delta, lse2, *o.stride(), *do.stride(), H, Sq,
+        BLOCK_M=block_q, HEAD_DIM=D,
+    )
+
+    q_offsets, q_indices = transpose_block_lists(kv_indices, kv_counts, num_kv_blocks)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    cfg = backward_config(target, "bwd_dkdv", block_q, block_kv, D)
+    _block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
+        q, k, v, do, dk, dv, lse2, delta,
+        q_offsets, q_indices, sizes,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        *_broadcast_strides(q_offsets)[:2], *_broadcast_strides(q_indices)[:2],
+        H, Sq, scale * LOG2E, scale,
+        BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
+        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee,
+        **cfg.launch_kwargs(),
+    )
+
+    dq = torch.empty_like(q)
+    cfg = backward_config(target, "bwd_dq", block_q, block_kv, D)
+    _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
+        q, k, v, do, dq, lse2, delta,
+        kv_indices, kv_counts, sizes,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
+        H, Sq, scale * LOG2E, scale,
+        BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
+        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee,
+        **cfg.launch_kwargs(),
+    )
+    return dq, dk, dv

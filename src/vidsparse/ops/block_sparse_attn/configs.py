@@ -1,0 +1,108 @@
+"""Tile configurations per architecture, as data.
+
+The block sizes are fixed by the caller's index format (the lists name key blocks of
+``block_kv`` tokens for query blocks of ``block_q`` tokens), so what is tuned here is how a
+program runs: warps, pipeline depth and the vendor knobs. Keys are
+``(kernel, block_q, block_kv, head_dim)``; a missing key falls back to the family default.
+Measured on the H200 for Hopper (see benchmarks/results/); AMD values follow the vendor's
+guidance for CDNA3/CDNA4 and are compile-checked in CI, not yet timed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vidsparse.utils.device import Target
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    num_warps: int = 4
+    num_stages: int = 2
+    # Backend-specific launch options (AMD: waves_per_eu, matrix_instr_nonkdim, kpack).
+    extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+    # Backward only: rows of a query block processed per step (must divide block_q).
+    sub_m: int | None = None
+
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+
+def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None):
+    extra = (("waves_per_eu", waves_per_eu), ("matrix_instr_nonkdim", nonkdim), ("kpack", kpack))
+    return KernelConfig(num_warps, num_stages, extra, sub_m)
+
+
+# (kernel, block_q, block_kv, head_dim) -> config. "*" matches any head_dim.
+HOPPER = {
+    ("fwd", 128, 128, 128): KernelConfig(8, 3),
+    ("fwd", 128, 64, 128): KernelConfig(8, 3),
+    ("fwd", 64, 64, 128): KernelConfig(4, 3),
+    ("fwd", 128, 128, 64): KernelConfig(8, 3),
+    ("fwd", 128, 64, 64): KernelConfig(4, 4),
+    ("fwd", 64, 64, 64): KernelConfig(4, 4),
+    ("bwd_dkdv", 128, 128, "*"): KernelConfig(8, 2, sub_m=64),
+    ("bwd_dkdv", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
+    ("bwd_dkdv", 64, 64, "*"): KernelConfig(4, 2, sub_m=64),
+    ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128),
+    ("bwd_dq", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
+    ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64),
+}
+NVIDIA_GENERIC = {
+    ("fwd", "*", "*", "*"): KernelConfig(4, 2),
+    ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
+    ("bwd_dq", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
+}
+AMD_CDNA = {
+    ("fwd", 128, "*", "*"): _amd(8, 1, waves_per_eu=2),
+    ("fwd", 64, "*", "*"): _amd(4, 1, waves_per_eu=2),
+    ("bwd_dkdv", "*", "*", "*"): _amd(4, 1, waves_per_eu=1, sub_m=64),
+    ("bwd_dq", "*", "*", "*"): _amd(4, 1, waves_per_eu=1, sub_m=64),
+}
+INTERPRETER = {
+    ("fwd", "*", "*", "*"): KernelConfig(4, 1),
+    ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=None),
+    ("bwd_dq", "*", "*", "*"): KernelConfig(4, 1, sub_m=None),
+}
+
+
+def _table_for(target: Target) -> list[dict]:
+    if target.backend == "cpu":
+        return [INTERPRETER]
+    if target.backend == "hip":
+        return [AMD_CDNA]
+    if target.is_hopper:
+        return [HOPPER, NVIDIA_GENERIC]
+    return [NVIDIA_GENERIC]
+
+
+def _lookup(target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int):
+    for table in _table_for(target):
+        for key in (
+            (kernel, block_q, block_kv, head_dim),
+            (kernel, block_q, block_kv, "*"),
+            (kernel, block_q, "*", "*"),
+            (kernel, "*", "*", "*"),
+        ):
+            if key in table:
+                return table[key]
+    return KernelConfig()
+
+
+def _fit_sub_m(cfg: KernelConfig, block_q: int) -> KernelConfig:
+    sub = cfg.sub_m or block_q
+    sub = min(sub, block_q)
+    while block_q % sub:
+        sub //= 2
+    return KernelConfig(cfg.num_warps, cfg.num_stages, cfg.extra, sub)
+
+
+def forward_config(target: Target, block_q: int, block_kv: int, head_dim: int, dtype: torch.dtype):
+    return _lookup(target, "fwd", block_q, block_kv, head_dim)
+
+
+def backward_config(target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int):
+    """``kernel`` is "bwd_dkdv" or "bwd_dq"; the result has ``sub_m`` dividing ``block_q``."""
+    return _fit_sub_m(_lookup(target, kernel, block_q, block_kv, head_dim), block_q)

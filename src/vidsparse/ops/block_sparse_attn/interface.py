@@ -1,0 +1,248 @@
+"""Public entry point of the block-sparse attention engine.
+
+``block_sparse_attn`` validates its arguments, normalises the block size, picks a backend
+(``VIDSPARSE_BACKEND``) and calls a ``torch.library`` custom op, so ``torch.compile`` sees one
+opaque, differentiable op instead of breaking the graph around a Triton launch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from vidsparse.masks.block_sparse import validate_block_lists
+from vidsparse.ops.block_sparse_attn.reference import (
+    block_sparse_attn_bwd_ref,
+    block_sparse_attn_ref,
+)
+from vidsparse.utils.backend import resolve_backend
+from vidsparse.utils.checks import check_positive_int, check_same_device, check_tensor
+
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def block_sparse_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    *,
+    block_size: int | tuple[int, int] = 64,
+    kv_block_sizes: torch.Tensor | None = None,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Attention of each query block over its own list of key blocks.
+
+    ::
+
+        query blocks x key blocks (block_size tokens each), one map per (batch, head)
+
+                 k0 k1 k2 k3        kv_indices[b, h]     kv_counts[b, h]
+            q0 [ x  .  x  . ]       [[0, 2, *],          [2,
+            q1 [ .  x  x  x ]        [1, 2, 3],           3,
+            q2 [ .  .  .  . ]        [*, *, *]]           0]   <- empty row: o = 0, lse = -inf
+
+    Args:
+        q: ``[B, H, Sq, D]``; k, v: ``[B, H, Skv, D]``; fp16/bf16 (fp32 too; fp64 on CPU).
+        kv_indices: int32 ``[B or 1, H, Sq // block_q, K]``; the first ``kv_counts`` entries of
+            each row are read and must be distinct key-block indices.
+        kv_counts: int32 ``[B or 1, H, Sq // block_q]``, each in ``[0, K]``.
+        block_size: ``block`` or ``(block_q, block_kv)``; ``Sq % block_q == Skv % block_kv == 0``.
+        kv_block_sizes: optional int32 ``[Skv // block_kv]``: real keys at the start of each key
+            block; the rest are padding and get no weight (they are not even read).
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        return_lse: also return the fp32 natural-log log-sum-exp ``[B, H, Sq]``.
+
+    Returns ``o`` (q's dtype), or ``(o, lse)``. Differentiable in q, k, v.
+    """
+    block_q, block_kv = _normalize_block_size(block_size)
+    device = _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
+    scale = _normalize_scale(scale, q.shape[-1])
+    backend = resolve_backend(device)
+    if backend == "triton":
+        _check_triton_supported(q)
+    o, lse = torch.ops.vidsparse.block_sparse_attn_fwd(
+        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend
+    )
+    return (o, lse) if return_lse else o
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _normalize_block_size(block_size) -> tuple[int, int]:
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        block_size = (block_size, block_size)
+    if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
+        raise TypeError(f"block_size must be an int or (block_q, block_kv), got {block_size!r}")
+    return check_positive_int("block_size", block_size[0]), check_positive_int(
+        "block_size", block_size[1]
+    )
+
+
+def _normalize_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)
+
+
+def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv) -> torch.device:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=4, dtypes=TORCH_DTYPES)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_tensor("kv_indices", kv_indices)
+    check_tensor("kv_counts", kv_counts)
+    if kv_block_sizes is not None:
+        check_tensor("kv_block_sizes", kv_block_sizes, ndim=1, dtypes=(torch.int32,))
+    device = check_same_device(
+        q=q, k=k, v=v, kv_indices=kv_indices, kv_counts=kv_counts, kv_block_sizes=kv_block_sizes
+    )
+    B, H, Sq, D = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
+        raise ValueError(
+            f"k must be [B={B}, H={H}, Skv, D={D}] to match q, got {tuple(k.shape)}"
+        )
+    Skv = k.shape[2]
+    if Sq % block_q:
+        raise ValueError(f"q's sequence length {Sq} is not a multiple of block_q={block_q} (block_size)")
+    if Skv % block_kv:
+        raise ValueError(
+            f"k's sequence length {Skv} is not a multiple of block_kv={block_kv} (block_size)"
+        )
+    num_kv_blocks = Skv // block_kv
+    check_values = not torch.compiler.is_compiling()
+    validate_block_lists(
+        kv_indices,
+        kv_counts,
+        batch=B,
+        heads=H,
+        num_q_blocks=Sq // block_q,
+        num_kv_blocks=num_kv_blocks,
+        device=device,
+        check_values=check_values,
+    )
+    if kv_block_sizes is not None:
+        if kv_block_sizes.shape[0] != num_kv_blocks:
+            raise ValueError(
+                f"kv_block_sizes must have Skv // block_kv = {num_kv_blocks} entries,"
+                f" got {kv_block_sizes.shape[0]}"
+            )
+        if check_values and kv_block_sizes.numel():
+            lo, hi = int(kv_block_sizes.min()), int(kv_block_sizes.max())
+            if lo < 0 or hi > block_kv:
+                raise ValueError(
+                    f"kv_block_sizes must lie in [0, block_kv={block_kv}], got values in [{lo}, {hi}]"
+                )
+    return device
+
+
+def _check_triton_supported(q: torch.Tensor) -> None:
+    D = q.shape[-1]
+    if D not in TRITON_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {D} is not supported by the Triton kernels; supported: {TRITON_HEAD_DIMS}"
+            " (set VIDSPARSE_BACKEND=torch for the reference path)"
+        )
+    if q.dtype not in TRITON_DTYPES:
+        raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q.dtype}")
+
+
+# --------------------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("vidsparse::block_sparse_attn_fwd", mutates_args=())
+def _block_sparse_attn_fwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor | None,
+    block_q: int,
+    block_kv: int,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+        return block_sparse_attn_fwd(
+            q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale
+        )
+    o, lse = block_sparse_attn_ref(
+        q, k, v, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
+        kv_block_sizes=kv_block_sizes, scale=scale,
+    )
+    return o, lse.float()
+
+
+@_block_sparse_attn_fwd_op.register_fake
+def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend):
+    B, H, Sq, _ = q.shape
+    return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("vidsparse::block_sparse_attn_bwd", mutates_args=())
+def _block_sparse_attn_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor | None,
+    block_q: int,
+    block_kv: int,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "triton":
+        from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+
+        return block_sparse_attn_bwd(
+            do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale
+        )
+    return block_sparse_attn_bwd_ref(
+        do, q, k, v, o, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
+        kv_block_sizes=kv_block_sizes, scale=scale,
+    )
+
+
+@_block_sparse_attn_bwd_op.register_fake
+def _(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes)
+    ctx.meta = (block_q, block_kv, scale, backend)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes = ctx.saved_tensors
+    block_q, block_kv, scale, backend = ctx.meta
+    dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
+        do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+        backend,
+    )
+    return dq, dk, dv, None, None, None, None, None, None, None
+
+
+_block_sparse_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,41 @@
+"""Shared builders for the block-sparse attention tests."""
+
+from __future__ import annotations
+
+import torch
+
+from vidsparse.masks.block_sparse import dense_from_lists, random_block_lists
+
+
+def make_qkv(B, H, Sq, Skv, D, *, dtype, device, scale=1.0, requires_grad=False):
+    g = [torch.randn(B, H, s, D, device=device, dtype=torch.float32) * scale for s in (Sq, Skv, Skv)]
+    return [x.to(dtype).requires_grad_(requires_grad) for x in g]
+
+
+def make_lists(Bi, H, NQ, NK, *, density, device, empty_rows=0):
+    idx, cnt = random_block_lists(Bi, H, NQ, NK, density=density, device=device)
+    if empty_rows:
+        cnt[..., :empty_rows] = 0  # first rows attend to nothing
+    if NQ > empty_rows:
+        cnt[..., -1] = torch.clamp(cnt[..., -1], max=1)  # last row: at most one block
+    return idx, cnt
+
+
+def masked_dense_attention(q, k, v, kv_indices, kv_counts, block_q, block_kv, kv_block_sizes=None,
+                           scale=None):
+    """Brute force in fp64: a token-level mask expanded from the block map. Returns (o, lse)."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    scale = D**-0.5 if scale is None else scale
+    block_map = dense_from_lists(kv_indices, kv_counts, Skv // block_kv).expand(B, H, -1, -1)
+    token_mask = block_map.repeat_interleave(block_q, 2).repeat_interleave(block_kv, 3)
+    if kv_block_sizes is not None:
+        slot = torch.arange(Skv, device=q.device) % block_kv
+        real = slot < kv_block_sizes.long().repeat_interleave(block_kv)
+        token_mask = token_mask & real
+    s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
+    s = s.masked_fill(~token_mask, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
+    o = torch.einsum("bhqk,bhkd->bhqd", p, v.double())
+    return o, lse

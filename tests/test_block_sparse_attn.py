@@ -1,0 +1,277 @@
+"""Block-sparse attention: reference (CPU), Triton in the interpreter (CPU CI), Triton on GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from bsa_helpers import make_lists, make_qkv, masked_dense_attention
+
+import vidsparse
+from vidsparse.masks.block_sparse import random_block_lists
+from vidsparse.ops.block_sparse_attn import block_sparse_attn_ref
+from vidsparse.testing import assert_error_relative, assert_rel_l2, poison_
+
+# ----------------------------------------------------------------------------- reference
+
+
+def test_reference_all_blocks_equals_dense_sdpa():
+    B, H, S, D, bs = 2, 3, 96, 16, 32
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float64, device="cpu")
+    n = S // bs
+    idx = torch.arange(n, dtype=torch.int32).expand(1, H, n, n).contiguous()
+    cnt = torch.full((1, H, n), n, dtype=torch.int32)
+    o, lse = block_sparse_attn_ref(q, k, v, idx, cnt, block_q=bs, block_kv=bs)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    assert_rel_l2("o", o, ref, 1e-12)
+    ref_lse = torch.logsumexp(q @ k.transpose(-1, -2) * D**-0.5, -1)
+    assert_rel_l2("lse", lse, ref_lse, 1e-12)
+
+
+@pytest.mark.parametrize("Bi", [1, 2])
+@pytest.mark.parametrize("padded", [False, True])
+def test_reference_matches_masked_dense(Bi, padded):
+    B, H, Sq, Skv, D, bq, bk = 2, 2, 64, 96, 8, 16, 8
+    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=torch.float64, device="cpu")
+    idx, cnt = make_lists(Bi, H, Sq // bq, Skv // bk, density=0.4, device="cpu", empty_rows=1)
+    sizes = torch.randint(0, bk + 1, (Skv // bk,), dtype=torch.int32) if padded else None
+    o, lse = block_sparse_attn_ref(q, k, v, idx, cnt, block_q=bq, block_kv=bk, kv_block_sizes=sizes)
+    ref_o, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bq, bk, sizes)
+    assert not torch.isnan(o).any()
+    torch.testing.assert_close(o, ref_o, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-10, atol=1e-12)
+    assert (o[:, :, :bq] == 0).all() and torch.isneginf(lse[:, :, :bq]).all()
+
+
+def test_public_function_torch_backend_gradients(torch_backend):
+    B, H, Sq, Skv, D, bq, bk = 1, 2, 32, 48, 8, 16, 8
+    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=torch.float64, device="cpu", requires_grad=True)
+    idx, cnt = make_lists(1, H, Sq // bq, Skv // bk, density=0.5, device="cpu", empty_rows=1)
+    sizes = torch.randint(1, bk + 1, (Skv // bk,), dtype=torch.int32)
+    do = torch.randn(B, H, Sq, D, dtype=torch.float64)
+    out = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=(bq, bk), kv_block_sizes=sizes)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    ref, _ = masked_dense_attention(q, k, v, idx, cnt, bq, bk, sizes)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), do)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert not torch.isnan(g).any(), name
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11, msg=f"d{name}")
+
+
+def test_torch_compile_fullgraph_cpu(torch_backend):
+    B, H, S, D, bs = 1, 2, 64, 16, 16
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float32, device="cpu", requires_grad=True)
+    idx, cnt = random_block_lists(1, H, S // bs, S // bs, density=0.5)
+
+    def f(q, k, v):
+        return vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=bs).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, f(q, k, v))
+    out.backward()
+    assert q.grad is not None and not torch.isnan(q.grad).any()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _good_args(H=2, S=64, D=16, bs=16):
+    q, k, v = make_qkv(1, H, S, S, D, dtype=torch.float32, device="cpu")
+    idx, cnt = random_block_lists(1, H, S // bs, S // bs, density=0.5)
+    return q, k, v, idx, cnt
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, words",
+    [
+        (lambda a: a.__setitem__(0, a[0][..., :8]), ValueError, "k"),
+        (lambda a: a.__setitem__(1, a[1].double()), TypeError, "dtype"),
+        (lambda a: a.__setitem__(0, a[0][0]), ValueError, "q"),
+        (lambda a: a.__setitem__(3, a[3].long()), TypeError, "kv_indices"),
+        (lambda a: a[3].__setitem__((0, 0, 0, 0), 99), ValueError, "kv_indices"),
+        (lambda a: a[4].__setitem__((0, 0, 0), 99), ValueError, "kv_counts"),
+        (lambda a: a.__setitem__(4, a[4][:, :1]), ValueError, "kv_counts"),
+        (lambda a: a.__setitem__(0, a[0][:, :, :40]), ValueError, "block"),
+    ],
+)
+def test_bad_input_raises_before_compute(torch_backend, mutate, exc, words):
+    args = list(_good_args())
+    mutate(args)
+    with pytest.raises(exc, match=words):
+        vidsparse.block_sparse_attn(*args, block_size=16)
+
+
+def test_bad_block_sizes_and_scale(torch_backend):
+    q, k, v, idx, cnt = _good_args()
+    with pytest.raises(ValueError, match="kv_block_sizes"):
+        vidsparse.block_sparse_attn(
+            q, k, v, idx, cnt, block_size=16, kv_block_sizes=torch.full((4,), 17, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="kv_block_sizes"):
+        vidsparse.block_sparse_attn(
+            q, k, v, idx, cnt, block_size=16, kv_block_sizes=torch.ones(3, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="block_size"):
+        vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=0)
+    with pytest.raises(TypeError, match="scale"):
+        vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16, scale="x")
+
+
+def test_unsupported_head_dim_names_supported(triton_backend):
+    q, k, v, idx, cnt = _good_args(D=24)
+    with pytest.raises(ValueError, match=r"head_dim 24 .*supported"):
+        vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16)
+
+
+# ----------------------------------------------------------------------------- Triton kernels
+
+
+def _check_against_reference(
+    device, dtype, B, Bi, H, Sq, Skv, D, bq, bk, *, density, padded, empty_rows, scale=1.0,
+    backward=True, noncontiguous=False,
+):
+    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device=device, scale=scale)
+    if noncontiguous:  # [B, S, H, D] storage viewed as [B, H, S, D], as diffusers hands it over
+        q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
+    for x in (q, k, v):
+        x.requires_grad_(backward)
+    idx, cnt = make_lists(Bi, H, Sq // bq, Skv // bk, density=density, device=device,
+                          empty_rows=empty_rows)
+    sizes = None
+    if padded:
+        sizes = torch.randint(0, bk + 1, (Skv // bk,), dtype=torch.int32, device=device)
+        sizes[0] = bk
+    o, lse = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=(bq, bk),
+                                         kv_block_sizes=sizes, return_lse=True)
+    # fp32 reference, and PyTorch's own error in the low precision as the yardstick.
+    ref_o, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bq, bk, sizes)
+    low_o, _ = block_sparse_attn_ref(q, k, v, idx, cnt, block_q=bq, block_kv=bk, kv_block_sizes=sizes)
+    if dtype != torch.float32:
+        low_o = _lowprec_baseline(q, k, v, idx, cnt, bq, bk, sizes)
+    assert_error_relative("o", o, ref_o, low_o, atol=1e-4 if dtype == torch.float32 else 2e-3)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)
+    if not backward:
+        return
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    ref_grads = torch.autograd.grad(ref_o, (q, k, v), do.double())
+    low_grads = torch.autograd.grad(
+        _lowprec_baseline(q, k, v, idx, cnt, bq, bk, sizes) if dtype != torch.float32 else
+        block_sparse_attn_ref(q, k, v, idx, cnt, block_q=bq, block_kv=bk, kv_block_sizes=sizes)[0],
+        (q, k, v), do,
+    )
+    for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
+        assert_error_relative(name, g, r, lo, atol=1e-4 if dtype == torch.float32 else 2e-3)
+
+
+def _lowprec_baseline(q, k, v, idx, cnt, bq, bk, sizes):
+    """PyTorch computing the same masked attention in q's low precision (its own rounding)."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    from vidsparse.masks.block_sparse import dense_from_lists
+
+    block_map = dense_from_lists(idx, cnt, Skv // bk).expand(B, H, -1, -1)
+    mask = block_map.repeat_interleave(bq, 2).repeat_interleave(bk, 3)
+    if sizes is not None:
+        slot = torch.arange(Skv, device=q.device) % bk
+        mask = mask & (slot < sizes.long().repeat_interleave(bk))
+    s = (q @ k.transpose(-1, -2)) * D**-0.5
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype)
+    return p @ v
+
+
+INTERPRETER_CASES = [
+    # B, Bi, H, Sq, Skv, D, bq, bk, density, padded, empty_rows
+    (1, 1, 2, 64, 64, 16, 16, 16, 0.5, False, 1),
+    (2, 1, 1, 32, 64, 16, 16, 8, 0.5, True, 1),
+    (2, 2, 2, 64, 48, 32, 32, 16, 0.7, True, 0),
+]
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", INTERPRETER_CASES)
+def test_triton_interpreter_matches_reference(triton_backend, dtype, case):
+    B, Bi, H, Sq, Skv, D, bq, bk, density, padded, empty = case
+    _check_against_reference("cpu", dtype, B, Bi, H, Sq, Skv, D, bq, bk, density=density,
+                             padded=padded, empty_rows=empty)
+
+
+GPU_BLOCKS = [(64, 64), (128, 64), (128, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block", GPU_BLOCKS)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
+def test_gpu_matches_reference(dtype, block, D, scale):
+    bq, bk = block
+    _check_against_reference("cuda", dtype, 2, 1, 3, 4 * 128, 6 * 128, D, bq, bk, density=0.4,
+                             padded=True, empty_rows=1, scale=scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", GPU_BLOCKS)
+def test_gpu_unpadded_batch_lists_noncontiguous(block):
+    bq, bk = block
+    _check_against_reference("cuda", torch.bfloat16, 2, 2, 4, 1024, 512, 128, bq, bk, density=0.3,
+                             padded=False, empty_rows=2, noncontiguous=True)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_is_accurate():
+    _check_against_reference("cuda", torch.float32, 1, 1, 2, 256, 256, 64, 64, 64, density=0.5,
+                             padded=True, empty_rows=1)
+
+
+@pytest.mark.gpu
+def test_gpu_outputs_fully_written_and_deterministic():
+    B, H, S, D, bs = 1, 4, 2048, 128, 64
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.25, device="cuda", empty_rows=3)
+    do = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        o = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=bs)
+        runs.append((o, *torch.autograd.grad(o, (q, k, v), do)))
+    for a, b in zip(*runs):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a, b), "not bit-identical across runs"
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    B, H, S, D, bs = 1, 2, 1024, 128, 128
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    idx, cnt = random_block_lists(1, H, S // bs, S // bs, density=0.5, device="cuda")
+
+    def f(q, k, v):
+        return vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=bs).float().square().sum()
+
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(q, k, v)
+    out.backward()
+    torch.testing.assert_close(out, f(q, k, v), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_does_not_touch_poisoned_padding():
+    """Padding keys hold NaN: they must be neither read nor weighted."""
+    B, H, S, D, bs = 1, 2, 512, 64, 64
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
+    sizes = torch.full((S // bs,), 40, dtype=torch.int32, device="cuda")
+    pad = (torch.arange(S, device="cuda") % bs) >= 40
+    k[:, :, pad] = float("nan")
+    v[:, :, pad] = float("nan")
+    idx, cnt = random_block_lists(1, H, S // bs, S // bs, density=0.5, device="cuda")
+    o = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=bs, kv_block_sizes=sizes)
+    assert not torch.isnan(o).any()
+    out = poison_(torch.empty_like(o))
+    out.copy_(o)
+    assert not torch.isnan(out).any()
