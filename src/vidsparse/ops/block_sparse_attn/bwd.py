@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from vidsparse.masks.block_sparse import transpose_block_lists
-from vidsparse.ops.block_sparse_attn.configs import backward_config
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config
 from vidsparse.ops.block_sparse_attn.fwd import LOG2E, _broadcast_strides
 from vidsparse.utils.device import target_of
 
@@ -210,8 +210,14 @@ def block_sparse_attn_bwd(
     block_q: int,
     block_kv: int,
     scale: float,
+    dkdv_config: KernelConfig | None = None,
+    dq_config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the three backward kernels on validated inputs; returns ``(dq, dk, dv)``."""
+    """Launch the three backward kernels on validated inputs; returns ``(dq, dk, dv)``.
+
+    The two configs override the table in configs.py (for tuning); their ``sub_m`` must divide
+    ``block_q``.
+    """
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     num_q_blocks, num_kv_blocks = Sq // block_q, Skv // block_kv
@@ -230,7 +236,7 @@ def block_sparse_attn_bwd(
     q_offsets, q_indices = transpose_block_lists(kv_indices, kv_counts, num_kv_blocks)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    cfg = backward_config(target, "bwd_dkdv", block_q, block_kv, D)
+    cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D)
     _block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
         q, k, v, do, dk, dv, lse2, delta,
         q_offsets, q_indices, sizes,
@@ -243,7 +249,7 @@ def block_sparse_attn_bwd(
     )
 
     dq = torch.empty_like(q)
-    cfg = backward_config(target, "bwd_dq", block_q, block_kv, D)
+    cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D)
     _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
         q, k, v, do, dq, lse2, delta,
         kv_indices, kv_counts, sizes,

@@ -10,7 +10,7 @@ guidance for CDNA3/CDNA4 and are compile-checked in CI, not yet timed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -25,6 +25,10 @@ class KernelConfig:
     extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     # Backward only: rows of a query block processed per step (must divide block_q).
     sub_m: int | None = None
+    # Forward on NVIDIA Hopper: move tiles with tensor descriptors (TMA) when the inputs allow.
+    use_tma: bool = False
+    # Let Triton split the loop into producer / consumer warps (Hopper; TMA kernel only).
+    warp_specialize: bool = False
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
@@ -96,7 +100,7 @@ def _fit_sub_m(cfg: KernelConfig, block_q: int) -> KernelConfig:
     sub = min(sub, block_q)
     while block_q % sub:
         sub //= 2
-    return KernelConfig(cfg.num_warps, cfg.num_stages, cfg.extra, sub)
+    return replace(cfg, sub_m=sub)
 
 
 def forward_config(target: Target, block_q: int, block_kv: int, head_dim: int, dtype: torch.dtype):

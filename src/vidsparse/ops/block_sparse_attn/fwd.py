@@ -11,11 +11,50 @@ import torch
 import triton
 import triton.language as tl
 
-from vidsparse.ops.block_sparse_attn.configs import forward_config
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig, forward_config
 from vidsparse.utils.device import target_of
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                         MASK_KEYS: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One key block of the FlashAttention recurrence (base 2); ``real`` [BN] masks padding."""
+    if IEEE_DOT:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))  # [BM, BN] fp32
+    if MASK_KEYS:
+        qk = tl.where(real[None, :], qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A block of pure padding leaves the max at -inf: subtract 0 instead to avoid NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk - m_sub[:, None])  # [BM, BN]
+    else:
+        # scale > 0, so max(qk) * scale == max(qk * scale); the scaling fuses into one FMA.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_sub = m_new
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # [BM, BN]
+    alpha = tl.math.exp2(m_i - m_sub)  # [BM]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE_DOT:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)  # [BM, D]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _finish_rows(acc, m_i, l_i):
+    """Normalise; rows that saw no live key get o = 0 and lse = -inf (never NaN)."""
+    live = l_i > 0.0
+    l_safe = tl.where(live, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = tl.where(live, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return acc, lse
 
 
 @triton.jit
@@ -63,43 +102,53 @@ def _block_sparse_attn_fwd_kernel(
             # Padding keys are neither read nor weighted: whatever they hold cannot leak in.
             real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
             k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
-        else:
-            k = tl.load(k_ptrs)  # [BN, D]
-        if IEEE_DOT:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))  # [BM, BN] fp32
-        qk = qk * qk_scale
-        if HAS_KV_SIZES:
-            qk = tl.where(real[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A block of pure padding leaves the max at -inf: subtract 0 instead to avoid NaN.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = m_new
-        p = tl.math.exp2(qk - m_sub[:, None])  # [BM, BN]
-        alpha = tl.math.exp2(m_i - m_sub)  # [BM]
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if HAS_KV_SIZES:
             v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
         else:
-            v = tl.load(v_ptrs)  # [BN, D]
-        if IEEE_DOT:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
+            real = offs_n < BLOCK_N
+            k = tl.load(k_ptrs)  # [BN, D]
+            v = tl.load(v_ptrs)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                                             HAS_KV_SIZES, IEEE_DOT)
 
-    # Rows that saw no live key: o = 0, lse = -inf (never NaN).
-    live = l_i > 0.0
-    l_safe = tl.where(live, l_i, 1.0)
-    acc = acc / l_safe[:, None]
-    lse = tl.where(live, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-
+    acc, lse = _finish_rows(acc, m_i, l_i)
     o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     tl.store(o_ptrs, acc.to(O.dtype.element_ty))
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
+
+
+@triton.jit
+def _block_sparse_attn_fwd_tma_kernel(
+    desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
+    KV_IDX, KV_CNT,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    H, Sq,
+    qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Hopper variant without padding: tiles move by the bulk-copy engine (TMA)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q = desc_q.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
+    idx_row = KV_IDX + b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + pid_m.to(tl.int64) * stride_iq
+    count = tl.load(KV_CNT + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + pid_m.to(tl.int64) * stride_cq)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    real = tl.arange(0, BLOCK_N) < BLOCK_N
+    for j in tl.range(0, count, warp_specialize=WARP_SPECIALIZE):
+        kv_row = tl.load(idx_row + j * stride_ik) * BLOCK_N
+        k = desc_k.load([b, h, kv_row, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = desc_v.load([b, h, kv_row, 0]).reshape(BLOCK_N, HEAD_DIM)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale, False, False)
+
+    acc, lse = _finish_rows(acc, m_i, l_i)
+    desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
 
 
@@ -113,15 +162,22 @@ def block_sparse_attn_fwd(
     block_q: int,
     block_kv: int,
     scale: float,
+    config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel on validated inputs; returns ``(o, lse)``."""
+    """Launch the forward kernel on validated inputs; returns ``(o, lse)``.
+
+    ``config`` overrides the table in configs.py (for tuning).
+    """
     B, H, Sq, D = q.shape
     num_q_blocks = Sq // block_q
     o = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
-    cfg = forward_config(target_of(q.device), block_q, block_kv, D, q.dtype)
-    sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
+    cfg = config or forward_config(target_of(q.device), block_q, block_kv, D, q.dtype)
     grid = (num_q_blocks, B * H)
+    if cfg.use_tma and kv_block_sizes is None and _tma_compatible(q, k, v, o):
+        _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale, cfg, grid)
+        return o, lse
+    sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
     _block_sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse,
         kv_indices, kv_counts, sizes,
@@ -142,3 +198,32 @@ def _broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
     if x.shape[0] == 1:
         strides[0] = 0
     return tuple(strides)
+
+
+def _tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs a unit stride on the head dim and 16-byte aligned base and strides."""
+    for x in tensors:
+        if x.stride(-1) != 1 or x.data_ptr() % 16:
+            return False
+        if any((s * x.element_size()) % 16 for s in x.stride()[:-1]):
+            return False
+    return True
+
+
+def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale, cfg, grid):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    D = q.shape[-1]
+
+    def desc(x, rows):
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, D])
+
+    _block_sparse_attn_fwd_tma_kernel[grid](
+        desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
+        kv_indices, kv_counts,
+        *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
+        q.shape[1], q.shape[2],
+        scale * LOG2E,
+        BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, WARP_SPECIALIZE=cfg.warp_specialize,
+        **cfg.launch_kwargs(),
+    )

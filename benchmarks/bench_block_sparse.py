@@ -1,0 +1,888 @@
+"""Benchmark of ``vidsparse.block_sparse_attn`` against dense SDPA and FlexAttention.
+
+Run on a GPU from the repository root::
+
+    PYTHONPATH=src python benchmarks/bench_block_sparse.py                  # default shape
+    PYTHONPATH=src python benchmarks/bench_block_sparse.py --shapes all --check
+    PYTHONPATH=src python benchmarks/bench_block_sparse.py --dry-run        # CPU, tiny sizes
+
+Providers (each timed in fwd, bwd and fwd+bwd):
+
+- ``ours``: ``vidsparse.block_sparse_attn`` (public API, argument validation included) with
+  random per-head block lists at each density and block size.
+- ``ours-op``: the registered custom op behind it, called directly (no validation): the
+  kernels alone. Not in the default set.
+- ``cudnn`` / ``flash``: dense ``scaled_dot_product_attention`` pinned to the cuDNN or the
+  flash backend, over the real tokens only; run once per shape, they are the reference rows.
+- ``flex`` / ``flex64``: compiled ``flex_attention`` with a ``BlockMask`` built from the same
+  block lists as ``ours`` at 128x128 / 64x64 blocks (64-blocks need ``BLOCK_M = BLOCK_N = 64``
+  in ``kernel_options``).
+
+Effective TFLOP/s count the attended real (query, key) pairs (see harness.py), so sparse rows
+and dense rows are directly comparable: "vs cuDNN" > 1 would mean doing useful work faster than
+cuDNN does dense work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import math
+import os
+import sys
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+if str(_REPO) not in sys.path:  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(_REPO))
+if importlib.util.find_spec("vidsparse") is None:  # the checkout, when not installed
+    sys.path.insert(0, str(_REPO / "src"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import Column, Provider  # noqa: E402
+
+DENSE_PROVIDERS = ("cudnn", "flash")
+SPARSE_PROVIDERS = ("ours", "ours-op", "flex", "flex64")
+ALL_PROVIDERS = (*SPARSE_PROVIDERS, *DENSE_PROVIDERS)
+DEFAULT_PROVIDERS = ("ours", "cudnn", "flash", "flex", "flex64")
+# The block structure each FlexAttention provider is given (ours' lists at that block size).
+FLEX_BLOCKS = {"flex": (128, 128), "flex64": (64, 64)}
+# ours' rows are compared with the flex provider of the same block size.
+FLEX_PARTNER = {blocks: name for name, blocks in FLEX_BLOCKS.items()}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Relative L2 error allowed against the fp32 reference in --check, per input dtype.
+CHECK_REL_L2 = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-3}
+CHECK_QUERY_BLOCKS = 4  # query blocks of head 0 compared in --check
+
+TILE = (4, 4, 4)  # VSA's tile: the unit of the real-shape padding
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem. Real video shapes carry their latent ``grid``: block-sparse
+    providers then see the tile-ordered, padded sequence (``seq_len``), dense providers the
+    ``real_len`` real tokens in natural order."""
+
+    name: str
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    grid: tuple[int, int, int] | None = None
+
+    @property
+    def real_len(self) -> int:
+        if self.grid is None:
+            return self.seq_len
+        T, H, W = self.grid
+        return T * H * W
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def padded_len(grid: tuple[int, int, int], tile: tuple[int, int, int] = TILE) -> int:
+    tiles = math.prod(_ceil_div(n, t) for n, t in zip(grid, tile))
+    return tiles * math.prod(tile)
+
+
+def video_shape(name: str, grid: tuple[int, int, int], heads: int, head_dim: int) -> Shape:
+    return Shape(name, 1, heads, padded_len(grid), head_dim, grid)
+
+
+def build_shapes(
+    which: str,
+    tiny: bool,
+    *,
+    seq_len: int | None = None,
+    heads: int | None = None,
+    head_dim: int | None = None,
+) -> list[Shape]:
+    """The shapes of ``--shapes``; ``seq_len``/``heads``/``head_dim`` override the synthetic
+    (default) shape, for quick runs."""
+    if tiny:
+        default = [Shape("tiny", 1, 2, 512, 64)]
+        # 5x6x10 tokens -> 2x2x3 tiles of 4x4x4, partial at every edge: 300 real of 768.
+        real = [video_shape("tiny-video", (5, 6, 10), heads=2, head_dim=64)]
+    else:
+        default = [Shape("synthetic-32k", 1, 12, 32768, 128)]
+        real = [
+            video_shape("wan1.3b-480p", (21, 30, 52), heads=12, head_dim=128),
+            video_shape("wan14b-720p", (21, 45, 80), heads=40, head_dim=128),
+            # Video tokens only: HunyuanVideo's joint attention also appends <= 256 text tokens.
+            video_shape("hunyuan-720p", (33, 45, 80), heads=24, head_dim=128),
+        ]
+    if seq_len or heads or head_dim:
+        d = default[0]
+        S, H, D = seq_len or d.seq_len, heads or d.heads, head_dim or d.head_dim
+        default = [Shape(f"synthetic-H{H}-S{S}-D{D}", d.batch, H, S, D)]
+    groups = {"default": default, "real": real, "all": default + real}
+    if which in groups:
+        return groups[which]
+    by_name = {s.name: s for s in default + real}
+    names = [n.strip() for n in which.split(",") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown shapes {unknown}; choose from {list(groups)} or {list(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def real_token_mask(shape: Shape, device: torch.device) -> torch.Tensor:
+    """bool [seq_len]: which tile-order slots hold real tokens (all of them without a grid)."""
+    if shape.grid is None:
+        return torch.ones(shape.seq_len, dtype=torch.bool, device=device)
+    tile_sizes = _tile_sizes(shape.grid).to(device)
+    slots = torch.arange(math.prod(TILE), device=device)
+    return (slots < tile_sizes[:, None]).reshape(-1)
+
+
+def _tile_sizes(grid: tuple[int, int, int]) -> torch.Tensor:
+    """int32 [num_tiles]: real tokens of each 4x4x4 tile, from vidsparse.VideoGrid."""
+    try:
+        from vidsparse.layout import VideoGrid
+    except ImportError:
+        # Same numbers without the layout module: the tile grid is separable, so a tile's
+        # size is the product of its extents along T, H and W.
+        extents = [
+            torch.tensor([min(t, n - i * t) for i in range(_ceil_div(n, t))])
+            for n, t in zip(grid, TILE)
+        ]
+        sizes = extents[0][:, None, None] * extents[1][None, :, None] * extents[2][None, None, :]
+        return sizes.reshape(-1).to(torch.int32)
+    return VideoGrid(grid, tile=TILE).tile_sizes
+
+
+# ---------------------------------------------------------------------------------------------
+# block lists shared by ours and flex
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BlockLists:
+    """Random block lists for one (shape, block size, density), shared by every provider and
+    mode that runs on them."""
+
+    block: tuple[int, int]
+    density: float
+    kv_indices: torch.Tensor  # int32 [B, H, NQ, K]
+    kv_counts: torch.Tensor  # int32 [B, H, NQ]
+    key_valid: torch.Tensor  # bool [S]: real (non-padding) key tokens
+    kv_block_sizes: torch.Tensor | None  # int32 [NK] for ours; None: no padding masked
+    has_padding: bool
+    pairs: int  # attended real (query, key) pairs, summed over batch and heads
+    block_density: float  # attended block pairs / all block pairs
+
+    @property
+    def padding_masked(self) -> bool:
+        return not self.has_padding or self.kv_block_sizes is not None
+
+
+def stable_seed(*parts) -> int:
+    """A seed that depends on the case only (Python's hash() is salted per process)."""
+    return zlib.crc32(repr(parts).encode()) & 0x7FFFFFFF
+
+
+def prefix_block_sizes(valid: torch.Tensor, block: int) -> torch.Tensor | None:
+    """int32 [NB] real tokens per block if each block's real tokens form a prefix (what
+    ``kv_block_sizes`` can express), else None."""
+    blocks = valid.view(-1, block)
+    sizes = blocks.sum(dim=-1)
+    prefix = torch.arange(block, device=valid.device) < sizes[:, None]
+    if not bool((prefix == blocks).all()):
+        return None
+    return sizes.to(torch.int32)
+
+
+def count_pairs(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    q_real: torch.Tensor,
+    k_real: torch.Tensor,
+) -> int:
+    """Sum over (batch, head, query block i, listed key block j) of real_q(i) * real_k(j)."""
+    K = kv_indices.shape[-1]
+    total = 0
+    for h in range(kv_indices.shape[1]):  # one head at a time: bounded temporaries
+        idx = kv_indices[:, h].long()
+        live = torch.arange(K, device=idx.device) < kv_counts[:, h, :, None].long()
+        keys = torch.where(live, k_real.long()[idx], 0).sum(dim=-1)  # [B, NQ]
+        total += int((keys * q_real.long()).sum())
+    return total
+
+
+def make_block_lists(
+    shape: Shape, block: tuple[int, int], density: float, *, device: torch.device, seed: int
+) -> BlockLists:
+    from vidsparse.masks.block_sparse import random_block_lists
+
+    block_q, block_kv = block
+    S = shape.seq_len
+    if S % block_q or S % block_kv:
+        raise ValueError(f"{shape.name}: seq_len {S} is not a multiple of block {block}")
+    nq, nk = S // block_q, S // block_kv
+    gen = torch.Generator(device=device)
+    gen.manual_seed(stable_seed(seed, shape.name, block, density))
+    # count = max(1, round(density * NK)) blocks in every row, distinct, uniform per row/head.
+    kv_indices, kv_counts = random_block_lists(
+        shape.batch, shape.heads, nq, nk, density=density, generator=gen, device=device
+    )
+    valid = real_token_mask(shape, device)
+    has_padding = not bool(valid.all())
+    # Ours masks padded keys only when each key block's real tokens are a prefix: true for
+    # block_kv == 64 (one tile per block), false for 128 (two tiles, padding between them).
+    kv_block_sizes = prefix_block_sizes(valid, block_kv) if has_padding else None
+    q_real = valid.view(nq, block_q).sum(dim=-1)
+    k_real = valid.view(nk, block_kv).sum(dim=-1)
+    return BlockLists(
+        block=block,
+        density=density,
+        kv_indices=kv_indices,
+        kv_counts=kv_counts,
+        key_valid=valid,
+        kv_block_sizes=kv_block_sizes,
+        has_padding=has_padding,
+        pairs=count_pairs(kv_indices, kv_counts, q_real, k_real),
+        block_density=float(kv_counts.sum(dtype=torch.float64)) / (kv_counts.numel() * nk),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# cases and providers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Case:
+    shape: Shape
+    provider: str
+    mode: str
+    density: float = 1.0
+    block: tuple[int, int] | None = None
+    lists: BlockLists | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    dtype: torch.dtype
+    seed: int
+    check: bool
+    flex_autotune: bool = False
+
+
+def random_qkv(shape: Shape, seq_len: int, case_key: tuple, settings: Settings):
+    """Fresh N(0, 1) q, k, v [B, H, seq_len, D] (never zeros), reproducible per case."""
+    gen = torch.Generator(device=settings.device)
+    gen.manual_seed(stable_seed(settings.seed, "qkv", *case_key))
+    size = (shape.batch, shape.heads, seq_len, shape.head_dim)
+    return tuple(
+        torch.randn(size, generator=gen, device=settings.device, dtype=settings.dtype)
+        for _ in range(3)
+    )
+
+
+def _case_key(case: Case) -> tuple:
+    return (case.shape.name, case.provider, case.block, case.density)
+
+
+def check_against_reference(name: str, out: torch.Tensor, q, k, v, lists: BlockLists) -> float:
+    """Relative L2 error of the first query blocks of head 0 against vidsparse's fp32
+    reference; raises if it is above the dtype's bound (a wrong kernel gets no timing)."""
+    from vidsparse.ops.block_sparse_attn.reference import block_sparse_attn_ref
+    from vidsparse.testing import rel_l2
+
+    block_q, block_kv = lists.block
+    rows = min(CHECK_QUERY_BLOCKS, lists.kv_counts.shape[-1])
+    sq = rows * block_q
+    ref, _ = block_sparse_attn_ref(
+        q[:1, :1, :sq].float(),
+        k[:1, :1].float(),
+        v[:1, :1].float(),
+        lists.kv_indices[:1, :1, :rows],
+        lists.kv_counts[:1, :1, :rows],
+        block_q=block_q,
+        block_kv=block_kv,
+        kv_block_sizes=lists.kv_block_sizes,
+    )
+    err = rel_l2(out[:1, :1, :sq].float(), ref)
+    bound = CHECK_REL_L2[q.dtype]
+    if not err <= bound:
+        raise AssertionError(f"{name} check failed: rel L2 {err:.3e} > {bound:.0e} vs reference")
+    return err
+
+
+def _ours_forward(lists: BlockLists) -> Callable:
+    import vidsparse
+
+    def forward(q, k, v):
+        return vidsparse.block_sparse_attn(
+            q,
+            k,
+            v,
+            lists.kv_indices,
+            lists.kv_counts,
+            block_size=lists.block,
+            kv_block_sizes=lists.kv_block_sizes,
+        )
+
+    return forward
+
+
+def _ours_op_forward(lists: BlockLists, device: torch.device, head_dim: int) -> Callable:
+    # Importing the interface registers torch.ops.vidsparse.*; resolve the backend once, as
+    # block_sparse_attn would on every call.
+    from vidsparse.ops.block_sparse_attn import interface
+    from vidsparse.utils.backend import resolve_backend
+
+    backend = resolve_backend(device)
+    scale = 1.0 / math.sqrt(head_dim)
+    block_q, block_kv = lists.block
+    op = torch.ops.vidsparse.block_sparse_attn_fwd
+    assert interface is not None  # imported for its op registration
+
+    def forward(q, k, v):
+        o, _ = op(
+            q, k, v, lists.kv_indices, lists.kv_counts, lists.kv_block_sizes,
+            block_q, block_kv, scale, backend,
+        )  # fmt: skip
+        return o
+
+    return forward
+
+
+# ---- FlexAttention -----------------------------------------------------------------------
+
+
+def _flex_call(q, k, v, block_mask, kernel_options):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, kernel_options=kernel_options)
+
+
+def _flex_call_autotuned(q, k, v, block_mask, kernel_options):
+    # A separate function (code object) from _flex_call: dynamo caches compiled graphs per code
+    # object, so the two compile configurations can never pick up each other's graphs.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(q, k, v, block_mask=block_mask, kernel_options=kernel_options)
+
+
+_COMPILED_FLEX: dict[bool, Callable] = {}
+
+
+def compiled_flex_attention(max_autotune: bool) -> Callable:
+    """``torch.compile`` of flex_attention, made once per configuration for the whole run
+    (compiled graphs are then cached per shape, mode, mask_mod and kernel options).
+
+    Static shapes: an automatic dynamic recompile would time a slower, shape-generic kernel.
+    The recompile limit is raised because every shape, block size, mode and mask_mod is its
+    own graph; hitting the limit would fall back to eager flex, which materialises S x S
+    scores. ``max_autotune``: inductor autotunes the flex kernels' tiles, stages and warps
+    (needed for 64-blocks, see FLEX64_NOTE)."""
+    if max_autotune not in _COMPILED_FLEX:
+        import torch._dynamo
+
+        for name, value in (
+            ("cache_size_limit", 256),
+            ("recompile_limit", 256),
+            ("accumulated_cache_size_limit", 1024),
+            ("accumulated_recompile_limit", 1024),
+        ):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), value))
+        if max_autotune:
+            fn = torch.compile(_flex_call_autotuned, dynamic=False, options={"max_autotune": True})
+        else:
+            fn = torch.compile(_flex_call, dynamic=False)
+        _COMPILED_FLEX[max_autotune] = fn
+    return _COMPILED_FLEX[max_autotune]
+
+
+# Why flex64 is compiled with max_autotune (seen with torch 2.11 on an H200): inductor's one
+# default backward config for head_dim 128 on sm90 uses 128-wide tiles (BLOCK_N1 = BLOCK_M2 =
+# 128), which cannot tile 64-token sparse blocks; it is dropped, nothing is left, and the
+# backward fails to compile (NoValidChoicesError). kernel_options cannot override it (configs
+# are filtered before the options apply). max_autotune adds configs with 32/64-wide tiles.
+FLEX64_NOTE = "compiled with max_autotune: the default bwd config cannot tile 64-blocks"
+
+
+def _ordered_blocks(block_map: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense bool [B, H, NQ, NK] -> (num_blocks int32 [B, H, NQ], indices int32 [B, H, NQ, NK]):
+    FlexAttention's own format, listed blocks first in ascending order (what
+    ``create_block_mask`` produces: a stable descending argsort of the map)."""
+    counts = block_map.sum(dim=-1, dtype=torch.int32)
+    order = torch.argsort(block_map.to(torch.int8), dim=-1, descending=True, stable=True)
+    return counts.contiguous(), order.to(torch.int32).contiguous()
+
+
+def flex_block_mask(lists: BlockLists, *, token_mask_mod: bool = False):
+    """A ``BlockMask`` computing exactly what ``ours`` computes on ``lists``.
+
+    Built with ``BlockMask.from_kv_blocks`` from a dense block map of our lists (its
+    ``kv_indices`` must be NK wide: it derives the transposed lists for the backward from it).
+    Listed blocks whose keys are all attended are "full" blocks, which FlexAttention runs
+    without calling ``mask_mod``, as ``create_block_mask`` classifies a block-aligned mask;
+    so without padding every block is full and there is no mask_mod at all. When ``ours``
+    masks padded keys (``kv_block_sizes``, real shapes at 64-token key blocks), the blocks
+    holding padding become "partial" blocks with a ``mask_mod`` reading a per-token validity
+    vector, again what ``create_block_mask`` would produce for that mask.
+
+    ``token_mask_mod``: give instead a ``mask_mod`` reproducing the whole mask token by token
+    (block map and padding). Eager FlexAttention (the CPU dry run) ignores the block structure
+    and applies only ``mask_mod``; compiled FlexAttention never calls it on full blocks.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from vidsparse.masks.block_sparse import dense_from_lists
+
+    block_q, block_kv = lists.block
+    S = lists.key_valid.numel()
+    nk = S // block_kv
+    block_map = dense_from_lists(lists.kv_indices, lists.kv_counts, nk)  # [B, H, NQ, NK]
+    mask_mod = None
+    if lists.has_padding and lists.kv_block_sizes is not None:
+        key_valid = lists.key_valid
+        complete = key_valid.view(nk, block_kv).all(dim=-1)  # [NK]
+        full_map = block_map & complete
+        partial_map = block_map & ~complete
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return key_valid[kv_idx]
+
+    else:
+        full_map, partial_map = block_map, torch.zeros_like(block_map)
+    if token_mask_mod:
+        key_ok = lists.key_valid if lists.padding_masked else torch.ones_like(lists.key_valid)
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return block_map[b, h, q_idx // block_q, kv_idx // block_kv] & key_ok[kv_idx]
+
+    partial_counts, partial_indices = _ordered_blocks(partial_map)
+    full_counts, full_indices = _ordered_blocks(full_map)
+    return BlockMask.from_kv_blocks(
+        partial_counts,
+        partial_indices,
+        full_counts,
+        full_indices,
+        BLOCK_SIZE=(block_q, block_kv),
+        mask_mod=mask_mod,
+        seq_lengths=(S, S),
+    )
+
+
+def _flex_forward(
+    lists: BlockLists, provider: str, device: torch.device, autotune: bool
+) -> Callable:
+    block_mask = flex_block_mask(lists, token_mask_mod=device.type != "cuda")
+    # Flex's default forward tile on Hopper is 128x64 (or larger), which a 64-token query
+    # block cannot hold: without these options 64-blocks are refused (FACTS.md).
+    kernel_options = {"BLOCK_M": 64, "BLOCK_N": 64} if provider == "flex64" else None
+    if device.type == "cuda":
+        flex = compiled_flex_attention(max_autotune=autotune or provider == "flex64")
+    else:
+        # CPU dry run: eager flex only exercises the block-mask code; compiling for the CPU
+        # would cost minutes and mean nothing.
+        flex = _flex_call
+
+    def forward(q, k, v):
+        return flex(q, k, v, block_mask, kernel_options)
+
+    return forward
+
+
+# ---- dense SDPA ----------------------------------------------------------------------------
+
+
+def _dense_forward(provider: str, device: torch.device) -> Callable:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[provider]
+    if device.type != "cuda":
+        backend = SDPBackend.MATH  # CPU dry run: neither fused backend exists on the CPU
+
+    def forward(q, k, v):
+        # Pinned to one backend: SDPA raises instead of silently falling back to another.
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v)
+
+    return forward
+
+
+def make_provider(name: str, settings: Settings) -> Provider:
+    def make(case: Case):
+        if name in DENSE_PROVIDERS:
+            q, k, v = random_qkv(case.shape, case.shape.real_len, _case_key(case), settings)
+            forward = _dense_forward(name, settings.device)
+            return harness.mode_callable(forward, (q, k, v), case.mode)
+        lists = case.lists
+        q, k, v = random_qkv(case.shape, case.shape.seq_len, _case_key(case), settings)
+        if name == "ours":
+            forward = _ours_forward(lists)
+        elif name == "ours-op":
+            forward = _ours_op_forward(lists, settings.device, case.shape.head_dim)
+        else:
+            forward = _flex_forward(lists, name, settings.device, settings.flex_autotune)
+        if settings.check and case.mode == "fwd":
+            with torch.no_grad():
+                check_against_reference(name, forward(q, k, v), q, k, v, lists)
+        return harness.mode_callable(forward, (q, k, v), case.mode)
+
+    return Provider(name, make)
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+
+
+def block_label(block: tuple[int, int] | None) -> str:
+    return "dense" if block is None else f"{block[0]}x{block[1]}"
+
+
+def plan_cases(
+    shapes: Sequence[Shape],
+    providers: Sequence[str],
+    modes: Sequence[str],
+    densities: Sequence[float],
+    blocks: Sequence[tuple[int, int]],
+) -> list[Case]:
+    """All cases in run order. Cases sharing block lists are consecutive, so that only one set
+    of lists is alive at a time; flex providers need their block size even when ours does not
+    run it."""
+    cases = []
+    for shape in shapes:
+        for provider in providers:
+            if provider in DENSE_PROVIDERS:
+                cases += [Case(shape, provider, mode) for mode in modes]
+        needed = list(blocks)
+        for provider, block in FLEX_BLOCKS.items():
+            if provider in providers and block not in needed:
+                needed.append(block)
+        for density in densities:
+            for block in needed:
+                for provider in providers:
+                    wants = (
+                        provider in ("ours", "ours-op") and block in blocks
+                    ) or FLEX_BLOCKS.get(provider) == block
+                    if wants:
+                        cases += [Case(shape, provider, m, density, block) for m in modes]
+    return cases
+
+
+def base_row(case: Case, settings: Settings) -> dict:
+    shape = case.shape
+    row = {
+        "shape": shape.name,
+        "provider": case.provider,
+        "block": block_label(case.block),
+        "density": case.density,
+        "mode": case.mode,
+        "batch": shape.batch,
+        "heads": shape.heads,
+        "head_dim": shape.head_dim,
+        "seq_len": shape.real_len if case.block is None else shape.seq_len,
+        "real_tokens": shape.real_len,
+        "grid": list(shape.grid) if shape.grid else None,
+        "dtype": str(settings.dtype).replace("torch.", ""),
+    }
+    if case.lists is not None:
+        row["block_density"] = case.lists.block_density
+        row["padding_masked"] = case.lists.padding_masked
+    return row
+
+
+def case_pairs(case: Case) -> int:
+    if case.lists is not None:
+        return case.lists.pairs
+    s = case.shape.real_len
+    return harness.dense_pairs(case.shape.batch, case.shape.heads, s, s)
+
+
+def run_all(cases: list[Case], settings: Settings, args, on_row: Callable[[list], None]):
+    providers = {name: make_provider(name, settings) for name in {c.provider for c in cases}}
+    rows: list[dict] = []
+    lists_key, lists, lists_error = None, None, None
+    for i, case in enumerate(cases, 1):
+        if case.block is not None:
+            key = (case.shape.name, case.block, case.density)
+            if key != lists_key:
+                lists_key, lists, lists_error = key, None, None
+                harness.release_memory(settings.device)
+                try:
+                    lists = make_block_lists(
+                        case.shape, case.block, case.density,
+                        device=settings.device, seed=settings.seed,
+                    )  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - recorded on each case using them
+                    lists_error = harness.error_message(exc)
+            case.lists = lists
+        row = base_row(case, settings)
+        if case.block is not None and lists is None:
+            row["error"] = f"block lists: {lists_error}"
+        else:
+            pairs = case_pairs(case)
+            row["pairs"] = pairs
+            row["effective_density"] = pairs / harness.dense_pairs(
+                case.shape.batch, case.shape.heads, case.shape.real_len, case.shape.real_len
+            )
+            flops = harness.attention_flops(pairs, case.shape.head_dim, case.mode)
+            row["flops"] = flops
+            row = harness.run_case(
+                providers[case.provider], case, device=settings.device, flops=flops, row=row,
+                warmup=args.warmup, rep=args.rep,
+            )  # fmt: skip
+        case.lists = None  # the cache above holds them; rows must not
+        rows.append(row)
+        _print_progress(i, len(cases), row)
+        on_row(rows)
+    return rows
+
+
+def _print_progress(i: int, n: int, row: dict) -> None:
+    what = (
+        f"[{i}/{n}] {row['shape']} {row['provider']} {row['block']} "
+        f"d={row['density']:g} {row['mode']}"
+    )
+    if row.get("error"):
+        print(f"{what}: ERROR {row['error']}", flush=True)
+    else:
+        print(f"{what}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s", flush=True)
+
+
+# ---- ratios ---------------------------------------------------------------------------------
+
+
+def _find(rows, **match):
+    for row in rows:
+        if row.get("error") or row.get("ms") is None:
+            continue
+        if all(
+            math.isclose(row[k], v) if isinstance(v, float) else row[k] == v
+            for k, v in match.items()
+        ):
+            return row
+    return None
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios between rows of the same run:
+
+    - ``vs_cudnn``: effective TFLOP/s over cuDNN's dense TFLOP/s (same shape and mode);
+    - ``speedup_vs_cudnn``: cuDNN dense time over this row's time;
+    - ``ours_over_flex``: ours' TFLOP/s over flex's at the same density, block and mode (flex
+      at 128x128 for ours at 128x128, flex64 for 64x64); equal work, so also flex_ms / ours_ms;
+    - ``time_vs_density1``: this row's time over the same provider's at density 1.
+    """
+    for row in rows:
+        if row.get("error") or row.get("ms") is None or row["block"] == "dense":
+            continue
+        common = {"shape": row["shape"], "mode": row["mode"]}
+        cudnn = _find(rows, provider="cudnn", block="dense", **common)
+        if cudnn:
+            row["vs_cudnn"] = row["tflops"] / cudnn["tflops"]
+            row["speedup_vs_cudnn"] = cudnn["ms"] / row["ms"]
+        full = _find(rows, provider=row["provider"], block=row["block"], density=1.0, **common)
+        if full:
+            row["time_vs_density1"] = row["ms"] / full["ms"]
+        partner = FLEX_PARTNER.get(_parse_block(row["block"]))
+        if row["provider"] in ("ours", "ours-op") and partner:
+            flex = _find(
+                rows, provider=partner, block=row["block"], density=row["density"], **common
+            )
+            if flex:
+                row["ours_over_flex"] = row["tflops"] / flex["tflops"]
+
+
+COLUMNS = [
+    Column("shape", "shape"),
+    Column("provider", "provider"),
+    Column("block", "block"),
+    Column("density", "density", ".4g"),
+    Column("mode", "mode"),
+    Column("ms", "ms", ".3f"),
+    Column("tflops", "eff TFLOP/s", ".4g"),
+    Column("ours_over_flex", "ours/flex", ".2f"),
+    Column("vs_cudnn", "/cuDNN TFLOP/s", ".2f"),
+    Column("speedup_vs_cudnn", "speedup vs cuDNN", ".2f"),
+    Column("time_vs_density1", "t/t(d=1)", ".3f"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _parse_list(text: str, cast=str) -> list:
+    return [cast(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def _parse_block(text: str) -> tuple[int, int] | None:
+    if text == "dense":
+        return None
+    q, _, kv = text.lower().partition("x")
+    return (int(q), int(kv or q))
+
+
+def _parse_density(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"densities must lie in (0, 1], got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Block-sparse attention: ours vs cuDNN / flash SDPA (dense) and "
+        "FlexAttention (same block structure).",
+    )
+    p.add_argument(
+        "--shapes",
+        default="default",
+        help="default | real | all, or a comma list of shape names (e.g. wan1.3b-480p)",
+    )
+    p.add_argument("--densities", default="1,0.5,0.25,0.125,0.0625")
+    p.add_argument("--modes", default="fwd,bwd,fwd+bwd")
+    p.add_argument(
+        "--providers",
+        default=",".join(DEFAULT_PROVIDERS),
+        help=f"comma list of {', '.join(ALL_PROVIDERS)}",
+    )
+    p.add_argument(
+        "--block-sizes", default="128x64,128x128,64x64", help="block_q x block_kv, for ours"
+    )
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="bf16")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None)
+    p.add_argument("--tiny", action="store_true", help="B=1 H=2 S=512 D=64 (smoke test)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the default shape's S")
+    p.add_argument("--heads", type=int, default=None, help="override the default shape's H")
+    p.add_argument("--head-dim", type=int, default=None, help="override the default shape's D")
+    p.add_argument(
+        "--dry-run", action="store_true", help="--device cpu --tiny: exercise the code paths"
+    )
+    p.add_argument("--out", default=None, help="JSON path (default results/block_sparse_<gpu>)")
+    p.add_argument("--plot", default=None, help="PNG path (default: the JSON's, .png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--check", action="store_true", help="compare fwd outputs to the reference")
+    p.add_argument(
+        "--flex-autotune",
+        action="store_true",
+        help="compile flex (128-blocks) with max_autotune too (flex64 always is)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=harness.DO_BENCH_WARMUP_MS, help="ms")
+    p.add_argument("--rep", type=int, default=harness.DO_BENCH_REP_MS, help="ms")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.dry_run:
+        args.device, args.tiny = "cpu", True
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible (use --dry-run on a CPU)")
+    if args.device == "cpu" and not args.tiny:
+        print("CPU run: switching to --tiny sizes (full sizes take hours on the CPU)", flush=True)
+        args.tiny = True
+    args.providers = _parse_list(args.providers)
+    bad = [p for p in args.providers if p not in ALL_PROVIDERS]
+    if bad:
+        parser.error(f"unknown providers {bad}; choose from {list(ALL_PROVIDERS)}")
+    args.modes = _parse_list(args.modes)
+    bad = [m for m in args.modes if m not in harness.MODES]
+    if bad:
+        parser.error(f"unknown modes {bad}; choose from {list(harness.MODES)}")
+    try:
+        args.densities = _parse_list(args.densities, _parse_density)
+        args.block_sizes = _parse_list(args.block_sizes, _parse_block)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        parser.error(str(exc))
+    return args
+
+
+def default_out(device: torch.device) -> Path:
+    return (
+        _REPO
+        / "benchmarks"
+        / "results"
+        / f"block_sparse_{harness.slug(harness.gpu_name(device))}.json"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        # The reference path, not the Triton interpreter (tests set TRITON_INTERPRET=1).
+        os.environ["VIDSPARSE_BACKEND"] = "torch"
+    settings = Settings(device, DTYPES[args.dtype], args.seed, args.check, args.flex_autotune)
+    try:
+        shapes = build_shapes(
+            args.shapes, args.tiny, seq_len=args.seq_len, heads=args.heads, head_dim=args.head_dim
+        )
+    except ValueError as exc:
+        build_parser().error(str(exc))
+    cases = plan_cases(shapes, args.providers, args.modes, args.densities, args.block_sizes)
+    out = Path(args.out) if args.out else default_out(device)
+    meta = harness.collect_metadata(
+        device,
+        benchmark="block_sparse",
+        dtype=args.dtype,
+        tiny=args.tiny,
+        seed=args.seed,
+        check=args.check,
+        flex_compile={
+            "flex": "torch.compile(dynamic=False)"
+            + (", max_autotune" if args.flex_autotune else ""),
+            "flex64": "torch.compile(dynamic=False), max_autotune, "
+            "kernel_options BLOCK_M=BLOCK_N=64 (" + FLEX64_NOTE + ")",
+        },
+        shapes=[vars(s) | {"real_len": s.real_len} for s in shapes],
+        complete=False,
+    )
+    print(f"{len(cases)} cases on {meta['gpu']} ({meta['timer']}); results -> {out}", flush=True)
+    # Written after every case: a crash hours in must not lose what was measured.
+    rows = run_all(cases, settings, args, lambda rows: harness.write_results(out, meta, rows))
+    add_ratios(rows)
+    meta["complete"] = True
+    harness.write_results(out, meta, rows)
+    print()
+    harness.print_table(rows, COLUMNS)
+    if device.type != "cuda":
+        print(f"\n{harness.CPU_TIMER_LABEL}: CPU timings of the reference path, meaningless.")
+    print(f"\nwrote {out}", flush=True)
+    if not args.no_plot:
+        png = harness.plot(
+            args.plot or out.with_suffix(".png"),
+            rows,
+            x="density",
+            y="tflops",
+            series=("provider", "block"),
+            panels=("shape", "mode"),
+            reference=lambda r: r["block"] == "dense",
+            ylabel="effective TFLOP/s",
+            title=f"block-sparse attention, {meta['gpu']}, {args.dtype} ({meta['timer']})",
+        )
+        if png:
+            print(f"wrote {png}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,459 @@
+"""Shared benchmark harness: providers, timing, FLOP counting, run metadata, tables, JSON, plots.
+
+Every benchmark script (block-sparse, VSA, PSA) follows the same shape::
+
+    providers = {"ours": Provider("ours", make_ours), "cudnn": Provider("cudnn", make_cudnn)}
+    for case in cases:
+        row = run_case(providers[case.provider], case, device=dev, flops=..., row=base_row)
+    write_results(path, collect_metadata(device=dev), rows); print_table(rows, COLUMNS)
+
+A provider's ``make(case)`` does all the set-up (inputs, masks, block masks, compilation) and
+returns a zero-argument function; only that function is timed. ``mode_callable`` turns a forward
+function into the function to time for "fwd", "bwd" or "fwd+bwd", so all providers time the
+same thing in each mode.
+
+Conventions (DESIGN.md "Benchmarks", FACTS.md): ``triton.testing.do_bench`` medians on the GPU;
+TFLOP/s counted on the attended query-key pairs (fwd = 4 * D * pairs, bwd = 2.5x, fwd+bwd =
+3.5x). On the CPU the timer is a plain ``perf_counter`` loop labelled ``cpu-dry-run``: it only
+exercises the code paths, its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+
+# Backward work relative to forward: dQ, dK, dV and the recomputed scores make ~2.5 forward
+# matmul volumes (FACTS.md convention); fwd+bwd is then 3.5x the forward.
+MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+DO_BENCH_WARMUP_MS = 25
+DO_BENCH_REP_MS = 100
+
+CPU_TIMER_LABEL = "cpu-dry-run"
+
+
+# ---------------------------------------------------------------------------------------------
+# providers and the timed function
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A named way of computing the benchmarked function.
+
+    ``make(case)`` builds everything that must stay out of the timing (inputs, masks, compiled
+    functions) and returns the zero-argument function to time (see ``mode_callable``).
+    """
+
+    name: str
+    make: Callable[[Any], Callable[[], Any]]
+    description: str = ""
+
+
+def mode_callable(
+    forward: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], mode: str
+) -> Callable[[], Any]:
+    """The zero-argument function to time for ``mode``, given ``forward(*inputs) -> out``.
+
+    - "fwd": the forward alone, under ``no_grad`` (inference: nothing saved for backward).
+    - "bwd": the backward alone. The forward runs once here, outside the timing, and each timed
+      call is ``torch.autograd.grad(out, inputs, grad_out, retain_graph=True)`` on that graph.
+    - "fwd+bwd": forward and backward together, as in a training step.
+
+    The forward runs once here in every mode, so compilation and shape errors surface in
+    ``make`` (recorded as the case's error) rather than inside the timer.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "fwd":
+        plain = [x.detach() for x in inputs]
+
+        def run_fwd():
+            with torch.no_grad():
+                return forward(*plain)
+
+        run_fwd()
+        return run_fwd
+
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    out = forward(*leaves)
+    # A fixed random output gradient: never ones or zeros, which some kernels shortcut.
+    grad_out = torch.randn_like(out)
+    if mode == "bwd":
+        return _backward_only(out, leaves, grad_out)
+    del out  # fwd+bwd rebuilds the graph on every call
+    return _forward_backward(forward, leaves, grad_out)
+
+
+def _backward_only(out, leaves, grad_out) -> Callable[[], Any]:
+    return lambda: torch.autograd.grad(out, leaves, grad_out, retain_graph=True)
+
+
+def _forward_backward(forward, leaves, grad_out) -> Callable[[], Any]:
+    return lambda: torch.autograd.grad(forward(*leaves), leaves, grad_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# timing, FLOPs, memory
+# ---------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work; a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timer_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return (
+            f"triton.testing.do_bench median, warmup={DO_BENCH_WARMUP_MS} ms, "
+            f"rep={DO_BENCH_REP_MS} ms"
+        )
+    return f"{CPU_TIMER_LABEL} (time.perf_counter median; timings meaningless)"
+
+
+def time_ms(
+    fn: Callable[[], Any],
+    *,
+    device: torch.device,
+    warmup: int = DO_BENCH_WARMUP_MS,
+    rep: int = DO_BENCH_REP_MS,
+    cpu_reps: int = 3,
+) -> float:
+    """Median milliseconds of one call of ``fn``.
+
+    GPU: ``triton.testing.do_bench`` (CUDA events, L2 flushed between calls; ``warmup`` and
+    ``rep`` are milliseconds of calls, not counts). CPU: one warm call, then the median of
+    ``cpu_reps`` ``perf_counter`` timings; only good for checking that the code runs.
+    """
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(max(1, cpu_reps)):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def attention_flops(pairs: float, head_dim: int, mode: str) -> float:
+    """FLOPs of attention over ``pairs`` attended (query, key) token pairs.
+
+    ``pairs`` is summed over batch and heads: 4 * B * H * D * pairs-per-head for the forward
+    (QK^T and PV, 2 FLOPs per multiply-add each); the backward counts 2.5x, fwd+bwd 3.5x.
+    """
+    return 4.0 * head_dim * float(pairs) * MODE_FLOP_FACTOR[mode]
+
+
+def dense_pairs(batch: int, heads: int, seq_q: int, seq_kv: int) -> int:
+    """Attended pairs of dense (non-causal) attention over real tokens."""
+    return batch * heads * seq_q * seq_kv
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+def peak_memory_gb(fn: Callable[[], Any], device: torch.device) -> float | None:
+    """Peak allocated GPU memory (GB) during one call of ``fn``, counting what was already
+    allocated (inputs, saved activations); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) / 1e9
+
+
+def release_memory(device: torch.device) -> None:
+    """Drop cached blocks between cases so one case's leftovers do not cause the next's OOM."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def error_message(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line`` of an exception, short enough for a table cell and a JSON row."""
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    message = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+    return message if len(message) <= limit else message[: limit - 3] + "..."
+
+
+def run_case(
+    provider: Provider,
+    case: Any,
+    *,
+    device: torch.device,
+    flops: float | None,
+    row: dict,
+    warmup: int = DO_BENCH_WARMUP_MS,
+    rep: int = DO_BENCH_REP_MS,
+    measure_memory: bool = True,
+) -> dict:
+    """Build, time and measure one case; returns ``row`` completed with ms, tflops, peak memory.
+
+    Any exception (out of memory, a compile failure, a kernel refusing a shape) is recorded as
+    ``row["error"]`` instead of propagating: one failing provider must not end a long run.
+    """
+    row = dict(row)
+    row.setdefault("provider", provider.name)
+    fn = None
+    try:
+        fn = provider.make(case)
+        ms = time_ms(fn, device=device, warmup=warmup, rep=rep)
+        row["ms"] = ms
+        row["tflops"] = tflops(flops, ms) if flops else None
+        if measure_memory:
+            row["peak_mem_gb"] = peak_memory_gb(fn, device)
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        row["error"] = error_message(exc)
+    finally:
+        del fn
+        release_memory(device)
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def git_info(cwd: Path | None = None) -> dict:
+    """Commit and dirty flag of the repository holding ``cwd``; "unknown" without git."""
+    cwd = Path(cwd or Path(__file__).resolve().parent)
+    commit = _git(["rev-parse", "HEAD"], cwd)
+    if not commit:
+        return {"git_commit": "unknown", "git_dirty": "unknown"}
+    status = _git(["status", "--porcelain", "--untracked-files=no"], cwd)
+    return {"git_commit": commit, "git_dirty": "unknown" if status is None else bool(status)}
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "not installed"
+    return triton.__version__
+
+
+def gpu_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H200' -> 'nvidia-h200' (for file names)."""
+    out = "".join(c.lower() if c.isalnum() else "-" for c in text)
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out.strip("-") or "unknown"
+
+
+def collect_metadata(device: torch.device, **extra) -> dict:
+    """Where and how a run was made: GPU, library versions, git commit, date, command line."""
+    meta = {
+        "gpu": gpu_name(device),
+        "device": str(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        **git_info(),
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "timer": timer_label(device),
+        "flops_convention": (
+            "4*D*attended (query, key) token pairs summed over batch and heads; "
+            "bwd 2.5x, fwd+bwd 3.5x the forward"
+        ),
+        "env": {k: v for k, v in os.environ.items() if k.startswith(("VIDSPARSE_", "TRITON_"))},
+    }
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        props = torch.cuda.get_device_properties(device)
+        meta["capability"] = f"sm_{major}{minor}"
+        meta["sm_count"] = props.multi_processor_count
+        meta["gpu_memory_gb"] = round(props.total_memory / 1e9, 1)
+        meta["cudnn"] = torch.backends.cudnn.version()
+    meta.update(extra)
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------
+# output: JSON, table, plot
+# ---------------------------------------------------------------------------------------------
+
+
+def _json_safe(value):
+    """NaN and inf are not JSON: write them as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_results(path: str | Path, meta: dict, rows: list[dict]) -> Path:
+    """Write ``{"meta": ..., "rows": [...]}`` as indented JSON, creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = _json_safe({"meta": meta, "rows": rows})
+    path.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+    return path
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column: the row key, its header and a format spec for numbers."""
+
+    key: str
+    header: str
+    fmt: str = ""
+
+
+def _cell(value, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and fmt:
+        return "-" if not math.isfinite(value) else format(value, fmt)
+    return str(value)
+
+
+def format_table(rows: Iterable[dict], columns: Sequence[Column]) -> str:
+    """Aligned text table; numbers right-aligned, text left-aligned. A row with an ``error``
+    shows it after the columns (errors are long; they would widen every row)."""
+    rows = list(rows)
+    cells = [[_cell(row.get(c.key), c.fmt) for c in columns] for row in rows]
+    widths = [max([len(c.header)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    numeric = [
+        all(isinstance(row.get(c.key), (int, float)) or row.get(c.key) is None for row in rows)
+        for c in columns
+    ]
+
+    def line(values):
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)]
+        return "  ".join(parts).rstrip()
+
+    out = [line([c.header for c in columns]), line(["-" * w for w in widths])]
+    for row, values in zip(rows, cells):
+        text = line(values)
+        if row.get("error"):
+            text += f"  ERROR {row['error']}"
+        out.append(text)
+    return "\n".join(out)
+
+
+def print_table(rows: Iterable[dict], columns: Sequence[Column]) -> None:
+    print(format_table(rows, columns), flush=True)
+
+
+def plot(
+    path: str | Path,
+    rows: list[dict],
+    *,
+    x: str,
+    y: str,
+    series: Sequence[str],
+    panels: Sequence[str],
+    reference: Callable[[dict], bool] | None = None,
+    xlabel: str | None = None,
+    ylabel: str | None = None,
+    title: str = "",
+    logx: bool = True,
+) -> Path | None:
+    """One panel per distinct value of ``panels`` keys, one line per ``series`` keys, ``y``
+    against ``x``; rows for which ``reference(row)`` is true are drawn as horizontal dashed
+    lines (dense baselines have no x). Rows with an error or no ``y`` are skipped.
+
+    matplotlib is imported here, lazily; without it the plot is skipped with a message.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed: skipping the plot {path}", flush=True)
+        return None
+
+    good = [r for r in rows if not r.get("error") and r.get(y) is not None]
+    panel_keys = sorted({tuple(r.get(k) for k in panels) for r in good}, key=str)
+    if not panel_keys:
+        print(f"nothing to plot: no successful rows for {path}", flush=True)
+        return None
+    ncols = min(3, len(panel_keys))
+    nrows = math.ceil(len(panel_keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
+    for ax, pkey in zip(axes.flat, panel_keys):
+        in_panel = [r for r in good if tuple(r.get(k) for k in panels) == pkey]
+        _plot_panel(ax, in_panel, x=x, y=y, series=series, reference=reference)
+        ax.set_title(" / ".join(str(v) for v in pkey), fontsize=9)
+        ax.set_xlabel(xlabel or x)
+        ax.set_ylabel(ylabel or y)
+        if logx:
+            ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panel_keys) :]:
+        ax.set_visible(False)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _plot_panel(ax, rows, *, x, y, series, reference):
+    refs = [r for r in rows if reference is not None and reference(r)]
+    lines = [r for r in rows if r not in refs]
+    names = sorted({tuple(r.get(k) for k in series) for r in lines}, key=str)
+    for name in names:
+        pts = sorted((r[x], r[y]) for r in lines if tuple(r.get(k) for k in series) == name)
+        ax.plot(
+            [p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(map(str, name))
+        )
+    for r in refs:
+        label = " ".join(str(r.get(k)) for k in series) + " (dense)"
+        ax.axhline(r[y], linestyle="--", linewidth=1, label=label)

@@ -1,0 +1,155 @@
+"""Sweep launch configs of the block-sparse kernels on the current GPU (feeds configs.py).
+
+    PYTHONPATH=src python benchmarks/tune_block_sparse.py --out tune.json
+
+Times forward and backward of ``vidsparse`` at B=1, H=12, S=32768, D=128 (bf16) over random
+per-head block lists, for each block size and each candidate config, next to cuDNN dense SDPA
+measured in the same run. Prints the best config per (kernel, block size) and writes all rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from vidsparse.masks.block_sparse import random_block_lists
+from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def tflops(ms, B, H, S, D, density, factor=1.0):
+    return 4 * B * H * S * S * D * density * factor / (ms * 1e-3) / 1e12
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--out", default="tune.json")
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    B, H, S, D = 1, args.heads, args.seq, 128
+    dev = "cuda"
+    q, k, v, do = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
+    scale = D**-0.5
+    rows = []
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ms = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    rows.append(dict(kernel="cudnn_fwd", ms=ms, tflops=tflops(ms, B, H, S, D, 1.0)))
+    print(f"cudnn dense fwd {ms:.2f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg)
+        ms = bench(lambda: torch.autograd.grad(out, (qg, kg, vg), do, retain_graph=True))
+    rows.append(dict(kernel="cudnn_bwd", ms=ms, tflops=tflops(ms, B, H, S, D, 1.0, 2.5)))
+    print(f"cudnn dense bwd {ms:.2f} ms {rows[-1]['tflops']:.0f} TFLOP/s", flush=True)
+
+    blocks = [(128, 128), (128, 64), (64, 64)]
+    fwd_cfgs = [
+        KernelConfig(w, s, use_tma=t)
+        for w, s, t in itertools.product((4, 8), (2, 3, 4), (False, True))
+    ]
+    for bq, bk in blocks:
+        NQ, NK = S // bq, S // bk
+        lists = {
+            d: random_block_lists(1, H, NQ, NK, density=d, device=dev) for d in (1.0, 0.125, 0.0625)
+        }
+        best = None
+        for cfg in fwd_cfgs:
+            if bq * bk < 128 * 128 and cfg.num_warps == 8 and bq == 64:
+                continue
+            idx, cnt = lists[0.125]
+            try:
+                ms = bench(
+                    lambda: block_sparse_attn_fwd(q, k, v, idx, cnt, None, bq, bk, scale, cfg)
+                )
+            except Exception as e:  # out of shared memory, etc.
+                print(f"fwd {bq}x{bk} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            tf = tflops(ms, B, H, S, D, 0.125)
+            rows.append(
+                dict(kernel="fwd", block=[bq, bk], density=0.125, cfg=repr(cfg), ms=ms, tflops=tf)
+            )
+            print(
+                f"fwd {bq}x{bk} d=1/8 w={cfg.num_warps} s={cfg.num_stages} tma={cfg.use_tma}: {ms:.3f} ms {tf:.0f}",
+                flush=True,
+            )
+            if best is None or ms < best[0]:
+                best = (ms, cfg)
+        cfg = best[1]
+        for d in (1.0, 0.0625):
+            idx, cnt = lists[d]
+            ms = bench(lambda: block_sparse_attn_fwd(q, k, v, idx, cnt, None, bq, bk, scale, cfg))
+            tf = tflops(ms, B, H, S, D, d)
+            rows.append(
+                dict(kernel="fwd_best", block=[bq, bk], density=d, cfg=repr(cfg), ms=ms, tflops=tf)
+            )
+            print(f"BEST fwd {bq}x{bk} d={d} {cfg}: {ms:.3f} ms {tf:.0f}", flush=True)
+
+        # backward: sweep one kernel's config with the other at a middle default
+        idx, cnt = lists[0.125]
+        o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, None, bq, bk, scale, cfg)
+        subs = [s for s in (32, 64, 128) if s <= bq]
+        bwd_cands = [
+            KernelConfig(w, s, sub_m=m) for w, s, m in itertools.product((4, 8), (1, 2), subs)
+        ]
+        default = KernelConfig(4, 2, sub_m=64)
+        for which in ("dkdv", "dq"):
+            best = None
+            for c in bwd_cands:
+                kw = (
+                    {"dkdv_config": c, "dq_config": default}
+                    if which == "dkdv"
+                    else {"dkdv_config": default, "dq_config": c}
+                )
+                try:
+                    ms = bench(
+                        lambda: block_sparse_attn_bwd(
+                            do, q, k, v, o, lse, idx, cnt, None, bq, bk, scale, **kw
+                        )
+                    )
+                except Exception as e:
+                    print(
+                        f"bwd {which} {bq}x{bk} {c}: {type(e).__name__}: {str(e)[:120]}", flush=True
+                    )
+                    continue
+                rows.append(
+                    dict(
+                        kernel=f"bwd_{which}_sweep",
+                        block=[bq, bk],
+                        density=0.125,
+                        cfg=repr(c),
+                        ms=ms,
+                    )
+                )
+                print(
+                    f"bwd sweep {which} {bq}x{bk} w={c.num_warps} s={c.num_stages} sub={c.sub_m}: {ms:.3f} ms",
+                    flush=True,
+                )
+                if best is None or ms < best[0]:
+                    best = (ms, c)
+            rows.append(
+                dict(kernel=f"bwd_{which}_best", block=[bq, bk], cfg=repr(best[1]), ms=best[0])
+            )
+            print(f"BEST bwd {which} {bq}x{bk}: {best[1]} {best[0]:.3f} ms", flush=True)
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
+    )
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Video Sparse Attention (VSA) in plain PyTorch: the oracle for the kernels and the CPU path.
+
+VSA attends in two stages over the tiles of a :class:`~vidsparse.layout.VideoGrid`:
+
+1. **Coarse.** Mean-pool each tile's real tokens into one token (``Qc, Kc, Vc``), run dense
+   attention between tiles, ``Oc = softmax(Qc Kc^T * scale) Vc``, and broadcast ``Oc`` back to
+   every token of its query tile.
+2. **Fine.** For every query tile keep the ``topk`` key tiles with the largest coarse scores,
+   and run exact attention from each query token over the real tokens of those tiles only.
+
+``o = o_fine + gate * o_coarse`` (``o_fine + o_coarse`` without a gate). Selection is a discrete
+choice and is not differentiated; everything else is, by autograd.
+
+Everything is computed in fp32 (fp64 for fp64 inputs) and in tile order. The fine stage runs a
+few query tiles at a time and gathers only their selected key tiles, so no ``S x S`` tensor ever
+exists, even on a Wan 480p grid (32,760 tokens).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from vidsparse.layout.grid import VideoGrid
+
+__all__ = [
+    "resolve_topk",
+    "tile_means",
+    "coarse_attention",
+    "select_topk",
+    "fine_attention",
+    "video_sparse_attn_ref",
+]
+
+# Budget, in elements, for the per-chunk temporaries of the fine stage (gathered K and V and the
+# score matrix together). 2**26 fp32 elements is 256 MiB.
+_FINE_CHUNK_ELEMENTS = 2**26
+
+# (1 - sparsity) * num_tiles is often an integer spoiled by rounding (0.3 * 10 =
+# 3.0000000000000004); do not let that round up to one more tile.
+_TOPK_ROUNDING_SLACK = 1e-9
+
+
+def resolve_topk(num_tiles: int, topk: int | None = None, sparsity: float | None = None) -> int:
+    """Number of key tiles each query tile keeps, from exactly one of ``topk`` / ``sparsity``.
+
+    ``topk = clamp(ceil((1 - sparsity) * num_tiles), 1, num_tiles)``; an explicit ``topk``
+    above ``num_tiles`` is clamped to it.
+    """
+    if (topk is None) == (sparsity is None):
+        raise ValueError(
+            f"pass exactly one of topk and sparsity, got topk={topk!r}, sparsity={sparsity!r}"
+        )
+    if topk is not None:
+        if isinstance(topk, bool) or not isinstance(topk, int):
+            raise TypeError(f"topk must be an int, got {topk!r}")
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        return min(topk, num_tiles)
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)):
+        raise TypeError(f"sparsity must be a float in [0, 1], got {sparsity!r}")
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
+    kept = math.ceil((1.0 - sparsity) * num_tiles - _TOPK_ROUNDING_SLACK)
+    return max(1, min(kept, num_tiles))
+
+
+def tile_means(x_tiled: torch.Tensor, grid: VideoGrid) -> torch.Tensor:
+    """Mean of each tile's real tokens: ``[..., padded_len, D] -> [..., num_tiles, D]``.
+
+    Divides by the real token count of each tile (not ``tile_volume``), and ignores whatever
+    the padding slots hold.
+    """
+    _require(
+        x_tiled.ndim >= 2 and x_tiled.shape[-2] == grid.padded_len,
+        f"x_tiled must be [..., padded_len={grid.padded_len}, D], got {tuple(x_tiled.shape)}",
+    )
+    *lead, _, D = x_tiled.shape
+    Nt, V = grid.num_tiles, grid.tile_volume
+    index = grid.index_tensors(x_tiled.device)
+    x = x_tiled.reshape(*lead, Nt, V, D)  # [..., Nt, V, D]
+    x = x.masked_fill(~index.valid.view(Nt, V, 1), 0)
+    sizes = index.tile_sizes.to(x.dtype).view(Nt, 1)  # [Nt, 1]
+    return x.sum(dim=-2) / sizes  # [..., Nt, D]
+
+
+def coarse_attention(
+    qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention between tile means.
+
+    Returns ``oc`` ``[B, H, Nt, D]`` and the pre-softmax ``scores`` ``[B, H, Nt, Nt]`` that the
+    selection ranks.
+    """
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # [B, H, Nt, Nt]
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, vc), scores  # [B, H, Nt, D], [B, H, Nt, Nt]
+
+
+@torch.no_grad()
+def select_topk(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``topk`` key tiles with the largest coarse score, per query tile.
+
+    Returns ``kv_indices`` int32 ``[B, H, Nt, topk]`` (ascending within each row, so the fine
+    kernel walks keys in memory order) and ``kv_counts`` int32 ``[B, H, Nt]`` (all ``topk``).
+    """
+    _require(
+        1 <= topk <= scores.shape[-1],
+        f"topk must be in [1, {scores.shape[-1]}] for scores of shape {tuple(scores.shape)}, "
+        f"got {topk}",
+    )
+    chosen = torch.topk(scores.detach(), topk, dim=-1, sorted=False).indices
+    kv_indices = chosen.sort(dim=-1).values.to(torch.int32)  # [B, H, Nt, topk]
+    kv_counts = torch.full(scores.shape[:-1], topk, dtype=torch.int32, device=scores.device)
+    return kv_indices, kv_counts
+
+
+def fine_attention(
+    q_tiled: torch.Tensor,
+    k_tiled: torch.Tensor,
+    v_tiled: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    grid: VideoGrid,
+    scale: float,
+) -> torch.Tensor:
+    """Block-sparse attention over tiles: each query token attends to the real tokens of the
+    first ``kv_counts[b, h, i]`` tiles listed in ``kv_indices[b, h, i]`` for its tile ``i``.
+
+    Inputs are in tile order ``[B, H, padded_len, D]``; ``kv_indices`` / ``kv_counts`` may have
+    a batch dimension of 1 (shared by the batch). Padding keys get no weight; a query that
+    attends to nothing gets 0. Padding query rows are computed like any other row, so callers
+    zero them if they need to. Computes in the inputs' dtype.
+    """
+    B, H, seq_len, D = q_tiled.shape
+    Nt, V = grid.num_tiles, grid.tile_volume
+    _require(
+        seq_len == grid.padded_len,
+        f"q_tiled must have padded_len={grid.padded_len} rows, got {tuple(q_tiled.shape)}",
+    )
+    _require(
+        kv_indices.ndim == 4 and kv_indices.shape[1:3] == (H, Nt),
+        f"kv_indices must be [B or 1, {H}, {Nt}, K], got {tuple(kv_indices.shape)}",
+    )
+    _require(
+        tuple(kv_counts.shape) == tuple(kv_indices.shape[:3]),
+        f"kv_counts must be {tuple(kv_indices.shape[:3])}, got {tuple(kv_counts.shape)}",
+    )
+    K, Dv = kv_indices.shape[-1], v_tiled.shape[-1]
+    if K == 0:
+        return q_tiled.new_zeros(B, H, seq_len, Dv)
+    counts = kv_counts.long().expand(B, H, Nt)  # [B, H, Nt]
+    # Entries past a row's count are never read, so they may hold anything (-1 sentinels):
+    # point them at tile 0 so the gather stays in range; the key mask drops them.
+    listed = torch.arange(K, device=kv_indices.device) < counts.unsqueeze(-1)  # [B, H, Nt, K]
+    indices = torch.where(listed, kv_indices.long(), 0)  # [B, H, Nt, K]
+    q5 = q_tiled.reshape(B, H, Nt, V, D)
+    k5 = k_tiled.reshape(B, H, Nt, V, D)
+    v5 = v_tiled.reshape(B, H, Nt, V, Dv)
+    key_valid = grid.real_token_mask(q_tiled.device).view(Nt, V)  # [Nt, V]
+
+    chunk = _fine_chunk_tiles(B, H, K, V, max(D, Dv))
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (q_tiled, k_tiled, v_tiled)
+    )
+    outputs = []
+    for start in range(0, Nt, chunk):
+        stop = min(start + chunk, Nt)
+        args = (q5[:, :, start:stop], k5, v5, indices[:, :, start:stop], counts[:, :, start:stop])
+        if needs_grad and chunk < Nt:
+            # Recompute each chunk in backward: otherwise autograd keeps every chunk's gathered
+            # keys alive, which adds up to topk/num_tiles of a dense attention's memory.
+            out = checkpoint(_fine_chunk, *args, key_valid, scale, use_reentrant=False)
+        else:
+            out = _fine_chunk(*args, key_valid, scale)
+        outputs.append(out)
+    return torch.cat(outputs, dim=2).view(B, H, seq_len, Dv)  # [B, H, P, Dv]
+
+
+def _fine_chunk_tiles(B: int, H: int, K: int, V: int, D: int) -> int:
+    """Query tiles per chunk so that gathered K, V and the scores fit the element budget."""
+    per_query_tile = B * H * K * V * (2 * D + V)
+    return max(1, _FINE_CHUNK_ELEMENTS // per_query_tile)
+
+
+def _fine_chunk(
+    q_chunk: torch.Tensor,  # [B, H, C, V, D]
+    k5: torch.Tensor,  # [B, H, Nt, V, D]
+    v5: torch.Tensor,  # [B, H, Nt, V, Dv]
+    indices: torch.Tensor,  # [B, H, C, K] int64
+    counts: torch.Tensor,  # [B, H, C] int64
+    key_valid: torch.Tensor,  # [Nt, V] bool
+    scale: float,
+) -> torch.Tensor:
+    B, H, C, V, D = q_chunk.shape
+    K = indices.shape[-1]
+    k_sel = _gather_tiles(k5, indices).view(B, H, C, K * V, D)  # [B, H, C, K*V, D]
+    v_sel = _gather_tiles(v5, indices).view(B, H, C, K * V, -1)  # [B, H, C, K*V, Dv]
+
+    # A key counts if it is a real token of one of the first `counts` listed tiles.
+    listed = torch.arange(K, device=indices.device) < counts.unsqueeze(-1)  # [B, H, C, K]
+    keep = key_valid[indices] & listed.unsqueeze(-1)  # [B, H, C, K, V]
+    # A query tile listing no key tile would softmax a row of -inf (NaN); let it see every
+    # gathered key instead and zero its output afterwards, which also zeroes its gradients.
+    attends = listed[..., :1]  # [B, H, C, 1]: listed tiles are a prefix, so check the first
+    keep = (keep | ~attends.unsqueeze(-1)).view(B, H, C, 1, K * V)
+
+    # Scale q (C*V*D elements) rather than the scores (C*V*K*V elements).
+    scores = torch.matmul(q_chunk * scale, k_sel.transpose(-1, -2))  # [B, H, C, V, K*V]
+    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    out = torch.matmul(probs, v_sel)  # [B, H, C, V, Dv]
+    return out * attends.unsqueeze(-1).to(out.dtype)
+
+
+def _gather_tiles(x5: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """``x5[b, h, indices[b, h, c, j]]``: ``[B, H, Nt, V, D]`` -> ``[B, H, C*K, V, D]``."""
+    B, H, Nt, V, D = x5.shape
+    # index_select of whole tiles (rows of V*D) from a [B*H*Nt, V*D] view copies contiguous
+    # rows; torch.gather with a broadcast index would look up every element on its own.
+    head_offset = torch.arange(B * H, device=indices.device).view(B, H, 1, 1) * Nt
+    rows = (indices + head_offset).reshape(-1)  # [B*H*C*K]
+    return x5.reshape(B * H * Nt, V * D).index_select(0, rows).view(B, H, -1, V, D)
+
+
+def video_sparse_attn_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: VideoGrid,
+    *,
+    topk: int | None = None,
+    sparsity: float | None = None,
+    gate: torch.Tensor | None = None,
+    tiled: bool = False,
+    scale: float | None = None,
+    return_parts: bool = False,
+):
+    """Reference VSA: ``o = o_fine + gate * o_coarse`` (see the module docstring).
+
+    Args:
+        q, k, v: ``[B, H, S, D]``. ``S == grid.num_tokens`` in natural order, or
+            ``S == grid.padded_len`` with ``tiled=True`` (tile order; padding slots ignored).
+        grid: the :class:`VideoGrid` the sequence lives on.
+        topk / sparsity: exactly one; see :func:`resolve_topk`.
+        gate: optional tensor shaped like ``q`` (same layout) weighting the coarse output.
+        tiled: inputs and output are in tile order; padding rows of the output are zero.
+        scale: softmax scale, ``1/sqrt(D)`` by default (both stages).
+        return_parts: also return a dict with ``o_fine``, ``o_coarse`` (per token, ungated,
+            in the output's layout), ``o_coarse_tiles`` ``[B, H, Nt, D]``, ``coarse_scores``
+            ``[B, H, Nt, Nt]``, ``kv_indices``, ``kv_counts`` and ``topk``.
+
+    Returns:
+        ``o`` in ``q.dtype`` and ``q``'s layout, or ``(o, parts)`` with ``return_parts``.
+    """
+    _check_shapes(q, k, v, gate, grid, tiled)
+    B, H, _, D = q.shape
+    Nt, V = grid.num_tiles, grid.tile_volume
+    topk = resolve_topk(Nt, topk, sparsity)
+    scale = D**-0.5 if scale is None else float(scale)
+    compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+
+    def to_compute_tiles(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(compute_dtype)
+        return x if tiled else grid.tile(x, dim=-2)  # [B, H, P, D]
+
+    q_t, k_t, v_t = to_compute_tiles(q), to_compute_tiles(k), to_compute_tiles(v)
+
+    qc, kc, vc = tile_means(q_t, grid), tile_means(k_t, grid), tile_means(v_t, grid)
+    o_coarse_tiles, coarse_scores = coarse_attention(qc, kc, vc, scale)  # [B, H, Nt, Dv]
+    kv_indices, kv_counts = select_topk(coarse_scores.detach(), topk)
+
+    o_fine = fine_attention(q_t, k_t, v_t, kv_indices, kv_counts, grid, scale)  # [B, H, P, Dv]
+    Dv = o_fine.shape[-1]
+    o_fine5 = o_fine.view(B, H, Nt, V, Dv)
+    o_coarse5 = o_coarse_tiles.unsqueeze(-2)  # [B, H, Nt, 1, Dv]: broadcast, not materialised
+    if gate is None:
+        o5 = o_fine5 + o_coarse5
+    else:
+        gate5 = to_compute_tiles(gate).reshape(B, H, Nt, V, Dv)
+        o5 = o_fine5 + gate5 * o_coarse5
+
+    padding_rows = ~grid.real_token_mask(q.device).view(Nt, V, 1)
+    o = _to_output_layout(o5.masked_fill(padding_rows, 0), grid, tiled, q.dtype)
+    if not return_parts:
+        return o
+
+    parts = {
+        "o_fine": _to_output_layout(o_fine5.masked_fill(padding_rows, 0), grid, tiled, q.dtype),
+        "o_coarse": _to_output_layout(
+            o_coarse5.expand(B, H, Nt, V, Dv).masked_fill(padding_rows, 0), grid, tiled, q.dtype
+        ),
+        "o_coarse_tiles": o_coarse_tiles.to(q.dtype),
+        "coarse_scores": coarse_scores.detach(),
+        "kv_indices": kv_indices,
+        "kv_counts": kv_counts,
+        "topk": topk,
+    }
+    return o, parts
+
+
+def _to_output_layout(
+    x5: torch.Tensor, grid: VideoGrid, tiled: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    B, H, Nt, V, D = x5.shape
+    x = x5.reshape(B, H, Nt * V, D)  # [B, H, P, D]
+    if not tiled:
+        x = grid.untile(x, dim=-2)  # [B, H, S, D]
+    return x.to(dtype)
+
+
+def _check_shapes(q, k, v, gate, grid: VideoGrid, tiled: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _require(
+            isinstance(x, torch.Tensor) and x.ndim == 4,
+            f"{name} must be a 4-D tensor [B, H, S, D], got "
+            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
+        )
+    _require(isinstance(grid, VideoGrid), f"grid must be a VideoGrid, got {type(grid).__name__}")
+    expected_s = grid.padded_len if tiled else grid.num_tokens
+    what = "padded_len" if tiled else "num_tokens"
+    _require(
+        q.shape[2] == expected_s,
+        f"q must have S == grid.{what} = {expected_s} (tiled={tiled}), got {tuple(q.shape)}",
+    )
+    _require(k.shape == q.shape, f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    _require(
+        v.shape[:3] == q.shape[:3],
+        f"v must be [{q.shape[0]}, {q.shape[1]}, {q.shape[2]}, Dv], got {tuple(v.shape)}",
+    )
+    if gate is not None:
+        _require(
+            isinstance(gate, torch.Tensor) and tuple(gate.shape) == tuple(v.shape),
+            f"gate must be shaped like the output {tuple(v.shape)}, got "
+            f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate).__name__}",
+        )
+
+
+def _require(condition: bool, message: str) -> None:
+    # A real exception, not `assert`, so the check survives `python -O`.
+    if not condition:
+        raise ValueError(message)
