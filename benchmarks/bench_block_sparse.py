@@ -344,14 +344,13 @@ def _ours_forward(lists: BlockLists) -> Callable:
 def _ours_op_forward(lists: BlockLists, device: torch.device, head_dim: int) -> Callable:
     # Importing the interface registers torch.ops.vidsparse.*; resolve the backend once, as
     # block_sparse_attn would on every call.
-    from vidsparse.ops.block_sparse_attn import interface
+    import vidsparse.ops.block_sparse_attn.interface  # noqa: F401
     from vidsparse.utils.backend import resolve_backend
 
     backend = resolve_backend(device)
     scale = 1.0 / math.sqrt(head_dim)
     block_q, block_kv = lists.block
     op = torch.ops.vidsparse.block_sparse_attn_fwd
-    assert interface is not None  # imported for its op registration
 
     def forward(q, k, v):
         o, _ = op(
@@ -773,7 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dry-run", action="store_true", help="--device cpu --tiny: exercise the code paths"
     )
-    p.add_argument("--out", default=None, help="JSON path (default results/block_sparse_<gpu>)")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default results/block_sparse_<gpu>[_<shapes>].json)"
+    )
     p.add_argument("--plot", default=None, help="PNG path (default: the JSON's, .png)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--check", action="store_true", help="compare fwd outputs to the reference")
@@ -816,13 +817,22 @@ def parse_args(argv: Sequence[str] | None):
     return args
 
 
-def default_out(device: torch.device) -> Path:
-    return (
-        _REPO
-        / "benchmarks"
-        / "results"
-        / f"block_sparse_{harness.slug(harness.gpu_name(device))}.json"
-    )
+def flex_compile_description(device: torch.device, flex_autotune: bool) -> dict:
+    if device.type != "cuda":
+        return {"flex": "eager (CPU dry run)", "flex64": "eager (CPU dry run)"}
+    return {
+        "flex": "torch.compile(dynamic=False)" + (", max_autotune" if flex_autotune else ""),
+        "flex64": "torch.compile(dynamic=False), kernel_options BLOCK_M=BLOCK_N=64, " + FLEX64_NOTE,
+    }
+
+
+def default_out(device: torch.device, shapes: str) -> Path:
+    """results/block_sparse_<gpu>.json; other shape selections get their own file, so runs
+    split by shape (each under a time limit) do not overwrite each other."""
+    name = f"block_sparse_{harness.slug(harness.gpu_name(device))}"
+    if shapes != "default":
+        name += f"_{harness.slug(shapes)}"
+    return _REPO / "benchmarks" / "results" / f"{name}.json"
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
@@ -839,7 +849,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     except ValueError as exc:
         build_parser().error(str(exc))
     cases = plan_cases(shapes, args.providers, args.modes, args.densities, args.block_sizes)
-    out = Path(args.out) if args.out else default_out(device)
+    out = Path(args.out) if args.out else default_out(device, args.shapes)
     meta = harness.collect_metadata(
         device,
         benchmark="block_sparse",
@@ -847,12 +857,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         tiny=args.tiny,
         seed=args.seed,
         check=args.check,
-        flex_compile={
-            "flex": "torch.compile(dynamic=False)"
-            + (", max_autotune" if args.flex_autotune else ""),
-            "flex64": "torch.compile(dynamic=False), max_autotune, "
-            "kernel_options BLOCK_M=BLOCK_N=64 (" + FLEX64_NOTE + ")",
-        },
+        flex_compile=flex_compile_description(device, args.flex_autotune),
         shapes=[vars(s) | {"real_len": s.real_len} for s in shapes],
         complete=False,
     )

@@ -275,3 +275,15 @@ def test_gpu_kernel_does_not_touch_poisoned_padding():
     out = poison_(torch.empty_like(o))
     out.copy_(o)
     assert not torch.isnan(out).any()
+
+
+def test_list_values_checked_once_then_again_after_inplace_change(torch_backend):
+    q, k, v, idx, cnt = _good_args()
+    vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16)  # validated and remembered
+    vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16)  # cached: no re-check needed
+    idx[0, 0, 0, 0] = 99  # in-place change bumps the version: must be checked again
+    with pytest.raises(ValueError, match="kv_indices"):
+        vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16)
+    fresh_idx = idx.clone()  # a new tensor is never taken for a checked one
+    with pytest.raises(ValueError, match="kv_indices"):
+        vidsparse.block_sparse_attn(q, k, v, fresh_idx, cnt, block_size=16)

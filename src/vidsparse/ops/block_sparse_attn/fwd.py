@@ -117,19 +117,11 @@ def _block_sparse_attn_fwd_kernel(
 
 
 @triton.jit
-def _block_sparse_attn_fwd_tma_kernel(
-    desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
-    KV_IDX, KV_CNT,
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    H, Sq,
-    qk_scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-):
-    """Hopper variant without padding: tiles move by the bulk-copy engine (TMA)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+def _attend_q_block_tma(desc_q, desc_k, desc_v, desc_o, LSE, KV_IDX, KV_CNT,
+                        stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, stride_ch, stride_cq,
+                        pid_m, pid_bh, H, Sq, qk_scale,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        WARP_SPECIALIZE: tl.constexpr):
     b = pid_bh // H
     h = pid_bh % H
     q = desc_q.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
@@ -150,6 +142,24 @@ def _block_sparse_attn_fwd_tma_kernel(
     desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
+
+
+@triton.jit
+def _block_sparse_attn_fwd_tma_kernel(
+    desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
+    KV_IDX, KV_CNT,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    H, Sq,
+    qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Hopper variant without padding: tiles move by the bulk-copy engine (TMA)."""
+    _attend_q_block_tma(desc_q, desc_k, desc_v, desc_o, LSE, KV_IDX, KV_CNT,
+                        stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, stride_ch, stride_cq,
+                        tl.program_id(0), tl.program_id(1), H, Sq, qk_scale,
+                        BLOCK_M, BLOCK_N, HEAD_DIM, WARP_SPECIALIZE)
 
 
 def block_sparse_attn_fwd(

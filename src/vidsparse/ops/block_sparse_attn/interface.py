@@ -8,6 +8,7 @@ opaque, differentiable op instead of breaking the graph around a Triton launch.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -122,7 +123,10 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
             f"k's sequence length {Skv} is not a multiple of block_kv={block_kv} (block_size)"
         )
     num_kv_blocks = Skv // block_kv
-    check_values = not torch.compiler.is_compiling()
+    # Value checks read the lists back (a GPU sync); do them once per list tensor and version.
+    check_values = not torch.compiler.is_compiling() and not _values_checked.hit(
+        kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv
+    )
     validate_block_lists(
         kv_indices,
         kv_counts,
@@ -145,7 +149,56 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
                 raise ValueError(
                     f"kv_block_sizes must lie in [0, block_kv={block_kv}], got values in [{lo}, {hi}]"
                 )
+    if check_values:
+        _values_checked.add(kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv)
     return device
+
+
+class _CheckedLists:
+    """Remembers index tensors whose values passed validation, keyed by identity and version.
+
+    Block lists are usually built once and reused for many calls (every layer of a step, every
+    step of a plan); reading them back each call would cost a GPU sync per call. A tensor
+    modified in place bumps its version counter and is checked again; a freed tensor drops out
+    (weak references), so a new tensor at a recycled address is never mistaken for a checked one.
+    """
+
+    def __init__(self, capacity: int = 256):
+        self._entries: dict[tuple, tuple] = {}
+        self._capacity = capacity
+
+    @staticmethod
+    def _key(tensors, num_kv_blocks, block_kv):
+        ids = tuple(None if t is None else id(t) for t in tensors)
+        return (*ids, num_kv_blocks, block_kv)
+
+    @staticmethod
+    def _state(tensors):
+        return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
+
+    def hit(self, kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv) -> bool:
+        tensors = (kv_indices, kv_counts, kv_block_sizes)
+        entry = self._entries.get(self._key(tensors, num_kv_blocks, block_kv))
+        if entry is None:
+            return False
+        for t, saved in zip(tensors, entry):
+            if (t is None) != (saved is None):
+                return False
+            if t is not None and (saved[0]() is not t or saved[1] != t._version):
+                return False
+        return True
+
+    def add(self, kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv) -> None:
+        tensors = (kv_indices, kv_counts, kv_block_sizes)
+        if len(self._entries) >= self._capacity:
+            self._entries = {k: v for k, v in self._entries.items() if all(
+                s is None or s[0]() is not None for s in v)}
+            if len(self._entries) >= self._capacity:
+                self._entries.pop(next(iter(self._entries)))
+        self._entries[self._key(tensors, num_kv_blocks, block_kv)] = self._state(tensors)
+
+
+_values_checked = _CheckedLists()
 
 
 def _check_triton_supported(q: torch.Tensor) -> None:

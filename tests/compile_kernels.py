@@ -1,0 +1,478 @@
+"""Compile every block-sparse attention kernel for GPUs this machine does not have.
+
+The triton wheel carries the NVIDIA and AMD compilers, so a CPU machine can compile the kernels
+for ``cuda:90`` (H100/H200) and ``hip:gfx942`` / ``hip:gfx950`` (MI300 / MI350) and read what
+each one costs: registers, spills, shared memory. Run by ``tests/test_compile_targets.py`` in a
+subprocess, because the test suite sets ``TRITON_INTERPRET=1`` and ``@triton.jit`` takes that
+decision at import; it also runs by hand::
+
+    PYTHONPATH=src python tests/compile_kernels.py [--targets cuda:90,hip:gfx942] [--jobs 2]
+
+What is compiled is exactly what the library would launch: the launchers
+(``block_sparse_attn_fwd`` / ``block_sparse_attn_bwd``) run on meta tensors with their kernels
+swapped for recorders and the device target pinned, so the config (``configs.py``), the
+arguments, the constexprs and the launch options come from the library's own code, and each
+argument is specialised the way Triton's JIT specialises it at launch (unit strides become
+constexprs, 16-divisible ints and pointers get divisibility hints, AMD pointers the 32-bit
+range hint). The TMA forward is recorded when the config asks for it (it never sees key-block
+sizes); the generic forward is recorded for every case, since the library falls back to it
+when inputs are not TMA-compatible.
+
+Prints one JSON line per compiled (target, kernel, specialisation) on stdout, one line per
+unavailable target (``{"target": ..., "skipped": reason}``), and a table on stderr.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # must happen before triton / vidsparse are imported
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import importlib  # noqa: E402
+import inspect  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+import warnings  # noqa: E402
+from concurrent.futures import ProcessPoolExecutor  # noqa: E402
+from concurrent.futures.process import BrokenProcessPool  # noqa: E402
+
+import torch  # noqa: E402
+
+# name -> (vidsparse Target args, triton GPUTarget args, shared-memory limit in bytes per block)
+TARGETS = {
+    "cuda:90": (("cuda", 90), ("cuda", 90, 32), 227 * 1024),  # H100 / H200
+    "hip:gfx942": (("hip", "gfx942"), ("hip", "gfx942", 64), 64 * 1024),  # MI300X: 64 KB LDS
+    "hip:gfx950": (("hip", "gfx950"), ("hip", "gfx950", 64), 160 * 1024),  # MI350X: 160 KB LDS
+}
+BLOCKS = ((64, 64), (128, 64), (128, 128))
+HEAD_DIMS = (64, 128)
+# fp16 is compiled for one (block, head_dim) per target: it shares every code path with bf16.
+FP16_SPOT = ((128, 128), 128)
+
+# Shapes of the problem the launchers are called with: Wan 2.1 1.3B at 480p (624 tiles of 64
+# tokens, padded), top-78 lists shared across the batch. Only strides and alignments reach the
+# compiler, and those are the ones a real run has.
+BATCH, HEADS, SEQ, TOPK = 2, 12, 39_936, 78
+
+KERNEL_NAMES = {
+    "_block_sparse_attn_fwd_kernel": "fwd",
+    "_block_sparse_attn_fwd_tma_kernel": "fwd_tma",
+    "_block_sparse_attn_bwd_preprocess_kernel": "bwd_preprocess",
+    "_block_sparse_attn_bwd_dkdv_kernel": "bwd_dkdv",
+    "_block_sparse_attn_bwd_dq_kernel": "bwd_dq",
+}  # any other ``*_kernel`` a launcher calls is recorded too, under a name derived from its own
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+# --------------------------------------------------------------------------------------------
+# Availability of the compilers in the installed triton wheel
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why ``name`` cannot be compiled for with this wheel, or None when it can."""
+    try:
+        from triton.backends import backends
+    except Exception as e:  # pragma: no cover - triton missing or broken
+        return f"triton backends cannot be imported: {e!r}"
+    backend = TARGETS[name][1][0]
+    plugin = {"cuda": "nvidia", "hip": "amd"}[backend]
+    if plugin not in backends:
+        return f"the installed triton has no {plugin} backend (has {sorted(backends)})"
+    if backend == "cuda":
+        path = _ptxas()
+        if not os.access(path, os.X_OK):
+            return f"the installed triton has no ptxas at {path}"
+    return None
+
+
+def _ptxas() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+# --------------------------------------------------------------------------------------------
+# Recording what the launchers would launch
+
+
+class _Recorder:
+    """Stands in for a ``@triton.jit`` kernel: ``kernel[grid](*args, **kwargs)`` is recorded."""
+
+    def __init__(self, kernel, sink):
+        self.kernel = kernel
+        self.sink = sink
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.sink.append((self.kernel, args, kwargs))
+
+        return launch
+
+
+@contextlib.contextmanager
+def _recording(target, tma_compatible: bool, sink: list):
+    """Pin the target, stub the TMA check and record every kernel launch of the launchers."""
+    from triton.runtime.jit import JITFunction
+
+    from vidsparse.ops.block_sparse_attn import bwd, fwd
+
+    patches = [(fwd, "_tma_compatible", lambda *tensors: tma_compatible)]
+    for module in (fwd, bwd):
+        patches.append((module, "target_of", lambda device: target))
+        for attr in dir(module):
+            obj = getattr(module, attr)
+            if attr.endswith("_kernel") and isinstance(obj, JITFunction):
+                patches.append((module, attr, _Recorder(obj, sink)))
+    saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
+    try:
+        for module, attr, value in patches:
+            setattr(module, attr, value)
+        yield
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+
+
+def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tma_compatible):
+    """``[(kernel, args, kwargs)]`` of one forward and one backward pass, on meta tensors."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    meta = torch.device("meta")
+    nq, nk = SEQ // block_q, SEQ // block_kv
+
+    def bhsd():
+        return torch.empty(BATCH, HEADS, SEQ, head_dim, dtype=dtype, device=meta)
+
+    q, k, v, do = bhsd(), bhsd(), bhsd(), bhsd()
+    kv_indices = torch.empty(1, HEADS, nq, TOPK, dtype=torch.int32, device=meta)
+    kv_counts = torch.empty(1, HEADS, nq, dtype=torch.int32, device=meta)
+    kv_sizes = torch.empty(nk, dtype=torch.int32, device=meta) if has_kv_sizes else None
+    scale = head_dim**-0.5
+    sink: list = []
+    with _recording(target, tma_compatible, sink):
+        o, lse = block_sparse_attn_fwd(
+            q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
+        )
+        block_sparse_attn_bwd(
+            do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
+        )
+    return sink
+
+
+def specialise(kernel, args, kwargs, backend_cls):
+    """What ``kernel[grid](*args, **kwargs)`` hands the compiler, as plain data.
+
+    Mirrors ``JITFunction.run``: constexpr parameters are constants, every other argument goes
+    through the JIT's own specialisation (``native_specialize_impl``).
+    """
+    from triton.runtime.jit import native_specialize_impl
+
+    names = kernel.arg_names
+    call_kwargs = {k: v for k, v in kwargs.items() if k in names}
+    options = {k: v for k, v in kwargs.items() if k not in names}
+    bound = inspect.signature(kernel.fn).bind(*args, **call_kwargs)
+    bound.apply_defaults()
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
+        value = bound.arguments[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+            continue
+        ty, attr = native_specialize_impl(
+            backend_cls,
+            value,
+            param.is_const,
+            not param.do_not_specialize,
+            not param.do_not_specialize_on_alignment,
+        )
+        signature[param.name] = ty
+        if ty == "constexpr":  # an int equal to 1
+            constexprs[param.name] = value
+        elif isinstance(attr, str) and attr:
+            attrs[i] = attr
+    return signature, constexprs, attrs, options
+
+
+def short_name(function_name: str) -> str:
+    if function_name in KERNEL_NAMES:
+        return KERNEL_NAMES[function_name]
+    return function_name.removeprefix("_block_sparse_attn_").removesuffix("_kernel")
+
+
+def build_jobs(names):
+    """One job per distinct compile, labelled with the first case that needs it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    from vidsparse.utils.device import Target
+
+    cases = []
+    for (bq, bk), d in [(b, d) for b in BLOCKS for d in HEAD_DIMS]:
+        cases.append((bq, bk, d, torch.bfloat16))
+    cases.append((*FP16_SPOT[0], FP16_SPOT[1], torch.float16))
+
+    jobs, seen = [], set()
+    for name in names:
+        target_args, gpu_args, shared_limit = TARGETS[name]
+        target = Target(*target_args)
+        backend_cls = type(make_backend(GPUTarget(*gpu_args)))
+        for bq, bk, d, dtype in cases:
+            for has_sizes in (False, True):
+                # Both forward paths on NVIDIA: TMA when the config and inputs allow, else generic.
+                tma_choices = (
+                    (False, True) if target.backend == "cuda" and not has_sizes else (False,)
+                )
+                for tma_ok in tma_choices:
+                    for kernel, args, kwargs in record_launches(
+                        target, bq, bk, d, dtype, has_sizes, tma_ok
+                    ):
+                        signature, constexprs, attrs, options = specialise(
+                            kernel, args, kwargs, backend_cls
+                        )
+                        key = json.dumps(
+                            [name, kernel.__name__, signature, constexprs, attrs, options],
+                            sort_keys=True,
+                            default=str,
+                        )
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        jobs.append(
+                            {
+                                "target": name,
+                                "gpu_target": gpu_args,
+                                "shared_limit": shared_limit,
+                                "kernel": short_name(kernel.__name__),
+                                "module": kernel.fn.__module__,
+                                "function": kernel.__name__,
+                                "block_q": bq,
+                                "block_kv": constexprs.get("BLOCK_N"),
+                                "head_dim": d,
+                                "dtype": DTYPES[dtype],
+                                "has_kv_sizes": constexprs.get("HAS_KV_SIZES"),
+                                "config": _config_of(options, constexprs),
+                                "signature": signature,
+                                "constexprs": constexprs,
+                                "attrs": attrs,
+                                "options": options,
+                            }
+                        )
+    return jobs
+
+
+def _config_of(options, constexprs):
+    config = dict(options)
+    for key in ("SUB_M", "WARP_SPECIALIZE"):
+        if key in constexprs:
+            config[key.lower()] = constexprs[key]
+    return config
+
+
+# --------------------------------------------------------------------------------------------
+# Compiling (in worker processes) and reading the costs
+
+
+REPORT_KEYS = ("target", "kernel", "block_q", "block_kv", "head_dim", "dtype", "has_kv_sizes",
+               "config", "shared_limit")  # fmt: skip
+
+
+def compile_job(job):
+    """Compile one job; returns the job's report (never raises)."""
+    report = {k: job[k] for k in REPORT_KEYS}
+    start = time.perf_counter()
+    with tempfile.TemporaryFile(mode="w+") as log:
+        try:
+            report.update(_compile(job, log))
+            report["ok"] = True
+        except Exception as e:
+            log.seek(0)
+            diagnostics = [line for line in log.read().splitlines() if _DIAGNOSTIC.search(line)]
+            report["ok"] = False
+            report["error"] = "\n".join([f"{type(e).__name__}: {e}", *diagnostics[:20]])[-4000:]
+            report["traceback"] = traceback.format_exc()[-4000:]
+    report["compile_s"] = round(time.perf_counter() - start, 2)
+    return report
+
+
+def _compile(job, log) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    kernel = getattr(importlib.import_module(job["module"]), job["function"])
+    target = GPUTarget(*job["gpu_target"])
+    backend = make_backend(target)
+    attrs = {(i,): backend.parse_attr(desc) for i, desc in job["attrs"].items()}
+    src = ASTSource(
+        fn=kernel, signature=job["signature"], constexprs=job["constexprs"], attrs=attrs
+    )
+    with warnings.catch_warnings(record=True) as caught, _stderr_to(log):
+        warnings.simplefilter("always")
+        compiled = triton.compile(src, target=target, options=dict(job["options"]))
+    usage = {
+        "warnings": sorted({str(w.message).split(".")[0] for w in caught}),
+        "shared": int(compiled.metadata.shared),
+    }
+    if target.backend == "cuda":
+        usage.update(_ptxas_usage(compiled.asm["ptx"], target.arch))
+    else:
+        usage.update(_amdgcn_usage(compiled.asm["amdgcn"]))
+    return usage
+
+
+_DIAGNOSTIC = re.compile(r"error|unreachable|assert|unsupported|failed", re.IGNORECASE)
+
+
+@contextlib.contextmanager
+def _stderr_to(file):
+    """Send file descriptor 2 (where MLIR and LLVM write their diagnostics) to ``file``."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _ptxas_usage(ptx: str, arch: int) -> dict:
+    """Registers and spills as ptxas reports them, with Triton's own flags."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        suffix = "a" if arch >= 90 else ""
+        cmd = [_ptxas(), "-lineinfo", "-v", f"--gpu-name=sm_{arch}{suffix}", src, "-o", os.devnull]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    if not (regs and spills):
+        raise RuntimeError(f"cannot read ptxas -v output:\n{log}")
+    stores, loads = int(spills.group(1)), int(spills.group(2))
+    return {
+        "registers": int(regs.group(1)),
+        "spills": stores + loads,
+        "spill_stores": stores,
+        "spill_loads": loads,
+        "stack": int(stack.group(1)) if stack else 0,
+    }
+
+
+def _amdgcn_usage(asm: str) -> dict:
+    """VGPRs, AGPRs, spills and scratch from the kernel's AMDGPU metadata and comments."""
+
+    def field(pattern, required=True):
+        m = re.search(pattern, asm, re.MULTILINE)
+        if m is None:
+            if required:
+                raise RuntimeError(f"no {pattern!r} in the amdgcn assembly")
+            return 0
+        return int(m.group(1))
+
+    vgpr_spills = field(r"^\s*\.vgpr_spill_count:\s*(\d+)")
+    sgpr_spills = field(r"^\s*\.sgpr_spill_count:\s*(\d+)")
+    return {
+        "registers": field(r"^\s*\.vgpr_count:\s*(\d+)"),  # arch VGPRs + AGPRs, per lane
+        "agprs": field(r"^; NumAgprs:\s*(\d+)", required=False),
+        "sgprs": field(r"^\s*\.sgpr_count:\s*(\d+)"),
+        "spills": vgpr_spills + sgpr_spills,
+        "vgpr_spills": vgpr_spills,
+        "sgpr_spills": sgpr_spills,
+        "stack": field(r"^; ScratchSize:\s*(\d+)", required=False),
+        "occupancy": field(r"^; Occupancy:\s*(\d+)", required=False),
+    }
+
+
+def run_jobs(jobs, workers):
+    if workers <= 1:
+        return [compile_job(job) for job in jobs]
+    # Longest first (CUDA and the backward kernels), so the pool finishes together.
+    order = sorted(
+        range(len(jobs)),
+        key=lambda i: (jobs[i]["target"] != "cuda:90", not jobs[i]["kernel"].startswith("bwd_d")),
+    )
+    results = [None] * len(jobs)
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            futures = {i: pool.submit(compile_job, jobs[i]) for i in order}
+            for i, future in futures.items():
+                results[i] = future.result()
+    except BrokenProcessPool as e:  # a compiler crashed its process: report, do not hang
+        for i, job in enumerate(jobs):
+            if results[i] is None:
+                error = f"compiler process died (this job or one beside it): {e!r}"
+                results[i] = {**{k: job[k] for k in REPORT_KEYS}, "ok": False, "error": error}
+    return results
+
+
+def format_table(results) -> str:
+    head = (
+        f"{'target':<11} {'kernel':<15} {'bq':>4} {'bk':>4} {'D':>4} {'dt':<5} {'sizes':<5} "
+        f"{'config':<48} {'regs':>5} {'spill':>6} {'stack':>6} {'shared':>7} {'s':>5}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
+        if not r.get("ok"):
+            lines.append(f"{r['target']:<11} {r['kernel']:<15} FAILED: {r['error'][:200]}")
+            continue
+        lines.append(
+            f"{r['target']:<11} {r['kernel']:<15} {r['block_q']:>4} {r['block_kv'] or '-':>4} "
+            f"{r['head_dim']:>4} {r['dtype']:<5} {str(r['has_kv_sizes'] or False)[0]:<5} "
+            f"{cfg:<48} {r['registers']:>5} {r['spills']:>6} {r['stack']:>6} "
+            f"{r['shared']:>7} {r['compile_s']:>5}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--no-table", action="store_true", help="JSON lines only")
+    args = parser.parse_args(argv)
+    names = [t for t in args.targets.split(",") if t]
+    for name in names:
+        if name not in TARGETS:
+            parser.error(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+
+    start = time.perf_counter()
+    available = []
+    for name in names:
+        reason = unavailable_reason(name)
+        if reason:
+            print(json.dumps({"target": name, "skipped": reason}), flush=True)
+        else:
+            available.append(name)
+    jobs = build_jobs(available)
+    results = run_jobs(jobs, args.jobs)
+    for r in results:
+        print(json.dumps(r), flush=True)
+    if not args.no_table:
+        print(format_table(results), file=sys.stderr)
+    failed = sum(not r["ok"] for r in results)
+    spilled = sum(r.get("spills", 0) > 0 for r in results)
+    print(
+        f"{len(results)} compiles, {failed} failed, {spilled} spilling, "
+        f"{time.perf_counter() - start:.1f} s with {args.jobs} workers",
+        file=sys.stderr,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
