@@ -270,11 +270,15 @@ def build_jobs(names):
     return jobs
 
 
+_CASE_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "HEAD_DIM", "HAS_KV_SIZES", "IEEE_DOT"}
+
+
 def _config_of(options, constexprs):
+    """Launch options plus the config's constexprs (SUB_M, WARP_SPECIALIZE, ...)."""
     config = dict(options)
-    for key in ("SUB_M", "WARP_SPECIALIZE"):
-        if key in constexprs:
-            config[key.lower()] = constexprs[key]
+    for key, value in constexprs.items():
+        if key.isupper() and key not in _CASE_CONSTEXPRS:  # not the unit strides
+            config[key.lower()] = value
     return config
 
 

@@ -236,7 +236,7 @@ def block_sparse_attn_bwd(
     q_offsets, q_indices = transpose_block_lists(kv_indices, kv_counts, num_kv_blocks)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D)
+    cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D, has_sizes)
     _block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
         q, k, v, do, dk, dv, lse2, delta,
         q_offsets, q_indices, sizes,
@@ -249,7 +249,7 @@ def block_sparse_attn_bwd(
     )
 
     dq = torch.empty_like(q)
-    cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D)
+    cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
     _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
         q, k, v, do, dq, lse2, delta,
         kv_indices, kv_counts, sizes,

@@ -182,7 +182,9 @@ def block_sparse_attn_fwd(
     num_q_blocks = Sq // block_q
     o = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
-    cfg = config or forward_config(target_of(q.device), block_q, block_kv, D, q.dtype)
+    cfg = config or forward_config(
+        target_of(q.device), block_q, block_kv, D, q.dtype, masked=kv_block_sizes is not None
+    )
     grid = (num_q_blocks, B * H)
     if cfg.use_tma and kv_block_sizes is None and _tma_compatible(q, k, v, o):
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale, cfg, grid)
