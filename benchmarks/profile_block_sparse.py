@@ -25,8 +25,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     bq, bk = (int(x) for x in args.block.split("x"))
     S, H, D = args.seq, args.heads, 128
-    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
     do = torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16)
     for d in args.density:
         idx, cnt = random_block_lists(1, H, S // bq, S // bk, density=d, device="cuda")

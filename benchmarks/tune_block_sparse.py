@@ -83,7 +83,8 @@ def main(argv=None):
                 dict(kernel="fwd", block=[bq, bk], density=0.125, cfg=repr(cfg), ms=ms, tflops=tf)
             )
             print(
-                f"fwd {bq}x{bk} d=1/8 w={cfg.num_warps} s={cfg.num_stages} tma={cfg.use_tma}: {ms:.3f} ms {tf:.0f}",
+                f"fwd {bq}x{bk} d=1/8 w={cfg.num_warps} s={cfg.num_stages} tma={cfg.use_tma}:"
+                f" {ms:.3f} ms {tf:.0f}",
                 flush=True,
             )
             if best is None or ms < best[0]:
@@ -135,7 +136,8 @@ def main(argv=None):
                     )
                 )
                 print(
-                    f"bwd sweep {which} {bq}x{bk} w={c.num_warps} s={c.num_stages} sub={c.sub_m}: {ms:.3f} ms",
+                    f"bwd sweep {which} {bq}x{bk} w={c.num_warps} s={c.num_stages} sub={c.sub_m}:"
+                    f" {ms:.3f} ms",
                     flush=True,
                 )
                 if best is None or ms < best[0]:

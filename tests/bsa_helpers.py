@@ -8,7 +8,9 @@ from vidsparse.masks.block_sparse import dense_from_lists, random_block_lists
 
 
 def make_qkv(B, H, Sq, Skv, D, *, dtype, device, scale=1.0, requires_grad=False):
-    g = [torch.randn(B, H, s, D, device=device, dtype=torch.float32) * scale for s in (Sq, Skv, Skv)]
+    g = [
+        torch.randn(B, H, s, D, device=device, dtype=torch.float32) * scale for s in (Sq, Skv, Skv)
+    ]
     return [x.to(dtype).requires_grad_(requires_grad) for x in g]
 
 
@@ -16,13 +18,14 @@ def make_lists(Bi, H, NQ, NK, *, density, device, empty_rows=0):
     idx, cnt = random_block_lists(Bi, H, NQ, NK, density=density, device=device)
     if empty_rows:
         cnt[..., :empty_rows] = 0  # first rows attend to nothing
-    if NQ > empty_rows:
+    if empty_rows < NQ:
         cnt[..., -1] = torch.clamp(cnt[..., -1], max=1)  # last row: at most one block
     return idx, cnt
 
 
-def masked_dense_attention(q, k, v, kv_indices, kv_counts, block_q, block_kv, kv_block_sizes=None,
-                           scale=None):
+def masked_dense_attention(
+    q, k, v, kv_indices, kv_counts, block_q, block_kv, kv_block_sizes=None, scale=None
+):
     """Brute force in fp64: a token-level mask expanded from the block map. Returns (o, lse)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]

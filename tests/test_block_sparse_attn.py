@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from bsa_helpers import make_lists, make_qkv, masked_dense_attention
 
 import vidsparse
+from bsa_helpers import make_lists, make_qkv, masked_dense_attention
 from vidsparse.masks.block_sparse import random_block_lists
 from vidsparse.ops.block_sparse_attn import block_sparse_attn_ref
 from vidsparse.testing import assert_error_relative, assert_rel_l2, poison_
@@ -76,9 +76,9 @@ def test_torch_compile_fullgraph_cpu(torch_backend):
 # ----------------------------------------------------------------------------- bad input
 
 
-def _good_args(H=2, S=64, D=16, bs=16):
-    q, k, v = make_qkv(1, H, S, S, D, dtype=torch.float32, device="cpu")
-    idx, cnt = random_block_lists(1, H, S // bs, S // bs, density=0.5)
+def _good_args(H=2, S=64, D=16, bs=16, device="cpu"):
+    q, k, v = make_qkv(1, H, S, S, D, dtype=torch.float32, device=device)
+    idx, cnt = random_block_lists(1, H, S // bs, S // bs, density=0.5, device=device)
     return q, k, v, idx, cnt
 
 
@@ -118,8 +118,8 @@ def test_bad_block_sizes_and_scale(torch_backend):
         vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16, scale="x")
 
 
-def test_unsupported_head_dim_names_supported(triton_backend):
-    q, k, v, idx, cnt = _good_args(D=24)
+def test_unsupported_head_dim_names_supported(triton_backend, device):
+    q, k, v, idx, cnt = _good_args(D=24, device=device)
     with pytest.raises(ValueError, match=r"head_dim 24 .*supported"):
         vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16)
 
@@ -128,25 +128,44 @@ def test_unsupported_head_dim_names_supported(triton_backend):
 
 
 def _check_against_reference(
-    device, dtype, B, Bi, H, Sq, Skv, D, bq, bk, *, density, padded, empty_rows, scale=1.0,
-    backward=True, noncontiguous=False,
+    device,
+    dtype,
+    B,
+    Bi,
+    H,
+    Sq,
+    Skv,
+    D,
+    bq,
+    bk,
+    *,
+    density,
+    padded,
+    empty_rows,
+    scale=1.0,
+    backward=True,
+    noncontiguous=False,
 ):
     q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device=device, scale=scale)
     if noncontiguous:  # [B, S, H, D] storage viewed as [B, H, S, D], as diffusers hands it over
         q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v))
     for x in (q, k, v):
         x.requires_grad_(backward)
-    idx, cnt = make_lists(Bi, H, Sq // bq, Skv // bk, density=density, device=device,
-                          empty_rows=empty_rows)
+    idx, cnt = make_lists(
+        Bi, H, Sq // bq, Skv // bk, density=density, device=device, empty_rows=empty_rows
+    )
     sizes = None
     if padded:
         sizes = torch.randint(0, bk + 1, (Skv // bk,), dtype=torch.int32, device=device)
         sizes[0] = bk
-    o, lse = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=(bq, bk),
-                                         kv_block_sizes=sizes, return_lse=True)
+    o, lse = vidsparse.block_sparse_attn(
+        q, k, v, idx, cnt, block_size=(bq, bk), kv_block_sizes=sizes, return_lse=True
+    )
     # fp32 reference, and PyTorch's own error in the low precision as the yardstick.
     ref_o, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bq, bk, sizes)
-    low_o, _ = block_sparse_attn_ref(q, k, v, idx, cnt, block_q=bq, block_kv=bk, kv_block_sizes=sizes)
+    low_o, _ = block_sparse_attn_ref(
+        q, k, v, idx, cnt, block_q=bq, block_kv=bk, kv_block_sizes=sizes
+    )
     if dtype != torch.float32:
         low_o = _lowprec_baseline(q, k, v, idx, cnt, bq, bk, sizes)
     assert_error_relative("o", o, ref_o, low_o, atol=1e-4 if dtype == torch.float32 else 2e-3)
@@ -159,9 +178,13 @@ def _check_against_reference(
     grads = torch.autograd.grad(o, (q, k, v), do)
     ref_grads = torch.autograd.grad(ref_o, (q, k, v), do.double())
     low_grads = torch.autograd.grad(
-        _lowprec_baseline(q, k, v, idx, cnt, bq, bk, sizes) if dtype != torch.float32 else
-        block_sparse_attn_ref(q, k, v, idx, cnt, block_q=bq, block_kv=bk, kv_block_sizes=sizes)[0],
-        (q, k, v), do,
+        _lowprec_baseline(q, k, v, idx, cnt, bq, bk, sizes)
+        if dtype != torch.float32
+        else block_sparse_attn_ref(
+            q, k, v, idx, cnt, block_q=bq, block_kv=bk, kv_block_sizes=sizes
+        )[0],
+        (q, k, v),
+        do,
     )
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_error_relative(name, g, r, lo, atol=1e-4 if dtype == torch.float32 else 2e-3)
@@ -198,8 +221,9 @@ INTERPRETER_CASES = [
 @pytest.mark.parametrize("case", INTERPRETER_CASES)
 def test_triton_interpreter_matches_reference(triton_backend, dtype, case):
     B, Bi, H, Sq, Skv, D, bq, bk, density, padded, empty = case
-    _check_against_reference("cpu", dtype, B, Bi, H, Sq, Skv, D, bq, bk, density=density,
-                             padded=padded, empty_rows=empty)
+    _check_against_reference(
+        "cpu", dtype, B, Bi, H, Sq, Skv, D, bq, bk, density=density, padded=padded, empty_rows=empty
+    )
 
 
 GPU_BLOCKS = [(64, 64), (128, 64), (128, 128)]
@@ -212,22 +236,51 @@ GPU_BLOCKS = [(64, 64), (128, 64), (128, 128)]
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 def test_gpu_matches_reference(dtype, block, D, scale):
     bq, bk = block
-    _check_against_reference("cuda", dtype, 2, 1, 3, 4 * 128, 6 * 128, D, bq, bk, density=0.4,
-                             padded=True, empty_rows=1, scale=scale)
+    _check_against_reference(
+        "cuda",
+        dtype,
+        2,
+        1,
+        3,
+        4 * 128,
+        6 * 128,
+        D,
+        bq,
+        bk,
+        density=0.4,
+        padded=True,
+        empty_rows=1,
+        scale=scale,
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block", GPU_BLOCKS)
 def test_gpu_unpadded_batch_lists_noncontiguous(block):
     bq, bk = block
-    _check_against_reference("cuda", torch.bfloat16, 2, 2, 4, 1024, 512, 128, bq, bk, density=0.3,
-                             padded=False, empty_rows=2, noncontiguous=True)
+    _check_against_reference(
+        "cuda",
+        torch.bfloat16,
+        2,
+        2,
+        4,
+        1024,
+        512,
+        128,
+        bq,
+        bk,
+        density=0.3,
+        padded=False,
+        empty_rows=2,
+        noncontiguous=True,
+    )
 
 
 @pytest.mark.gpu
 def test_gpu_fp32_is_accurate():
-    _check_against_reference("cuda", torch.float32, 1, 1, 2, 256, 256, 64, 64, 64, density=0.5,
-                             padded=True, empty_rows=1)
+    _check_against_reference(
+        "cuda", torch.float32, 1, 1, 2, 256, 256, 64, 64, 64, density=0.5, padded=True, empty_rows=1
+    )
 
 
 @pytest.mark.gpu

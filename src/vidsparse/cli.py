@@ -77,8 +77,9 @@ def _run_demo(args) -> int:
         return 2
     from vidsparse.demo import run_demo
 
-    report = run_demo(device=args.device, sparsity=args.sparsity, seed=args.seed,
-                      log=None if args.json else print)
+    report = run_demo(
+        device=args.device, sparsity=args.sparsity, seed=args.seed, log=None if args.json else print
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"

@@ -53,7 +53,9 @@ def smooth_video_qkv(grid_shape, heads, head_dim, *, device, dtype, generator, s
     return [x.unsqueeze(0).to(device=device, dtype=dtype) for x in (q, k, noisy(v))]
 
 
-def _time(fn: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> tuple[float, torch.Tensor]:
+def _time(
+    fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
+) -> tuple[float, torch.Tensor]:
     out = fn()  # warm-up (compilation, caches)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -71,17 +73,23 @@ def run_demo(*, device: str = "auto", sparsity: float = 0.875, seed: int = 0, lo
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     on_gpu = dev.type == "cuda"
-    grid_shape, heads, head_dim = (GPU_GRID, GPU_HEADS, GPU_DIM) if on_gpu else (CPU_GRID, CPU_HEADS, CPU_DIM)
+    grid_shape, heads, head_dim = (
+        (GPU_GRID, GPU_HEADS, GPU_DIM) if on_gpu else (CPU_GRID, CPU_HEADS, CPU_DIM)
+    )
     dtype = torch.bfloat16 if on_gpu else torch.float32
     if not on_gpu:
-        log(f"no GPU: running a reduced grid {grid_shape} x {heads} heads x head_dim {head_dim}"
-            f" (the GPU demo runs Wan 2.1 480p: {GPU_GRID} x {GPU_HEADS} x {GPU_DIM})")
+        log(
+            f"no GPU: running a reduced grid {grid_shape} x {heads} heads x head_dim {head_dim}"
+            f" (the GPU demo runs Wan 2.1 480p: {GPU_GRID} x {GPU_HEADS} x {GPU_DIM})"
+        )
     grid = vidsparse.VideoGrid(grid_shape)
     gen = torch.Generator().manual_seed(seed)
     q, k, v = smooth_video_qkv(grid_shape, heads, head_dim, device=dev, dtype=dtype, generator=gen)
     repeats = 10 if on_gpu else 2
-    log(f"workload: grid {grid_shape} = {grid.num_tokens} tokens, {grid.num_tiles} tiles of 4x4x4,"
-        f" {heads} heads, head_dim {head_dim}, {str(dtype).replace('torch.', '')}, {device}")
+    log(
+        f"workload: grid {grid_shape} = {grid.num_tokens} tokens, {grid.num_tiles} tiles of 4x4x4,"
+        f" {heads} heads, head_dim {head_dim}, {str(dtype).replace('torch.', '')}, {device}"
+    )
 
     dense_ms, dense = _time(lambda: F.scaled_dot_product_attention(q, k, v), dev, repeats)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
@@ -90,19 +98,36 @@ def run_demo(*, device: str = "auto", sparsity: float = 0.875, seed: int = 0, lo
     # output compared with dense attention is the fine stage over the selected tiles.
     gate = torch.zeros_like(q)
     vsa_ms, vsa = _time(
-        lambda: vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate), dev,
+        lambda: vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate),
+        dev,
         repeats,
     )
-    rows.append(dict(method=f"VSA sparsity {sparsity}", ms=vsa_ms, speedup=dense_ms / vsa_ms,
-                     rel_l2=rel_l2(vsa, ref)))
+    rows.append(
+        dict(
+            method=f"VSA sparsity {sparsity}",
+            ms=vsa_ms,
+            speedup=dense_ms / vsa_ms,
+            rel_l2=rel_l2(vsa, ref),
+        )
+    )
     log(f"{'method':<22} {'time ms':>9} {'speedup':>8} {'rel L2 vs dense':>16}")
     for r in rows:
         log(f"{r['method']:<22} {r['ms']:>9.2f} {r['speedup']:>7.2f}x {r['rel_l2']:>16.4f}")
     return dict(
-        workload=dict(grid=list(grid_shape), tokens=grid.num_tokens, heads=heads,
-                      head_dim=head_dim, dtype=str(dtype), device=device,
-                      inputs="synthetic smooth space-time fields", reduced=not on_gpu),
+        workload=dict(
+            grid=list(grid_shape),
+            tokens=grid.num_tokens,
+            heads=heads,
+            head_dim=head_dim,
+            dtype=str(dtype),
+            device=device,
+            inputs="synthetic smooth space-time fields",
+            reduced=not on_gpu,
+        ),
         results=rows,
-        versions=dict(vidsparse=vidsparse.__version__, torch=torch.__version__,
-                      python=platform.python_version()),
+        versions=dict(
+            vidsparse=vidsparse.__version__,
+            torch=torch.__version__,
+            python=platform.python_version(),
+        ),
     )

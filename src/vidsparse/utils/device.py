@@ -27,7 +27,7 @@ class Target:
 CPU_INTERPRETER = Target("cpu", 0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def target_of(device: torch.device) -> Target:
     """The compile target for ``device``; the interpreter target for CPU tensors."""
     if device.type != "cuda":

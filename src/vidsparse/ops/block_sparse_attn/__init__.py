@@ -1,6 +1,9 @@
 """Block-sparse flash attention: the engine VSA and PSA run on."""
 
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn
-from vidsparse.ops.block_sparse_attn.reference import block_sparse_attn_bwd_ref, block_sparse_attn_ref
+from vidsparse.ops.block_sparse_attn.reference import (
+    block_sparse_attn_bwd_ref,
+    block_sparse_attn_ref,
+)
 
 __all__ = ["block_sparse_attn", "block_sparse_attn_ref", "block_sparse_attn_bwd_ref"]

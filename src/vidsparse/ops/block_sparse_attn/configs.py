@@ -98,8 +98,9 @@ def _table_for(target: Target) -> list[dict]:
     return [NVIDIA_GENERIC]
 
 
-def _lookup(target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int,
-            masked: bool = False):
+def _lookup(
+    target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int, masked: bool = False
+):
     if masked:
         for table in _table_for(target):
             for key in (
@@ -129,7 +130,11 @@ def _fit_sub_m(cfg: KernelConfig, block_q: int) -> KernelConfig:
 
 
 def forward_config(
-    target: Target, block_q: int, block_kv: int, head_dim: int, dtype: torch.dtype,
+    target: Target,
+    block_q: int,
+    block_kv: int,
+    head_dim: int,
+    dtype: torch.dtype,
     masked: bool = False,
 ) -> KernelConfig:
     """Config of the forward kernel; ``masked`` when kv_block_sizes masks padding keys."""

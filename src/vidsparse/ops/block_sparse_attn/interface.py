@@ -110,14 +110,16 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
     )
     B, H, Sq, D = q.shape
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
         raise ValueError(
-            f"k must be [B={B}, H={H}, Skv, D={D}] to match q, got {tuple(k.shape)}"
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
         )
+    if k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
+        raise ValueError(f"k must be [B={B}, H={H}, Skv, D={D}] to match q, got {tuple(k.shape)}")
     Skv = k.shape[2]
     if Sq % block_q:
-        raise ValueError(f"q's sequence length {Sq} is not a multiple of block_q={block_q} (block_size)")
+        raise ValueError(
+            f"q's sequence length {Sq} is not a multiple of block_q={block_q} (block_size)"
+        )
     if Skv % block_kv:
         raise ValueError(
             f"k's sequence length {Skv} is not a multiple of block_kv={block_kv} (block_size)"
@@ -147,7 +149,8 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
             lo, hi = int(kv_block_sizes.min()), int(kv_block_sizes.max())
             if lo < 0 or hi > block_kv:
                 raise ValueError(
-                    f"kv_block_sizes must lie in [0, block_kv={block_kv}], got values in [{lo}, {hi}]"
+                    f"kv_block_sizes must lie in [0, block_kv={block_kv}],"
+                    f" got values in [{lo}, {hi}]"
                 )
     if check_values:
         _values_checked.add(kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv)
@@ -191,8 +194,11 @@ class _CheckedLists:
     def add(self, kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv) -> None:
         tensors = (kv_indices, kv_counts, kv_block_sizes)
         if len(self._entries) >= self._capacity:
-            self._entries = {k: v for k, v in self._entries.items() if all(
-                s is None or s[0]() is not None for s in v)}
+            self._entries = {
+                k: v
+                for k, v in self._entries.items()
+                if all(s is None or s[0]() is not None for s in v)
+            }
             if len(self._entries) >= self._capacity:
                 self._entries.pop(next(iter(self._entries)))
         self._entries[self._key(tensors, num_kv_blocks, block_kv)] = self._state(tensors)
@@ -235,8 +241,15 @@ def _block_sparse_attn_fwd_op(
             q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale
         )
     o, lse = block_sparse_attn_ref(
-        q, k, v, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
-        kv_block_sizes=kv_block_sizes, scale=scale,
+        q,
+        k,
+        v,
+        kv_indices,
+        kv_counts,
+        block_q=block_q,
+        block_kv=block_kv,
+        kv_block_sizes=kv_block_sizes,
+        scale=scale,
     )
     return o, lse.float()
 
@@ -270,13 +283,24 @@ def _block_sparse_attn_bwd_op(
             do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale
         )
     return block_sparse_attn_bwd_ref(
-        do, q, k, v, o, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
-        kv_block_sizes=kv_block_sizes, scale=scale,
+        do,
+        q,
+        k,
+        v,
+        o,
+        kv_indices,
+        kv_counts,
+        block_q=block_q,
+        block_kv=block_kv,
+        kv_block_sizes=kv_block_sizes,
+        scale=scale,
     )
 
 
 @_block_sparse_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend):
+def _(
+    do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend
+):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -292,7 +316,18 @@ def _backward(ctx, do, dlse):
     q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes = ctx.saved_tensors
     block_q, block_kv, scale, backend = ctx.meta
     dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
-        do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        kv_indices,
+        kv_counts,
+        kv_block_sizes,
+        block_q,
+        block_kv,
+        scale,
         backend,
     )
     return dq, dk, dv, None, None, None, None, None, None, None

@@ -107,23 +107,28 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale) -> torch.device
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
     S = q.shape[2]
     expected = grid.padded_len if tiled else grid.num_tokens
-    if S != expected:
+    if expected != S:
         hint = (
-            f" (it equals grid.padded_len: pass tiled=True)" if S == grid.padded_len else
-            f" (it equals grid.num_tokens: pass tiled=False)" if S == grid.num_tokens else ""
+            " (it equals grid.padded_len: pass tiled=True)"
+            if grid.padded_len == S
+            else " (it equals grid.num_tokens: pass tiled=False)"
+            if grid.num_tokens == S
+            else ""
         )
         raise ValueError(
             f"q's sequence length {S} must equal "
             f"{'grid.padded_len' if tiled else 'grid.num_tokens'} = {expected} for {grid}{hint}"
         )
-    if sparsity is not None and not isinstance(sparsity, bool) and isinstance(sparsity, (int, float)):
-        if not 0.0 <= sparsity < 1.0:
-            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    is_number = isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
+    if is_number and not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     resolve_topk(grid.num_tiles, topk, sparsity)  # exactly one of them, right types and ranges
     if gate is not None:
         check_tensor("gate", gate, ndim=4, dtypes=_DTYPES)
         if gate.shape != q.shape:
-            raise ValueError(f"gate must be shaped like q {tuple(q.shape)}, got {tuple(gate.shape)}")
+            raise ValueError(
+                f"gate must be shaped like q {tuple(q.shape)}, got {tuple(gate.shape)}"
+            )
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
         raise TypeError(f"scale must be a float or None, got {scale!r}")
     return check_same_device(q=q, k=k, v=v, gate=gate)
