@@ -1,0 +1,377 @@
+"""Public entry point of PSA (Parameterized Stripe Attention) on the block-sparse engine.
+
+Each head attends along its own stripes of the PSA block grid (``grid.tiles``; a PSA block is
+one tile of the ``VideoGrid``). The per-head block lists come from ``stripe_block_lists`` and
+every head runs in one launch of ``block_sparse_attn``, with ``block_size = tile_volume`` for
+query and key blocks and the tile sizes masking the padding keys of partial tiles.
+
+Text tokens (``text_tokens = N``, appended after the video tokens, as HunyuanVideo's joint
+attention does) extend the block grid. They are padded to whole blocks of ``tile_volume`` slots
+and become extra key blocks ``Nt .. Nt+NTb-1`` after the ``Nt`` video tiles; their real-token
+counts go into ``kv_block_sizes``, so padding slots get no weight::
+
+    engine key sequence (tile order, blocks of V = tile_volume slots)
+    [ tile 0 | tile 1 | ... | tile Nt-1 | text 0 | text 1 ... (last one partial, padded) ]
+      <----------- padded_len ---------> <------------- NTb * V ------------------------>
+
+    block map of one head           video key blocks        text key blocks
+                                   k0  k1  k2 ... kNt-1     t0  t1
+    launch 1: video query block q0 [ stripe pattern of the  |  1   1 ]   lists [1, H, Nt, K+NTb]
+    (all heads at once)         ...[ head (+ sink frames)   |  1   1 ]   stripe row + text
+    launch 2: text query block  t0 [  1   1   1  ...   1    |  1   1 ]   lists [1, H, NTb, NK]
+    (only when N > 0)           t1 [  1   1   1  ...   1    |  1   1 ]   one row, head-broadcast
+
+    (K: the busiest stripe row of the heads; NK = Nt + NTb key blocks in all)
+
+Text query rows are dense, so they run as a second launch whose lists are one row expanded
+over heads and blocks (stride 0). Folding them into the first launch would widen every row
+of its index tensor to ``Nt + NTb`` entries (int32 ``H x NK^2``: 100 MB for HunyuanVideo 720p
+in 2x8x8 blocks) when a stripe row needs only ``K + NTb``. Both launches read the same key
+sequence; their outputs are joined. All lists are built once per (specs, grid, spatial_unit,
+sink_frames, text_tokens, device) and cached, so the engine validates them once and later
+calls cost no host-device sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from vidsparse.layout.grid import VideoGrid
+from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_block_lists, stripe_block_mask
+from vidsparse.ops.block_sparse_attn.interface import (
+    TRITON_DTYPES,
+    TRITON_HEAD_DIMS,
+    block_sparse_attn,
+)
+from vidsparse.utils.backend import resolve_backend
+from vidsparse.utils.checks import check_same_device, check_tensor
+
+__all__ = ["stripe_attn", "stripe_attn_density", "clear_stripe_attn_cache"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CACHE_SIZE = 32
+
+
+def stripe_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: VideoGrid,
+    specs: Sequence[StripeSpec],
+    *,
+    spatial_unit: str = "block",
+    tiled: bool = False,
+    sink_frames: int = 0,
+    text_tokens: int = 0,
+    scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Stripe attention: every head attends along its own periodic bands of PSA blocks.
+
+    ::
+
+        one frame of 2x3 blocks, head spec t(w=1,o=0,s=inf) s(w=2,o=0,s=3), "block" unit
+                 k0 k1 k2 k3 k4 k5          query block q attends to key blocks at spatial
+            q0 [  1  1  0  1  1  0 ]        distance |ds| mod 3 <= 1, in its own frame;
+            q1 [  1  1  1  0  1  1 ]        each token of q attends to every real token of
+            q2 [  0  1  1  1  0  1 ]        the blocks marked 1
+            ...
+
+    Args:
+        q, k, v: ``[B, H, S, D]``. ``S == grid.num_tokens + text_tokens`` (video in natural
+            raster order, then the text tokens), or ``grid.padded_len + text_tokens`` with
+            ``tiled=True`` (video in tile order, as ``grid.tile`` makes it).
+        grid: the latent :class:`VideoGrid`; its tile is the PSA block (e.g. ``(2, 8, 8)`` or
+            ``(1, 8, 16)``), so the block grid is ``grid.tiles``. Partial tiles are padded.
+        specs: one :class:`StripeSpec` per head (``H`` of them); heads differ freely.
+        spatial_unit: ``"block"`` or ``"row"``, how the spatial stride is measured (DESIGN.md).
+        tiled: inputs and output in tile order; padding rows of the output are zero.
+        sink_frames: key blocks of the first ``sink_frames`` temporal blocks are attended by
+            every query block.
+        text_tokens: ``N`` non-video tokens after the video tokens: they attend to every token,
+            and every video token attends to them.
+        scale: softmax scale, default ``1 / sqrt(D)``.
+        return_lse: also return the fp32 natural-log log-sum-exp ``[B, H, S]`` (``-inf`` in
+            padding rows of the tiled layout).
+
+    Returns ``o`` in q's dtype and layout, or ``(o, lse)``. Differentiable in q, k, v.
+    The Triton path needs a power-of-two tile volume >= 16; the torch path takes any.
+    """
+    specs, device = _validate(
+        q, k, v, grid, specs, spatial_unit, tiled, sink_frames, text_tokens, scale, return_lse
+    )
+    if resolve_backend(device) == "triton":
+        _check_triton_supported(q, grid)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    plan = _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device)
+    o, lse = _run_engine(q, k, v, grid, plan, tiled, text_tokens, scale)
+    return (o, lse) if return_lse else o
+
+
+def stripe_attn_density(
+    specs: Sequence[StripeSpec],
+    grid: VideoGrid,
+    spatial_unit: str = "block",
+    sink_frames: int = 0,
+    text_tokens: int = 0,
+) -> torch.Tensor:
+    """Fraction of (query block, key block) pairs that ``stripe_attn`` computes, per head:
+    float32 ``[H]``. Blocks are those of the padded block grid, plus ``ceil(N / V)`` text
+    blocks (rows and columns dense) when ``text_tokens = N > 0``. Sparsity is ``1 - density``.
+    """
+    if not isinstance(grid, VideoGrid):
+        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
+    _check_count("text_tokens", text_tokens)
+    mask = stripe_block_mask(specs, grid.tiles, spatial_unit, sink_frames=sink_frames)
+    video_pairs = mask.sum(dim=(-2, -1), dtype=torch.float64)  # [H]
+    nt = grid.num_tiles
+    ntb = _ceil_div(text_tokens, grid.tile_volume)
+    n = nt + ntb
+    # Text blocks: every video row gains ntb columns, and ntb dense rows of n blocks are added.
+    attended = video_pairs + nt * ntb + ntb * n
+    return (attended / (n * n)).float()
+
+
+def clear_stripe_attn_cache() -> None:
+    """Drop the cached engine lists (``vidsparse.masks.clear_stripe_cache`` drops the masks)."""
+    _engine_plan.cache_clear()
+
+
+# --------------------------------------------------------------------------- engine plan
+
+
+class _EnginePlan(NamedTuple):
+    """Everything the engine launches need, built once per configuration (read-only)."""
+
+    video_indices: torch.Tensor  # int32 [1, H, Nt, K(+NTb)]: stripe lists (+ text blocks)
+    video_counts: torch.Tensor  # int32 [1, H, Nt]
+    text_indices: torch.Tensor | None  # int32 [1, H, NTb, Nt+NTb], stride-0 view; None if N=0
+    text_counts: torch.Tensor | None  # int32 [1, H, NTb]
+    kv_block_sizes: torch.Tensor | None  # int32 [Nt+NTb]; None when no key slot is padding
+    text_blocks: int  # NTb = ceil(N / V)
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) -> _EnginePlan:
+    video_indices, video_counts = stripe_block_lists(
+        specs, grid.tiles, spatial_unit, device=device, sink_frames=sink_frames
+    )  # [1, H, Nt, K], [1, H, Nt]
+    sizes = grid.tile_sizes_on(device)  # [Nt]
+    ntb = _ceil_div(text_tokens, grid.tile_volume)
+    text_indices = text_counts = None
+    if ntb:
+        text_columns = torch.arange(grid.num_tiles, grid.num_tiles + ntb, device=device)
+        video_indices, video_counts = _append_columns(video_indices, video_counts, text_columns)
+        text_indices, text_counts = _dense_rows(len(specs), ntb, grid.num_tiles + ntb, device)
+        sizes = torch.cat([sizes, _text_block_sizes(text_tokens, grid.tile_volume, device)])
+    # The engine's unmasked kernel is faster (on Hopper it moves tiles by TMA): use it when
+    # every key block is full.
+    all_full = bool((sizes == grid.tile_volume).all())
+    return _EnginePlan(
+        video_indices,
+        video_counts,
+        text_indices,
+        text_counts,
+        None if all_full else sizes.to(torch.int32).contiguous(),
+        ntb,
+    )
+
+
+def _append_columns(kv_indices, kv_counts, columns):
+    """Append the key blocks ``columns`` [C] to every row, right after its ``count`` entries.
+
+    Rows stay ascending because the appended blocks come after every video tile.
+    """
+    bi, h, nq, k = kv_indices.shape
+    c = columns.numel()
+    wide = torch.zeros(bi, h, nq, k + c, dtype=torch.int32, device=kv_indices.device)
+    wide[..., :k] = kv_indices
+    slots = kv_counts.long().unsqueeze(-1) + torch.arange(c, device=kv_indices.device)
+    values = columns.to(torch.int32).expand(bi, h, nq, c)
+    wide.scatter_(-1, slots, values)  # [Bi, H, NQ, K + C]
+    return wide, (kv_counts + c).to(torch.int32)
+
+
+def _dense_rows(heads: int, rows: int, num_kv_blocks: int, device):
+    """Lists of ``rows`` query blocks that attend to every key block: one row in memory,
+    expanded (stride 0) to ``[1, heads, rows, num_kv_blocks]``."""
+    row = torch.arange(num_kv_blocks, dtype=torch.int32, device=device)
+    count = torch.full((1,), num_kv_blocks, dtype=torch.int32, device=device)
+    return row.expand(1, heads, rows, num_kv_blocks), count.expand(1, heads, rows)
+
+
+def _text_block_sizes(text_tokens: int, volume: int, device) -> torch.Tensor:
+    """Real text tokens in each text block: ``[V, V, ..., N - (NTb - 1) * V]``, int32."""
+    ntb = _ceil_div(text_tokens, volume)
+    starts = torch.arange(ntb, device=device) * volume
+    return (text_tokens - starts).clamp(max=volume).to(torch.int32)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
+    video_len = grid.padded_len if tiled else grid.num_tokens
+    text_pad = plan.text_blocks * grid.tile_volume - text_tokens
+    k_seq = _key_sequence(k, grid, tiled, video_len, text_pad)  # [B, H, P + NTb*V, D]
+    v_seq = _key_sequence(v, grid, tiled, video_len, text_pad)
+
+    def attend(q_blocks, kv_indices, kv_counts):  # one engine launch over the key sequence
+        return block_sparse_attn(
+            q_blocks,
+            k_seq,
+            v_seq,
+            kv_indices,
+            kv_counts,
+            block_size=grid.tile_volume,
+            kv_block_sizes=plan.kv_block_sizes,
+            scale=scale,
+            return_lse=True,
+        )
+
+    q_video = _video_tiles(q, grid, tiled, video_len)  # [B, H, P, D]
+    o, lse = attend(q_video, plan.video_indices, plan.video_counts)
+    o, lse = _video_output(o, lse, grid, tiled)  # [B, H, video_len, D], [B, H, video_len]
+    if not plan.text_blocks:
+        return o, lse
+    q_text = F.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
+    o_text, lse_text = attend(q_text, plan.text_indices, plan.text_counts)
+    o = torch.cat([o, o_text[:, :, :text_tokens]], dim=-2)
+    lse = torch.cat([lse, lse_text[:, :, :text_tokens]], dim=-1)
+    return o, lse
+
+
+def _video_tiles(x, grid: VideoGrid, tiled: bool, video_len: int) -> torch.Tensor:
+    """The video part of ``x`` in tile order, ``[B, H, padded_len, D]`` (a view when tiled)."""
+    video = x[:, :, :video_len]
+    return video if tiled else grid.tile(video, dim=-2)
+
+
+def _key_sequence(x, grid: VideoGrid, tiled: bool, video_len: int, text_pad: int):
+    """Keys or values as the engine reads them: video tiles, then text padded to whole blocks."""
+    if x.shape[2] == video_len:  # no text
+        return _video_tiles(x, grid, tiled, video_len)
+    if tiled and text_pad == 0:
+        return x  # already tile order followed by whole text blocks: no copy
+    parts = [_video_tiles(x, grid, tiled, video_len), x[:, :, video_len:]]
+    if text_pad:
+        parts.append(x.new_zeros(*x.shape[:2], text_pad, x.shape[-1]))
+    return torch.cat(parts, dim=-2)
+
+
+def _video_output(o, lse, grid: VideoGrid, tiled: bool):
+    """Engine output of the video query blocks -> the caller's layout."""
+    if not tiled:
+        return grid.untile(o, dim=-2), grid.untile(lse, dim=-1)
+    if grid.padded_len == grid.num_tokens:
+        return o, lse
+    # Padding query rows attended like real ones (their q is zero, not absent): blank them.
+    real = grid.real_token_mask(o.device)  # [padded_len]
+    return o.masked_fill(~real.view(-1, 1), 0), lse.masked_fill(~real, float("-inf"))
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _validate(
+    q, k, v, grid, specs, spatial_unit, tiled, sink_frames, text_tokens, scale, return_lse
+):
+    if not isinstance(grid, VideoGrid):
+        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=4, dtypes=_DTYPES)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"q, k, v must have the same shape [B, H, S, D], got {tuple(q.shape)},"
+            f" {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    device = check_same_device(q=q, k=k, v=v)
+    for name, flag in (("tiled", tiled), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    if spatial_unit not in SPATIAL_UNITS:
+        raise ValueError(f"spatial_unit must be one of {SPATIAL_UNITS}, got {spatial_unit!r}")
+    _check_count("sink_frames", sink_frames)
+    _check_count("text_tokens", text_tokens)
+    _check_scale(scale)
+    specs = _check_specs(specs, heads=q.shape[1])
+    _check_sequence_length(q.shape[2], grid, tiled, text_tokens)
+    return specs, device
+
+
+def _check_count(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_scale(scale) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+
+
+def _check_specs(specs, heads: int) -> tuple[StripeSpec, ...]:
+    if isinstance(specs, StripeSpec):
+        raise TypeError(
+            f"specs must be a sequence of {heads} StripeSpec (one per head), got one StripeSpec"
+        )
+    if not isinstance(specs, Sequence):
+        raise TypeError(f"specs must be a sequence of StripeSpec, got {type(specs).__name__}")
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, StripeSpec):
+            raise TypeError(f"specs[{i}] must be a StripeSpec, got {type(spec).__name__}")
+    if len(specs) != heads:
+        raise ValueError(
+            f"specs must hold one StripeSpec per head: q has H={heads} heads, got {len(specs)}"
+        )
+    return tuple(specs)
+
+
+def _check_sequence_length(seq_len: int, grid: VideoGrid, tiled: bool, text_tokens: int) -> None:
+    video_len = grid.padded_len if tiled else grid.num_tokens
+    if seq_len == video_len + text_tokens:
+        return
+    other_len = grid.num_tokens if tiled else grid.padded_len
+    hint = ""
+    if seq_len == other_len + text_tokens and other_len != video_len:
+        hint = f" (it fits tiled={not tiled})"
+    raise ValueError(
+        f"q's sequence length {seq_len} must equal "
+        f"{'grid.padded_len' if tiled else 'grid.num_tokens'} ({video_len}) + "
+        f"text_tokens ({text_tokens}) = {video_len + text_tokens} for {grid!r}{hint}"
+    )
+
+
+def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
+    volume = grid.tile_volume
+    if volume < 16 or volume & (volume - 1):
+        raise ValueError(
+            f"grid: the Triton path needs a power-of-two tile volume >= 16, got tile "
+            f"{grid.tile_shape} (volume {volume}); use e.g. tile=(2, 8, 8) or (1, 8, 16) "
+            "(volume 128) or (4, 4, 4) (64), or VIDSPARSE_BACKEND=torch for any tile"
+        )
+    if q.shape[-1] not in TRITON_HEAD_DIMS:
+        raise ValueError(
+            f"head_dim {q.shape[-1]} is not supported by the Triton kernels; supported:"
+            f" {TRITON_HEAD_DIMS} (set VIDSPARSE_BACKEND=torch for the reference path)"
+        )
+    if q.dtype not in TRITON_DTYPES:
+        raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q.dtype}")

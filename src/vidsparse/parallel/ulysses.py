@@ -1,0 +1,700 @@
+"""Ulysses sequence parallelism: sequence-sharded in, head-sharded full-sequence attention inside.
+
+With ``P`` ranks, each rank holds a contiguous ``S/P`` slice of the sequence for all ``H`` heads.
+Sparse attention needs the whole sequence of a head (VSA's coarse stage, PSA's stripes, any
+block list may reach any key), so one all-to-all trades the sequence shard for a head shard::
+
+    rank r:  [B, S/P, H, D]  --all-to-all-->  [B, H/P, S, D]   heads r*H/P .. (r+1)*H/P - 1
+             run the single-device op on the rank's heads (per-head plans sliced to them)
+             [B, H/P, S, D]  --all-to-all-->  [B, S/P, H, D]
+
+Both all-to-alls are differentiable: an equal-split all-to-all is a permutation of chunks that
+is its own inverse, so its backward is the same all-to-all applied to the gradient.
+
+Communication is ``torch.distributed.all_to_all_single`` on one contiguous buffer (q, k, v and a
+gate are packed together, so a layer costs one collective in and one out). NCCL and gloo (CPU,
+torch >= 2.x) both implement it; a backend that does not is detected on its first refusal and
+served by an ``all_gather`` fallback (``P`` times the traffic and memory; correct, not fast).
+
+Every check that can fail runs before the first collective, so a bad argument raises on every
+rank instead of leaving the others waiting in a collective. Shapes that differ *between* ranks
+cannot be seen locally; ``check_shards=True`` (or ``VIDSPARSE_ULYSSES_CHECK=1``) all-gathers the
+local shapes first and raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vidsparse.layout.grid import VideoGrid
+
+__all__ = [
+    "LAYOUTS",
+    "UlyssesAttention",
+    "head_to_seq",
+    "seq_to_head",
+    "shard_sequence",
+    "ulysses_attention",
+    "ulysses_block_sparse_attn",
+    "ulysses_stripe_attn",
+    "ulysses_video_sparse_attn",
+]
+
+LAYOUTS = ("bshd", "bhsd")
+COMM_METHODS = ("auto", "all_to_all", "all_gather")
+CHECK_ENV = "VIDSPARSE_ULYSSES_CHECK"
+
+# (backend name, device type) pairs whose all_to_all_single raised "unsupported" once: later
+# calls go straight to the all_gather fallback instead of failing and retrying every time.
+_NO_ALL_TO_ALL: set[tuple[str, str]] = set()
+
+
+# ---------------------------------------------------------------------------------------------
+# process group and shard geometry
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """The process group of a Ulysses call, this rank's place in it, and the input layout."""
+
+    group: object
+    rank: int
+    world_size: int
+    layout: str
+
+    def head_slice(self, num_heads: int) -> slice:
+        """The heads this rank computes: ``rank * H/P .. (rank + 1) * H/P``."""
+        local = num_heads // self.world_size
+        return slice(self.rank * local, (self.rank + 1) * local)
+
+    def seq_slice(self, seq_len: int) -> slice:
+        """The tokens of the full sequence this rank holds: ``rank * S/P .. (rank + 1) * S/P``."""
+        local = seq_len // self.world_size
+        return slice(self.rank * local, (self.rank + 1) * local)
+
+
+def resolve_context(group=None, layout: str = "bshd") -> ShardContext:
+    """Group (default WORLD), rank and world size, after checking that there is a process group."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not dist.is_available():
+        raise RuntimeError("vidsparse.parallel needs torch.distributed, which this build lacks")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "vidsparse.parallel needs an initialised process group: call "
+            "torch.distributed.init_process_group('nccl' on GPUs, 'gloo' on CPU) first "
+            "(torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it)"
+        )
+    group = dist.group.WORLD if group is None else group
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise RuntimeError("this process is not a member of the process group passed as group")
+    return ShardContext(group, rank, dist.get_world_size(group), layout)
+
+
+def local_dims(x: torch.Tensor, layout: str) -> tuple[int, int, int, int]:
+    """``(B, S_local, H, D)`` of a sequence shard in either layout."""
+    if layout == "bshd":
+        B, S, H, D = x.shape
+    else:
+        B, H, S, D = x.shape
+    return B, S, H, D
+
+
+def shard_sequence(x: torch.Tensor, *, group=None, layout: str = "bshd") -> torch.Tensor:
+    """This rank's contiguous ``S/P`` slice of a full-sequence tensor (no communication).
+
+    The sharding every function here expects: rank ``r`` holds tokens ``r*S/P .. (r+1)*S/P-1``.
+    """
+    ctx = resolve_context(group, layout)
+    _check_4d("x", x)
+    seq_dim = 1 if layout == "bshd" else 2
+    S = x.shape[seq_dim]
+    if S % ctx.world_size:
+        raise ValueError(f"sequence length {S} is not divisible by world size {ctx.world_size}")
+    return x.narrow(seq_dim, ctx.seq_slice(S).start, S // ctx.world_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation (local, before any communication)
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_4d(name: str, x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim != 4:
+        raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
+
+
+def validate_shards(ctx: ShardContext, **tensors: torch.Tensor | None) -> tuple[int, int, int, int]:
+    """Local checks of the sequence shards; returns ``(B, S_local, H, D)``.
+
+    q, k, v (and a gate) must share one shape and dtype (they travel in one buffer), the heads
+    must split evenly over the ranks, and NCCL needs CUDA tensors.
+    """
+    present = {name: x for name, x in tensors.items() if x is not None}
+    for name, x in present.items():
+        _check_4d(name, x)
+    names = list(present)
+    first = present[names[0]]
+    for name in names[1:]:
+        x = present[name]
+        if x.shape != first.shape:
+            raise ValueError(
+                f"{name} must have the same local shape as {names[0]} {tuple(first.shape)} "
+                f"(layout {ctx.layout!r}), got {tuple(x.shape)}"
+            )
+        if x.device != first.device:
+            raise ValueError(f"{name} is on {x.device} but {names[0]} is on {first.device}")
+    B, S_local, H, D = local_dims(first, ctx.layout)
+    if H % ctx.world_size:
+        raise ValueError(
+            f"Ulysses splits heads over the ranks: {H} heads are not divisible by the world size "
+            f"{ctx.world_size} (use a group whose size divides the number of heads)"
+        )
+    if _backend_name(ctx.group) == "nccl" and first.device.type != "cuda":
+        raise ValueError(f"the NCCL process group moves CUDA tensors, got {first.device} tensors")
+    return B, S_local, H, D
+
+
+def validate_shards_across_ranks(ctx: ShardContext, **tensors: torch.Tensor | None) -> None:
+    """All-gather every rank's local shapes and raise the same ``ValueError`` on every rank if
+    they differ. One small collective and a host sync, so it is opt-in (debugging)."""
+    if ctx.world_size == 1:
+        return
+    names = sorted(tensors)
+    device = next(x.device for x in tensors.values() if x is not None)
+    rows = [list(x.shape) if x is not None else [-1] * 4 for x in (tensors[n] for n in names)]
+    local = torch.tensor(rows, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, local, group=ctx.group)
+    shapes = [g.tolist() for g in gathered]
+    if all(s == shapes[0] for s in shapes):
+        return
+    lines = []
+    for rank, rank_rows in enumerate(shapes):
+        described = ", ".join(
+            f"{n}={'None' if r[0] < 0 else tuple(r)}" for n, r in zip(names, rank_rows)
+        )
+        lines.append(f"rank {rank}: {described}")
+    raise ValueError(
+        "sequence shards differ across ranks (every rank must hold S/P tokens of the same "
+        f"B, H, D in layout {ctx.layout!r}):\n  " + "\n  ".join(lines)
+    )
+
+
+def _want_global_check(check: bool) -> bool:
+    return bool(check) or os.environ.get(CHECK_ENV, "0").strip().lower() in ("1", "true", "yes")
+
+
+def _backend_name(group) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------------------------
+# the all-to-all
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_unsupported(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, NotImplementedError) or any(
+        word in text for word in ("not support", "unsupported", "not implemented")
+    )
+
+
+def _all_to_all_by_gather(buf: torch.Tensor, group) -> torch.Tensor:
+    """``out[r] = chunk rank r addresses to me``, from an all_gather of everyone's buffers."""
+    rank = dist.get_rank(group)
+    gathered = [torch.empty_like(buf) for _ in range(buf.shape[0])]
+    dist.all_gather(gathered, buf, group=group)
+    return torch.stack([g[rank] for g in gathered])
+
+
+def _all_to_all(buf: torch.Tensor, group, method: str) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 (size P) of a contiguous buffer: chunk ``p`` goes to
+    rank ``p``; chunk ``r`` of the result came from rank ``r``."""
+    key = (_backend_name(group), buf.device.type)
+    if method == "all_gather" or (method == "auto" and key in _NO_ALL_TO_ALL):
+        return _all_to_all_by_gather(buf, group)
+    out = torch.empty_like(buf)
+    try:
+        dist.all_to_all_single(out, buf, group=group)
+    except (RuntimeError, NotImplementedError) as exc:
+        # A backend without all-to-all refuses on every rank before exchanging anything, so
+        # every rank takes the fallback together; any other failure is re-raised.
+        if method != "auto" or not _is_unsupported(exc):
+            raise
+        _NO_ALL_TO_ALL.add(key)
+        return _all_to_all_by_gather(buf, group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Differentiable equal-split all-to-all. The exchange is a permutation of chunks that is its
+    own inverse, so the backward is the same exchange applied to the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, buf: torch.Tensor, group, method: str) -> torch.Tensor:
+        ctx.group, ctx.method = group, method
+        return _all_to_all(buf, group, method)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad.contiguous(), ctx.group, ctx.method), None, None
+
+
+def _exchange(buf: torch.Tensor, ctx: ShardContext, method: str) -> torch.Tensor:
+    if method not in COMM_METHODS:
+        raise ValueError(f"comm must be one of {COMM_METHODS}, got {method!r}")
+    return _AllToAll.apply(buf.contiguous(), ctx.group, method)
+
+
+# Packing. The send buffer is [P, ...]: chunk p is what rank p receives. Views only; the one
+# copy per tensor happens in torch.stack / .contiguous() when the buffer is built.
+
+
+def _seq_shard_chunks(x: torch.Tensor, layout: str, world: int) -> torch.Tensor:
+    """Sequence shard -> ``[P, B, H/P, S/P, D]`` view: chunk p holds the heads of rank p."""
+    B, S_local, H, D = local_dims(x, layout)
+    if layout == "bshd":
+        return x.reshape(B, S_local, world, H // world, D).permute(2, 0, 3, 1, 4)
+    return x.reshape(B, world, H // world, S_local, D).permute(1, 0, 2, 3, 4)
+
+
+def _full_seq_from_chunks(recv: torch.Tensor) -> torch.Tensor:
+    """``[P, B, H/P, S/P, D]`` (chunk r = sequence shard r) -> ``[B, H/P, S, D]`` contiguous."""
+    P, B, H_local, S_local, D = recv.shape
+    return recv.permute(1, 2, 0, 3, 4).reshape(B, H_local, P * S_local, D)
+
+
+def _head_shard_chunks(y: torch.Tensor, world: int) -> torch.Tensor:
+    """``[B, H/P, S, D]`` -> ``[P, B, H/P, S/P, D]`` view: chunk p holds sequence shard p."""
+    B, H_local, S, D = y.shape
+    return y.reshape(B, H_local, world, S // world, D).permute(2, 0, 1, 3, 4)
+
+
+def _seq_shard_from_chunks(recv: torch.Tensor, layout: str) -> torch.Tensor:
+    """``[P, B, H/P, S/P, D]`` (chunk r = heads of rank r) -> sequence shard in ``layout``."""
+    P, B, H_local, S_local, D = recv.shape
+    if layout == "bshd":
+        return recv.permute(1, 3, 0, 2, 4).reshape(B, S_local, P * H_local, D)
+    return recv.permute(1, 0, 2, 3, 4).reshape(B, P * H_local, S_local, D)
+
+
+def _seq_to_head_many(
+    tensors: Sequence[torch.Tensor], ctx: ShardContext, method: str
+) -> list[torch.Tensor]:
+    """Sequence shards -> head-sharded full sequences ``[B, H/P, S, D]``, in one collective
+    when the tensors share a dtype (q, k, v and usually the gate), one per dtype otherwise."""
+    P = ctx.world_size
+    if P == 1:  # nothing to exchange; hand the op the contiguous [B, H, S, D] it would get
+        return [x.transpose(1, 2).contiguous() if ctx.layout == "bshd" else x for x in tensors]
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(x.dtype for x in tensors):
+        idx = [i for i, x in enumerate(tensors) if x.dtype == dtype]
+        # [P, n, B, H/P, S/P, D]: dim 0 still addresses ranks, so one exchange moves all n.
+        buf = torch.stack([_seq_shard_chunks(tensors[i], ctx.layout, P) for i in idx], dim=1)
+        recv = _exchange(buf, ctx, method)
+        for j, i in enumerate(idx):
+            out[i] = _full_seq_from_chunks(recv[:, j])
+    return out
+
+
+def seq_to_head(
+    x: torch.Tensor, *, group=None, layout: str = "bshd", comm: str = "auto"
+) -> torch.Tensor:
+    """Sequence shard ``[B, S/P, H, D]`` (or ``[B, H, S/P, D]``) -> ``[B, H/P, S, D]``: the full
+    sequence of this rank's heads. Differentiable (backward: :func:`head_to_seq`).
+
+    ``comm``: ``"auto"`` (all_to_all_single, all_gather where the backend lacks it),
+    ``"all_to_all"`` or ``"all_gather"`` (forced).
+    """
+    ctx = resolve_context(group, layout)
+    validate_shards(ctx, x=x)
+    return _seq_to_head_many([x], ctx, comm)[0]
+
+
+def head_to_seq(
+    y: torch.Tensor, *, group=None, layout: str = "bshd", comm: str = "auto"
+) -> torch.Tensor:
+    """``[B, H/P, S, D]`` -> sequence shard ``[B, S/P, H, D]`` (or ``[B, H, S/P, D]``): the
+    inverse of :func:`seq_to_head`. Differentiable. ``S`` must be divisible by the world size."""
+    ctx = resolve_context(group, layout)
+    _check_4d("y", y)
+    if y.shape[2] % ctx.world_size:
+        raise ValueError(
+            f"sequence length {y.shape[2]} is not divisible by world size {ctx.world_size}"
+        )
+    return _head_to_seq(y, ctx, comm)
+
+
+def _head_to_seq(y: torch.Tensor, ctx: ShardContext, method: str) -> torch.Tensor:
+    if ctx.world_size == 1:
+        return y.transpose(1, 2) if ctx.layout == "bshd" else y
+    recv = _exchange(_head_shard_chunks(y, ctx.world_size), ctx, method)
+    return _seq_shard_from_chunks(recv, ctx.layout)
+
+
+def _lse_to_seq(lse: torch.Tensor, ctx: ShardContext, method: str) -> torch.Tensor:
+    """``[B, H/P, S]`` -> ``[B, S/P, H]`` (bshd) or ``[B, H, S/P]`` (bhsd): a ``D = 1`` tensor."""
+    return _head_to_seq(lse.unsqueeze(-1), ctx, method).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# the generic driver
+# ---------------------------------------------------------------------------------------------
+
+# attn_fn(heads, q, k, v, *extra) with full-sequence [B, H/P, S, D] tensors (None stays None).
+AttnFn = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+def _run(
+    ctx: ShardContext,
+    attn_fn: AttnFn,
+    tensors: dict[str, torch.Tensor | None],
+    check: bool,
+):
+    """Exchange in, run ``attn_fn`` on the rank's heads, exchange out.
+
+    ``tensors``: q, k, v first, then extras sharded like q (``None`` passes through), already
+    checked by :func:`validate_shards`.
+    """
+    if _want_global_check(check):
+        validate_shards_across_ranks(ctx, **tensors)
+    present = [x for x in tensors.values() if x is not None]
+    full = iter(_seq_to_head_many(present, ctx, "auto"))
+    q_h, k_h, v_h, *extra_h = (None if x is None else next(full) for x in tensors.values())
+    heads = ctx.head_slice(local_dims(tensors["q"], ctx.layout)[2])
+    result = attn_fn(heads, q_h, k_h, v_h, *extra_h)
+    if isinstance(result, tuple):  # (o, lse)
+        o, lse = result
+        return _head_to_seq(o, ctx, "auto"), _lse_to_seq(lse, ctx, "auto")
+    return _head_to_seq(result, ctx, "auto")
+
+
+def ulysses_attention(
+    attn_fn: AttnFn,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *extra: torch.Tensor | None,
+    group=None,
+    layout: str = "bshd",
+    check_shards: bool = False,
+):
+    """Run any attention function under Ulysses sequence parallelism.
+
+    Args:
+        attn_fn: ``attn_fn(heads, q, k, v, *extra)`` where ``heads`` is the slice of global
+            heads this rank computes and the tensors are full-sequence ``[B, H/P, S, D]``;
+            returns ``o`` ``[B, H/P, S, D]`` or ``(o, lse)`` with ``lse`` ``[B, H/P, S]``.
+        q, k, v: this rank's sequence shard, ``[B, S/P, H, D]`` (``layout="bshd"``) or
+            ``[B, H, S/P, D]`` (``"bhsd"``); rank r holds tokens ``r*S/P .. (r+1)*S/P - 1``.
+        extra: more tensors sharded like q (a gate), exchanged the same way; ``None`` passes.
+        group: the process group (default WORLD); its size must divide H.
+        check_shards: all-gather local shapes first and raise on every rank if they differ.
+
+    Returns ``o`` in the input layout (and ``lse`` ``[B, S/P, H]`` / ``[B, H, S/P]``).
+    """
+    ctx = resolve_context(group, layout)
+    tensors = {"q": q, "k": k, "v": v, **{f"extra{i}": x for i, x in enumerate(extra)}}
+    validate_shards(ctx, **tensors)
+    return _run(ctx, attn_fn, tensors, check_shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# block-sparse engine
+# ---------------------------------------------------------------------------------------------
+
+
+class _HeadSliceCache:
+    """Reuses the rank's slice of a block-list tensor across calls.
+
+    The engine validates list values once per tensor object (reading them back costs a GPU
+    sync); a fresh slice every call would defeat that. Keyed by identity and version of the
+    source, like the engine's own cache, so an in-place edit or a freed tensor is never reused.
+    """
+
+    def __init__(self, capacity: int = 64):
+        self._entries: dict[tuple, tuple] = {}
+        self._capacity = capacity
+
+    def get(self, src: torch.Tensor, heads: slice) -> torch.Tensor:
+        key = (id(src), heads.start, heads.stop)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0]() is src and entry[1] == src._version:
+            return entry[2]
+        sliced = src[:, heads].contiguous()
+        if len(self._entries) >= self._capacity:
+            self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
+            if len(self._entries) >= self._capacity:
+                self._entries.pop(next(iter(self._entries)))
+        self._entries[key] = (weakref.ref(src), src._version, sliced)
+        return sliced
+
+
+_list_slices = _HeadSliceCache()
+
+
+def _block_q(block_size) -> int | None:
+    if isinstance(block_size, int) and not isinstance(block_size, bool):
+        return block_size
+    if isinstance(block_size, (tuple, list)) and len(block_size) == 2:
+        return block_size[0]
+    return None  # malformed: the engine names the problem (after the exchange, on every rank)
+
+
+def _check_block_lists(kv_indices, kv_counts, H: int, S: int, block_q: int | None) -> None:
+    for name, x, ndim in (("kv_indices", kv_indices, 4), ("kv_counts", kv_counts, 3)):
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got {tuple(x.shape)}")
+        if x.shape[1] != H:
+            raise ValueError(
+                f"{name} must hold the lists of all H={H} heads (dim 1; each rank slices its "
+                f"own), got shape {tuple(x.shape)}"
+            )
+    if block_q is None:
+        return
+    if S % block_q:
+        raise ValueError(
+            f"the full sequence length S={S} (local shard x world size) is not a multiple of "
+            f"block_q={block_q}"
+        )
+    if kv_indices.shape[2] != S // block_q or kv_counts.shape[2] != S // block_q:
+        raise ValueError(
+            f"block lists must have S // block_q = {S // block_q} query-block rows for the full "
+            f"sequence S={S}, got kv_indices {tuple(kv_indices.shape)}, "
+            f"kv_counts {tuple(kv_counts.shape)}"
+        )
+
+
+def ulysses_block_sparse_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    *,
+    group=None,
+    layout: str = "bshd",
+    check_shards: bool = False,
+    **engine_kwargs,
+):
+    """:func:`vidsparse.block_sparse_attn` over a sequence-sharded input.
+
+    Args:
+        q, k, v: sequence shards ``[B, S/P, H, D]`` (or ``[B, H, S/P, D]`` with
+            ``layout="bhsd"``); self-attention, so ``Sq == Skv == S``.
+        kv_indices, kv_counts: the block lists of the *full* sequence and *all* heads,
+            ``[B or 1, H, S // block_q, K]`` and ``[B or 1, H, S // block_q]``; each rank uses
+            its ``H/P`` heads (the batch dim is kept).
+        engine_kwargs: ``block_size``, ``kv_block_sizes`` (full sequence), ``scale``,
+            ``return_lse`` as for the engine; ``lse`` comes back ``[B, S/P, H]`` (bshd) or
+            ``[B, H, S/P]`` (bhsd).
+    """
+    from vidsparse.ops.block_sparse_attn import block_sparse_attn
+
+    ctx = resolve_context(group, layout)
+    _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v)
+    block_q = _block_q(engine_kwargs.get("block_size", 64))
+    _check_block_lists(kv_indices, kv_counts, H, S_local * ctx.world_size, block_q)
+
+    def attn_fn(heads, q_h, k_h, v_h):
+        idx, cnt = _list_slices.get(kv_indices, heads), _list_slices.get(kv_counts, heads)
+        return block_sparse_attn(q_h, k_h, v_h, idx, cnt, **engine_kwargs)
+
+    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# VSA
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_grid_length(grid, tiled: bool, S_local: int, world: int) -> None:
+    if not isinstance(grid, VideoGrid):
+        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
+    expected = grid.padded_len if tiled else grid.num_tokens
+    what = "grid.padded_len" if tiled else "grid.num_tokens"
+    if expected % world:
+        hint = (
+            " Pass tile-ordered inputs (grid.tile(x), tiled=True): padded_len is a multiple of "
+            "the tile volume, so any world size dividing it works."
+            if not tiled
+            else ""
+        )
+        raise ValueError(
+            f"{what}={expected} of {grid} is not divisible by the world size {world}: the "
+            f"sequence cannot be split into equal shards.{hint}"
+        )
+    if S_local * world != expected:
+        raise ValueError(
+            f"each rank must hold {what} / world size = {expected // world} tokens of {grid} "
+            f"(tiled={tiled}), got a local sequence of {S_local}"
+        )
+
+
+def ulysses_video_sparse_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: VideoGrid,
+    *,
+    topk: int | None = None,
+    sparsity: float | None = None,
+    gate: torch.Tensor | None = None,
+    tiled: bool = False,
+    scale: float | None = None,
+    group=None,
+    layout: str = "bshd",
+    check_shards: bool = False,
+) -> torch.Tensor:
+    """:func:`vidsparse.video_sparse_attn` over a sequence-sharded input.
+
+    ``grid`` describes the full sequence. Natural order: each rank holds ``num_tokens / P``
+    consecutive raster tokens. ``tiled=True``: each rank holds a contiguous ``padded_len / P``
+    chunk of the padded tile-order sequence (whole tiles when ``P`` divides ``num_tiles``,
+    but any split works: the all-to-all reassembles the full sequence before the op). ``gate``
+    is sharded like q and exchanged with it. Differentiable in q, k, v and gate.
+    """
+    from vidsparse.ops.video_sparse_attn import video_sparse_attn
+    from vidsparse.ops.video_sparse_attn.reference import resolve_topk
+
+    ctx = resolve_context(group, layout)
+    _, S_local, _, _ = validate_shards(ctx, q=q, k=k, v=v, gate=gate)
+    if not isinstance(tiled, bool):
+        raise TypeError(f"tiled must be a bool, got {tiled!r}")
+    _check_grid_length(grid, tiled, S_local, ctx.world_size)
+    resolve_topk(grid.num_tiles, topk, sparsity)  # bad topk/sparsity: raise before exchanging
+
+    def attn_fn(heads, q_h, k_h, v_h, gate_h):
+        return video_sparse_attn(
+            q_h,
+            k_h,
+            v_h,
+            grid,
+            topk=topk,
+            sparsity=sparsity,
+            gate=gate_h,
+            tiled=tiled,
+            scale=scale,
+        )
+
+    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v, "gate": gate}, check_shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# PSA (stripe attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def _slice_specs(specs, H: int, heads: slice):
+    from vidsparse.masks.stripe import StripeSpec
+
+    if isinstance(specs, StripeSpec):  # one spec for every head: nothing to slice
+        return specs
+    try:
+        specs = tuple(specs)
+    except TypeError:
+        raise TypeError(
+            f"specs must be a sequence of StripeSpec (one per head), got {type(specs).__name__}"
+        ) from None
+    if len(specs) != H:
+        raise ValueError(f"specs must hold one StripeSpec per head (H={H}), got {len(specs)}")
+    return specs[heads]
+
+
+def ulysses_stripe_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: VideoGrid,
+    specs,
+    *,
+    group=None,
+    layout: str = "bshd",
+    check_shards: bool = False,
+    **stripe_kwargs,
+) -> torch.Tensor:
+    """:func:`vidsparse.stripe_attn` (PSA) over a sequence-sharded input.
+
+    ``specs``: one :class:`StripeSpec` per head of the full model (``H`` of them); each rank
+    uses its ``H/P``. ``stripe_kwargs`` (``spatial_unit``, ``tiled``, ``sink_frames``,
+    ``text_tokens``, ``scale``) pass through; the sequence they describe is the full one.
+    """
+    ctx = resolve_context(group, layout)
+    _, _, H, _ = validate_shards(ctx, q=q, k=k, v=v)
+    _slice_specs(specs, H, ctx.head_slice(H))  # wrong count: raise before exchanging
+    try:
+        from vidsparse.ops.stripe_attn import stripe_attn
+    except ImportError as exc:
+        raise ImportError(f"vidsparse.ops.stripe_attn is not available: {exc}") from exc
+
+    def attn_fn(heads, q_h, k_h, v_h):
+        return stripe_attn(q_h, k_h, v_h, grid, _slice_specs(specs, H, heads), **stripe_kwargs)
+
+    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards)
+
+
+# ---------------------------------------------------------------------------------------------
+# a handle for integrations
+# ---------------------------------------------------------------------------------------------
+
+
+class UlyssesAttention:
+    """Binds a process group and a layout, for an attention processor to call per layer.
+
+    A diffusers processor receives ``[B, S_local, H, D]`` (``layout="bshd"``) and calls e.g.
+    ``self.ulysses.video_sparse_attn(q, k, v, grid, sparsity=0.875, gate=g)``. The group is
+    resolved at each call, so the handle can be built before ``init_process_group``.
+    """
+
+    def __init__(self, group=None, *, layout: str = "bshd", check_shards: bool = False):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.group = group
+        self.layout = layout
+        self.check_shards = check_shards
+
+    def _kw(self) -> dict:
+        return {"group": self.group, "layout": self.layout, "check_shards": self.check_shards}
+
+    @property
+    def world_size(self) -> int:
+        return resolve_context(self.group, self.layout).world_size
+
+    @property
+    def rank(self) -> int:
+        return resolve_context(self.group, self.layout).rank
+
+    def __call__(self, attn_fn: AttnFn, q, k, v, *extra):
+        """Generic: see :func:`ulysses_attention`."""
+        return ulysses_attention(attn_fn, q, k, v, *extra, **self._kw())
+
+    def block_sparse_attn(self, q, k, v, kv_indices, kv_counts, **engine_kwargs):
+        return ulysses_block_sparse_attn(
+            q, k, v, kv_indices, kv_counts, **self._kw(), **engine_kwargs
+        )
+
+    def video_sparse_attn(self, q, k, v, grid, **vsa_kwargs):
+        return ulysses_video_sparse_attn(q, k, v, grid, **self._kw(), **vsa_kwargs)
+
+    def stripe_attn(self, q, k, v, grid, specs, **stripe_kwargs):
+        return ulysses_stripe_attn(q, k, v, grid, specs, **self._kw(), **stripe_kwargs)
+
+    def __repr__(self) -> str:
+        return f"UlyssesAttention(group={self.group!r}, layout={self.layout!r})"
