@@ -96,7 +96,7 @@ def test_library_choices_are_covered(compile_run, target):
                 expected.add((kernel, bq, bk, d, sizes))
         cfg = forward_config(TARGETS[target], bq, bk, d, torch.bfloat16)
         if TARGETS[target].backend == "cuda" and cfg.use_tma:
-            expected.add(("fwd_tma", bq, bk, d, None))
+            expected.add(("fwd_tma", bq, bk, d, False))
     missing = expected - compiled
     assert not missing, f"not compiled for {target}: {sorted(missing, key=str)}"
 

@@ -117,49 +117,47 @@ def _block_sparse_attn_fwd_kernel(
 
 
 @triton.jit
-def _attend_q_block_tma(desc_q, desc_k, desc_v, desc_o, LSE, KV_IDX, KV_CNT,
-                        stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, stride_ch, stride_cq,
-                        pid_m, pid_bh, H, Sq, qk_scale,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        WARP_SPECIALIZE: tl.constexpr):
-    b = pid_bh // H
-    h = pid_bh % H
-    q = desc_q.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)
-    idx_row = KV_IDX + b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + pid_m.to(tl.int64) * stride_iq
-    count = tl.load(KV_CNT + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + pid_m.to(tl.int64) * stride_cq)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    real = tl.arange(0, BLOCK_N) < BLOCK_N
-    for j in tl.range(0, count, warp_specialize=WARP_SPECIALIZE):
-        kv_row = tl.load(idx_row + j * stride_ik) * BLOCK_N
-        k = desc_k.load([b, h, kv_row, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = desc_v.load([b, h, kv_row, 0]).reshape(BLOCK_N, HEAD_DIM)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale, False, False)
-
-    acc, lse = _finish_rows(acc, m_i, l_i)
-    desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
-
-
-@triton.jit
 def _block_sparse_attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
-    KV_IDX, KV_CNT,
+    KV_IDX, KV_CNT, KV_SIZES,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
     H, Sq,
     qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
-    """Hopper variant without padding: tiles move by the bulk-copy engine (TMA)."""
-    _attend_q_block_tma(desc_q, desc_k, desc_v, desc_o, LSE, KV_IDX, KV_CNT,
-                        stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, stride_ch, stride_cq,
-                        tl.program_id(0), tl.program_id(1), H, Sq, qk_scale,
-                        BLOCK_M, BLOCK_N, HEAD_DIM, WARP_SPECIALIZE)
+    """Hopper variant: tiles move by the bulk-copy engine (TMA), which cannot mask rows, so
+    with HAS_KV_SIZES the padding keys are read; their scores are masked and their values
+    zeroed in registers (whatever the padding holds, even NaN, gets no weight)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q = desc_q.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)  # [BM, D]
+    idx_row = KV_IDX + b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + pid_m.to(tl.int64) * stride_iq
+    count = tl.load(KV_CNT + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + pid_m.to(tl.int64) * stride_cq)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in tl.range(0, count, warp_specialize=WARP_SPECIALIZE):
+        kv_block = tl.load(idx_row + j * stride_ik)
+        k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
+        v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+        if HAS_KV_SIZES:
+            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+            v = tl.where(real[:, None], v, 0.0)
+        else:
+            real = offs_n < BLOCK_N
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                                             HAS_KV_SIZES, False)
+
+    acc, lse = _finish_rows(acc, m_i, l_i)
+    desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
 
 
 def block_sparse_attn_fwd(
@@ -186,10 +184,12 @@ def block_sparse_attn_fwd(
         target_of(q.device), block_q, block_kv, D, q.dtype, masked=kv_block_sizes is not None
     )
     grid = (num_q_blocks, B * H)
-    if cfg.use_tma and kv_block_sizes is None and _tma_compatible(q, k, v, o):
-        _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale, cfg, grid)
-        return o, lse
     sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
+    # fp32 takes the pointer kernel: it alone runs IEEE-exact fp32 dots.
+    if cfg.use_tma and q.dtype != torch.float32 and _tma_compatible(q, k, v, o):
+        _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, kv_block_sizes is not None,
+                    block_q, block_kv, scale, cfg, grid)
+        return o, lse
     _block_sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse,
         kv_indices, kv_counts, sizes,
@@ -222,7 +222,8 @@ def _tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale, cfg, grid):
+def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, block_q, block_kv,
+                scale, cfg, grid):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     D = q.shape[-1]
@@ -232,10 +233,11 @@ def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
 
     _block_sparse_attn_fwd_tma_kernel[grid](
         desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
-        kv_indices, kv_counts,
+        kv_indices, kv_counts, sizes,
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
         q.shape[1], q.shape[2],
         scale * LOG2E,
-        BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, WARP_SPECIALIZE=cfg.warp_specialize,
+        BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D,
+        HAS_KV_SIZES=has_sizes, WARP_SPECIALIZE=cfg.warp_specialize,
         **cfg.launch_kwargs(),
     )
