@@ -369,3 +369,18 @@ def test_tma_forward_kernel_in_interpreter(padded):
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=0, atol=1e-2)
+
+
+def test_reference_ignores_nan_in_padding_and_unread_blocks(torch_backend):
+    B, H, S, D, bs = 1, 2, 64, 8, 16
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float64, device="cpu", requires_grad=False)
+    sizes = torch.tensor([16, 9, 3, 16], dtype=torch.int32)
+    pad = (torch.arange(S) % bs) >= sizes.long().repeat_interleave(bs)
+    k[:, :, pad], v[:, :, pad] = float("nan"), float("nan")
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.5, device="cpu", empty_rows=1)
+    o = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=bs, kv_block_sizes=sizes)
+    grads = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    assert not torch.isnan(o).any()
+    assert not any(torch.isnan(g[:, :, ~pad]).any() for g in grads)

@@ -1,7 +1,7 @@
 """vidsparse: sparse attention for video Diffusion Transformers.
 
 Public API (see DESIGN.md): ``VideoGrid``, ``block_sparse_attn``, ``video_sparse_attn``,
-``StripeSpec``, ``stripe_block_mask``. Importing this package needs no GPU, and the names are
+``StripeSpec``, ``stripe_block_mask``, ``stripe_attn``. Importing this package needs no GPU, and the names are
 resolved lazily so that ``import vidsparse`` stays cheap (no Triton import until a kernel runs).
 """
 
@@ -17,6 +17,7 @@ _EXPORTS = {
     "video_sparse_attn": "vidsparse.ops.video_sparse_attn",
     "StripeSpec": "vidsparse.masks.stripe",
     "stripe_block_mask": "vidsparse.masks.stripe",
+    "stripe_attn": "vidsparse.ops.stripe_attn",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

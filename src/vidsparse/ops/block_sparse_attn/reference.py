@@ -81,6 +81,13 @@ class _ChunkPlan:
     def chunks(self):
         return [slice(s, s + self.chunk) for s in range(0, self.NQ, self.chunk)]
 
+    def gather(self, xb, sl):
+        """Listed key blocks of the query blocks in ``sl``: [B, H, C, K*bk, D]. Dead slots
+        (past the count, or padding keys) are zeroed so that whatever they hold (even NaN)
+        cannot leak through a zero probability."""
+        g = _gather_key_blocks(xb, self.idx[:, :, sl])
+        return g.masked_fill(~self.key_ok[:, :, sl, :, None], 0)
+
     def scores(self, q_chunk, kg, sl):
         s = torch.einsum("bhcqd,bhckd->bhcqk", q_chunk, kg) * self.scale
         return s.masked_fill(~self.key_ok[:, :, sl, None, :], float("-inf"))
@@ -108,8 +115,7 @@ def block_sparse_attn_ref(
     qb, kb, vb = plan.blocks(q), plan.kv_blocks(k), plan.kv_blocks(v)
     outs, lses = [], []
     for sl in plan.chunks():
-        kg = _gather_key_blocks(kb, plan.idx[:, :, sl])  # [B, H, C, K*bk, D]
-        vg = _gather_key_blocks(vb, plan.idx[:, :, sl])
+        kg, vg = plan.gather(kb, sl), plan.gather(vb, sl)  # [B, H, C, K*bk, D]
         s = plan.scores(qb[:, :, sl], kg, sl)  # [B, H, C, bq, K*bk], -inf where masked
         p, lse = _masked_softmax_with_lse(s)
         outs.append(torch.einsum("bhcqk,bhckd->bhcqd", p, vg))
@@ -153,7 +159,7 @@ def block_sparse_attn_bwd_ref(
     head_base = (torch.arange(B * H, device=q.device) * NK).view(B, H, 1, 1)
     for sl in plan.chunks():
         idx = plan.idx[:, :, sl]  # [B, H, C, K]
-        kg, vg = _gather_key_blocks(kb, idx), _gather_key_blocks(vb, idx)  # [B, H, C, K*bk, D]
+        kg, vg = plan.gather(kb, sl), plan.gather(vb, sl)  # [B, H, C, K*bk, D]
         s = plan.scores(qb[:, :, sl], kg, sl)  # [B, H, C, bq, K*bk]
         p, _ = _masked_softmax_with_lse(s)
         dp = torch.einsum("bhcqd,bhckd->bhcqk", dob[:, :, sl], vg)
