@@ -1,7 +1,8 @@
 """vidsparse: sparse attention for video Diffusion Transformers.
 
 Public API (see DESIGN.md): ``VideoGrid``, ``block_sparse_attn``, ``video_sparse_attn``,
-``StripeSpec``, ``stripe_block_mask``, ``stripe_attn``. Importing this package needs no GPU, and the names are
+``StripeSpec``, ``stripe_block_mask``, ``stripe_attn``; the PSA search lives in
+``vidsparse.search``. Importing this package needs no GPU, and the names are
 resolved lazily so that ``import vidsparse`` stays cheap (no Triton import until a kernel runs).
 """
 

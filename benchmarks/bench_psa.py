@@ -1,0 +1,205 @@
+"""PSA benchmark: stripe attention against cuDNN dense, and the offline search's run time.
+
+    PYTHONPATH=src python benchmarks/bench_psa.py                       # both parts, H200
+    PYTHONPATH=src python benchmarks/bench_psa.py --part attn --shapes wan14b-720p
+    PYTHONPATH=src python benchmarks/bench_psa.py --device cpu --tiny   # CPU smoke run
+
+attn: forward of ``vidsparse.stripe_attn`` with mixed per-head stripe specs drawn from the
+default candidate family near each target sparsity (sparsity = skipped (query block, key block)
+pairs of the padded block grid), per PSA block shape, against cuDNN SDPA dense on the real
+tokens, in the same run.
+
+search: wall time of ``build_loss_table`` for one layer (one calibration sample of H heads)
+against the default family (about 100 candidates), on the GPU in bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+for p in (_REPO, _REPO / "src"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import vidsparse  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import Column  # noqa: E402
+from vidsparse.search import CalibrationSample, CandidateFamily, build_loss_table  # noqa: E402
+
+SHAPES = {  # name: (latent grid, heads); head_dim 128 (FACTS.md)
+    "wan14b-720p": ((21, 45, 80), 40),
+    "hunyuan-720p": ((33, 45, 80), 24),
+    "wan1.3b-480p": ((21, 30, 52), 12),
+}
+TINY = {"tiny": ((4, 8, 8), 2)}
+COLUMNS = [
+    Column("shape", "shape"),
+    Column("provider", "provider"),
+    Column("tile", "block"),
+    Column("target", "target", ".2f"),
+    Column("sparsity", "sparsity", ".3f"),
+    Column("ms", "ms", ".3f"),
+    Column("speedup", "vs cuDNN", ".2f"),
+]
+
+
+def mixed_specs(block_grid, heads, target, rng, tolerance=0.05):
+    """One block-unit spec per head, drawn from family candidates near ``target`` sparsity."""
+    cands = CandidateFamily().on_grid(block_grid)
+    sparsity = cands.sparsity.tolist()
+    near = [i for i, s in enumerate(sparsity) if abs(s - target) <= tolerance]
+    if not near:  # fall back to the closest candidates
+        order = sorted(range(len(sparsity)), key=lambda i: abs(sparsity[i] - target))
+        near = order[:4]
+    wb = block_grid[2]
+    picks = [rng.choice(near) for _ in range(heads)]
+    specs = [cands[i].block_spec(wb) for i in picks]
+    return specs, sum(sparsity[i] for i in picks) / heads
+
+
+def time_fn(fn, device) -> float:
+    return harness.time_ms(fn, device=device)
+
+
+def bench_attention(args, device, dtype, rows):
+    shapes = TINY if args.tiny else {n: SHAPES[n] for n in args.shapes.split(",")}
+    tiles = (
+        [(1, 4, 4)]
+        if args.tiny
+        else [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",")]
+    )
+    rng = random.Random(args.seed)
+    for name, (grid_shape, heads) in shapes.items():
+        T, Hh, W = grid_shape
+        S = T * Hh * W
+        D = 16 if args.tiny else 128
+        q, k, v = (torch.randn(1, heads, S, D, device=device, dtype=dtype) for _ in range(3))
+        base = dict(shape=name, heads=heads, tokens=S, head_dim=D)
+        if device.type == "cuda":
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                dense_ms = time_fn(lambda: F.scaled_dot_product_attention(q, k, v), device)
+        else:
+            dense_ms = time_fn(lambda: F.scaled_dot_product_attention(q, k, v), device)
+        rows.append(
+            dict(
+                base,
+                provider="cudnn",
+                tile="dense",
+                target=0.0,
+                sparsity=0.0,
+                ms=dense_ms,
+                speedup=1.0,
+            )
+        )
+        print(f"{name}: cuDNN dense {dense_ms:.2f} ms", flush=True)
+        for tile in tiles:
+            grid = vidsparse.VideoGrid(grid_shape, tile=tile)
+            for target in [float(x) for x in args.sparsities.split(",")]:
+                specs, achieved = mixed_specs(grid.tiles, heads, target, rng)
+                row = dict(
+                    base,
+                    provider="ours",
+                    tile="x".join(map(str, tile)),
+                    target=target,
+                    sparsity=achieved,
+                    padded_tokens=grid.padded_len,
+                )
+                try:
+                    vidsparse.stripe_attn(q, k, v, grid, specs)  # build and cache the lists
+                    ms = time_fn(lambda: vidsparse.stripe_attn(q, k, v, grid, specs), device)
+                    row.update(ms=ms, speedup=dense_ms / ms)
+                except Exception as exc:  # record and go on
+                    row.update(error=harness.error_message(exc))
+                rows.append(row)
+                print(
+                    f"  tile {tile} target {target:.2f} achieved {achieved:.3f}:"
+                    f" {row.get('ms', float('nan')):.2f} ms {row.get('speedup', 0):.2f}x",
+                    flush=True,
+                )
+        q = k = v = None  # free the inputs before the next shape
+        harness.release_memory(device)
+
+
+def bench_search(args, device, dtype, rows):
+    grid_shape, heads = ((4, 8, 8), 2) if args.tiny else ((21, 30, 52), args.search_heads)
+    D = 16 if args.tiny else 128
+    tile = (1, 4, 4) if args.tiny else tuple(int(x) for x in args.search_tile.split("x"))
+    grid = vidsparse.VideoGrid(grid_shape, tile=tile)
+    q, k, v = (torch.randn(heads, grid.num_tokens, D, device=device, dtype=dtype) for _ in range(3))
+    sample = CalibrationSample(step=10, layer=0, q=q, k=k, v=v)
+    for fraction in (1.0, 0.25):
+        kwargs = dict(
+            num_steps=20,
+            dense_fraction=0.0,
+            query_fraction=fraction,
+            device=device,
+            dtype=dtype,
+            progress=False,
+        )
+        build_loss_table([sample], grid, **kwargs)  # warm-up: compilation, list caches
+        harness.synchronize(device)
+        start = time.perf_counter()
+        table = build_loss_table([sample], grid, **kwargs)
+        harness.synchronize(device)
+        seconds = time.perf_counter() - start
+        rows.append(
+            dict(
+                shape=f"search {grid_shape}",
+                provider="search",
+                tile="x".join(map(str, tile)),
+                heads=heads,
+                tokens=grid.num_tokens,
+                query_fraction=fraction,
+                candidates=len(table.candidates),
+                seconds=seconds,
+            )
+        )
+        print(
+            f"search: {heads} heads x default family, {grid.num_tokens} tokens, query_fraction"
+            f" {fraction}: {seconds:.2f} s",
+            flush=True,
+        )
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--part", choices=("all", "attn", "search"), default="all")
+    ap.add_argument("--shapes", default="wan14b-720p,hunyuan-720p")
+    ap.add_argument("--tiles", default="2x8x8,1x8x16")
+    ap.add_argument("--sparsities", default="0.6,0.75,0.9")
+    ap.add_argument("--search-heads", type=int, default=40)
+    ap.add_argument("--search-tile", default="2x8x8")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows: list[dict] = []
+    if args.part in ("all", "attn"):
+        bench_attention(args, device, dtype, rows)
+    if args.part in ("all", "search"):
+        bench_search(args, device, dtype, rows)
+    meta = harness.collect_metadata(device, benchmark="psa", dtype=str(dtype), tiny=args.tiny)
+    out = args.out or _REPO / "benchmarks" / "results" / f"psa_{harness.slug(meta['gpu'])}.json"
+    harness.write_results(out, meta, rows)
+    harness.print_table([r for r in rows if r.get("provider") != "search"], COLUMNS)
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
