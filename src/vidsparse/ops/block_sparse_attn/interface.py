@@ -73,6 +73,27 @@ def block_sparse_attn(
     return (o, lse) if return_lse else o
 
 
+def block_sparse_attn_prevalidated(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    *,
+    block_q: int,
+    block_kv: int,
+    kv_block_sizes: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` for callers inside vidsparse that built the lists themselves (VSA's top-k,
+    PSA's stripe lists): no argument checks, so no GPU sync reading the lists back. The caller
+    guarantees what ``block_sparse_attn`` would have checked."""
+    backend = resolve_backend(q.device)
+    return torch.ops.vidsparse.block_sparse_attn_fwd(
+        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend
+    )
+
+
 # --------------------------------------------------------------------------- validation
 
 

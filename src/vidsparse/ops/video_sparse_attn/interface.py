@@ -1,8 +1,8 @@
 """Public entry point of Video Sparse Attention (VSA).
 
 Validates everything before any compute, then runs either the PyTorch reference (torch backend)
-or the Triton path. The Triton path here composes the stages: tiling and the coarse stage in
-PyTorch, the fine stage on the block-sparse engine with the tile sizes masking padding keys.
+or the Triton path: the fused coarse-stage kernels (coarse.py) pick each query tile's top-k key
+tiles, and the fine stage runs on the block-sparse engine with the tile sizes masking padding.
 """
 
 from __future__ import annotations
@@ -12,14 +12,11 @@ import math
 import torch
 
 from vidsparse.layout.grid import VideoGrid
-from vidsparse.ops.block_sparse_attn.interface import TRITON_HEAD_DIMS, block_sparse_attn
-from vidsparse.ops.video_sparse_attn.reference import (
-    coarse_attention,
-    resolve_topk,
-    select_topk,
-    tile_means,
-    video_sparse_attn_ref,
+from vidsparse.ops.block_sparse_attn.interface import (
+    TRITON_HEAD_DIMS,
+    block_sparse_attn_prevalidated,
 )
+from vidsparse.ops.video_sparse_attn.reference import resolve_topk, video_sparse_attn_ref
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor
 
@@ -71,17 +68,28 @@ def video_sparse_attn(
 
 
 def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale):
+    """Triton path: the fused coarse stage (pooling, coarse attention, top-k lists) and the
+    fine stage on the engine, combined with the gate."""
+    from vidsparse.ops.video_sparse_attn.coarse import vsa_coarse_stage  # imports Triton
+
     B, H, _, D = q.shape
     Nt, V = grid.num_tiles, grid.tile_volume
     to_tiles = (lambda x: x) if tiled else (lambda x: grid.tile(x, dim=-2))
     q_t, k_t, v_t = to_tiles(q), to_tiles(k), to_tiles(v)  # [B, H, P, D]
-    # Coarse stage in fp32: a few hundred to a few thousand tiles, cheap next to the fine stage.
-    qc, kc, vc = (tile_means(x.float(), grid) for x in (q_t, k_t, v_t))  # [B, H, Nt, D]
-    o_coarse, scores = coarse_attention(qc, kc, vc, scale)
-    kv_indices, kv_counts = select_topk(scores, topk)
+    o_coarse, kv_indices, kv_counts = vsa_coarse_stage(q_t, k_t, v_t, grid, topk, scale)
     sizes = grid.tile_sizes_on(q.device).to(torch.int32)
-    o_fine = block_sparse_attn(
-        q_t, k_t, v_t, kv_indices, kv_counts, block_size=V, kv_block_sizes=sizes, scale=scale
+    # The lists come straight from the selection kernel: valid by construction, so the fine
+    # stage skips the engine's argument checks (and their GPU sync).
+    o_fine, _ = block_sparse_attn_prevalidated(
+        q_t,
+        k_t,
+        v_t,
+        kv_indices,
+        kv_counts,
+        block_q=V,
+        block_kv=V,
+        kv_block_sizes=sizes,
+        scale=scale,
     )
     o_coarse = o_coarse.to(q.dtype).unsqueeze(-2)  # [B, H, Nt, 1, D], broadcast over the tile
     o5 = o_fine.view(B, H, Nt, V, D)

@@ -1,0 +1,131 @@
+"""Launch configurations of the VSA coarse-stage kernels, per architecture, as data.
+
+Two kernels are configured (see ``coarse.py``):
+
+- ``pool``: ``_tile_mean_pool_fwd_kernel`` / ``_tile_mean_pool_bwd_kernel``, memory bound; what
+  matters is how many tiles one program walks (fewer, longer programs) and the warps per tile.
+- ``attn_topk``: ``_coarse_attn_topk_fwd_kernel``; ``block_m`` query tiles per program,
+  ``block_n`` key tiles per step, ``num_pivots`` candidate thresholds counted per selection pass
+  (half placed in score space, half in the order-preserving integer key space),
+  ``bracket_capacity`` (rows whose bracket holds that few keys are settled exactly from a
+  scratch copy of them), and the ``input_precision`` of its fp32 dots: TF32 on the tensor
+  cores where the target has it (NVIDIA, CDNA3), exact ``ieee`` on CDNA4 (no TF32 there) and in
+  the interpreter.
+
+Keys are ``(kernel, head_dim)``; ``"*"`` matches any head_dim. None of these values has been
+timed on a GPU yet: they are sized from the register budget (qc ``[block_m, D]`` fp32 and the
+oc accumulator stay in registers) and checked to compile without spills for ``cuda:90`` and
+``hip:gfx942`` by ``tests/test_vsa_coarse.py``. Retune with the benchmark once a GPU is lent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from vidsparse.utils.device import Target
+
+__all__ = ["PoolConfig", "CoarseAttnConfig", "pool_config", "coarse_attn_config"]
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    tiles_per_program: int = 2
+    num_warps: int = 4
+    num_stages: int = 1
+    # Backend-specific launch options (AMD: waves_per_eu, ...).
+    extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+
+@dataclass(frozen=True)
+class CoarseAttnConfig:
+    block_m: int = 32
+    block_n: int = 64
+    num_pivots: int = 8
+    # A row whose bracket holds at most this many keys has them written to a scratch row and
+    # is settled exactly (power of two; scratch is B*H*Nt*capacity int32).
+    bracket_capacity: int = 128
+    input_precision: str = "tf32"
+    num_warps: int = 4
+    num_stages: int = 2
+    extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+
+def _amd(**extra) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(extra.items()))
+
+
+# (kernel, head_dim) -> config.
+# NVIDIA: 4 warps spill at block_m=32 (qc and the oc accumulator are fp32 [32, D] in
+# registers, ptxas reports 255 registers + spills at D=128); 8 warps fit in ~190.
+HOPPER = {
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, num_pivots=8,
+                                         bracket_capacity=128, input_precision="tf32",
+                                         num_warps=8, num_stages=2),
+}  # fmt: skip
+NVIDIA_GENERIC = {
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, input_precision="tf32",
+                                         num_warps=8, num_stages=2),
+}  # fmt: skip
+# AMD: for a dot with M = block_m <= 32 the MFMA layout puts all 4 warps along M, so every warp
+# holds the whole fp32 key block; block_m=16 is the largest spill-free choice at D=128
+# (~200 VGPRs on gfx942). A D-chunked score dot would allow larger blocks (not done yet).
+AMD_CDNA3 = {  # gfx942 (MI300): XF32 dots
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4, extra=_amd(waves_per_eu=2)),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=64, input_precision="tf32",
+                                         num_warps=4, num_stages=1, extra=_amd(waves_per_eu=2)),
+}  # fmt: skip
+# gfx950 (MI350) has no TF32; "bf16x3" spills at D=128 (256 VGPRs), so exact fp32 FMA dots.
+AMD_CDNA4 = {
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4, extra=_amd(waves_per_eu=2)),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=64, input_precision="ieee",
+                                         num_warps=4, num_stages=1, extra=_amd(waves_per_eu=2)),
+}  # fmt: skip
+INTERPRETER = {
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=32, num_pivots=8,
+                                         bracket_capacity=32, input_precision="ieee",
+                                         num_warps=4, num_stages=1),
+}  # fmt: skip
+
+
+def _tables_for(target: Target) -> list[dict]:
+    if target.backend == "cpu":
+        return [INTERPRETER]
+    if target.backend == "hip":
+        return [AMD_CDNA4 if str(target.arch).startswith("gfx95") else AMD_CDNA3]
+    if target.is_hopper:
+        return [HOPPER, NVIDIA_GENERIC]
+    return [NVIDIA_GENERIC]
+
+
+def _lookup(target: Target, kernel: str, head_dim: int, default):
+    for table in _tables_for(target):
+        for key in ((kernel, head_dim), (kernel, "*")):
+            if key in table:
+                return table[key]
+    return default
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pool_config(target: Target, head_dim: int) -> PoolConfig:
+    """Config of the tile-mean pooling kernels (forward and backward)."""
+    return _lookup(target, "pool", head_dim, PoolConfig())
+
+
+def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseAttnConfig:
+    """Config of the coarse attention + top-k kernel, with blocks shrunk to fit ``num_tiles``
+    (never below 16, the smallest ``tl.dot`` operand)."""
+    cfg = _lookup(target, "attn_topk", head_dim, CoarseAttnConfig())
+    fit = max(16, _pow2_at_least(num_tiles))
+    return replace(cfg, block_m=min(cfg.block_m, fit), block_n=min(cfg.block_n, fit))

@@ -1,0 +1,471 @@
+"""VSA coarse stage (``ops/video_sparse_attn/coarse.py``): tile-mean pooling, coarse attention and
+top-k selection kernels against the PyTorch reference (``tile_means``, ``coarse_attention``,
+``select_topk``), in the interpreter on CPU CI and compiled on a GPU; plus a cross-target
+compile check (``cuda:90``, ``hip:gfx942``) of the kernels, spill-free.
+
+Run as a script it prints the compile reports (one JSON line per kernel)::
+
+    PYTHONPATH=src python tests/test_vsa_coarse.py --targets cuda:90,hip:gfx942
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vidsparse.layout.grid import VideoGrid
+from vidsparse.ops.video_sparse_attn.coarse import (
+    coarse_attn_topk_fwd,
+    tile_mean_pool_fwd,
+    vsa_coarse_stage,
+)
+from vidsparse.ops.video_sparse_attn.coarse_configs import CoarseAttnConfig
+from vidsparse.ops.video_sparse_attn.reference import coarse_attention, select_topk, tile_means
+from vidsparse.testing import assert_error_relative, assert_rel_l2
+
+ROOT = Path(__file__).resolve().parents[1]
+ON_CPU = not torch.cuda.is_available()
+interpreter = pytest.mark.skipif(not ON_CPU, reason="interpreter tests run on CPU CI")
+
+# (shape, tile): 2x2x2 = 8 tiles; 3x3x4 = 36 tiles; 3x2x2 = 12 tiles of 32 slots. All partial.
+GRIDS = {
+    "8_tiles": VideoGrid((5, 6, 7), (4, 4, 4)),
+    "36_tiles": VideoGrid((9, 10, 13), (4, 4, 4)),
+    "12_tiles_of_32": VideoGrid((5, 6, 7), (2, 4, 4)),
+}
+
+
+def _config(block_m=16, block_n=32, num_pivots=8, bracket_capacity=32, precision="ieee"):
+    return CoarseAttnConfig(block_m=block_m, block_n=block_n, num_pivots=num_pivots,
+                            bracket_capacity=bracket_capacity, input_precision=precision,
+                            num_warps=4, num_stages=1)  # fmt: skip
+
+
+# Interpreter configs that exercise each selection path: narrowing with few pivots and a tiny
+# scratch (many passes), the default, and a scratch larger than the row (settled at once).
+SELECTION_CONFIGS = {
+    "2_pivots_capacity_2": _config(num_pivots=2, bracket_capacity=2),
+    "4_pivots_capacity_8": _config(num_pivots=4, bracket_capacity=8, block_n=16),
+    "default": _config(),
+    "capacity_64": _config(bracket_capacity=64),
+}
+
+
+def _tiled_qkv(grid, B, H, D, dtype, device, scale=1.0, garbage=float("nan")):
+    """q, k, v in tile order with ``garbage`` in every padding slot (it must be ignored)."""
+    pad = ~grid.real_token_mask(device)  # [P]
+    out = []
+    for _ in range(3):
+        x = torch.randn(B, H, grid.num_tokens, D, device=device) * scale
+        x_t = grid.tile(x.to(dtype), dim=-2).clone()
+        x_t[:, :, pad] = garbage
+        out.append(x_t)
+    return out
+
+
+def _reference(q_t, k_t, v_t, grid, topk, scale, dtype=torch.float32):
+    """The reference coarse stage on the same (upcast) inputs; padding is masked inside."""
+    qc, kc, vc = (tile_means(x.to(dtype), grid) for x in (q_t, k_t, v_t))
+    oc, scores = coarse_attention(qc, kc, vc, scale)
+    kv_indices, kv_counts = select_topk(scores, topk)
+    return (qc, kc, vc), oc, scores, kv_indices, kv_counts
+
+
+def _expected_selection(scores, topk):
+    """The kernels' rule: largest scores, ties to the smaller tile index, ascending."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
+    return order.sort(dim=-1).values.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------- interpreter
+
+
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "grid_name, D, dtype",
+    [("8_tiles", 16, torch.float32), ("36_tiles", 32, torch.float16),
+     ("12_tiles_of_32", 16, torch.float16), ("36_tiles", 16, torch.float32)],
+)  # fmt: skip
+def test_pooling_ignores_padding_and_matches_tile_means(grid_name, D, dtype):
+    grid = GRIDS[grid_name]
+    q_t, k_t, v_t = _tiled_qkv(grid, 2, 2, D, dtype, "cpu")  # NaN in every padding slot
+    pooled = tile_mean_pool_fwd(q_t, k_t, v_t, grid.tile_sizes)
+    assert pooled.dtype == torch.float32 and pooled.shape == (3, 2, 2, grid.num_tiles, D)
+    for name, got, x_t in zip("qkv", pooled, (q_t, k_t, v_t)):
+        ref = tile_means(x_t.double(), grid)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6, msg=f"{name}c")
+
+
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "grid_name, D, dtype, topks",
+    [("8_tiles", 16, torch.float32, (1, 3, 8)), ("36_tiles", 32, torch.float16, (1, 5, 35, 36)),
+     ("12_tiles_of_32", 32, torch.float32, (2, 11))],
+)  # fmt: skip
+def test_coarse_attention_and_selection_match_reference(grid_name, D, dtype, topks):
+    grid = GRIDS[grid_name]
+    batch = 1 if grid.num_tiles > 16 else 2  # interpreter time grows with programs
+    q_t, k_t, v_t = _tiled_qkv(grid, batch, 2, D, dtype, "cpu", scale=2.0)
+    scale = D**-0.5
+    (qc, kc, vc), ref_oc, scores, _, _ = _reference(q_t, k_t, v_t, grid, 1, scale)
+    pooled = tile_mean_pool_fwd(q_t, k_t, v_t, grid.tile_sizes)
+    for topk in topks:
+        oc, kv_indices, kv_counts = coarse_attn_topk_fwd(*pooled, topk, scale)
+        torch.testing.assert_close(oc, ref_oc, rtol=1e-5, atol=1e-6)
+        ref_indices, ref_counts = select_topk(scores, topk)  # random scores: no ties
+        assert torch.equal(kv_indices, ref_indices), f"topk={topk}"
+        assert torch.equal(kv_counts, ref_counts)
+
+
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config_name", SELECTION_CONFIGS)
+def test_every_selection_path_matches_select_topk(config_name):
+    """Few pivots and a tiny scratch force many narrowing passes; a large scratch settles rows
+    at once; the result is the same exact top-k."""
+    cfg = SELECTION_CONFIGS[config_name]
+    B, H, Nt, D = 1, 2, 40, 16  # 40 tiles: not a multiple of any block
+    qc, kc, vc = (torch.randn(B, H, Nt, D) * s for s in (3.0, 1.0, 1.0))
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * D**-0.5
+    for topk in (1, 6, 20, 39):
+        _, kv_indices, kv_counts, passes = coarse_attn_topk_fwd(
+            qc, kc, vc, topk, D**-0.5, config=cfg, record_passes=True
+        )
+        ref_indices, _ = select_topk(scores, topk)
+        assert torch.equal(kv_indices, ref_indices), f"{config_name}, topk={topk}"
+        assert (kv_counts == topk).all()
+        assert (passes >= 1).all() and (passes <= 20).all(), passes
+    if config_name == "2_pivots_capacity_2":
+        assert passes.max() >= 3, "the narrowing path was not exercised"
+
+
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config_name", ["4_pivots_capacity_8", "default", "capacity_64"])
+def test_ties_go_to_the_smaller_tile_index(config_name):
+    """Small-integer means make every score exact, whatever the summation order, so tiles
+    copied from 3 prototypes tie exactly; zero query rows tie everywhere (and mix +0.0 with
+    -0.0 products). The kernels pick the smaller indices, deterministically."""
+    cfg = SELECTION_CONFIGS[config_name]
+    B, H, Nt, D = 1, 2, 40, 16
+    prototypes = torch.randint(-4, 5, (H, 3, D)).float()
+    ids = torch.randint(0, 3, (H, Nt))
+    kc = torch.stack([prototypes[h, ids[h]] for h in range(H)]).unsqueeze(0)  # [1, H, Nt, D]
+    qc = torch.randint(-4, 5, (B, H, Nt, D)).float()
+    qc[:, :, :5] = 0.0
+    vc = torch.randn(B, H, Nt, D)
+    scale = 0.25  # a power of two: the scaled scores stay exact
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # exact integers / 4
+    for topk in (1, 7, 13, 27):
+        _, kv_indices, kv_counts = coarse_attn_topk_fwd(qc, kc, vc, topk, scale, config=cfg)
+        assert torch.equal(kv_indices, _expected_selection(scores, topk)), f"topk={topk}"
+        first = torch.arange(topk, dtype=torch.int32).expand(B, H, 5, topk)
+        assert torch.equal(kv_indices[:, :, :5], first)
+        assert (kv_counts == topk).all()
+
+
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "grid_name, D, dtype, input_scale",
+    [("36_tiles", 32, torch.float32, 1.0), ("36_tiles", 16, torch.float16, 4.0),
+     ("12_tiles_of_32", 16, torch.float16, 16.0), ("8_tiles", 32, torch.float32, 16.0)],
+)  # fmt: skip
+def test_gradients_match_reference_autograd(triton_backend, grid_name, D, dtype, input_scale):
+    grid = GRIDS[grid_name]
+    topk = max(1, grid.num_tiles // 4)
+    batch = 1 if grid.num_tiles > 16 else 2  # interpreter time grows with programs
+    q_t, k_t, v_t = _tiled_qkv(grid, batch, 2, D, dtype, "cpu", scale=input_scale)
+    leaves = [x.requires_grad_() for x in (q_t, k_t, v_t)]
+    oc, kv_indices, kv_counts = vsa_coarse_stage(*leaves, grid, topk)
+    weight = torch.randn_like(oc)
+    grads = torch.autograd.grad((oc * weight).sum(), leaves)
+
+    def reference_grads(compute_dtype):
+        xs = [x.detach().requires_grad_() for x in (q_t, k_t, v_t)]
+        _, ref_oc, _, _, _ = _reference(*xs, grid, topk, D**-0.5, dtype=compute_dtype)
+        return ref_oc, torch.autograd.grad((ref_oc * weight.to(compute_dtype)).sum(), xs)
+
+    ref_oc, exact = reference_grads(torch.float64)
+    _, baseline = reference_grads(torch.float32)  # the reference's own rounding, in x.dtype
+    assert_rel_l2("oc", oc, ref_oc, 1e-5)
+    pad = ~grid.real_token_mask("cpu")
+    for name, g, r, b in zip(("dq", "dk", "dv"), grads, exact, baseline):
+        assert g.dtype == dtype and g.shape == q_t.shape
+        assert (g[:, :, pad] == 0).all(), f"{name}: padding slots must get no gradient"
+        assert_error_relative(name, g, r, b, atol=1e-6)
+
+
+def test_torch_backend_matches_reference(torch_backend):
+    """The custom op's PyTorch path (CPU without the interpreter): same outputs and gradients."""
+    grid = GRIDS["36_tiles"]
+    q_t, k_t, v_t = _tiled_qkv(grid, 2, 3, 8, torch.float64, "cpu")
+    leaves = [x.requires_grad_() for x in (q_t, k_t, v_t)]
+    oc, kv_indices, kv_counts = vsa_coarse_stage(*leaves, grid, 9, scale=0.3)
+    _, ref_oc, scores, ref_indices, ref_counts = _reference(q_t, k_t, v_t, grid, 9, 0.3,
+                                                            dtype=torch.float64)  # fmt: skip
+    torch.testing.assert_close(oc, ref_oc, rtol=1e-12, atol=1e-12)
+    assert torch.equal(kv_indices, ref_indices) and torch.equal(kv_counts, ref_counts)
+    weight = torch.randn_like(oc)
+    grads = torch.autograd.grad((oc * weight).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref_oc * weight).sum(), leaves)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_torch_compile_sees_one_op(torch_backend):
+    grid = GRIDS["8_tiles"]
+    q_t, k_t, v_t = (x.requires_grad_() for x in _tiled_qkv(grid, 1, 2, 8, torch.float32, "cpu"))
+
+    def f(q_t, k_t, v_t):
+        oc, kv_indices, _ = vsa_coarse_stage(q_t, k_t, v_t, grid, 3)
+        return oc.square().sum() + kv_indices.sum()
+
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q_t, k_t, v_t)
+    torch.testing.assert_close(out, f(q_t, k_t, v_t))
+    out.backward()
+    assert q_t.grad is not None and not torch.isnan(q_t.grad).any()
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, words",
+    [
+        (lambda a: a.__setitem__(0, a[0][:, :, :-1]), ValueError, "shape"),
+        (lambda a: a.__setitem__(1, a[1].double()), TypeError, "dtype"),
+        (lambda a: a.__setitem__("topk", 0), ValueError, "topk"),
+        (lambda a: a.__setitem__("topk", True), ValueError, "topk"),
+        (lambda a: a.__setitem__("grid", VideoGrid((9, 6, 7))), ValueError, "padded_len"),
+        (lambda a: a.__setitem__("grid", "5x6x7"), TypeError, "VideoGrid"),
+        (lambda a: a.__setitem__("scale", -1.0), ValueError, "scale"),
+    ],
+)
+def test_bad_input_raises_before_compute(torch_backend, mutate, exc, words):
+    grid = GRIDS["8_tiles"]
+    args = dict(enumerate(_tiled_qkv(grid, 1, 2, 8, torch.float32, "cpu")))
+    args.update(grid=grid, topk=2, scale=None)
+    mutate(args)
+    with pytest.raises(exc, match=words):
+        vsa_coarse_stage(args[0], args[1], args[2], args["grid"], args["topk"], args["scale"])
+
+
+def test_topk_above_num_tiles_is_clamped(torch_backend):
+    grid = GRIDS["8_tiles"]
+    _, kv_indices, kv_counts = vsa_coarse_stage(*_tiled_qkv(grid, 1, 1, 8, torch.float32, "cpu"),
+                                                grid, 100)  # fmt: skip
+    assert kv_indices.shape[-1] == 8 and (kv_counts == 8).all()
+    assert torch.equal(kv_indices[0, 0, 0], torch.arange(8, dtype=torch.int32))
+
+
+# ----------------------------------------------------------------------------- compile check
+
+
+COMPILE_TARGETS = ("cuda:90", "hip:gfx942")
+
+
+def compile_reports(targets, head_dims=(128,)):
+    """Compile the kernels the launchers would launch at Wan 1.3B 480p shapes for ``targets``
+    (``tests/compile_kernels.py`` names); one report dict per compile. Must run in a process
+    without ``TRITON_INTERPRET`` (``@triton.jit`` decides at import)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    import compile_kernels as ck
+    from vidsparse.ops.video_sparse_attn import coarse
+    from vidsparse.utils.device import Target
+
+    jobs, reports = [], []
+    for name in targets:
+        reason = ck.unavailable_reason(name)
+        if reason:
+            reports.append({"target": name, "skipped": reason})
+            continue
+        target_args, gpu_args, shared_limit = ck.TARGETS[name]
+        backend_cls = type(make_backend(GPUTarget(*gpu_args)))
+        for head_dim in head_dims:
+            for kernel, args, kwargs in _record_launches(coarse, Target(*target_args), head_dim):
+                signature, constexprs, attrs, options = ck.specialise(kernel, args, kwargs,
+                                                                      backend_cls)  # fmt: skip
+                jobs.append({
+                    "target": name, "gpu_target": gpu_args, "shared_limit": shared_limit,
+                    "kernel": kernel.__name__, "module": kernel.fn.__module__,
+                    "function": kernel.__name__, "block_q": constexprs.get("BLOCK_M"),
+                    "block_kv": constexprs.get("BLOCK_N"), "head_dim": head_dim,
+                    "dtype": "bf16", "has_kv_sizes": None, "config": options,
+                    "signature": signature, "constexprs": constexprs, "attrs": attrs,
+                    "options": options,
+                })  # fmt: skip
+    return reports + ck.run_jobs(jobs, 2)
+
+
+def _record_launches(coarse, target, head_dim):
+    """``[(kernel, args, kwargs)]`` of the forward and backward launchers on meta tensors."""
+    from triton.runtime.jit import JITFunction
+
+    import compile_kernels as ck
+
+    sink, saved = [], {"target_of": coarse.target_of}
+    for attr in dir(coarse):
+        if attr.endswith("_kernel") and isinstance(getattr(coarse, attr), JITFunction):
+            saved[attr] = getattr(coarse, attr)
+    try:
+        coarse.target_of = lambda device: target
+        for attr in saved:
+            if attr != "target_of":
+                setattr(coarse, attr, ck._Recorder(saved[attr], sink))
+        meta = torch.device("meta")
+        B, H, num_tiles, volume, topk = 1, 12, 624, 64, 78  # Wan 2.1 1.3B, 480p
+        x = torch.empty(B, H, num_tiles * volume, head_dim, dtype=torch.bfloat16, device=meta)
+        sizes = torch.empty(num_tiles, dtype=torch.int32, device=meta)
+        pooled = coarse.tile_mean_pool_fwd(x, x, x, sizes)
+        coarse.coarse_attn_topk_fwd(pooled[0], pooled[1], pooled[2], topk, head_dim**-0.5)
+        coarse.tile_mean_pool_bwd(pooled, sizes, num_tiles * volume, torch.bfloat16)
+    finally:
+        for attr, value in saved.items():
+            setattr(coarse, attr, value)
+    return sink
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--targets", ",".join(COMPILE_TARGETS)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.fail(f"compile check exited with {proc.returncode}:\n{proc.stderr[-6000:]}")
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("target", COMPILE_TARGETS)
+def test_kernels_compile_spill_free(compiled, target):
+    reports = [r for r in compiled if r["target"] == target]
+    skipped = [r["skipped"] for r in reports if "skipped" in r]
+    if skipped:
+        pytest.skip(f"{target}: {skipped[0]}")
+    kernels = {r["kernel"] for r in reports}
+    assert kernels == {"_tile_mean_pool_fwd_kernel", "_coarse_attn_topk_fwd_kernel",
+                       "_tile_mean_pool_bwd_kernel"}, kernels  # fmt: skip
+    failed = [f"{r['kernel']}: {r['error']}" for r in reports if not r["ok"]]
+    assert not failed, "\n\n".join(failed)
+    for r in reports:
+        label = f"{r['kernel']} D={r['head_dim']} {r['config']}"
+        assert r["spills"] == 0, f"{label}: {r['spills']} spilled, {r['registers']} registers"
+        assert r["shared"] <= r["shared_limit"], f"{label}: {r['shared']} bytes shared memory"
+
+
+# ----------------------------------------------------------------------------- GPU
+
+WAN_480P = VideoGrid((21, 30, 52))  # 624 tiles, 39,936 padded tokens
+WAN_720P = VideoGrid((21, 45, 80))  # 1440 tiles
+
+
+def _check_selection_is_a_topk(kv_indices, kv_counts, scores, qc, kc, scale, topk):
+    """Rows are ``topk`` distinct ascending tiles, and no unselected tile beats a selected one
+    by more than the TF32 error bound of the two scores."""
+    Nt = scores.shape[-1]
+    assert (kv_counts == topk).all()
+    assert (kv_indices >= 0).all() and (kv_indices < Nt).all()
+    assert (kv_indices.diff(dim=-1) > 0).all(), "rows must be strictly ascending"
+    selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, kv_indices.long(), True)
+    worst_in = scores.masked_fill(~selected, float("inf")).amin(-1)  # [B, H, Nt]
+    best_out = scores.masked_fill(selected, float("-inf")).amax(-1)
+    # TF32 keeps 10 mantissa bits: |s_tf32 - s| <= 2^-10 |qc| |kc| scale (+ fp32 sums); 4x slack.
+    bound = 2.0**-8 * qc.norm(dim=-1) * kc.norm(dim=-1).amax(-1, keepdim=True) * scale
+    assert (worst_in >= best_out - 2 * bound).all(), float((best_out - worst_in - 2 * bound).max())
+    ref_indices, _ = select_topk(scores, topk)
+    ref_selected = torch.zeros_like(selected).scatter_(-1, ref_indices.long(), True)
+    agree = (selected & ref_selected).sum() / ref_selected.sum()
+    assert agree >= 0.99, f"only {float(agree):.4f} of the reference selection"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("input_scale", [1.0, 4.0, 16.0])
+def test_gpu_wan480p_bf16_matches_reference(input_scale):
+    grid, topk, D = WAN_480P, 78, 128
+    q_t, k_t, v_t = _tiled_qkv(grid, 1, 12, D, torch.bfloat16, "cuda", scale=input_scale,
+                               garbage=float("nan"))  # fmt: skip
+    leaves = [x.requires_grad_() for x in (q_t, k_t, v_t)]
+    oc, kv_indices, kv_counts = vsa_coarse_stage(*leaves, grid, topk)
+    scale = D**-0.5
+    xs = [x.detach().float().requires_grad_() for x in (q_t, k_t, v_t)]
+    means, ref_oc, scores, _, _ = _reference(*xs, grid, topk, scale)
+    qc, kc = means[0].detach(), means[1].detach()
+
+    pooled = tile_mean_pool_fwd(*(x.detach() for x in leaves), grid.tile_sizes_on("cuda"))
+    for name, got, ref in zip("qkv", pooled, means):
+        assert_rel_l2(f"{name}c (fp32 sums)", got, ref.detach(), 1e-5)
+    assert_rel_l2("oc (TF32 dots)", oc, ref_oc, 2e-2)
+    _check_selection_is_a_topk(kv_indices, kv_counts, scores.detach(), qc, kc, scale, topk)
+
+    weight = torch.randn_like(oc)
+    grads = torch.autograd.grad((oc * weight).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref_oc * weight).sum(), xs)
+    pad = ~grid.real_token_mask("cuda")
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        assert g.dtype == torch.bfloat16 and not torch.isnan(g).any()
+        assert (g[:, :, pad] == 0).all()
+        assert_rel_l2(f"{name} (bf16 output)", g, r, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_wan720p_forward_selection_and_determinism():
+    grid, topk, D = WAN_720P, 180, 128
+    q_t, k_t, v_t = _tiled_qkv(grid, 1, 40, D, torch.bfloat16, "cuda", scale=4.0)
+    runs = [vsa_coarse_stage(q_t, k_t, v_t, grid, topk) for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b), "not bit-identical across runs"
+    oc, kv_indices, kv_counts = runs[0]
+    (qc, kc, _), ref_oc, scores, _, _ = _reference(q_t, k_t, v_t, grid, topk, D**-0.5)
+    assert_rel_l2("oc (TF32 dots)", oc, ref_oc, 2e-2)
+    _check_selection_is_a_topk(kv_indices, kv_counts, scores, qc, kc, D**-0.5, topk)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_inputs_and_head_dim_64():
+    grid, topk, D = VideoGrid((9, 30, 26)), 20, 64
+    q_t, k_t, v_t = _tiled_qkv(grid, 2, 3, D, torch.float32, "cuda", scale=4.0)
+    oc, kv_indices, kv_counts = vsa_coarse_stage(q_t, k_t, v_t, grid, topk)
+    (qc, kc, _), ref_oc, scores, _, _ = _reference(q_t, k_t, v_t, grid, topk, D**-0.5)
+    assert_rel_l2("oc (TF32 dots)", oc, ref_oc, 2e-2)
+    _check_selection_is_a_topk(kv_indices, kv_counts, scores, qc, kc, D**-0.5, topk)
+
+
+@pytest.mark.gpu
+def test_gpu_torch_compile_fullgraph():
+    grid = VideoGrid((9, 30, 26))
+    q_t, k_t, v_t = (x.requires_grad_()
+                     for x in _tiled_qkv(grid, 1, 2, 128, torch.bfloat16, "cuda"))  # fmt: skip
+
+    def f(q_t, k_t, v_t):
+        oc, _, _ = vsa_coarse_stage(q_t, k_t, v_t, grid, 16)
+        return oc.square().sum()
+
+    out = torch.compile(f, fullgraph=True)(q_t, k_t, v_t)
+    out.backward()
+    torch.testing.assert_close(out, f(q_t, k_t, v_t), rtol=1e-4, atol=1e-4)
+    assert not torch.isnan(q_t.grad).any()
+
+
+if __name__ == "__main__":  # the compile check runs here, in a process without the interpreter
+    import argparse
+
+    parser = argparse.ArgumentParser(description="compile the VSA coarse kernels for GPU targets")
+    parser.add_argument("--targets", default=",".join(COMPILE_TARGETS))
+    parser.add_argument("--head-dims", default="128")
+    cli = parser.parse_args()
+    for report in compile_reports(
+        [t for t in cli.targets.split(",") if t], [int(d) for d in cli.head_dims.split(",")]
+    ):
+        report.pop("traceback", None)
+        print(json.dumps(report), flush=True)
