@@ -24,7 +24,12 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 
+_SUBMODULES = ("layout", "masks", "ops", "search", "parallel", "testing")
+
+
 def __getattr__(name: str):
+    if name in _SUBMODULES:  # `vidsparse.search.load_plan(...)` without importing it first
+        return importlib.import_module(f"vidsparse.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'vidsparse' has no attribute {name!r}")
