@@ -602,11 +602,7 @@ def ulysses_video_sparse_attn(
 # ---------------------------------------------------------------------------------------------
 
 
-def _slice_specs(specs, H: int, heads: slice):
-    from vidsparse.masks.stripe import StripeSpec
-
-    if isinstance(specs, StripeSpec):  # one spec for every head: nothing to slice
-        return specs
+def _slice_specs(specs, H: int, heads: slice) -> tuple:
     try:
         specs = tuple(specs)
     except TypeError:
@@ -616,6 +612,28 @@ def _slice_specs(specs, H: int, heads: slice):
     if len(specs) != H:
         raise ValueError(f"specs must hold one StripeSpec per head (H={H}), got {len(specs)}")
     return specs[heads]
+
+
+def _check_stripe_length(grid, stripe_kwargs: dict, S_local: int, world: int) -> None:
+    """Full length ``(padded_len if tiled else num_tokens) + text_tokens``, split evenly."""
+    if not isinstance(grid, VideoGrid):
+        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
+    tiled = stripe_kwargs.get("tiled", False)
+    text = stripe_kwargs.get("text_tokens", 0)
+    if not isinstance(tiled, bool) or isinstance(text, bool) or not isinstance(text, int):
+        return  # malformed: stripe_attn names the problem (same on every rank)
+    expected = (grid.padded_len if tiled else grid.num_tokens) + text
+    if expected % world:
+        raise ValueError(
+            f"the full sequence ({'padded_len' if tiled else 'num_tokens'} + text_tokens = "
+            f"{expected}) is not divisible by the world size {world}: Ulysses needs equal "
+            "sequence shards (tile order, tiled=True, changes the video part's length)"
+        )
+    if S_local * world != expected:
+        raise ValueError(
+            f"each rank must hold {expected} / {world} = {expected // world} tokens "
+            f"(tiled={tiled}, text_tokens={text}), got a local sequence of {S_local}"
+        )
 
 
 def ulysses_stripe_attn(
@@ -634,10 +652,12 @@ def ulysses_stripe_attn(
 
     ``specs``: one :class:`StripeSpec` per head of the full model (``H`` of them); each rank
     uses its ``H/P``. ``stripe_kwargs`` (``spatial_unit``, ``tiled``, ``sink_frames``,
-    ``text_tokens``, ``scale``) pass through; the sequence they describe is the full one.
+    ``text_tokens``, ``scale``, ``return_lse``) pass through; they describe the full sequence,
+    ``(grid.padded_len if tiled else grid.num_tokens) + text_tokens`` long, split evenly.
     """
     ctx = resolve_context(group, layout)
-    _, _, H, _ = validate_shards(ctx, q=q, k=k, v=v)
+    _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v)
+    _check_stripe_length(grid, stripe_kwargs, S_local, ctx.world_size)
     _slice_specs(specs, H, ctx.head_slice(H))  # wrong count: raise before exchanging
     try:
         from vidsparse.ops.stripe_attn import stripe_attn
