@@ -1,0 +1,7 @@
+"""Trainable modules: :class:`VideoSparseAttention` (VSA with a learned gate) and
+:class:`SparsitySchedule` (start dense, raise sparsity stepwise to a target)."""
+
+from vidsparse.nn.schedule import SparsitySchedule
+from vidsparse.nn.vsa import VideoSparseAttention
+
+__all__ = ["SparsitySchedule", "VideoSparseAttention"]
