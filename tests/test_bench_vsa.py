@@ -1,0 +1,73 @@
+"""The VSA benchmark runs end to end on CPU at tiny size (numbers meaningless, code paths real)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPARSE = ("ours", "ours-natural", "fastvideo")
+MODES = ("fwd", "fwd+bwd")
+SPARSITIES = (0.875, 0.9)
+
+
+def run_tiny(out: Path) -> dict:
+    env = dict(os.environ, VIDSPARSE_BACKEND="torch", CUDA_VISIBLE_DEVICES="")
+    env.pop("TRITON_INTERPRET", None)  # the torch backend needs no interpreter
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_vsa.py")]
+        + ["--device", "cpu", "--tiny", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "vs cuDNN" in done.stdout  # the table was printed
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """One tiny run shared by the tests of this module (a subprocess takes a few seconds)."""
+    return run_tiny(tmp_path_factory.mktemp("bench_vsa") / "vsa.json")
+
+
+def test_bench_vsa_tiny_cpu(data):
+    rows, meta = data["rows"], data["meta"]
+
+    assert meta["benchmark"] == "vsa" and meta["gpu"] == "cpu" and meta["tiny"] is True
+    assert meta["modes"] == list(MODES) and meta["sparsities"] == list(SPARSITIES)
+    assert meta["env"]["VIDSPARSE_BACKEND"] == "torch"
+    assert "git_commit" in meta and "fastvideo" in meta
+
+    # cuDNN once per mode, then every sparsity x mode x sparse provider.
+    assert len(rows) == len(MODES) + len(SPARSITIES) * len(MODES) * len(SPARSE)
+    keys = {(r["provider"], r["sparsity"], r["mode"]) for r in rows}
+    assert {("cudnn", None, m) for m in MODES} <= keys
+    assert {(p, s, m) for p in SPARSE for s in SPARSITIES for m in MODES} <= keys
+
+    for row in rows:
+        assert row["tokens"] == 300 and row["padded_tokens"] == 768 and row["num_tiles"] == 12
+        if row["provider"] == "fastvideo":
+            # Not in the test environment: recorded as an error row, the run goes on.
+            assert row.get("error") or row.get("ms")
+            continue
+        assert "error" not in row, row
+        assert row["ms"] > 0 and row["speedup"] > 0
+        if row["provider"] != "cudnn":
+            assert row["topk"] == 2  # ceil((1 - s) * 12) for both sparsities
+
+
+def test_bench_vsa_split_on_ours_fwd(data):
+    rows = data["rows"]
+    split = [r for r in rows if r["provider"] == "ours" and r["mode"] == "fwd"]
+    assert len(split) == len(SPARSITIES)
+    for row in split:
+        assert row["coarse_ms"] > 0 and row["fine_ms"] > 0, row
+        assert row["coarse_share"] == row["coarse_ms"] / row["ms"]
+    others = [r for r in rows if r not in split]
+    assert all("coarse_ms" not in r for r in others)
