@@ -1,8 +1,24 @@
 """The built-in demo workload: one Wan-2.1-shaped video self-attention layer, dense vs VSA.
 
-q/k/v are smooth space-time fields (a few low-frequency waves per head plus noise), so that
-attention has the locality of real video latents and tile means are informative. (A version fed
-from a real clip is planned; this one says what it is in its report.)
+q/k/v come from a real clip (81 frames of Big Buck Bunny shipped in ``vidsparse.data``), made
+into latent-grid tokens the way Wan 2.1 does, with stand-ins for the trained parts:
+
+1. "VAE": Wan's causal VAE maps 1 + 4k frames to 1 + k latent frames (frame 0 alone, then
+   groups of 4) and downsamples 8x in space. We average frames the same way in time and
+   area-resize each latent frame to (2H, 2W) "latent pixels" (the clip is centre-cropped to
+   the grid's aspect first).
+2. "Patch embedding": Wan patchifies 1x2x2 latent pixels into a token. Each token gets
+   features from its 2x2 latent pixels: their RGB (12), the luma gradients (2) and the motion
+   inside its 4-frame group (3 RGB differences), standardised over the clip.
+3. "q/k/v projections": fixed seeded random matrices per head, plus a bias shared by q and k.
+   k's matrix is q's rotated partway towards an independent one, so q . k partly measures
+   content similarity (like trained heads that attend to similar content) and partly not.
+   q and k are RMS-normalised (Wan's qk_norm) and scaled by a per-head gain (how sharp the head
+   is), then Wan's 3-D RoPE is applied; the q/k bias under RoPE gives each head a relative-
+   position kernel whose reach depends on which RoPE bands (t, h, w) its energy sits in.
+
+So attention reflects real content plus position, with the locality of real video heads, but
+no trained weights: the numbers say how VSA behaves on video-like attention, not on Wan itself.
 """
 
 from __future__ import annotations
@@ -11,46 +27,182 @@ import math
 import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import vidsparse
+from vidsparse.data import CLIP_ATTRIBUTION, load_clip
 from vidsparse.testing import rel_l2
 
 GPU_GRID, GPU_HEADS, GPU_DIM = (21, 30, 52), 12, 128  # Wan 2.1 1.3B, 480p, 81 frames
 CPU_GRID, CPU_HEADS, CPU_DIM = (8, 16, 16), 2, 64  # reduced so the CPU finishes in seconds
+VAE_STRIDE_T = 4  # Wan 2.1 VAE: 4x in time (first frame kept alone), 8x in space
+ROPE_THETA = 10000.0  # Wan's rope_params default
+NUM_FEATURES = 17  # 12 RGB of the 2x2 latent pixels + 2 luma gradients + 3 motion
+LUMA = (0.299, 0.587, 0.114)
 
 
-def smooth_video_qkv(grid_shape, heads, head_dim, *, device, dtype, generator, sharpness=12.0):
-    """q, k, v [1, heads, T*H*W, head_dim] with the locality of video attention.
+# ---- the clip as latent-grid tokens ---------------------------------------------------------
 
-    q and k share random Fourier features of the (t, h, w) position (per head), so q . k is a
-    smooth kernel of the distance between positions: attention concentrates on nearby tokens,
-    more or less sharply per head. v is a smooth field too. Small noise breaks exact symmetry.
+
+def clip_frame_indices(num_clip_frames: int, num_latent_frames: int) -> list[int]:
+    """Which clip frames feed a grid with ``num_latent_frames``: 1 + 4 (T - 1) of them.
+
+    Evenly strided from frame 0 so a short (CPU) grid still spans the clip's motion.
+    """
+    needed = 1 + VAE_STRIDE_T * (num_latent_frames - 1)
+    if needed > num_clip_frames:
+        raise ValueError(
+            f"a grid of {num_latent_frames} latent frames needs {needed} clip frames,"
+            f" the clip has {num_clip_frames}"
+        )
+    stride = 1 if needed == 1 else (num_clip_frames - 1) // (needed - 1)
+    return list(range(0, stride * needed, stride))
+
+
+def _center_crop_to_aspect(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Crop ``[F, C, Hp, Wp]`` around the centre to the aspect ``height : width``."""
+    Hp, Wp = frames.shape[-2:]
+    if Hp * width > Wp * height:  # too tall
+        keep = round(Wp * height / width)
+        top = (Hp - keep) // 2
+        return frames[..., top : top + keep, :]
+    keep = round(Hp * width / height)
+    left = (Wp - keep) // 2
+    return frames[..., left : left + keep]
+
+
+def latent_pixels(frames, grid_shape) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clip as "latent pixels": the stand-in for Wan's VAE.
+
+    Args:
+        frames: uint8 ``[F, Hp, Wp, 3]`` (numpy or torch).
+        grid_shape: token grid ``(T, H, W)``.
+
+    Returns ``(mean, motion)``, float ``[T, 3, 2H, 2W]`` in [-1, 1] and the last-minus-first
+    frame difference of each latent frame's 4-frame group (zero for latent frame 0, which Wan's
+    causal VAE encodes alone).
     """
     T, H, W = grid_shape
-    t, h, w = torch.meshgrid(
-        torch.arange(T, dtype=torch.float32),
-        torch.arange(H, dtype=torch.float32),
-        torch.arange(W, dtype=torch.float32),
-        indexing="ij",
+    x = torch.as_tensor(frames)[clip_frame_indices(len(frames), T)]
+    x = x.permute(0, 3, 1, 2).float() / 127.5 - 1.0  # [F, 3, Hp, Wp]
+    x = _center_crop_to_aspect(x, H, W)
+    x = F.interpolate(x, size=(2 * H, 2 * W), mode="bilinear", antialias=True, align_corners=False)
+    first, rest = x[:1], x[1:].reshape(T - 1, VAE_STRIDE_T, *x.shape[1:])
+    mean = torch.cat([first, rest.mean(dim=1)])
+    motion = torch.cat([torch.zeros_like(first), rest[:, -1] - rest[:, 0]])
+    return mean, motion
+
+
+def patch_features(mean: torch.Tensor, motion: torch.Tensor) -> torch.Tensor:
+    """Per-token features ``[T*H*W, NUM_FEATURES]`` (raster order), standardised.
+
+    A token is a 1x2x2 patch of latent pixels, as in Wan's patch embedding.
+    """
+    T, _, H2, W2 = mean.shape
+    H, W = H2 // 2, W2 // 2
+    # The 2x2 sub-patches' RGB, channel-major: [T, 3, 2H, 2W] -> [T, H, W, 12].
+    rgb = mean.reshape(T, 3, H, 2, W, 2).permute(0, 2, 4, 1, 3, 5).reshape(T, H, W, 12)
+    luma = torch.einsum("tchw,c->thw", mean, torch.tensor(LUMA))
+    grad_h, grad_w = torch.gradient(luma, dim=(1, 2))
+    grads = torch.stack([grad_h, grad_w], dim=1)  # [T, 2, 2H, 2W]
+    grads = F.avg_pool2d(grads, 2).permute(0, 2, 3, 1)  # [T, H, W, 2]
+    moves = F.avg_pool2d(motion, 2).permute(0, 2, 3, 1)  # [T, H, W, 3]
+    feats = torch.cat([rgb, grads, moves], dim=-1).reshape(T * H * W, NUM_FEATURES)
+    # Like a LayerNorm upstream: every feature on the same scale, so none dominates by units.
+    return (feats - feats.mean(0)) / (feats.std(0) + 1e-6)
+
+
+# ---- Wan's 3-D RoPE -------------------------------------------------------------------------
+
+
+def rope_band_pairs(head_dim: int) -> tuple[int, int, int]:
+    """Rotation pairs given to (t, h, w), Wan's split: h and w get c // 3 each, t the rest.
+
+    head_dim 128 (64 pairs) -> (22, 21, 21), i.e. 44/42/42 dims; head_dim 64 -> (12, 10, 10).
+    """
+    if head_dim % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    c = head_dim // 2
+    return c - 2 * (c // 3), c // 3, c // 3
+
+
+def rope_angles(grid_shape, head_dim: int) -> torch.Tensor:
+    """Rotation angle of every (token, pair): float64 ``[T*H*W, head_dim // 2]``.
+
+    Each axis has its own RoPE ladder ``pos / theta ** (2i / dim_axis)`` over its band, as in
+    Wan's ``rope_params``; the bands are laid out [t | h | w].
+    """
+    T, H, W = grid_shape
+    positions = torch.meshgrid(
+        *(torch.arange(n, dtype=torch.float64) for n in (T, H, W)), indexing="ij"
     )
-    coords = torch.stack([t, h, w], dim=-1).reshape(-1, 3)  # [S, 3] in tokens
-    # Per-head length scales: some heads local (a few tokens), some broad.
-    length = torch.empty(heads, 1, 3).uniform_(2.0, 12.0, generator=generator)
-    freqs = torch.randn(heads, head_dim, 3, generator=generator) / length  # [Hh, D, 3]
-    phase = torch.rand(heads, head_dim, generator=generator) * 2 * math.pi
-    feats = torch.cos(torch.einsum("sc,hdc->hsd", coords, freqs) + phase[:, None, :])
-    amp = math.sqrt(sharpness * 2.0 / math.sqrt(head_dim))  # q . k * scale peaks near sharpness
+    bands = []
+    for pairs, pos in zip(rope_band_pairs(head_dim), positions):
+        inv_freq = ROPE_THETA ** (-torch.arange(pairs, dtype=torch.float64) * 2 / (2 * pairs))
+        bands.append(pos.reshape(-1, 1) * inv_freq)
+    return torch.cat(bands, dim=-1)
 
-    def noisy(x):
-        return x + 0.05 * torch.randn(x.shape, generator=generator)
 
-    q, k = noisy(feats * amp), noisy(feats * amp)
-    v_freqs = torch.randn(heads, head_dim, 3, generator=generator) / 6.0
-    v = torch.sin(torch.einsum("sc,hdc->hsd", coords, v_freqs) + phase.flip(-1)[:, None, :])
-    return [x.unsqueeze(0).to(device=device, dtype=dtype) for x in (q, k, noisy(v))]
+def apply_wan_rope(x: torch.Tensor, grid_shape) -> torch.Tensor:
+    """Wan's 3-D RoPE on ``[..., T*H*W, D]`` (raster order): rotate dims (2i, 2i+1) together."""
+    angles = rope_angles(grid_shape, x.shape[-1])
+    rot = torch.polar(torch.ones_like(angles), angles)  # complex [S, D/2]
+    pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())
+    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+
+
+# ---- q, k, v --------------------------------------------------------------------------------
+
+
+def _rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+def _band_weights(head_dim: int, generator: torch.Generator) -> torch.Tensor:
+    """Per-dim weights ``[D]`` of one head's q/k bias over the RoPE bands.
+
+    A head whose bias sits in the t band only sees temporal offsets; in h/w, spatial ones.
+    Dirichlet-like weights make a mix of temporal, spatial and broad heads.
+    """
+    share = -torch.log(torch.rand(3, generator=generator))
+    share = share / share.sum()
+    per_pair = torch.cat(
+        [torch.full((n,), math.sqrt(s / n)) for s, n in zip(share, rope_band_pairs(head_dim))]
+    )
+    return per_pair.repeat_interleave(2)
+
+
+def clip_qkv(frames, grid_shape, heads, head_dim, *, device, dtype, generator):
+    """q, k, v ``[1, heads, T*H*W, head_dim]`` from real clip frames (see the module doc)."""
+    feats = patch_features(*latent_pixels(frames, grid_shape))  # [S, F]
+    Fdim = feats.shape[-1]
+
+    def projection():
+        return torch.randn(heads, Fdim, head_dim, generator=generator) / math.sqrt(Fdim)
+
+    w_q, w_other, w_v = projection(), projection(), projection()
+    # k's matrix: q's turned by an angle per head; cos(angle) is how much q . k is similarity.
+    angle = torch.rand(heads, 1, 1, generator=generator) * (math.pi / 3)
+    w_k = torch.cos(angle) * w_q + torch.sin(angle) * w_other
+    bias = torch.stack([_band_weights(head_dim, generator) for _ in range(heads)])
+    bias = bias * torch.randn(heads, head_dim, generator=generator)  # [heads, D]
+    bias_scale = torch.empty(heads, 1, 1).uniform_(0.5, 2.0, generator=generator)
+    # Per-head sharpness: the largest logit q . k / sqrt(D) a head can reach is gain^2 sqrt(D).
+    gain = torch.empty(heads, 1, 1).uniform_(0.8, 1.6, generator=generator)
+
+    def query_or_key(w):
+        x = torch.einsum("sf,hfd->hsd", feats, w) + bias_scale * bias[:, None, :]
+        return apply_wan_rope(_rms_norm(x) * gain, grid_shape)
+
+    q, k = query_or_key(w_q), query_or_key(w_k)
+    v = torch.einsum("sf,hfd->hsd", feats, w_v)
+    return [x.unsqueeze(0).to(device=device, dtype=dtype) for x in (q, k, v)]
+
+
+# ---- timing and the run ---------------------------------------------------------------------
 
 
 def _time(
@@ -67,7 +219,16 @@ def _time(
     return (time.perf_counter() - start) / repeats * 1e3, out
 
 
-def run_demo(*, device: str = "auto", sparsity: float = 0.875, seed: int = 0, log=print) -> dict:
+def run_demo(
+    *,
+    device: str = "auto",
+    sparsity: float = 0.875,
+    seed: int = 0,
+    log=print,
+    out_dir: str | Path | None = None,
+) -> dict:
+    """Dense vs VSA on the clip workload; returns the report. PNGs go to ``out_dir`` if given
+    and matplotlib is installed."""
     log = log or (lambda *a, **k: None)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,8 +245,10 @@ def run_demo(*, device: str = "auto", sparsity: float = 0.875, seed: int = 0, lo
         )
     grid = vidsparse.VideoGrid(grid_shape)
     gen = torch.Generator().manual_seed(seed)
-    q, k, v = smooth_video_qkv(grid_shape, heads, head_dim, device=dev, dtype=dtype, generator=gen)
+    frames = load_clip()
+    q, k, v = clip_qkv(frames, grid_shape, heads, head_dim, device=dev, dtype=dtype, generator=gen)
     repeats = 10 if on_gpu else 2
+    log(f"inputs: {CLIP_ATTRIBUTION}; patch-embedded, Wan 3-D RoPE")
     log(
         f"workload: grid {grid_shape} = {grid.num_tokens} tokens, {grid.num_tiles} tiles of 4x4x4,"
         f" {heads} heads, head_dim {head_dim}, {str(dtype).replace('torch.', '')}, {device}"
@@ -113,7 +276,7 @@ def run_demo(*, device: str = "auto", sparsity: float = 0.875, seed: int = 0, lo
     log(f"{'method':<22} {'time ms':>9} {'speedup':>8} {'rel L2 vs dense':>16}")
     for r in rows:
         log(f"{r['method']:<22} {r['ms']:>9.2f} {r['speedup']:>7.2f}x {r['rel_l2']:>16.4f}")
-    return dict(
+    report = dict(
         workload=dict(
             grid=list(grid_shape),
             tokens=grid.num_tokens,
@@ -121,7 +284,7 @@ def run_demo(*, device: str = "auto", sparsity: float = 0.875, seed: int = 0, lo
             head_dim=head_dim,
             dtype=str(dtype),
             device=device,
-            inputs="synthetic smooth space-time fields",
+            inputs=f"{CLIP_ATTRIBUTION}; patch-embedded, Wan 3-D RoPE",
             reduced=not on_gpu,
         ),
         results=rows,
@@ -131,3 +294,171 @@ def run_demo(*, device: str = "auto", sparsity: float = 0.875, seed: int = 0, lo
             python=platform.python_version(),
         ),
     )
+    if out_dir is not None:
+        report["figures"] = write_figures(Path(out_dir), frames, grid, q, k, sparsity, log)
+    return report
+
+
+# ---- pictures -------------------------------------------------------------------------------
+
+MAX_HEADS_SHOWN, MAX_FRAMES_SHOWN = 4, 4
+
+
+def _query_tile(grid, frames) -> tuple[int, tuple[int, int, int]]:
+    """The query tile the pictures show: id and (t', h', w').
+
+    In the middle tile-slab of time, the tile where the clip moves most: in this clip that is
+    the bunny, whose attention is more telling than that of a patch of static grass.
+    """
+    _, motion = latent_pixels(frames, grid.shape)  # [T, 3, 2H, 2W]
+    moving = F.avg_pool2d(motion.abs().mean(1, keepdim=True), 2)[:, 0]  # [T, H, W]
+    per_tile = grid.tile(moving.reshape(-1, 1), dim=0)  # zero-padded, tile order
+    per_tile = per_tile.reshape(grid.num_tiles, grid.tile_volume).sum(1)
+    nt, nh, nw = grid.tiles
+    middle = slice((nt // 2) * nh * nw, (nt // 2 + 1) * nh * nw)
+    tile = middle.start + int(per_tile[middle].argmax())
+    return tile, (tile // (nh * nw), (tile // nw) % nh, tile % nw)
+
+
+def _tile_tokens(grid, tile: int) -> torch.Tensor:
+    """Natural (raster) indices of the real tokens of one tile."""
+    index = grid.index_tensors("cpu")
+    slots = slice(tile * grid.tile_volume, (tile + 1) * grid.tile_volume)
+    return index.gather_index[slots][index.valid[slots]]
+
+
+def dense_attention_to(q, k, grid, tile: int, heads: list[int]) -> torch.Tensor:
+    """Dense attention of one query tile, averaged over its queries: ``[len(heads), T, H, W]``."""
+    rows = _tile_tokens(grid, tile).to(q.device)
+    qs, ks = q[0, heads][:, rows].float(), k[0, heads].float()
+    probs = torch.softmax(qs @ ks.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1)
+    return probs.mean(dim=1).reshape(len(heads), *grid.shape).cpu()
+
+
+def vsa_selected_tiles(q, k, grid, tile: int, heads: list[int], sparsity: float) -> torch.Tensor:
+    """Key tiles VSA's coarse stage selects for one query tile: bool ``[len(heads), T, H, W]``.
+
+    Recomputed with the reference stages (tile means, coarse scores, top-k) for the few heads.
+    """
+    from vidsparse.ops.video_sparse_attn.reference import resolve_topk, tile_means
+
+    qc = tile_means(grid.tile(q[0, heads].float()), grid)[:, tile]  # [h, D]
+    kc = tile_means(grid.tile(k[0, heads].float()), grid)  # [h, Nt, D]
+    scores = torch.einsum("hd,hnd->hn", qc, kc)
+    topk = resolve_topk(grid.num_tiles, sparsity=sparsity)
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    chosen.scatter_(1, scores.topk(topk, dim=1).indices, True)
+    # Each token takes its tile's verdict: tile id of token (t, h, w) is that of (t, h, w) // 4.
+    ids = torch.arange(grid.num_tiles).reshape(grid.tiles)
+    tt, th, tw = grid.tile_shape
+    ids = ids.repeat_interleave(tt, 0).repeat_interleave(th, 1).repeat_interleave(tw, 2)
+    T, H, W = grid.shape
+    return chosen.cpu()[:, ids[:T, :H, :W]]
+
+
+def _frames_shown(grid, query_t: int) -> list[int]:
+    """Up to MAX_FRAMES_SHOWN latent frames spread over the clip, including the query's."""
+    T = grid.shape[0]
+    picks = {round(i * (T - 1) / (MAX_FRAMES_SHOWN - 1)) for i in range(MAX_FRAMES_SHOWN)}
+    picks = sorted(picks - {min(picks, key=lambda t: abs(t - query_t))} | {query_t})
+    return picks
+
+
+def _outline(ax, box, color="red"):
+    """Draw ``(top, left, height, width)`` in data coordinates of an imshow."""
+    from matplotlib.patches import Rectangle
+
+    top, left, height, width = box
+    ax.add_patch(Rectangle((left - 0.5, top - 0.5), width, height, fill=False, ec=color, lw=1.5))
+
+
+def _query_box(grid, coords) -> tuple[int, int, int, int]:
+    _, th, tw = grid.tile_shape
+    return coords[1] * th, coords[2] * tw, th, tw
+
+
+def _grid_figure(maps, heads, frames_shown, query_t, box, title, cmap):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(2.6 * len(frames_shown), 2.0 * len(heads) + 0.6), layout="constrained")
+    axes = fig.subplots(len(heads), len(frames_shown), squeeze=False)
+    for row, head in enumerate(heads):
+        vmax = float(maps[row].max())
+        for col, t in enumerate(frames_shown):
+            ax = axes[row][col]
+            ax.imshow(maps[row, t].float().numpy(), cmap=cmap, vmin=0, vmax=vmax)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            ax.set_title(f"head {head}, key frame t={t}", fontsize=8)
+            if t == query_t:
+                _outline(ax, box)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def _clip_frame_figure(frames, grid, query_t: int, box):
+    """The clip frame at the query's latent frame, with the query tile's pixels outlined."""
+    from matplotlib.figure import Figure
+
+    T, H, W = grid.shape
+    indices = clip_frame_indices(len(frames), T)
+    frame = torch.as_tensor(frames[indices[VAE_STRIDE_T * query_t]]).permute(2, 0, 1)
+    frame = _center_crop_to_aspect(frame, H, W).permute(1, 2, 0)
+    px = frame.shape[0] / H  # clip pixels per token
+    fig = Figure(figsize=(6, 6 * frame.shape[0] / frame.shape[1] + 0.4), layout="constrained")
+    ax = fig.subplots()
+    ax.imshow(frame.numpy())
+    top, left, height, width = box
+    _outline(ax, (top * px, left * px, height * px, width * px))
+    ax.set_axis_off()
+    ax.set_title(
+        f"clip frame {indices[VAE_STRIDE_T * query_t]} (latent frame {query_t});"
+        " red: the query tile",
+        fontsize=8,
+    )
+    return fig
+
+
+def write_figures(out_dir: Path, frames, grid, q, k, sparsity: float, log) -> list[str]:
+    """PNGs of the attention of one query tile; skipped (with a note) without matplotlib."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log("matplotlib is not installed: no PNGs (pip install 'vidsparse[plots]')")
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tile, coords = _query_tile(grid, frames)
+    heads = list(range(min(q.shape[1], MAX_HEADS_SHOWN)))
+    frames_shown = _frames_shown(grid, coords[0] * grid.tile_shape[0])
+    query_t, box = coords[0] * grid.tile_shape[0], _query_box(grid, coords)
+    dense = dense_attention_to(q, k, grid, tile, heads)
+    chosen = vsa_selected_tiles(q, k, grid, tile, heads, sparsity)
+    kept = (dense * chosen).flatten(1).sum(1)  # dense attention mass VSA keeps, per head
+    kept_text = ", ".join(f"head {h}: {m:.0%}" for h, m in zip(heads, kept.tolist()))
+    figures = {
+        "attention_dense.png": _grid_figure(
+            dense,
+            heads,
+            frames_shown,
+            query_t,
+            box,
+            f"dense attention of query tile {tuple(coords)} (red) over the keys",
+            "magma",
+        ),
+        "vsa_selection.png": _grid_figure(
+            chosen,
+            heads,
+            frames_shown,
+            query_t,
+            box,
+            f"key tiles VSA keeps at sparsity {sparsity} (yellow); dense mass kept: {kept_text}",
+            "viridis",
+        ),
+        "clip_frame.png": _clip_frame_figure(frames, grid, query_t, box),
+    }
+    paths = []
+    for name, fig in figures.items():
+        fig.savefig(out_dir / name, dpi=110)
+        paths.append(str(out_dir / name))
+    log(f"figures: {', '.join(paths)}")
+    return paths

@@ -1,0 +1,116 @@
+"""The demo workload: the shipped clip, the q/k/v made from it, Wan's RoPE, the run and its PNGs."""
+
+import importlib.util
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vidsparse.data import load_clip
+from vidsparse.demo import (
+    CPU_DIM,
+    CPU_GRID,
+    CPU_HEADS,
+    apply_wan_rope,
+    clip_frame_indices,
+    clip_qkv,
+    rope_band_pairs,
+    run_demo,
+)
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def test_clip_asset_loads():
+    frames = load_clip()
+    assert frames.shape == (81, 104, 180, 3) and frames.dtype == np.uint8
+    # Real footage: a full range of values, and consecutive frames differ but only a little.
+    assert frames.min() < 30 and frames.max() > 225
+    step = np.abs(np.diff(frames[:20].astype(np.int16), axis=0)).mean()
+    assert 0.2 < step < 20
+
+
+def test_frame_indices_follow_wans_vae():
+    assert clip_frame_indices(81, 21) == list(range(81))  # 1 + 4 * 20 frames
+    assert clip_frame_indices(81, 8) == list(range(0, 57, 2))  # 29 frames, strided
+    with pytest.raises(ValueError, match="clip frames"):
+        clip_frame_indices(81, 22)
+
+
+def _clip_keys(grid=CPU_GRID, heads=CPU_HEADS, head_dim=CPU_DIM):
+    gen = torch.Generator().manual_seed(0)
+    return clip_qkv(
+        load_clip(), grid, heads, head_dim, device="cpu", dtype=torch.float32, generator=gen
+    )
+
+
+def test_keys_from_the_clip_are_not_iid():
+    _, k, _ = _clip_keys()
+    k = torch.nn.functional.normalize(k[0], dim=-1)  # [heads, S, D]
+    W = CPU_GRID[2]
+    neighbours = (k[:, :-1] * k[:, 1:]).sum(-1)  # w-neighbours (and a few row wraps)
+    below = (k[:, :-W] * k[:, W:]).sum(-1)  # h-neighbours
+    perm = torch.randperm(k.shape[1], generator=torch.Generator().manual_seed(1))
+    random_pairs = (k * k[:, perm]).sum(-1)
+    assert neighbours.mean() > random_pairs.mean() + 0.3
+    assert below.mean() > random_pairs.mean() + 0.3
+
+
+def test_rope_band_split_is_wans():
+    assert rope_band_pairs(128) == (22, 21, 21)  # 44 / 42 / 42 dims for t / h / w
+    assert rope_band_pairs(64) == (12, 10, 10)
+
+
+def _at(grid, t, h, w):
+    return (t * grid[1] + h) * grid[2] + w
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    grid, D = (6, 5, 7), 64
+    gen = torch.Generator().manual_seed(0)
+    content_q, content_k = torch.randn(2, D, generator=gen)
+    S = grid[0] * grid[1] * grid[2]
+    q = apply_wan_rope(content_q.expand(S, D).clone(), grid)
+    k = apply_wan_rope(content_k.expand(S, D).clone(), grid)
+    scores = q @ k.T
+    for offset in [(1, 2, -3), (2, 0, 1), (-1, -1, 2)]:
+        pairs = [
+            ((t, h, w), (t + offset[0], h + offset[1], w + offset[2]))
+            for t, h, w in [(1, 1, 3), (2, 2, 4), (3, 1, 3)]
+        ]
+        values = [scores[_at(grid, *m), _at(grid, *n)] for m, n in pairs]
+        torch.testing.assert_close(torch.stack(values), values[0].expand(3), rtol=0, atol=1e-4)
+    # ... and a different offset gives a different score (position is really encoded).
+    assert abs(scores[_at(grid, 1, 1, 1), _at(grid, 1, 1, 2)] - scores[0, 0]) > 1e-3
+    # RoPE is a rotation: norms unchanged.
+    torch.testing.assert_close(q.norm(dim=-1), content_q.norm().expand(S))
+
+
+def test_cpu_demo_runs_fast_and_writes_pngs(tmp_path, torch_backend):
+    start = time.perf_counter()
+    report = run_demo(device="cpu", log=None, out_dir=tmp_path)
+    assert time.perf_counter() - start < 30
+    assert "Big Buck Bunny" in report["workload"]["inputs"]
+    assert 0 < report["results"][1]["rel_l2"] < 0.5
+    names = {"attention_dense.png", "vsa_selection.png", "clip_frame.png"}
+    if HAS_MATPLOTLIB:
+        assert {p.name for p in tmp_path.glob("*.png")} == names
+        assert all((tmp_path / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+    else:
+        assert report["figures"] == []
+
+
+def test_demo_without_out_dir_writes_nothing(tmp_path, monkeypatch, torch_backend):
+    monkeypatch.chdir(tmp_path)
+    report = run_demo(device="cpu", log=None)
+    assert "figures" not in report and not list(tmp_path.iterdir())
+
+
+def test_demo_without_matplotlib_skips_pngs_with_a_note(tmp_path, monkeypatch, torch_backend):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    lines = []
+    report = run_demo(device="cpu", log=lines.append, out_dir=tmp_path)
+    assert report["figures"] == [] and not list(tmp_path.glob("*.png"))
+    assert any("matplotlib is not installed" in line for line in lines)
