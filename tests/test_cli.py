@@ -3,8 +3,10 @@
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from vidsparse.cli import main
 
@@ -111,3 +113,109 @@ def test_inspect_rejects_bad_plan_with_exit_2(tmp_path):
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "format" in proc.stderr
+
+
+# ---- pictures ---------------------------------------------------------------------------------
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _is_png(path) -> bool:
+    return path.is_file() and path.read_bytes()[:8] == PNG_MAGIC
+
+
+def _search_argv(calib, plan, *extra):
+    grid = ["--grid", "4", "8", "8", "--tile", "1", "4", "4"]
+    rule = ["--alpha", "0.05", "--num-steps", "2", "--device", "cpu"]
+    return ["search", str(calib), *grid, *rule, "--out", str(plan), *extra]
+
+
+@pytest.fixture
+def small_calibration(tmp_path):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    _write_calibration(calib, steps=(0, 1), layers=(0,))
+    return calib
+
+
+def test_search_draws_png_next_to_plan_and_inspect_png(
+    tmp_path, small_calibration, torch_backend, capsys
+):
+    plan = tmp_path / "plan.json"
+    assert main(_search_argv(small_calibration, plan)) == 0
+    assert _is_png(tmp_path / "plan.png")  # default: next to --out
+    assert "picture written to" in capsys.readouterr().out
+    masks = tmp_path / "pics" / "masks.png"
+    assert main(["inspect", str(plan), "--png", str(masks)]) == 0
+    assert _is_png(masks)
+
+
+def test_search_png_path_and_no_png(tmp_path, small_calibration, torch_backend, capsys):
+    plan, png = tmp_path / "plan.json", tmp_path / "attn.png"
+    assert main(_search_argv(small_calibration, plan, "--png", str(png), "--json")) == 0
+    assert _is_png(png) and not (tmp_path / "plan.png").exists()
+    json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # stdout stays JSON
+    plan2 = tmp_path / "plan2.json"
+    assert main(_search_argv(small_calibration, plan2, "--no-png")) == 0
+    assert plan2.exists() and not (tmp_path / "plan2.png").exists()
+
+
+def test_missing_matplotlib_is_a_note_not_a_failure(
+    tmp_path, small_calibration, torch_backend, monkeypatch, capsys
+):
+    plan = tmp_path / "plan.json"
+    assert main(_search_argv(small_calibration, plan, "--no-png")) == 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails: not installed
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["inspect", str(plan), "--png", str(tmp_path / "m.png")]) == 0
+    assert "note: matplotlib is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "m.png").exists()
+
+
+# ---- bench ------------------------------------------------------------------------------------
+
+
+def test_bench_tiny_engine_runs_on_cpu(tmp_path, torch_backend, capsys):
+    start = time.perf_counter()
+    assert main(["bench", "engine", "--tiny", "--out", str(tmp_path), "--json"]) == 0
+    assert time.perf_counter() - start < 30
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # progress: stderr
+    (result,) = printed["results"]
+    assert result["target"] == "engine" and result["rows"]
+    written = json.loads((tmp_path / "engine.json").read_text())
+    assert len(written["rows"]) == len(result["rows"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_bench_full_size_on_cpu_exits_2():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vidsparse", "bench", "engine"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "--tiny" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_needs_a_source_checkout(monkeypatch, capsys):
+    from vidsparse import cli
+
+    monkeypatch.setattr(cli, "_benchmarks_root", lambda: None)
+    assert main(["bench", "psa", "--tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "source checkout" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["bench", "nope"], ["bench", "--bogus"]])
+def test_bench_bad_usage_exits_2(argv):
+    proc = subprocess.run(
+        [sys.executable, "-m", "vidsparse", *argv], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["search"], ["inspect"], ["bench"]])
+def test_every_command_help_has_examples(command):
+    proc = subprocess.run(
+        [sys.executable, "-m", "vidsparse", *command, "--help"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "example" in proc.stdout

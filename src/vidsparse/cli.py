@@ -2,7 +2,8 @@
 
     vidsparse demo [--out DIR] [--device cpu|cuda] [--sparsity 0.875]
     vidsparse search SAMPLES --grid T H W --tile t h w (--alpha A | --target-sparsity S) ...
-    vidsparse inspect PLAN [--json]
+    vidsparse inspect PLAN [--json] [--png PATH]
+    vidsparse bench [engine|vsa|psa|all] [--out DIR] [--tiny] [--json]
 
 Exit codes: 0 ok, 1 failure, 2 bad usage (including unreadable or invalid input files).
 """
@@ -10,6 +11,8 @@ Exit codes: 0 ok, 1 failure, 2 bad usage (including unreadable or invalid input 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import sys
 import time
@@ -19,7 +22,8 @@ EXAMPLES = """examples:
   vidsparse demo                      # dense vs VSA on the default workload, report in out/demo
   vidsparse demo --out /tmp/r --json  # machine-readable summary on stdout
   vidsparse search calib/ --grid 21 30 52 --tile 2 8 8 --alpha 0.05 --out plan.json
-  vidsparse inspect plan.json
+  vidsparse inspect plan.json --png masks.png
+  vidsparse bench engine --tiny       # kernel benchmark smoke run (source checkout)
 """
 
 
@@ -56,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     _add_search_parser(sub)
     _add_inspect_parser(sub)
+    _add_bench_parser(sub)
     return parser
 
 
@@ -73,7 +78,8 @@ def _add_search_parser(sub) -> None:
         epilog=(
             "examples:\n"
             "  vidsparse search calib/ --grid 21 30 52 --tile 2 8 8 --alpha 0.05 --num-steps 50\n"
-            "  vidsparse search --from-table losses.pt --target-sparsity 0.75 --out plan75.json"
+            "  vidsparse search --from-table losses.pt --target-sparsity 0.75 --out plan75.json\n"
+            "  vidsparse search calib/ --grid 4 8 8 --tile 1 4 4 --alpha 0.05 --png attn.png"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -108,6 +114,13 @@ def _add_search_parser(sub) -> None:
     p.add_argument("--out", default="plan.json", help="plan file to write (default plan.json)")
     p.add_argument("--table", help="also save the loss table here")
     p.add_argument("--from-table", help="re-plan from a saved loss table (no attention runs)")
+    p.add_argument(
+        "--png",
+        help="picture: dense attention beside the chosen masks for a few heads of the first"
+        " searched calibration sample (default: --out with .png; the plan's masks alone with"
+        " --from-table and no SAMPLES)",
+    )
+    p.add_argument("--no-png", action="store_true", help="draw no picture")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -116,11 +129,63 @@ def _add_inspect_parser(sub) -> None:
         "inspect",
         help="summarise a PSA plan file",
         description="Per-layer sparsity and error, and the histogram of chosen stripe patterns.",
-        epilog="example:\n  vidsparse inspect plan.json --json",
+        epilog=(
+            "examples:\n"
+            "  vidsparse inspect plan.json --json\n"
+            "  vidsparse inspect plan.json --png masks.png   # chosen masks, a few heads per layer"
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("plan", help="plan file written by `vidsparse search`")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--png", help="also draw the chosen stripe masks (first searched step)")
+
+
+# Benchmark scripts of the source checkout, by target: (module in benchmarks/, extra --tiny
+# arguments). The engine's smoke run keeps 1 density, 1 block size and 2 modes: it ends in
+# seconds on a CPU (its full grid is 81 cases).
+BENCH_SCRIPTS = {
+    "engine": (
+        "bench_block_sparse",
+        ["--densities", "0.25", "--block-sizes", "128x64", "--modes", "fwd,fwd+bwd"],
+    ),
+    "vsa": ("bench_vsa", []),
+    "psa": ("bench_psa", []),
+}
+
+
+def _add_bench_parser(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="kernel benchmarks: engine, VSA, PSA (needs a source checkout)",
+        description=(
+            "Run the repository's benchmark scripts (benchmarks/bench_block_sparse.py,"
+            " bench_vsa.py, bench_psa.py) against the peers present on this machine: a table,"
+            " a JSON file per target in --out, and the scripts' plots. Full sizes need a GPU;"
+            " --tiny is a smoke run of tiny shapes that also works on the CPU."
+        ),
+        epilog=(
+            "examples:\n"
+            "  vidsparse bench                        # all three, full sizes, on the GPU\n"
+            "  vidsparse bench vsa --out results/     # VSA only\n"
+            "  vidsparse bench engine --tiny --json   # CPU smoke run, rows as JSON on stdout"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "target",
+        nargs="?",
+        default="all",
+        choices=(*BENCH_SCRIPTS, "all"),
+        help="which benchmark (default all)",
+    )
+    p.add_argument(
+        "--out", default="out/bench", help="folder for <target>.json (default out/bench)"
+    )
+    p.add_argument("--tiny", action="store_true", help="tiny shapes: a smoke run (CPU ok)")
+    p.add_argument(
+        "--json", action="store_true", help="print the rows as JSON on stdout (progress on stderr)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,7 +194,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    commands = {"demo": _run_demo, "search": _run_search, "inspect": _run_inspect}
+    commands = {
+        "demo": _run_demo,
+        "search": _run_search,
+        "inspect": _run_inspect,
+        "bench": _run_bench,
+    }
     try:
         return commands[args.command](args)
     except _BadInput as exc:
@@ -152,7 +222,10 @@ def _run_search(args) -> int:
     from vidsparse.search import LossTable, load_calibration, plan_from_table, save_plan, search
 
     rule = {"alpha": args.alpha, "target_sparsity": args.target_sparsity}
+    samples = None
     try:
+        if args.samples:
+            samples = load_calibration(args.samples)
         if args.from_table:
             plan = plan_from_table(
                 LossTable.load(args.from_table), dense_fraction=args.dense_fraction, **rule
@@ -163,7 +236,7 @@ def _run_search(args) -> int:
                 raise _BadInput("SAMPLES and --grid are required unless --from-table is given")
             grid = VideoGrid(tuple(args.grid), tile=tuple(args.tile))
             result = search(
-                load_calibration(args.samples),
+                samples,
                 grid,
                 num_steps=args.num_steps,
                 dense_fraction=args.dense_fraction,
@@ -182,7 +255,65 @@ def _run_search(args) -> int:
     _print_plan_summary(plan, args.json)
     if not args.json:
         print(f"plan written to {args.out}")
+    if not args.no_png:
+        png = args.png or str(Path(args.out).with_suffix(".png"))
+        _draw_png(lambda: _draw_search_png(plan, samples, png, args.device), png, args.json)
     return 0
+
+
+def _draw_search_png(plan, samples, png: str, device: str | None) -> None:
+    from vidsparse import plots
+
+    sample = _sample_to_draw(samples, plan) if samples is not None else None
+    if sample is None:  # no q/k the plan searched (e.g. --from-table alone): masks only
+        plots.plot_plan_masks(plan, png)
+        return
+    q, k = (x.to(_picture_device(device)) for x in (sample.q, sample.k))
+    plots.plot_attention_vs_mask(
+        q,
+        k,
+        plan.grid,
+        plan.specs_for(sample.step, sample.layer),
+        png,
+        heads=range(min(4, plan.num_heads)),
+        tiled=sample.tiled,
+        title=f"step {sample.step}, layer {sample.layer}: dense attention vs chosen stripe mask",
+    )
+
+
+def _sample_to_draw(samples, plan):
+    """The first sample the plan searched, so that its masks are chosen ones (not the dense
+    steps'); ``None`` when no sample fits the plan's steps, layers, heads and grid."""
+    grid = plan.grid
+    for sample in samples:
+        if not 0 <= sample.step < plan.num_steps or sample.num_heads != plan.num_heads:
+            continue
+        length = grid.padded_len if sample.tiled else grid.num_tokens
+        bucket = plan.bucket_for(sample.step)
+        if bucket is not None and sample.layer in bucket.layers and sample.q.shape[-2] == length:
+            return sample
+    return None
+
+
+def _picture_device(device: str | None):
+    import torch
+
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _draw_png(draw, png: str, quiet: bool) -> None:
+    """Run ``draw``; without matplotlib print a note instead: the picture is an extra, so
+    its absence must not fail a command whose main output was written."""
+    from vidsparse.plots import PlotsUnavailable
+
+    try:
+        draw()
+    except PlotsUnavailable as exc:
+        print(f"vidsparse: note: {exc}", file=sys.stderr)
+        return
+    print(f"picture written to {png}", file=sys.stderr if quiet else sys.stdout)
 
 
 def _run_inspect(args) -> int:
@@ -193,6 +324,10 @@ def _run_inspect(args) -> int:
     except (ValueError, TypeError, OSError) as exc:
         raise _BadInput(str(exc)) from None
     _print_plan_summary(plan, args.json)
+    if args.png:
+        from vidsparse.plots import plot_plan_masks
+
+        _draw_png(lambda: plot_plan_masks(plan, args.png), args.png, args.json)
     return 0
 
 
@@ -203,6 +338,88 @@ def _print_plan_summary(plan, as_json: bool) -> None:
         print(plan.format_summary())
 
 
+def _run_bench(args) -> int:
+    import torch
+
+    if not args.tiny and not torch.cuda.is_available():
+        raise _BadInput(
+            "no GPU visible: full-size benchmarks take hours on a CPU; "
+            "use `vidsparse bench --tiny` for a smoke run"
+        )
+    targets = list(BENCH_SCRIPTS) if args.target == "all" else [args.target]
+    modules = {t: _import_benchmark(BENCH_SCRIPTS[t][0]) for t in targets}
+    out = Path(args.out)
+    results = []
+    for target in targets:
+        json_path = out / f"{target}.json"
+        argv = ["--out", str(json_path)]
+        if args.tiny:
+            argv += ["--tiny", *BENCH_SCRIPTS[target][1]]
+        rows = _run_bench_script(target, modules[target], argv, quiet=args.json)
+        if rows is None:
+            return 1
+        results.append({"target": target, "json": str(json_path), "rows": rows})
+    if args.json:
+        print(json.dumps({"results": results}, default=str))
+    else:
+        for r in results:
+            print(f"bench {r['target']}: {len(r['rows'])} rows written to {r['json']}")
+    return 0
+
+
+def _benchmarks_root() -> Path | None:
+    """The source checkout holding ``benchmarks/``: above the package (src layout, editable
+    install) or the working directory; ``None`` for an installed wheel."""
+    import vidsparse
+
+    for root in (Path(vidsparse.__file__).resolve().parents[2], Path.cwd().resolve()):
+        if (root / "benchmarks" / "__init__.py").is_file():
+            return root
+    return None
+
+
+def _import_benchmark(module: str):
+    root = _benchmarks_root()
+    if root is None:
+        raise _BadInput(
+            "`vidsparse bench` runs the repository's benchmarks/ scripts: run it from a "
+            "source checkout (git clone, then pip install -e .)"
+        )
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        loaded = importlib.import_module(f"benchmarks.{module}")
+    except ImportError as exc:  # e.g. a peer library the script needs is missing: a failure
+        raise OSError(f"cannot import benchmarks.{module}: {exc}") from None
+    # Another installed package named `benchmarks` would shadow the checkout's: refuse it.
+    if root / "benchmarks" not in Path(loaded.__file__).resolve().parents:
+        raise _BadInput(f"benchmarks.{module} was found at {loaded.__file__}, not under {root}")
+    return loaded
+
+
+def _run_bench_script(target: str, module, argv: list[str], quiet: bool):
+    """The script's rows, or ``None`` (after a one-line message) when it failed.
+
+    With ``quiet`` the script's own progress and table go to stderr so that stdout holds
+    only the JSON.
+    """
+    redirect = contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()
+    try:
+        with redirect:
+            return module.main(argv)
+    except SystemExit as exc:  # the script's own usage check
+        if exc.code in (None, 0):
+            return []
+        print(f"vidsparse: error: bench {target} stopped: {exc.code}", file=sys.stderr)
+    except (KeyboardInterrupt, _BadInput):
+        raise
+    except Exception as exc:  # a benchmark failure is reported, not a traceback
+        print(
+            f"vidsparse: error: bench {target} failed: {type(exc).__name__}: {exc}", file=sys.stderr
+        )
+    return None
+
+
 def _run_demo(args) -> int:
     if not 0.0 <= args.sparsity < 1.0:
         print("vidsparse: error: --sparsity must be in [0, 1)", file=sys.stderr)
@@ -210,7 +427,11 @@ def _run_demo(args) -> int:
     from vidsparse.demo import run_demo
 
     report = run_demo(
-        device=args.device, sparsity=args.sparsity, seed=args.seed, log=None if args.json else print
+        device=args.device,
+        sparsity=args.sparsity,
+        seed=args.seed,
+        log=None if args.json else print,
+        out_dir=args.out,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
