@@ -30,6 +30,9 @@ in 2x8x8 blocks) when a stripe row needs only ``K + NTb``. Both launches read th
 sequence; their outputs are joined. All lists are built once per (specs, grid, spatial_unit,
 sink_frames, text_tokens, device) and cached, so the engine validates them once and later
 calls cost no host-device sync.
+
+The text-token helpers (padding to blocks, appended columns, dense rows, the key sequence)
+live in ``vidsparse.ops._text_tokens``, shared with VSA.
 """
 
 from __future__ import annotations
@@ -44,6 +47,16 @@ import torch.nn.functional as F
 
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_block_lists, stripe_block_mask
+from vidsparse.ops._text_tokens import (
+    append_columns,
+    ceil_div,
+    check_count,
+    check_sequence_length,
+    dense_rows,
+    key_sequence,
+    text_block_sizes,
+    video_tiles,
+)
 from vidsparse.ops.block_sparse_attn.interface import (
     TRITON_DTYPES,
     TRITON_HEAD_DIMS,
@@ -127,11 +140,11 @@ def stripe_attn_density(
     """
     if not isinstance(grid, VideoGrid):
         raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
-    _check_count("text_tokens", text_tokens)
+    check_count("text_tokens", text_tokens)
     mask = stripe_block_mask(specs, grid.tiles, spatial_unit, sink_frames=sink_frames)
     video_pairs = mask.sum(dim=(-2, -1), dtype=torch.float64)  # [H]
     nt = grid.num_tiles
-    ntb = _ceil_div(text_tokens, grid.tile_volume)
+    ntb = ceil_div(text_tokens, grid.tile_volume)
     n = nt + ntb
     # Text blocks: every video row gains ntb columns, and ntb dense rows of n blocks are added.
     attended = video_pairs + nt * ntb + ntb * n
@@ -163,13 +176,13 @@ def _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) ->
         specs, grid.tiles, spatial_unit, device=device, sink_frames=sink_frames
     )  # [1, H, Nt, K], [1, H, Nt]
     sizes = grid.tile_sizes_on(device)  # [Nt]
-    ntb = _ceil_div(text_tokens, grid.tile_volume)
+    ntb = ceil_div(text_tokens, grid.tile_volume)
     text_indices = text_counts = None
     if ntb:
         text_columns = torch.arange(grid.num_tiles, grid.num_tiles + ntb, device=device)
-        video_indices, video_counts = _append_columns(video_indices, video_counts, text_columns)
-        text_indices, text_counts = _dense_rows(len(specs), ntb, grid.num_tiles + ntb, device)
-        sizes = torch.cat([sizes, _text_block_sizes(text_tokens, grid.tile_volume, device)])
+        video_indices, video_counts = append_columns(video_indices, video_counts, text_columns)
+        text_indices, text_counts = dense_rows(len(specs), ntb, grid.num_tiles + ntb, device)
+        sizes = torch.cat([sizes, text_block_sizes(text_tokens, grid.tile_volume, device)])
     # The engine's unmasked kernel is faster (on Hopper it moves tiles by TMA): use it when
     # every key block is full.
     all_full = bool((sizes == grid.tile_volume).all())
@@ -183,48 +196,14 @@ def _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) ->
     )
 
 
-def _append_columns(kv_indices, kv_counts, columns):
-    """Append the key blocks ``columns`` [C] to every row, right after its ``count`` entries.
-
-    Rows stay ascending because the appended blocks come after every video tile.
-    """
-    bi, h, nq, k = kv_indices.shape
-    c = columns.numel()
-    wide = torch.zeros(bi, h, nq, k + c, dtype=torch.int32, device=kv_indices.device)
-    wide[..., :k] = kv_indices
-    slots = kv_counts.long().unsqueeze(-1) + torch.arange(c, device=kv_indices.device)
-    values = columns.to(torch.int32).expand(bi, h, nq, c)
-    wide.scatter_(-1, slots, values)  # [Bi, H, NQ, K + C]
-    return wide, (kv_counts + c).to(torch.int32)
-
-
-def _dense_rows(heads: int, rows: int, num_kv_blocks: int, device):
-    """Lists of ``rows`` query blocks that attend to every key block: one row in memory,
-    expanded (stride 0) to ``[1, heads, rows, num_kv_blocks]``."""
-    row = torch.arange(num_kv_blocks, dtype=torch.int32, device=device)
-    count = torch.full((1,), num_kv_blocks, dtype=torch.int32, device=device)
-    return row.expand(1, heads, rows, num_kv_blocks), count.expand(1, heads, rows)
-
-
-def _text_block_sizes(text_tokens: int, volume: int, device) -> torch.Tensor:
-    """Real text tokens in each text block: ``[V, V, ..., N - (NTb - 1) * V]``, int32."""
-    ntb = _ceil_div(text_tokens, volume)
-    starts = torch.arange(ntb, device=device) * volume
-    return (text_tokens - starts).clamp(max=volume).to(torch.int32)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 # --------------------------------------------------------------------------- running
 
 
 def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
     video_len = grid.padded_len if tiled else grid.num_tokens
     text_pad = plan.text_blocks * grid.tile_volume - text_tokens
-    k_seq = _key_sequence(k, grid, tiled, video_len, text_pad)  # [B, H, P + NTb*V, D]
-    v_seq = _key_sequence(v, grid, tiled, video_len, text_pad)
+    k_seq = key_sequence(k, grid, tiled, video_len, text_pad)  # [B, H, P + NTb*V, D]
+    v_seq = key_sequence(v, grid, tiled, video_len, text_pad)
 
     def attend(q_blocks, kv_indices, kv_counts):  # one engine launch over the key sequence
         return block_sparse_attn(
@@ -239,7 +218,7 @@ def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
             return_lse=True,
         )
 
-    q_video = _video_tiles(q, grid, tiled, video_len)  # [B, H, P, D]
+    q_video = video_tiles(q, grid, tiled, video_len)  # [B, H, P, D]
     o, lse = attend(q_video, plan.video_indices, plan.video_counts)
     o, lse = _video_output(o, lse, grid, tiled)  # [B, H, video_len, D], [B, H, video_len]
     if not plan.text_blocks:
@@ -249,24 +228,6 @@ def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
     o = torch.cat([o, o_text[:, :, :text_tokens]], dim=-2)
     lse = torch.cat([lse, lse_text[:, :, :text_tokens]], dim=-1)
     return o, lse
-
-
-def _video_tiles(x, grid: VideoGrid, tiled: bool, video_len: int) -> torch.Tensor:
-    """The video part of ``x`` in tile order, ``[B, H, padded_len, D]`` (a view when tiled)."""
-    video = x[:, :, :video_len]
-    return video if tiled else grid.tile(video, dim=-2)
-
-
-def _key_sequence(x, grid: VideoGrid, tiled: bool, video_len: int, text_pad: int):
-    """Keys or values as the engine reads them: video tiles, then text padded to whole blocks."""
-    if x.shape[2] == video_len:  # no text
-        return _video_tiles(x, grid, tiled, video_len)
-    if tiled and text_pad == 0:
-        return x  # already tile order followed by whole text blocks: no copy
-    parts = [_video_tiles(x, grid, tiled, video_len), x[:, :, video_len:]]
-    if text_pad:
-        parts.append(x.new_zeros(*x.shape[:2], text_pad, x.shape[-1]))
-    return torch.cat(parts, dim=-2)
 
 
 def _video_output(o, lse, grid: VideoGrid, tiled: bool):
@@ -303,20 +264,12 @@ def _validate(
             raise TypeError(f"{name} must be a bool, got {flag!r}")
     if spatial_unit not in SPATIAL_UNITS:
         raise ValueError(f"spatial_unit must be one of {SPATIAL_UNITS}, got {spatial_unit!r}")
-    _check_count("sink_frames", sink_frames)
-    _check_count("text_tokens", text_tokens)
+    check_count("sink_frames", sink_frames)
+    check_count("text_tokens", text_tokens)
     _check_scale(scale)
     specs = _check_specs(specs, heads=q.shape[1])
-    _check_sequence_length(q.shape[2], grid, tiled, text_tokens)
+    check_sequence_length(q.shape[2], grid, tiled, text_tokens)
     return specs, device
-
-
-def _check_count(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 def _check_scale(scale) -> None:
@@ -343,21 +296,6 @@ def _check_specs(specs, heads: int) -> tuple[StripeSpec, ...]:
             f"specs must hold one StripeSpec per head: q has H={heads} heads, got {len(specs)}"
         )
     return tuple(specs)
-
-
-def _check_sequence_length(seq_len: int, grid: VideoGrid, tiled: bool, text_tokens: int) -> None:
-    video_len = grid.padded_len if tiled else grid.num_tokens
-    if seq_len == video_len + text_tokens:
-        return
-    other_len = grid.num_tokens if tiled else grid.padded_len
-    hint = ""
-    if seq_len == other_len + text_tokens and other_len != video_len:
-        hint = f" (it fits tiled={not tiled})"
-    raise ValueError(
-        f"q's sequence length {seq_len} must equal "
-        f"{'grid.padded_len' if tiled else 'grid.num_tokens'} ({video_len}) + "
-        f"text_tokens ({text_tokens}) = {video_len + text_tokens} for {grid!r}{hint}"
-    )
 
 
 def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:

@@ -3,15 +3,44 @@
 Validates everything before any compute, then runs either the PyTorch reference (torch backend)
 or the Triton path: the fused coarse-stage kernels (coarse.py) pick each query tile's top-k key
 tiles, and the fine stage runs on the block-sparse engine with the tile sizes masking padding.
+
+Text tokens (``text_tokens = N``, joint attention as in HunyuanVideo) reuse PSA's design and
+helpers (``vidsparse.ops._text_tokens``): the ``N`` tokens are padded to ``NTb = ceil(N / V)``
+blocks of ``V = tile_volume`` slots and appended to the key sequence as key blocks
+``Nt .. Nt+NTb-1``, their real counts in ``kv_block_sizes``::
+
+    key sequence   [ tile 0 | ... | tile Nt-1 | text 0 | ... | text NTb-1 (padded) ]
+
+    launch 1: video query tiles   lists [B, H, Nt, topk + NTb]   top-k tiles, then the text
+                                                                 blocks (one softmax)
+    launch 2: text query blocks   lists [1, H, NTb, Nt + NTb]    dense, one row, stride 0
+
+The coarse stage (pooling, coarse attention, selection) sees the video tokens only. Text rows
+get no coarse term (their gate rows are ignored). The top-k lists come from the selection
+kernel per call, so the text columns are appended per call (``B*H*Nt*(topk+NTb)`` int32); the
+text query lists and key-block sizes are cached per (grid, N, H, device).
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.ops._text_tokens import (
+    append_columns,
+    ceil_div,
+    check_count,
+    check_sequence_length,
+    dense_rows,
+    key_sequence,
+    text_block_sizes,
+    video_tiles,
+)
 from vidsparse.ops.block_sparse_attn.interface import (
     TRITON_HEAD_DIMS,
     block_sparse_attn_prevalidated,
@@ -34,6 +63,7 @@ def video_sparse_attn(
     gate: torch.Tensor | None = None,
     tiled: bool = False,
     scale: float | None = None,
+    text_tokens: int = 0,
 ) -> torch.Tensor:
     """Video Sparse Attention: coarse attention over tile means selects, per query tile, the
     ``topk`` key tiles that the fine stage then attends exactly.
@@ -47,59 +77,114 @@ def video_sparse_attn(
         o = o_fine + gate * o_coarse        (o_fine + o_coarse without a gate)
 
     Args:
-        q, k, v: ``[B, H, S, D]``; ``S == grid.num_tokens`` (natural raster order) or
-            ``S == grid.padded_len`` with ``tiled=True`` (tile order, as ``grid.tile`` makes).
+        q, k, v: ``[B, H, S, D]``; ``S == grid.num_tokens + text_tokens`` (video in natural
+            raster order) or ``S == grid.padded_len + text_tokens`` with ``tiled=True`` (video
+            in tile order, as ``grid.tile`` makes), then the text tokens.
         grid: the latent :class:`VideoGrid` (any T x H x W; partial tiles are padded).
         topk / sparsity: exactly one. ``topk = clamp(ceil((1 - sparsity) * num_tiles), 1,
             num_tiles)``; a ``topk`` above ``num_tiles`` is clamped to ``num_tiles``.
-        gate: optional tensor shaped like ``q`` weighting the coarse output.
-        tiled: inputs and output in tile order (padding rows of the output are zero).
+        gate: optional tensor shaped like ``q`` weighting the coarse output. Its text rows
+            are ignored (text rows have no coarse term; their gradient is zero).
+        tiled: the video part of inputs and output in tile order (padding rows of the output
+            are zero).
         scale: softmax scale, default ``1 / sqrt(D)``.
+        text_tokens: ``N`` non-video tokens after the video tokens (joint attention, e.g.
+            HunyuanVideo). The coarse stage and the top-k selection use video tokens only;
+            every video query attends to its top-k tiles and all ``N`` text keys in one
+            softmax; text queries attend densely to every real token (video and text).
 
     Returns ``o`` in q's dtype and layout. Differentiable in q, k, v and gate.
     """
-    device = _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale)
+    device = _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens)
     topk = resolve_topk(grid.num_tiles, topk, sparsity)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if resolve_backend(device) == "torch":
-        return video_sparse_attn_ref(q, k, v, grid, topk=topk, gate=gate, tiled=tiled, scale=scale)
+        return video_sparse_attn_ref(
+            q, k, v, grid, topk=topk, gate=gate, tiled=tiled, scale=scale, text_tokens=text_tokens
+        )
     _check_triton_supported(q, grid)
-    return _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale)
+    return _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_tokens)
 
 
-def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale):
+def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_tokens=0):
     """Triton path: the fused coarse stage (pooling, coarse attention, top-k lists) and the
-    fine stage on the engine, combined with the gate."""
+    fine stage on the engine, combined with the gate; with text tokens, the text key blocks
+    join every video row's list and the text queries run as a second, dense launch."""
     from vidsparse.ops.video_sparse_attn.coarse import vsa_coarse_stage  # imports Triton
 
     B, H, _, D = q.shape
     Nt, V = grid.num_tiles, grid.tile_volume
-    to_tiles = (lambda x: x) if tiled else (lambda x: grid.tile(x, dim=-2))
-    q_t, k_t, v_t = to_tiles(q), to_tiles(k), to_tiles(v)  # [B, H, P, D]
+    video_len = grid.padded_len if tiled else grid.num_tokens
+    q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))  # [B, H, P, D]
     o_coarse, kv_indices, kv_counts = vsa_coarse_stage(q_t, k_t, v_t, grid, topk, scale)
-    sizes = grid.tile_sizes_on(q.device).to(torch.int32)
-    # The lists come straight from the selection kernel: valid by construction, so the fine
-    # stage skips the engine's argument checks (and their GPU sync).
-    o_fine, _ = block_sparse_attn_prevalidated(
-        q_t,
-        k_t,
-        v_t,
-        kv_indices,
-        kv_counts,
-        block_q=V,
-        block_kv=V,
-        kv_block_sizes=sizes,
-        scale=scale,
-    )
+    if text_tokens:
+        plan = _text_plan(grid, text_tokens, H, q.device)
+        text_pad = plan.text_blocks * V - text_tokens
+        k_seq = key_sequence(k, grid, tiled, video_len, text_pad, video=k_t)  # [B, H, P+NTb*V, D]
+        v_seq = key_sequence(v, grid, tiled, video_len, text_pad, video=v_t)
+        # Every row holds exactly topk entries (selection kernel): concatenate the text blocks.
+        kv_indices, kv_counts = append_columns(
+            kv_indices, kv_counts, plan.text_columns, full_rows=True
+        )
+        sizes = plan.kv_block_sizes
+    else:
+        k_seq, v_seq = k_t, v_t
+        sizes = grid.tile_sizes_on(q.device).to(torch.int32)
+
+    def attend(q_blocks, indices, counts):
+        # The lists come straight from the selection kernel or the cached text plan: valid by
+        # construction, so the engine's argument checks (and their GPU sync) are skipped.
+        o_blocks, _ = block_sparse_attn_prevalidated(
+            q_blocks,
+            k_seq,
+            v_seq,
+            indices,
+            counts,
+            block_q=V,
+            block_kv=V,
+            kv_block_sizes=sizes,
+            scale=scale,
+        )
+        return o_blocks
+
+    o_fine = attend(q_t, kv_indices, kv_counts)  # [B, H, P, D]
     o_coarse = o_coarse.to(q.dtype).unsqueeze(-2)  # [B, H, Nt, 1, D], broadcast over the tile
     o5 = o_fine.view(B, H, Nt, V, D)
-    o5 = o5 + (o_coarse if gate is None else to_tiles(gate).view(B, H, Nt, V, D) * o_coarse)
+    if gate is None:
+        o5 = o5 + o_coarse
+    else:  # the gate's video rows only; text rows have no coarse term
+        o5 = o5 + video_tiles(gate, grid, tiled, video_len).reshape(B, H, Nt, V, D) * o_coarse
     real = grid.real_token_mask(q.device).view(Nt, V, 1)
     o = o5.masked_fill(~real, 0).view(B, H, Nt * V, D)
-    return o if tiled else grid.untile(o, dim=-2)
+    o = o if tiled else grid.untile(o, dim=-2)
+    if not text_tokens:
+        return o
+    q_text = F.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
+    o_text = attend(q_text, plan.text_indices, plan.text_counts)
+    return torch.cat([o, o_text[:, :, :text_tokens]], dim=-2)
 
 
-def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale) -> torch.device:
+class _TextPlan(NamedTuple):
+    """Per (grid, text_tokens, heads, device) engine inputs for the text tokens (read-only)."""
+
+    text_columns: torch.Tensor  # int32 [NTb]: key blocks Nt .. Nt+NTb-1
+    text_indices: torch.Tensor  # int32 [1, H, NTb, Nt+NTb], stride-0 view: dense rows
+    text_counts: torch.Tensor  # int32 [1, H, NTb]
+    kv_block_sizes: torch.Tensor  # int32 [Nt+NTb]: real tokens per key block
+    text_blocks: int  # NTb = ceil(N / V)
+
+
+@functools.lru_cache(maxsize=32)
+def _text_plan(grid: VideoGrid, text_tokens: int, heads: int, device) -> _TextPlan:
+    Nt, V = grid.num_tiles, grid.tile_volume
+    ntb = ceil_div(text_tokens, V)
+    columns = torch.arange(Nt, Nt + ntb, dtype=torch.int32, device=device)
+    text_indices, text_counts = dense_rows(heads, ntb, Nt + ntb, device)
+    sizes = torch.cat([grid.tile_sizes_on(device), text_block_sizes(text_tokens, V, device)])
+    return _TextPlan(columns, text_indices, text_counts, sizes.to(torch.int32).contiguous(), ntb)
+
+
+def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) -> torch.device:
     if not isinstance(grid, VideoGrid):
         raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -113,20 +198,8 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale) -> torch.device
         )
     if not isinstance(tiled, bool):
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
-    S = q.shape[2]
-    expected = grid.padded_len if tiled else grid.num_tokens
-    if expected != S:
-        hint = (
-            " (it equals grid.padded_len: pass tiled=True)"
-            if grid.padded_len == S
-            else " (it equals grid.num_tokens: pass tiled=False)"
-            if grid.num_tokens == S
-            else ""
-        )
-        raise ValueError(
-            f"q's sequence length {S} must equal "
-            f"{'grid.padded_len' if tiled else 'grid.num_tokens'} = {expected} for {grid}{hint}"
-        )
+    check_count("text_tokens", text_tokens)
+    check_sequence_length(q.shape[2], grid, tiled, text_tokens)
     is_number = isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
     if is_number and not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")

@@ -11,6 +11,11 @@ VSA attends in two stages over the tiles of a :class:`~vidsparse.layout.VideoGri
 ``o = o_fine + gate * o_coarse`` (``o_fine + o_coarse`` without a gate). Selection is a discrete
 choice and is not differentiated; everything else is, by autograd.
 
+**Text tokens** (joint attention, HunyuanVideo): ``text_tokens = N`` non-video tokens after the
+video tokens. The coarse stage and the selection see video tokens only. Every video query
+attends to its selected tiles *and* all ``N`` text keys, in one softmax; text queries attend
+densely to every real key (video and text), and get no coarse term (their gate is ignored).
+
 Everything is computed in fp32 (fp64 for fp64 inputs) and in tile order. The fine stage runs a
 few query tiles at a time and gathers only their selected key tiles, so no ``S x S`` tensor ever
 exists, even on a Wan 480p grid (32,760 tokens).
@@ -24,6 +29,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.ops._text_tokens import check_count
 
 __all__ = [
     "resolve_topk",
@@ -31,6 +37,7 @@ __all__ = [
     "coarse_attention",
     "select_topk",
     "fine_attention",
+    "dense_attention",
     "video_sparse_attn_ref",
 ]
 
@@ -125,9 +132,13 @@ def fine_attention(
     kv_counts: torch.Tensor,
     grid: VideoGrid,
     scale: float,
+    k_extra: torch.Tensor | None = None,
+    v_extra: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Block-sparse attention over tiles: each query token attends to the real tokens of the
-    first ``kv_counts[b, h, i]`` tiles listed in ``kv_indices[b, h, i]`` for its tile ``i``.
+    first ``kv_counts[b, h, i]`` tiles listed in ``kv_indices[b, h, i]`` for its tile ``i``,
+    plus, when given, the extra keys ``k_extra`` / ``v_extra`` ``[B, H, N, D]`` (text tokens,
+    all real), which every query attends in the same softmax.
 
     Inputs are in tile order ``[B, H, padded_len, D]``; ``kv_indices`` / ``kv_counts`` may have
     a batch dimension of 1 (shared by the batch). Padding keys get no weight; a query that
@@ -149,7 +160,10 @@ def fine_attention(
         f"kv_counts must be {tuple(kv_indices.shape[:3])}, got {tuple(kv_counts.shape)}",
     )
     K, Dv = kv_indices.shape[-1], v_tiled.shape[-1]
-    if K == 0:
+    if k_extra is not None and k_extra.shape[2] == 0:
+        k_extra = v_extra = None
+    N = 0 if k_extra is None else k_extra.shape[2]
+    if K == 0 and N == 0:
         return q_tiled.new_zeros(B, H, seq_len, Dv)
     counts = kv_counts.long().expand(B, H, Nt)  # [B, H, Nt]
     # Entries past a row's count are never read, so they may hold anything (-1 sentinels):
@@ -161,9 +175,9 @@ def fine_attention(
     v5 = v_tiled.reshape(B, H, Nt, V, Dv)
     key_valid = grid.real_token_mask(q_tiled.device).view(Nt, V)  # [Nt, V]
 
-    chunk = _fine_chunk_tiles(B, H, K, V, max(D, Dv))
+    chunk = _fine_chunk_tiles(B, H, K, V, max(D, Dv), N)
     needs_grad = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (q_tiled, k_tiled, v_tiled)
+        t is not None and t.requires_grad for t in (q_tiled, k_tiled, v_tiled, k_extra, v_extra)
     )
     outputs = []
     for start in range(0, Nt, chunk):
@@ -172,16 +186,18 @@ def fine_attention(
         if needs_grad and chunk < Nt:
             # Recompute each chunk in backward: otherwise autograd keeps every chunk's gathered
             # keys alive, which adds up to topk/num_tiles of a dense attention's memory.
-            out = checkpoint(_fine_chunk, *args, key_valid, scale, use_reentrant=False)
+            out = checkpoint(
+                _fine_chunk, *args, key_valid, scale, k_extra, v_extra, use_reentrant=False
+            )
         else:
-            out = _fine_chunk(*args, key_valid, scale)
+            out = _fine_chunk(*args, key_valid, scale, k_extra, v_extra)
         outputs.append(out)
     return torch.cat(outputs, dim=2).view(B, H, seq_len, Dv)  # [B, H, P, Dv]
 
 
-def _fine_chunk_tiles(B: int, H: int, K: int, V: int, D: int) -> int:
+def _fine_chunk_tiles(B: int, H: int, K: int, V: int, D: int, N: int = 0) -> int:
     """Query tiles per chunk so that gathered K, V and the scores fit the element budget."""
-    per_query_tile = B * H * K * V * (2 * D + V)
+    per_query_tile = B * H * (K * V + N) * (2 * D + V)
     return max(1, _FINE_CHUNK_ELEMENTS // per_query_tile)
 
 
@@ -193,6 +209,8 @@ def _fine_chunk(
     counts: torch.Tensor,  # [B, H, C] int64
     key_valid: torch.Tensor,  # [Nt, V] bool
     scale: float,
+    k_extra: torch.Tensor | None = None,  # [B, H, N, D]: keys every query attends (N > 0)
+    v_extra: torch.Tensor | None = None,  # [B, H, N, Dv]
 ) -> torch.Tensor:
     B, H, C, V, D = q_chunk.shape
     K = indices.shape[-1]
@@ -206,12 +224,44 @@ def _fine_chunk(
     # gathered key instead and zero its output afterwards, which also zeroes its gradients.
     attends = listed[..., :1]  # [B, H, C, 1]: listed tiles are a prefix, so check the first
     keep = (keep | ~attends.unsqueeze(-1)).view(B, H, C, 1, K * V)
+    if k_extra is not None:  # the extra keys join every query tile's keys, always kept
+        N = k_extra.shape[2]
+        k_sel = torch.cat([k_sel, k_extra.unsqueeze(2).expand(B, H, C, N, D)], dim=3)
+        v_sel = torch.cat([v_sel, v_extra.unsqueeze(2).expand(B, H, C, N, -1)], dim=3)
+        keep = torch.cat([keep & attends.view(B, H, C, 1, 1), keep.new_ones(B, H, C, 1, N)], -1)
+        attends = torch.ones_like(attends)  # every query sees at least the extra keys
 
     # Scale q (C*V*D elements) rather than the scores (C*V*K*V elements).
     scores = torch.matmul(q_chunk * scale, k_sel.transpose(-1, -2))  # [B, H, C, V, K*V]
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
     out = torch.matmul(probs, v_sel)  # [B, H, C, V, Dv]
     return out * attends.unsqueeze(-1).to(out.dtype)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Plain attention ``softmax(q k^T * scale) v`` over every key, chunked over query rows so
+    no score block exceeds the element budget (checkpointed per chunk under autograd).
+
+    ``q`` ``[B, H, Sq, D]``, ``k`` / ``v`` ``[B, H, Skv, D]``, all real tokens. VSA's text
+    queries attend densely this way (``Sq = N`` is small, ``Skv`` is the whole sequence).
+    """
+    B, H, Sq, _ = q.shape
+    Skv = k.shape[2]
+    rows = max(1, _FINE_CHUNK_ELEMENTS // max(1, B * H * Skv))
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    outputs = []
+    for start in range(0, Sq, rows):
+        q_chunk = q[:, :, start : start + rows]
+        if needs_grad and rows < Sq:
+            outputs.append(checkpoint(_dense_chunk, q_chunk, k, v, scale, use_reentrant=False))
+        else:
+            outputs.append(_dense_chunk(q_chunk, k, v, scale))
+    return torch.cat(outputs, dim=2)
+
+
+def _dense_chunk(q, k, v, scale: float) -> torch.Tensor:
+    scores = torch.matmul(q * scale, k.transpose(-1, -2))  # [B, H, rows, Skv]
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
 def _gather_tiles(x5: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -235,43 +285,56 @@ def video_sparse_attn_ref(
     gate: torch.Tensor | None = None,
     tiled: bool = False,
     scale: float | None = None,
+    text_tokens: int = 0,
     return_parts: bool = False,
 ):
     """Reference VSA: ``o = o_fine + gate * o_coarse`` (see the module docstring).
 
     Args:
-        q, k, v: ``[B, H, S, D]``. ``S == grid.num_tokens`` in natural order, or
-            ``S == grid.padded_len`` with ``tiled=True`` (tile order; padding slots ignored).
+        q, k, v: ``[B, H, S, D]``. ``S == grid.num_tokens + text_tokens`` in natural order, or
+            ``S == grid.padded_len + text_tokens`` with ``tiled=True`` (video in tile order;
+            padding slots ignored), the text tokens last.
         grid: the :class:`VideoGrid` the sequence lives on.
         topk / sparsity: exactly one; see :func:`resolve_topk`.
-        gate: optional tensor shaped like ``q`` (same layout) weighting the coarse output.
-        tiled: inputs and output are in tile order; padding rows of the output are zero.
+        gate: optional tensor shaped like ``q`` (same layout) weighting the coarse output of
+            the video rows; its text rows are ignored.
+        tiled: the video part of inputs and output is in tile order; padding rows of the output
+            are zero.
         scale: softmax scale, ``1/sqrt(D)`` by default (both stages).
+        text_tokens: ``N`` non-video tokens after the video tokens. Video queries attend to
+            their top-k tiles and all text keys (one softmax); text queries attend densely to
+            every real token; coarse stage and selection use video tokens only.
         return_parts: also return a dict with ``o_fine``, ``o_coarse`` (per token, ungated,
-            in the output's layout), ``o_coarse_tiles`` ``[B, H, Nt, D]``, ``coarse_scores``
-            ``[B, H, Nt, Nt]``, ``kv_indices``, ``kv_counts`` and ``topk``.
+            in the output's layout; text rows: ``o_fine`` holds their dense attention and
+            ``o_coarse`` zeros), ``o_coarse_tiles`` ``[B, H, Nt, D]``, ``coarse_scores``
+            ``[B, H, Nt, Nt]``, ``kv_indices``, ``kv_counts`` (video tiles only) and ``topk``.
 
     Returns:
         ``o`` in ``q.dtype`` and ``q``'s layout, or ``(o, parts)`` with ``return_parts``.
     """
-    _check_shapes(q, k, v, gate, grid, tiled)
+    check_count("text_tokens", text_tokens)
+    _check_shapes(q, k, v, gate, grid, tiled, text_tokens)
     B, H, _, D = q.shape
     Nt, V = grid.num_tiles, grid.tile_volume
     topk = resolve_topk(Nt, topk, sparsity)
     scale = D**-0.5 if scale is None else float(scale)
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    video_len = grid.padded_len if tiled else grid.num_tokens
 
     def to_compute_tiles(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(compute_dtype)
+        x = x[:, :, :video_len].to(compute_dtype)
         return x if tiled else grid.tile(x, dim=-2)  # [B, H, P, D]
 
     q_t, k_t, v_t = to_compute_tiles(q), to_compute_tiles(k), to_compute_tiles(v)
+    k_x, v_x = (x[:, :, video_len:].to(compute_dtype) for x in (k, v))  # [B, H, N, D]
 
     qc, kc, vc = tile_means(q_t, grid), tile_means(k_t, grid), tile_means(v_t, grid)
     o_coarse_tiles, coarse_scores = coarse_attention(qc, kc, vc, scale)  # [B, H, Nt, Dv]
     kv_indices, kv_counts = select_topk(coarse_scores.detach(), topk)
 
-    o_fine = fine_attention(q_t, k_t, v_t, kv_indices, kv_counts, grid, scale)  # [B, H, P, Dv]
+    o_fine = fine_attention(
+        q_t, k_t, v_t, kv_indices, kv_counts, grid, scale, k_extra=k_x, v_extra=v_x
+    )  # [B, H, P, Dv]
     Dv = o_fine.shape[-1]
     o_fine5 = o_fine.view(B, H, Nt, V, Dv)
     o_coarse5 = o_coarse_tiles.unsqueeze(-2)  # [B, H, Nt, 1, Dv]: broadcast, not materialised
@@ -281,15 +344,30 @@ def video_sparse_attn_ref(
         gate5 = to_compute_tiles(gate).reshape(B, H, Nt, V, Dv)
         o5 = o_fine5 + gate5 * o_coarse5
 
+    o_text = None
+    if text_tokens:
+        # Text queries: dense over every real key, the video keys in natural order (no padding).
+        q_x = q[:, :, video_len:].to(compute_dtype)
+        k_all = torch.cat([grid.untile(k_t, dim=-2), k_x], dim=-2)  # [B, H, S_video + N, D]
+        v_all = torch.cat([grid.untile(v_t, dim=-2), v_x], dim=-2)
+        o_text = dense_attention(q_x, k_all, v_all, scale)  # [B, H, N, Dv]
+
     padding_rows = ~grid.real_token_mask(q.device).view(Nt, V, 1)
-    o = _to_output_layout(o5.masked_fill(padding_rows, 0), grid, tiled, q.dtype)
+    o = _to_output_layout(o5.masked_fill(padding_rows, 0), grid, tiled, q.dtype, o_text)
     if not return_parts:
         return o
 
+    o_coarse = o_coarse5.expand(B, H, Nt, V, Dv).masked_fill(padding_rows, 0)
     parts = {
-        "o_fine": _to_output_layout(o_fine5.masked_fill(padding_rows, 0), grid, tiled, q.dtype),
+        "o_fine": _to_output_layout(
+            o_fine5.masked_fill(padding_rows, 0), grid, tiled, q.dtype, o_text
+        ),
         "o_coarse": _to_output_layout(
-            o_coarse5.expand(B, H, Nt, V, Dv).masked_fill(padding_rows, 0), grid, tiled, q.dtype
+            o_coarse,
+            grid,
+            tiled,
+            q.dtype,
+            None if o_text is None else torch.zeros_like(o_text),
         ),
         "o_coarse_tiles": o_coarse_tiles.to(q.dtype),
         "coarse_scores": coarse_scores.detach(),
@@ -301,16 +379,22 @@ def video_sparse_attn_ref(
 
 
 def _to_output_layout(
-    x5: torch.Tensor, grid: VideoGrid, tiled: bool, dtype: torch.dtype
+    x5: torch.Tensor,
+    grid: VideoGrid,
+    tiled: bool,
+    dtype: torch.dtype,
+    text: torch.Tensor | None = None,
 ) -> torch.Tensor:
     B, H, Nt, V, D = x5.shape
     x = x5.reshape(B, H, Nt * V, D)  # [B, H, P, D]
     if not tiled:
         x = grid.untile(x, dim=-2)  # [B, H, S, D]
+    if text is not None:
+        x = torch.cat([x, text], dim=-2)  # the text rows after the video rows
     return x.to(dtype)
 
 
-def _check_shapes(q, k, v, gate, grid: VideoGrid, tiled: bool) -> None:
+def _check_shapes(q, k, v, gate, grid: VideoGrid, tiled: bool, text_tokens: int = 0) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         _require(
             isinstance(x, torch.Tensor) and x.ndim == 4,
@@ -318,11 +402,12 @@ def _check_shapes(q, k, v, gate, grid: VideoGrid, tiled: bool) -> None:
             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}",
         )
     _require(isinstance(grid, VideoGrid), f"grid must be a VideoGrid, got {type(grid).__name__}")
-    expected_s = grid.padded_len if tiled else grid.num_tokens
+    expected_s = (grid.padded_len if tiled else grid.num_tokens) + text_tokens
     what = "padded_len" if tiled else "num_tokens"
     _require(
         q.shape[2] == expected_s,
-        f"q must have S == grid.{what} = {expected_s} (tiled={tiled}), got {tuple(q.shape)}",
+        f"q must have S == grid.{what} + text_tokens = {expected_s} (tiled={tiled}, "
+        f"text_tokens={text_tokens}), got {tuple(q.shape)}",
     )
     _require(k.shape == q.shape, f"k must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     _require(
