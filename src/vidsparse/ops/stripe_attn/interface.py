@@ -63,7 +63,7 @@ from vidsparse.ops.block_sparse_attn.interface import (
     block_sparse_attn,
 )
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_same_device, check_tensor
+from vidsparse.utils.checks import check_same_device, check_video_qkv
 
 __all__ = ["stripe_attn", "stripe_attn_density", "clear_stripe_attn_cache"]
 
@@ -247,17 +247,7 @@ def _video_output(o, lse, grid: VideoGrid, tiled: bool):
 def _validate(
     q, k, v, grid, specs, spatial_unit, tiled, sink_frames, text_tokens, scale, return_lse
 ):
-    if not isinstance(grid, VideoGrid):
-        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, ndim=4, dtypes=_DTYPES)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(
-            f"q, k, v must have the same shape [B, H, S, D], got {tuple(q.shape)},"
-            f" {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    check_video_qkv(grid, q, k, v, _DTYPES)
     device = check_same_device(q=q, k=k, v=v)
     for name, flag in (("tiled", tiled), ("return_lse", return_lse)):
         if not isinstance(flag, bool):

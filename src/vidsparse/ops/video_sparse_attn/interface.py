@@ -47,7 +47,7 @@ from vidsparse.ops.block_sparse_attn.interface import (
 )
 from vidsparse.ops.video_sparse_attn.reference import resolve_topk, video_sparse_attn_ref
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_same_device, check_tensor
+from vidsparse.utils.checks import check_same_device, check_tensor, check_video_qkv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -185,17 +185,7 @@ def _text_plan(grid: VideoGrid, text_tokens: int, heads: int, device) -> _TextPl
 
 
 def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) -> torch.device:
-    if not isinstance(grid, VideoGrid):
-        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, ndim=4, dtypes=_DTYPES)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(
-            f"q, k, v must have the same shape [B, H, S, D], got {tuple(q.shape)},"
-            f" {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    check_video_qkv(grid, q, k, v, _DTYPES)
     if not isinstance(tiled, bool):
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
     check_count("text_tokens", text_tokens)
