@@ -24,7 +24,7 @@ _EXPORTS = {
 __all__ = [*_EXPORTS, "__version__"]
 
 
-_SUBMODULES = ("layout", "masks", "nn", "ops", "search", "parallel", "testing")
+_SUBMODULES = ("integrations", "layout", "masks", "nn", "ops", "search", "parallel", "testing")
 
 
 def __getattr__(name: str):

@@ -1,0 +1,729 @@
+"""vidsparse attention inside diffusers video transformers (diffusers >= 0.36).
+
+::
+
+    from vidsparse.integrations.diffusers import apply_sparse_attention, remove_sparse_attention
+
+    apply_sparse_attention(pipe.transformer, method="vsa", sparsity=0.875)
+    video = pipe(prompt, ...).frames[0]
+    remove_sparse_attention(pipe.transformer)        # the stock processors again, exactly
+
+How it plugs in::
+
+    transformer(hidden_states [B, C, F, H, W], ...)
+      forward pre-hook: grid = (F / p_t, H / p_h, W / p_w) -> state  (processors never see it)
+      video self-attention of layer i -> our processor (layer i):
+          q, k, v, q/k norms, RoPE: as the stock processor             [B, S, heads, D]
+          attention: SDPA | video_sparse_attn | stripe_attn            on [B, heads, S, D]
+          output projection: as the stock processor
+      everything else (Wan's cross-attention to text, HunyuanVideo's token refiner): untouched
+
+Methods (``method=``):
+
+- ``"dense"``: SDPA through our processor; equals the stock processor (the proof that the
+  processor forms q/k/v exactly as diffusers does).
+- ``"vsa"``: :func:`vidsparse.video_sparse_attn` with ``sparsity`` or ``topk`` and, per layer, a
+  zero-initialised gate projection registered on the attention module as ``vsa``
+  (a :class:`vidsparse.nn.VideoSparseAttention`): trainable, in the state dict, driven by
+  :class:`vidsparse.nn.SparsitySchedule`. Wan only (HunyuanVideo's joint text tokens are not
+  handled by VSA yet).
+- ``"psa"``: :func:`vidsparse.stripe_attn` with a search ``plan`` (a :class:`Plan` or a plan
+  file; steps the plan marks dense run SDPA) or fixed ``specs``. The plan is indexed by the
+  denoising step: set it with :func:`set_denoising_step`, or pass
+  :func:`denoising_step_callback` as the pipeline's ``callback_on_step_end``. HunyuanVideo's
+  text tokens are attended densely (``stripe_attn(text_tokens=...)``).
+
+All state lives in one :class:`_SparseState` on the transformer; ``remove_sparse_attention``
+puts back the original processor objects, removes the hook and the added gate modules.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vidsparse.layout.grid import VideoGrid
+from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec
+from vidsparse.nn.vsa import VideoSparseAttention, check_sparsity
+from vidsparse.ops.stripe_attn.interface import stripe_attn
+from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
+from vidsparse.search.plan import Plan, load_plan
+
+__all__ = [
+    "SUPPORTED_MODELS",
+    "METHODS",
+    "apply_sparse_attention",
+    "remove_sparse_attention",
+    "set_denoising_step",
+    "denoising_step_callback",
+    "WanSparseAttnProcessor",
+    "HunyuanVideoSparseAttnProcessor",
+]
+
+SUPPORTED_MODELS = ("WanTransformer3DModel", "HunyuanVideoTransformer3DModel")
+METHODS = ("dense", "vsa", "psa")
+GATE_MODULE_NAME = "vsa"  # blocks.<i>.attn1.vsa.gate_proj.weight in Wan's state dict
+_STATE_ATTR = "_vidsparse_state"
+_DEFAULT_TILE = (4, 4, 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def apply_sparse_attention(transformer: nn.Module, method: str = "vsa", **options) -> None:
+    """Route the video self-attention of ``transformer`` through vidsparse.
+
+    Args:
+        transformer: a diffusers ``WanTransformer3DModel`` or ``HunyuanVideoTransformer3DModel``
+            (the exact classes; see ``SUPPORTED_MODELS``).
+        method: ``"dense"`` (SDPA), ``"vsa"`` or ``"psa"``.
+        **options: for ``"vsa"``: ``sparsity`` (float in [0, 1)) or ``topk`` (int), ``gate``
+            (bool, default True: add a zero-initialised gate projection per layer), ``tile``
+            (default (4, 4, 4)). For ``"psa"``: ``plan`` (a Plan or a path) or ``specs`` (one
+            list of per-head ``StripeSpec`` for every layer, or one such list per layer),
+            ``tile`` (the PSA block; default the plan's, else (4, 4, 4)), ``spatial_unit``
+            (for ``specs``; default "block"), ``sink_frames`` (default 0), ``expect_model``
+            (checked against the plan file's ``model``). ``"dense"`` takes none.
+
+    Raises ``TypeError`` for an unsupported model class (listing the supported ones),
+    ``ValueError`` for bad options, a plan for another head count or layer set, a model already
+    patched, or a stock processor that was replaced by something we do not know.
+    """
+    adapter = _adapter_for(transformer)
+    if getattr(transformer, _STATE_ATTR, None) is not None:
+        raise ValueError(
+            "sparse attention is already applied to this transformer; call "
+            "remove_sparse_attention(transformer) first"
+        )
+    layers = adapter.attention_layers(transformer)
+    _check_stock_processors(adapter, layers)
+    heads, head_dim, dim = _attention_dims(layers[0][1])
+    impl = _make_method(method, adapter, options)
+    impl.check_model(num_layers=len(layers), heads=heads)
+
+    state = _SparseState(adapter=adapter, method=impl)
+    try:
+        for index, attn in layers:
+            state.originals.append((attn, attn.processor))
+            state.added += impl.add_modules(attn, dim=dim, heads=heads, head_dim=head_dim)
+            attn.set_processor(adapter.processor_cls(state, index))
+    except BaseException:
+        _restore(state)  # never leave a half-patched model behind
+        raise
+    state.hook = transformer.register_forward_pre_hook(_grid_capture_hook(state), with_kwargs=True)
+    setattr(transformer, _STATE_ATTR, state)
+
+
+def remove_sparse_attention(transformer: nn.Module) -> None:
+    """Undo :func:`apply_sparse_attention`: the original processor objects, no hook, no gate
+    modules; outputs are bit-identical to the model before it was patched."""
+    state = _state_of(transformer)
+    _restore(state)
+    state.hook.remove()
+    delattr(transformer, _STATE_ATTR)
+
+
+def _restore(state: _SparseState) -> None:
+    for attn, processor in state.originals:
+        attn.set_processor(processor)
+    for module, name in state.added:
+        delattr(module, name)
+    state.originals.clear()
+    state.added.clear()
+
+
+def set_denoising_step(transformer: nn.Module, step: int) -> None:
+    """Set the denoising step (0-based) that selects a PSA plan's bucket for later calls."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ValueError(f"step must be an int >= 0, got {step!r}")
+    _state_of(transformer).step = step
+
+
+def denoising_step_callback(transformer: nn.Module) -> Callable:
+    """A ``callback_on_step_end`` for diffusers pipelines that advances the step.
+
+    The pipeline calls it after step ``i``; it sets step ``i + 1``, and 0 after the last step
+    so the next generation starts at the plan's first (dense) step again. With classifier-free
+    guidance the transformer runs twice per step, so counting forward calls would not work.
+    """
+    _state_of(transformer)  # fail now, not inside the pipeline loop
+
+    def callback(pipe, i: int, t, callback_kwargs: dict) -> dict:
+        total = getattr(pipe, "num_timesteps", None)
+        if total is not None:
+            _state_of(transformer).method.check_num_steps(total)
+        step = i + 1
+        set_denoising_step(transformer, 0 if total is not None and step >= total else step)
+        return callback_kwargs
+
+    return callback
+
+
+# ---------------------------------------------------------------------------------------------
+# shared state and the grid hook
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _SparseState:
+    """What the processors of one transformer share; lives on it as ``_vidsparse_state``."""
+
+    adapter: _ModelAdapter
+    method: _Method
+    shape: tuple[int, int, int] | None = None  # latent grid in tokens, set by the pre-hook
+    step: int = 0
+    originals: list = field(default_factory=list)  # (attention module, original processor)
+    added: list = field(default_factory=list)  # (module, submodule name) we registered
+    hook: Any = None
+
+    def attend(self, attn, layer, query, key, value, hidden_states, text_tokens=0, mask=None):
+        """Attention of ``[B, S, heads, D]`` q/k/v (video first, then ``text_tokens``) in
+        diffusers' layout; the method sees ``[B, heads, S, D]``."""
+        shape = self._shape_for(query.shape[1] - text_tokens)
+        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
+        call = _Call(attn, layer, self.step, shape, text_tokens, hidden_states, mask)
+        return self.method.attend(q, k, v, call).transpose(1, 2)
+
+    def _shape_for(self, video_tokens: int) -> tuple[int, int, int]:
+        if self.shape is None:
+            raise RuntimeError(
+                "vidsparse processor called outside the transformer's forward: the latent grid "
+                "is recorded by a pre-hook on the transformer, so call the transformer itself"
+            )
+        T, H, W = self.shape
+        if video_tokens != T * H * W:
+            raise ValueError(
+                f"the attention holds {video_tokens} video tokens but the latent grid "
+                f"{T}x{H}x{W} has {T * H * W} (sequence/context parallelism and token dropping "
+                "are not supported by this integration)"
+            )
+        return self.shape
+
+
+def _grid_capture_hook(state: _SparseState):
+    def hook(module, args, kwargs):
+        hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.ndim != 5:
+            got = getattr(hidden_states, "shape", type(hidden_states).__name__)
+            raise ValueError(f"expected latents [B, C, F, H, W] as hidden_states, got {got}")
+        p_t, p_h, p_w = state.adapter.patch_size(module)
+        _, _, frames, height, width = hidden_states.shape
+        shape = (frames // p_t, height // p_h, width // p_w)
+        state.method.check_grid(shape)
+        state.shape = shape
+        return None
+
+    return hook
+
+
+def _state_of(transformer: nn.Module) -> _SparseState:
+    state = getattr(transformer, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("sparse attention is not applied to this transformer")
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# methods: what replaces the attention call
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One attention call, as a method sees it."""
+
+    attn: nn.Module
+    layer: int
+    step: int
+    shape: tuple[int, int, int]  # latent grid in tokens
+    text_tokens: int  # tokens after the video tokens (HunyuanVideo's text), attended densely
+    hidden_states: torch.Tensor  # the attention's input [B, S, dim] (VSA's gate reads it)
+    mask: torch.Tensor | None  # SDPA key mask [B, 1, 1, S] (HunyuanVideo's text padding)
+
+
+def _sdpa(q, k, v, call: _Call) -> torch.Tensor:
+    # The same call the native diffusers backend makes, so "dense" matches the stock processor.
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=call.mask, dropout_p=0.0, is_causal=False
+    )
+
+
+class _Method:
+    name = "?"
+    supports_text_tokens = True
+
+    def check_model(self, num_layers: int, heads: int) -> None:
+        pass
+
+    def check_grid(self, shape: tuple[int, int, int]) -> None:
+        pass
+
+    def check_num_steps(self, num_steps: int) -> None:
+        pass
+
+    def add_modules(self, attn, *, dim, heads, head_dim) -> list[tuple[nn.Module, str]]:
+        return []
+
+    def attend(self, q, k, v, call: _Call) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Dense(_Method):
+    name = "dense"
+
+    def attend(self, q, k, v, call):
+        return _sdpa(q, k, v, call)
+
+
+class _SparseMethod(_Method):
+    """Shared by VSA and PSA: one ``VideoGrid`` per latent shape, and text-padding handling."""
+
+    def __init__(self, tile):
+        self.tile = _check_tile(tile)
+        self._grids: dict[tuple[int, int, int], VideoGrid] = {}
+
+    def grid(self, shape) -> VideoGrid:
+        grid = self._grids.get(shape)
+        if grid is None:
+            grid = self._grids[shape] = VideoGrid(shape, self.tile)
+        return grid
+
+    def attend(self, q, k, v, call):
+        if call.mask is None:
+            return self.sparse(q, k, v, call, call.text_tokens)
+        return self._attend_unpadded(q, k, v, call)
+
+    def _attend_unpadded(self, q, k, v, call):
+        # The sparse kernels take no key mask, so each sample runs on its real text tokens
+        # only. Padded text queries get 0: they feed nothing but padded text tokens, which
+        # every later attention masks out as keys, so the video output is unaffected.
+        # HunyuanVideo builds the mask as a prefix (video, real text, then padding), so a
+        # sample's real tokens are its first n.
+        video = q.shape[2] - call.text_tokens
+        real = call.mask.reshape(q.shape[0], -1).sum(dim=1).tolist()  # one host sync per call
+        out = torch.zeros_like(q)
+        for b, n_real in enumerate(real):
+            n = int(n_real)
+            qb, kb, vb = (x[b : b + 1, :, :n] for x in (q, k, v))
+            out[b : b + 1, :, :n] = self.sparse(qb, kb, vb, call, n - video)
+        return out
+
+    def sparse(self, q, k, v, call, text_tokens) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _VSA(_SparseMethod):
+    name = "vsa"
+    supports_text_tokens = False
+
+    def __init__(self, sparsity=None, topk=None, gate=True, tile=_DEFAULT_TILE):
+        super().__init__(tile)
+        if (sparsity is None) == (topk is None):
+            raise ValueError("method='vsa' needs exactly one of sparsity=... or topk=...")
+        self.sparsity = None if sparsity is None else check_sparsity("sparsity", sparsity)
+        if topk is not None and (isinstance(topk, bool) or not isinstance(topk, int) or topk < 1):
+            raise ValueError(f"topk must be an int >= 1, got {topk!r}")
+        if not isinstance(gate, bool):
+            raise TypeError(f"gate must be a bool, got {gate!r}")
+        self.topk, self.gate = topk, gate
+
+    def add_modules(self, attn, *, dim, heads, head_dim):
+        if not self.gate:
+            return []
+        if hasattr(attn, GATE_MODULE_NAME):
+            raise ValueError(f"{type(attn).__name__} already has an attribute {GATE_MODULE_NAME!r}")
+        weight = attn.to_q.weight
+        # VideoSparseAttention holds the zero-initialised gate projection and the sparsity a
+        # SparsitySchedule sets during fine-tuning.
+        module = VideoSparseAttention(
+            dim,
+            heads,
+            head_dim,
+            sparsity=self.sparsity or 0.0,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        attn.add_module(GATE_MODULE_NAME, module)
+        return [(attn, GATE_MODULE_NAME)]
+
+    def sparse(self, q, k, v, call, text_tokens):
+        module = getattr(call.attn, GATE_MODULE_NAME, None) if self.gate else None
+        if module is None:  # no gate: the fine stage alone, as a zero-initialised gate gives
+            gate = q.new_zeros(()).expand_as(q)
+            sparsity = self.sparsity
+        else:
+            gate = module.gate(call.hidden_states, q)
+            sparsity = module.sparsity  # a SparsitySchedule may have changed it
+        if self.topk is not None:
+            sparsity = None
+        return video_sparse_attn(
+            q, k, v, self.grid(call.shape), topk=self.topk, sparsity=sparsity, gate=gate
+        )
+
+
+class _PSA(_SparseMethod):
+    name = "psa"
+
+    def __init__(
+        self,
+        plan=None,
+        specs=None,
+        tile=None,
+        spatial_unit="block",
+        sink_frames=0,
+        expect_model=None,
+    ):
+        if (plan is None) == (specs is None):
+            raise ValueError("method='psa' needs exactly one of plan=... or specs=...")
+        if isinstance(plan, (str, os.PathLike)):
+            plan = load_plan(plan, expect_model=expect_model)
+        elif plan is not None and not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a vidsparse Plan or a path, got {type(plan).__name__}")
+        elif plan is not None and expect_model is not None and plan.model != expect_model:
+            raise ValueError(f"the plan is for model {plan.model!r}, expected {expect_model!r}")
+        if plan is not None:
+            if tile is not None and tuple(tile) != plan.grid.tile_shape:
+                raise ValueError(
+                    f"tile={tuple(tile)} differs from the plan's tile {plan.grid.tile_shape}"
+                )
+            tile = plan.grid.tile_shape
+            if spatial_unit != "block":
+                raise ValueError("spatial_unit is for specs=...; plans give block-unit specs")
+        if spatial_unit not in SPATIAL_UNITS:
+            raise ValueError(f"spatial_unit must be one of {SPATIAL_UNITS}, got {spatial_unit!r}")
+        if isinstance(sink_frames, bool) or not isinstance(sink_frames, int) or sink_frames < 0:
+            raise ValueError(f"sink_frames must be an int >= 0, got {sink_frames!r}")
+        super().__init__(_DEFAULT_TILE if tile is None else tile)
+        self.plan, self.raw_specs = plan, specs
+        self.spatial_unit, self.sink_frames = spatial_unit, sink_frames
+        self.layer_specs: list[tuple[StripeSpec, ...]] = []
+        self._plan_specs: dict[tuple[int, int], tuple[StripeSpec, ...]] = {}
+
+    def check_model(self, num_layers, heads):
+        if self.plan is not None:
+            _check_plan_fits(self.plan, num_layers, heads)
+        else:
+            self.layer_specs = _per_layer_specs(self.raw_specs, num_layers, heads)
+
+    def check_grid(self, shape):
+        if self.plan is not None and shape != self.plan.grid.shape:
+            T, H, W = shape
+            pT, pH, pW = self.plan.grid.shape
+            raise ValueError(
+                f"the PSA plan was made for the latent grid {pT}x{pH}x{pW} (tokens) but the "
+                f"transformer got {T}x{H}x{W}: search a plan for this resolution and frame count"
+            )
+
+    def check_num_steps(self, num_steps):
+        if self.plan is not None and num_steps != self.plan.num_steps:
+            raise ValueError(
+                f"the PSA plan was searched for {self.plan.num_steps} denoising steps but the "
+                f"pipeline runs {num_steps}: its step buckets would not line up"
+            )
+
+    def specs_at(self, step: int, layer: int) -> tuple[StripeSpec, ...] | None:
+        """Per-head specs, or ``None`` where the plan runs the step dense."""
+        if self.plan is None:
+            return self.layer_specs[layer]
+        bucket = self.plan.bucket_for(step)
+        if bucket is None:
+            return None
+        key = (bucket.start, layer)
+        if key not in self._plan_specs:  # converted once per (bucket, layer), not per call
+            self._plan_specs[key] = tuple(self.plan.specs_for(step, layer))
+        return self._plan_specs[key]
+
+    def attend(self, q, k, v, call):
+        if self.specs_at(call.step, call.layer) is None:
+            return _sdpa(q, k, v, call)
+        return super().attend(q, k, v, call)
+
+    def sparse(self, q, k, v, call, text_tokens):
+        return stripe_attn(
+            q,
+            k,
+            v,
+            self.grid(call.shape),
+            self.specs_at(call.step, call.layer),
+            spatial_unit="block" if self.plan is not None else self.spatial_unit,
+            sink_frames=self.sink_frames,
+            text_tokens=text_tokens,
+        )
+
+
+def _make_method(method: str, adapter: _ModelAdapter, options: dict) -> _Method:
+    classes = {"dense": _Dense, "vsa": _VSA, "psa": _PSA}
+    if method not in classes:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    allowed = list(inspect.signature(classes[method]).parameters)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(f"method={method!r} takes options {allowed}, got unknown {unknown}")
+    impl = classes[method](**options)
+    if adapter.has_text_tokens and not impl.supports_text_tokens:
+        raise ValueError(
+            f"method={method!r} is not supported on {adapter.name} yet (its joint attention "
+            "holds text tokens); use 'psa' or 'dense'"
+        )
+    return impl
+
+
+def _check_tile(tile) -> tuple[int, int, int]:
+    ok = isinstance(tile, Sequence) and len(tile) == 3
+    ok = ok and all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tile)
+    if not ok:
+        raise ValueError(f"tile must be 3 positive ints (T, H, W), got {tile!r}")
+    return tuple(tile)
+
+
+def _check_plan_fits(plan: Plan, num_layers: int, heads: int) -> None:
+    if plan.num_heads != heads:
+        raise ValueError(f"the PSA plan has {plan.num_heads} heads, the model {heads}")
+    for bucket in plan.buckets:
+        have = set(bucket.layers)
+        extra = sorted(have - set(range(num_layers)))
+        missing = sorted(set(range(num_layers)) - have)
+        if extra or missing:
+            raise ValueError(
+                f"the PSA plan does not fit this model's {num_layers} layers: bucket steps "
+                f"[{bucket.start}, {bucket.end}) has no entry for layers {missing} and entries "
+                f"for unknown layers {extra}"
+            )
+
+
+def _per_layer_specs(specs, num_layers: int, heads: int) -> list[tuple[StripeSpec, ...]]:
+    """``specs``: one per-head list for all layers, or one such list per layer."""
+    if not isinstance(specs, Sequence) or not specs:
+        raise ValueError("specs must be a non-empty list of StripeSpec (or of such lists)")
+    per_layer = [specs] * num_layers if isinstance(specs[0], StripeSpec) else list(specs)
+    if len(per_layer) != num_layers:
+        raise ValueError(f"specs has {len(per_layer)} per-layer lists, the model {num_layers}")
+    out = []
+    for i, layer_specs in enumerate(per_layer):
+        if not isinstance(layer_specs, Sequence) or len(layer_specs) != heads:
+            n = len(layer_specs) if isinstance(layer_specs, Sequence) else layer_specs
+            raise ValueError(f"specs for layer {i}: expected {heads} StripeSpec, got {n!r}")
+        if not all(isinstance(s, StripeSpec) for s in layer_specs):
+            raise TypeError(f"specs for layer {i} must all be StripeSpec")
+        out.append(tuple(layer_specs))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# processors (one per model family): q/k/v as the stock processor, attention through the state
+# ---------------------------------------------------------------------------------------------
+
+
+class WanSparseAttnProcessor:
+    """Replaces ``WanAttnProcessor`` on Wan's video self-attention (``blocks[i].attn1``)."""
+
+    def __init__(self, state: _SparseState, layer: int):
+        self.state, self.layer = state, layer
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("WanSparseAttnProcessor is for self-attention without a mask")
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        # Steps 1-3 of WanAttnProcessor.__call__ for self-attention (no image branch).
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
+        if rotary_emb is not None:
+            query = _wan_rotary(query, *rotary_emb)
+            key = _wan_rotary(key, *rotary_emb)
+
+        out = self.state.attend(attn, self.layer, query, key, value, hidden_states)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+def _wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor):
+    # A copy of the closure inside WanAttnProcessor.__call__ (it cannot be imported).
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+class HunyuanVideoSparseAttnProcessor:
+    """Replaces ``HunyuanVideoAttnProcessor2_0`` in HunyuanVideo's dual- and single-stream
+    blocks. The joint sequence is ``[video tokens | text tokens]``; text is attended densely
+    and its padding (``attention_mask``) is honoured."""
+
+    def __init__(self, state: _SparseState, layer: int):
+        self.state, self.layer = state, layer
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if encoder_hidden_states is None:
+            raise ValueError("HunyuanVideoSparseAttnProcessor expects the text stream")
+        text = encoder_hidden_states.shape[1]
+        query, key, value = _hunyuan_qkv(
+            attn, hidden_states, encoder_hidden_states, image_rotary_emb
+        )
+        mask = _key_mask(attention_mask, query.shape[0], query.shape[1])
+        out = self.state.attend(attn, self.layer, query, key, value, hidden_states, text, mask)
+        out = out.flatten(2, 3).to(query.dtype)
+        # Step 6 of the stock processor: split the streams, project each.
+        out, encoder_out = out[:, :-text], out[:, -text:]
+        if getattr(attn, "to_out", None) is not None:
+            out = attn.to_out[1](attn.to_out[0](out))
+        if getattr(attn, "to_add_out", None) is not None:
+            encoder_out = attn.to_add_out(encoder_out)
+        return out, encoder_out
+
+
+def _hunyuan_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb):
+    """Steps 1-4 of ``HunyuanVideoAttnProcessor2_0.__call__``: ``[B, S_video + S_text, H, D]``."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    single_stream = attn.add_q_proj is None  # text goes through the video projections
+    text = encoder_hidden_states.shape[1]
+    if single_stream:
+        hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    query, key, value = (
+        proj(hidden_states).unflatten(2, (attn.heads, -1))
+        for proj in (attn.to_q, attn.to_k, attn.to_v)
+    )
+    if attn.norm_q is not None:
+        query = attn.norm_q(query)
+    if attn.norm_k is not None:
+        key = attn.norm_k(key)
+    if image_rotary_emb is not None:  # RoPE on the video tokens only
+        rope = lambda x: apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)
+        if single_stream:
+            query = torch.cat([rope(query[:, :-text]), query[:, -text:]], dim=1)
+            key = torch.cat([rope(key[:, :-text]), key[:, -text:]], dim=1)
+        else:
+            query, key = rope(query), rope(key)
+    if not single_stream:
+        eq, ek, ev = (
+            proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        )
+        if attn.norm_added_q is not None:
+            eq = attn.norm_added_q(eq)
+        if attn.norm_added_k is not None:
+            ek = attn.norm_added_k(ek)
+        query, key, value = (torch.cat(p, dim=1) for p in ((query, eq), (key, ek), (value, ev)))
+    return query, key, value
+
+
+def _key_mask(attention_mask, batch: int, seq: int) -> torch.Tensor | None:
+    """HunyuanVideo's ``[B, 1, 1, S]`` bool key mask, or ``None`` when every key is real (then
+    the sparse path needs no per-sample loop)."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (batch, 1, 1, seq):
+        raise ValueError(
+            f"expected a bool key mask [B, 1, 1, S] = {(batch, 1, 1, seq)}, got "
+            f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+        )
+    return attention_mask
+
+
+# ---------------------------------------------------------------------------------------------
+# model adapters
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ModelAdapter:
+    name: str
+    stock_processor: str  # class name of the processor we replace
+    processor_cls: type
+    has_text_tokens: bool  # text tokens appended in the self-attention
+    attention_layers: Callable[[nn.Module], list[tuple[int, nn.Module]]]
+    patch_size: Callable[[nn.Module], tuple[int, int, int]]
+
+
+def _wan_layers(model) -> list[tuple[int, nn.Module]]:
+    # attn1 is the video self-attention; attn2 (cross-attention to text) stays stock.
+    return [(i, block.attn1) for i, block in enumerate(model.blocks)]
+
+
+def _hunyuan_layers(model) -> list[tuple[int, nn.Module]]:
+    # Dual-stream blocks first, then single-stream: the order the forward runs them.
+    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    return [(i, block.attn) for i, block in enumerate(blocks)]
+
+
+_ADAPTERS = {
+    "WanTransformer3DModel": _ModelAdapter(
+        name="WanTransformer3DModel",
+        stock_processor="WanAttnProcessor",
+        processor_cls=WanSparseAttnProcessor,
+        has_text_tokens=False,
+        attention_layers=_wan_layers,
+        patch_size=lambda m: tuple(m.config.patch_size),
+    ),
+    "HunyuanVideoTransformer3DModel": _ModelAdapter(
+        name="HunyuanVideoTransformer3DModel",
+        stock_processor="HunyuanVideoAttnProcessor2_0",
+        processor_cls=HunyuanVideoSparseAttnProcessor,
+        has_text_tokens=True,
+        attention_layers=_hunyuan_layers,
+        patch_size=lambda m: (m.config.patch_size_t, m.config.patch_size, m.config.patch_size),
+    ),
+}
+
+
+def _adapter_for(transformer) -> _ModelAdapter:
+    # The exact class, not isinstance: subclasses (VACE, Animate, ...) add attention layers
+    # this integration has not been checked against.
+    name = type(transformer).__name__
+    adapter = _ADAPTERS.get(name)
+    if adapter is None or not type(transformer).__module__.startswith("diffusers."):
+        raise TypeError(
+            f"apply_sparse_attention does not support {name}; supported diffusers models: "
+            f"{', '.join(SUPPORTED_MODELS)}"
+        )
+    return adapter
+
+
+def _check_stock_processors(adapter: _ModelAdapter, layers) -> None:
+    for index, attn in layers:
+        processor = attn.processor
+        if type(processor).__name__ != adapter.stock_processor:
+            raise ValueError(
+                f"layer {index} uses attention processor {type(processor).__name__}; "
+                f"apply_sparse_attention replaces only diffusers' {adapter.stock_processor} "
+                "(remove other processors first)"
+            )
+        if getattr(processor, "_parallel_config", None) is not None:
+            raise ValueError(
+                "context parallelism is enabled on this transformer; apply_sparse_attention "
+                "needs every attention to see the whole sequence"
+            )
+
+
+def _attention_dims(attn) -> tuple[int, int, int]:
+    heads = attn.heads
+    inner = attn.to_q.out_features
+    return heads, inner // heads, attn.to_q.in_features
