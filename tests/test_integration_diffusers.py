@@ -17,6 +17,7 @@ from diffusers import HunyuanVideoTransformer3DModel, WanTransformer3DModel  # n
 from vidsparse.integrations.diffusers import (  # noqa: E402
     GATE_MODULE_NAME,
     apply_sparse_attention,
+    capture_calibration,
     denoising_step_callback,
     remove_sparse_attention,
     set_denoising_step,
@@ -409,7 +410,12 @@ def hunyuan_stock_out(hunyuan):
 
 @pytest.mark.parametrize(
     "method, options, atol",
-    [("dense", {}, 0.0), ("psa", {"specs": all_dense()}, ATOL)],
+    [
+        ("dense", {}, 0.0),
+        ("psa", {"specs": all_dense()}, ATOL),
+        ("vsa", {"sparsity": 0.0}, ATOL),  # all tiles, zero-initialised gate
+        ("vsa", {"topk": 10**6, "gate": False}, ATOL),
+    ],
 )
 def test_hunyuan_equals_stock(hunyuan, hunyuan_stock_out, method, options, atol):
     apply_sparse_attention(hunyuan, method, **options)
@@ -431,6 +437,207 @@ def test_hunyuan_sparse_psa_runs(hunyuan, hunyuan_stock_out):
     assert not torch.allclose(out, hunyuan_stock_out, atol=1e-3)
 
 
-def test_hunyuan_refuses_vsa(hunyuan):
-    with pytest.raises(ValueError, match="not supported on HunyuanVideoTransformer3DModel"):
-        apply_sparse_attention(hunyuan, "vsa", sparsity=0.5)
+def test_hunyuan_sparse_vsa_runs_and_removes_exactly(hunyuan, hunyuan_stock_out):
+    keys = list(hunyuan.state_dict())
+    processors = dict(hunyuan.attn_processors)
+    apply_sparse_attention(hunyuan, "vsa", sparsity=0.5)
+    try:
+        gate_keys = [k for k in hunyuan.state_dict() if f".{GATE_MODULE_NAME}." in k]
+        assert gate_keys == [
+            f"{blocks}.0.attn.{GATE_MODULE_NAME}.gate_proj.{p}"
+            for blocks in ("transformer_blocks", "single_transformer_blocks")
+            for p in ("weight", "bias")
+        ]
+        out = run(hunyuan, hunyuan_inputs())
+        # A non-zero gate (the coarse branch) reaches the output.
+        with torch.no_grad():
+            for block in (hunyuan.transformer_blocks[0], hunyuan.single_transformer_blocks[0]):
+                block.attn.vsa.gate_proj.weight.normal_(std=0.1)
+        gated = run(hunyuan, hunyuan_inputs())
+    finally:
+        remove_sparse_attention(hunyuan)
+    assert torch.isfinite(out).all() and torch.isfinite(gated).all()
+    assert not torch.allclose(out, hunyuan_stock_out, atol=1e-3)
+    assert not torch.allclose(gated, out, atol=1e-4)
+    assert torch.equal(run(hunyuan, hunyuan_inputs()), hunyuan_stock_out)
+    assert list(hunyuan.state_dict()) == keys
+    assert all(p is processors[name] for name, p in hunyuan.attn_processors.items())
+
+
+def test_hunyuan_vsa_ignores_padded_text(hunyuan):
+    # Sample 1 has 5 real text tokens of 9: what sits in the 4 padded slots must not reach
+    # its video output (the sparse path runs each sample on its real tokens only).
+    inputs = hunyuan_inputs()
+    other = hunyuan_inputs()
+    other["encoder_hidden_states"][1, 5:] += 10.0
+    apply_sparse_attention(hunyuan, "vsa", sparsity=0.5)
+    try:
+        out, out_other = run(hunyuan, inputs), run(hunyuan, other)
+    finally:
+        remove_sparse_attention(hunyuan)
+    torch.testing.assert_close(out_other[1], out[1], atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# calibration capture for the PSA search
+# ---------------------------------------------------------------------------------------------
+
+
+def test_capture_two_steps_feeds_the_search(wan, wan_stock_out, tmp_path):
+    from vidsparse.search import load_calibration, search
+
+    processors = dict(wan.attn_processors)
+    calib = tmp_path / "calib"
+    with capture_calibration(wan, calib) as capture:
+        out0 = run(wan, wan_inputs())
+        set_denoising_step(wan, 1)
+        out1 = run(wan, wan_inputs())
+    # Dense attention through the capture: the outputs are the stock ones, bit for bit.
+    assert torch.equal(out0, wan_stock_out) and torch.equal(out1, wan_stock_out)
+    # Restored: the original processor objects, no hook, no state.
+    assert all(p is processors[name] for name, p in wan.attn_processors.items())
+    assert not wan._forward_pre_hooks and not hasattr(wan, "_vidsparse_state")
+    assert not capture.active
+    assert torch.equal(run(wan, wan_inputs()), wan_stock_out)
+
+    names = sorted(p.name for p in calib.iterdir())
+    assert names == [f"step{s:05d}_layer{i:04d}_call000.pt" for s in (0, 1) for i in range(2)]
+    assert sorted(p.name for p in capture.paths) == names
+    samples = load_calibration(calib)
+    assert [(x.step, x.layer) for x in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    tokens = GRID[0] * GRID[1] * GRID[2]
+    for x in samples:
+        assert x.grid_shape == GRID and not x.tiled
+        assert tuple(x.q.shape) == (1, HEADS, tokens, 16) and x.q.dtype == torch.float32
+
+    grid = VideoGrid(GRID, (4, 4, 4))
+    result = search(
+        calib,
+        grid,
+        target_sparsity=0.5,
+        num_steps=2,
+        dense_fraction=0.5,
+        model="tiny-wan",
+        device="cpu",
+        progress=False,
+    )
+    plan = result.plan
+    assert (plan.num_steps, plan.dense_steps, plan.num_heads) == (2, 1, HEADS)
+    assert [(b.start, b.end, sorted(b.layers)) for b in plan.buckets] == [(1, 2, [0, 1])]
+    assert result.table.skipped_steps == {0}
+    # The plan drives the model it was captured on.
+    apply_sparse_attention(wan, "psa", plan=plan)
+    try:
+        set_denoising_step(wan, 1)
+        out = run(wan, wan_inputs())
+    finally:
+        remove_sparse_attention(wan)
+    assert torch.isfinite(out).all()
+
+
+def test_capture_samples_are_the_attention_inputs(wan, tmp_path):
+    # Layer 0's q/k/v, recomputed from the stock processor's own inputs.
+    seen = {}
+
+    def grab(module, args, kwargs):
+        # WanTransformerBlock calls attn1(hidden_states, None, None, rotary_emb).
+        seen["hidden_states"] = kwargs.get("hidden_states", args[0] if args else None)
+        seen["rotary_emb"] = kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)
+
+    hook = wan.blocks[0].attn1.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with capture_calibration(wan, tmp_path, layers=[0]):
+            run(wan, wan_inputs())
+    finally:
+        hook.remove()
+    from vidsparse.integrations.diffusers import _wan_rotary
+    from vidsparse.search import load_calibration
+
+    attn = wan.blocks[0].attn1
+    with torch.no_grad():
+        q = attn.norm_q(attn.to_q(seen["hidden_states"])).unflatten(2, (HEADS, -1))
+        q = _wan_rotary(q, *seen["rotary_emb"]).transpose(1, 2)
+        v = attn.to_v(seen["hidden_states"]).unflatten(2, (HEADS, -1)).transpose(1, 2)
+    (sample,) = list(load_calibration(tmp_path))
+    assert torch.equal(sample.q, q) and torch.equal(sample.v, v)
+
+
+def test_capture_selects_steps_and_layers_and_counts_calls(wan, wan_stock_out, tmp_path):
+    with capture_calibration(wan, tmp_path, steps=[1, 3], layers=[1]) as capture:
+        for step in range(3):
+            set_denoising_step(wan, step)
+            run(wan, wan_inputs())
+        run(wan, wan_inputs())  # step 2 again: not selected
+        set_denoising_step(wan, 1)
+        assert torch.equal(run(wan, wan_inputs()), wan_stock_out)  # step 1 again (CFG-like)
+    assert [p.name for p in capture.paths] == [
+        "step00001_layer0001_call000.pt",
+        "step00001_layer0001_call001.pt",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in capture.paths]
+
+
+def test_capture_with_the_step_callback(wan, tmp_path):
+    with capture_calibration(wan, tmp_path, layers=[0]) as capture:
+        callback = denoising_step_callback(wan)
+        pipe = type("Pipe", (), {"num_timesteps": 2})()
+        for i in range(2):
+            run(wan, wan_inputs())
+            callback(pipe, i, None, {})
+    assert [p.name for p in capture.paths] == [
+        "step00000_layer0000_call000.pt",
+        "step00001_layer0000_call000.pt",
+    ]
+
+
+def test_capture_remove_and_apply_exclusivity(wan, wan_stock_out, tmp_path):
+    capture = capture_calibration(wan, tmp_path / "a")
+    with pytest.raises(ValueError, match="already applied"):
+        apply_sparse_attention(wan, "dense")
+    with pytest.raises(ValueError, match="already applied"):
+        capture_calibration(wan, tmp_path / "b")
+    capture.remove()
+    with pytest.raises(ValueError, match="no longer applied"):
+        capture.remove()
+    assert torch.equal(run(wan, wan_inputs()), wan_stock_out)
+    assert not list((tmp_path / "a").iterdir())  # nothing ran: nothing written
+
+
+def test_capture_hunyuan_saves_video_tokens_only(hunyuan, hunyuan_stock_out, tmp_path):
+    from vidsparse.search import load_calibration
+
+    with capture_calibration(hunyuan, tmp_path):
+        out = run(hunyuan, hunyuan_inputs())  # padded text in sample 1
+    assert torch.equal(out, hunyuan_stock_out)
+    assert torch.equal(run(hunyuan, hunyuan_inputs()), hunyuan_stock_out)
+    samples = list(load_calibration(tmp_path))
+    assert [(x.step, x.layer) for x in samples] == [(0, 0), (0, 1)]  # dual, then single stream
+    tokens = GRID[0] * GRID[1] * GRID[2]
+    for x in samples:
+        assert x.grid_shape == GRID
+        for t in (x.q, x.k, x.v):
+            assert tuple(t.shape) == (2, HEADS, tokens, 16)
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"layers": [2]}, ValueError, r"layers \[2\] do not exist: the model has 2"),
+        ({"layers": []}, ValueError, "non-empty"),
+        ({"steps": [-1]}, ValueError, "ints >= 0"),
+        ({"steps": 3}, TypeError, "iterable"),
+        ({"max_query_rows": 64}, NotImplementedError, "query_fraction"),
+    ],
+)
+def test_capture_bad_options(wan, tmp_path, options, error, match):
+    with pytest.raises(error, match=match):
+        capture_calibration(wan, tmp_path, **options)
+    assert not hasattr(wan, "_vidsparse_state")
+    assert all(type(b.attn1.processor).__name__ == "WanAttnProcessor" for b in wan.blocks)
+
+
+def test_capture_refuses_a_folder_with_calibration_files(wan, tmp_path):
+    (tmp_path / "old.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="already holds .pt files"):
+        capture_calibration(wan, tmp_path)
+    assert not hasattr(wan, "_vidsparse_state")

@@ -25,13 +25,24 @@ Methods (``method=``):
 - ``"vsa"``: :func:`vidsparse.video_sparse_attn` with ``sparsity`` or ``topk`` and, per layer, a
   zero-initialised gate projection registered on the attention module as ``vsa``
   (a :class:`vidsparse.nn.VideoSparseAttention`): trainable, in the state dict, driven by
-  :class:`vidsparse.nn.SparsitySchedule`. Wan only (HunyuanVideo's joint text tokens are not
-  handled by VSA yet).
+  :class:`vidsparse.nn.SparsitySchedule`. On HunyuanVideo the joint sequence runs as
+  ``video_sparse_attn(text_tokens=N)``: video queries attend their top-k tiles plus every
+  (real) text key, text queries attend densely; the gate reads the video stream only.
 - ``"psa"``: :func:`vidsparse.stripe_attn` with a search ``plan`` (a :class:`Plan` or a plan
   file; steps the plan marks dense run SDPA) or fixed ``specs``. The plan is indexed by the
   denoising step: set it with :func:`set_denoising_step`, or pass
   :func:`denoising_step_callback` as the pipeline's ``callback_on_step_end``. HunyuanVideo's
   text tokens are attended densely (``stripe_attn(text_tokens=...)``).
+
+Calibration for the PSA search (:func:`capture_calibration`): dense processors (outputs
+unchanged) that write each selected layer's video q/k/v at the current denoising step to a
+folder as soon as it is computed, one file per (step, layer, forward call), in the format
+:func:`vidsparse.search.load_calibration` reads::
+
+    with capture_calibration(pipe.transformer, "calib/", steps=range(10, 50, 10)):
+        pipe(prompt, num_inference_steps=50,
+             callback_on_step_end=denoising_step_callback(pipe.transformer))
+    # vidsparse search calib/ ...   or   vidsparse.search.search("calib/", grid, alpha=...)
 
 All state lives in one :class:`_SparseState` on the transformer; ``remove_sparse_attention``
 puts back the original processor objects, removes the hook and the added gate modules.
@@ -39,10 +50,12 @@ puts back the original processor objects, removes the hook and the added gate mo
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +68,7 @@ from vidsparse.nn.vsa import VideoSparseAttention, check_sparsity
 from vidsparse.ops.stripe_attn.interface import stripe_attn
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
 from vidsparse.search.plan import Plan, load_plan
+from vidsparse.search.search import CalibrationSample, save_calibration_sample
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -63,6 +77,8 @@ __all__ = [
     "remove_sparse_attention",
     "set_denoising_step",
     "denoising_step_callback",
+    "capture_calibration",
+    "CalibrationCapture",
     "WanSparseAttnProcessor",
     "HunyuanVideoSparseAttnProcessor",
 ]
@@ -98,16 +114,21 @@ def apply_sparse_attention(transformer: nn.Module, method: str = "vsa", **option
     ``ValueError`` for bad options, a plan for another head count or layer set, a model already
     patched, or a stock processor that was replaced by something we do not know.
     """
+    _apply(transformer, lambda adapter: _make_method(method, adapter, options))
+
+
+def _apply(transformer: nn.Module, make_method: Callable[[_ModelAdapter], _Method]) -> None:
+    """Install one processor per video self-attention layer, all sharing one state."""
     adapter = _adapter_for(transformer)
     if getattr(transformer, _STATE_ATTR, None) is not None:
         raise ValueError(
-            "sparse attention is already applied to this transformer; call "
-            "remove_sparse_attention(transformer) first"
+            "sparse attention (or a calibration capture) is already applied to this "
+            "transformer; call remove_sparse_attention(transformer) first"
         )
     layers = adapter.attention_layers(transformer)
     _check_stock_processors(adapter, layers)
     heads, head_dim, dim = _attention_dims(layers[0][1])
-    impl = _make_method(method, adapter, options)
+    impl = make_method(adapter)
     impl.check_model(num_layers=len(layers), heads=heads)
 
     state = _SparseState(adapter=adapter, method=impl)
@@ -314,7 +335,8 @@ class _SparseMethod(_Method):
         for b, n_real in enumerate(real):
             n = int(n_real)
             qb, kb, vb = (x[b : b + 1, :, :n] for x in (q, k, v))
-            out[b : b + 1, :, :n] = self.sparse(qb, kb, vb, call, n - video)
+            call_b = dataclasses.replace(call, hidden_states=call.hidden_states[b : b + 1])
+            out[b : b + 1, :, :n] = self.sparse(qb, kb, vb, call_b, n - video)
         return out
 
     def sparse(self, q, k, v, call, text_tokens) -> torch.Tensor:
@@ -323,7 +345,6 @@ class _SparseMethod(_Method):
 
 class _VSA(_SparseMethod):
     name = "vsa"
-    supports_text_tokens = False
 
     def __init__(self, sparsity=None, topk=None, gate=True, tile=_DEFAULT_TILE):
         super().__init__(tile)
@@ -361,12 +382,24 @@ class _VSA(_SparseMethod):
             gate = q.new_zeros(()).expand_as(q)
             sparsity = self.sparsity
         else:
-            gate = module.gate(call.hidden_states, q)
+            # The gate projection reads the video stream (HunyuanVideo's processor gets the
+            # video tokens as hidden_states, the text separately); text rows have no coarse
+            # term, so their gate rows are zeros that video_sparse_attn ignores.
+            gate = module.gate(call.hidden_states, q[:, :, : q.shape[2] - text_tokens])
+            if text_tokens:
+                gate = F.pad(gate, (0, 0, 0, text_tokens))
             sparsity = module.sparsity  # a SparsitySchedule may have changed it
         if self.topk is not None:
             sparsity = None
         return video_sparse_attn(
-            q, k, v, self.grid(call.shape), topk=self.topk, sparsity=sparsity, gate=gate
+            q,
+            k,
+            v,
+            self.grid(call.shape),
+            topk=self.topk,
+            sparsity=sparsity,
+            gate=gate,
+            text_tokens=text_tokens,
         )
 
 
@@ -458,6 +491,152 @@ class _PSA(_SparseMethod):
             sink_frames=self.sink_frames,
             text_tokens=text_tokens,
         )
+
+
+class _Capture(_Method):
+    """Dense attention (SDPA, as "dense") that first writes the video q/k/v of the selected
+    (step, layer) calls to ``out_dir``: one layer's CPU copy in memory at a time."""
+
+    name = "capture"
+
+    def __init__(self, out_dir: Path, steps: frozenset[int] | None, layers: Sequence | None):
+        self.out_dir, self.steps, self.raw_layers = out_dir, steps, layers
+        self.layers: frozenset[int] | None = None
+        self.paths: list[Path] = []
+        self._calls: dict[tuple[int, int], int] = {}  # forward calls seen per (step, layer)
+
+    def check_model(self, num_layers, heads):
+        if self.raw_layers is None:
+            return
+        layers = _int_set("layers", self.raw_layers)
+        unknown = sorted(i for i in layers if i >= num_layers)
+        if unknown:
+            raise ValueError(
+                f"layers {unknown} do not exist: the model has {num_layers} attention layers "
+                f"(0 .. {num_layers - 1})"
+            )
+        self.layers = layers
+
+    def attend(self, q, k, v, call):
+        if (self.steps is None or call.step in self.steps) and (
+            self.layers is None or call.layer in self.layers
+        ):
+            self._save(q, k, v, call)
+        return _sdpa(q, k, v, call)
+
+    @torch.compiler.disable  # file I/O: under torch.compile, a graph break here, run eagerly
+    def _save(self, q, k, v, call):
+        # The search works on the video grid: HunyuanVideo's text tokens are left out (all
+        # video keys are real, so its text padding mask does not matter here either).
+        video = q.shape[2] - call.text_tokens
+        q, k, v = (x[:, :, :video].detach().to("cpu").contiguous() for x in (q, k, v))
+        key = (call.step, call.layer)
+        n = self._calls[key] = self._calls.get(key, -1) + 1  # CFG runs a step several times
+        path = self.out_dir / f"step{call.step:05d}_layer{call.layer:04d}_call{n:03d}.pt"
+        sample = CalibrationSample(call.step, call.layer, q, k, v, grid_shape=call.shape)
+        save_calibration_sample(sample, path)
+        self.paths.append(path)
+
+
+def _int_set(name: str, values) -> frozenset[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be an iterable of ints >= 0 or None, got {values!r}")
+    values = list(values)
+    bad = [x for x in values if isinstance(x, bool) or not isinstance(x, int) or x < 0]
+    if bad or not values:
+        raise ValueError(f"{name} must be a non-empty iterable of ints >= 0, got {values!r}")
+    return frozenset(values)
+
+
+class CalibrationCapture:
+    """What :func:`capture_calibration` returns: a handle on the installed capture, and a
+    context manager that removes it on exit.
+
+    ``paths``: the files written so far, in the order they were written. ``remove()`` puts the
+    original processors back (the same as :func:`remove_sparse_attention`).
+    """
+
+    def __init__(self, transformer: nn.Module, out_dir: Path, method: _Capture):
+        self.transformer, self.out_dir, self._method = transformer, out_dir, method
+
+    @property
+    def paths(self) -> list[Path]:
+        return list(self._method.paths)
+
+    @property
+    def active(self) -> bool:
+        state = getattr(self.transformer, _STATE_ATTR, None)
+        return state is not None and state.method is self._method
+
+    def remove(self) -> None:
+        if not self.active:
+            raise ValueError("this calibration capture is no longer applied to the transformer")
+        remove_sparse_attention(self.transformer)
+
+    def __enter__(self) -> CalibrationCapture:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self.remove()
+
+
+def capture_calibration(
+    transformer: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    steps: Iterable[int] | None = None,
+    layers: Iterable[int] | None = None,
+    max_query_rows: int | None = None,
+) -> CalibrationCapture:
+    """Record calibration samples for the PSA search while the transformer runs.
+
+    Installs, on every video self-attention layer, a processor that attends densely (the
+    outputs equal the stock processor's bit for bit) and, for the selected steps and layers,
+    writes that call's video q/k/v (``[B, heads, S_video, head_dim]``, CPU copies in the
+    model's dtype) with :func:`vidsparse.search.save_calibration_sample` before moving on, so
+    memory holds one layer's copy at a time. One file per (step, layer, forward call):
+    ``step{s}_layer{l}_call{n}.pt`` (``n`` counts repeated forwards of one step, such as the
+    two passes of classifier-free guidance; the search pools them). The grid is recorded in
+    every file and checked by the search.
+
+    The step is the one set by :func:`set_denoising_step`, or by
+    :func:`denoising_step_callback` in a pipeline (0 until then). HunyuanVideo: only the video
+    tokens are saved (the search works on the video grid).
+
+    Args:
+        transformer: as :func:`apply_sparse_attention` (no sparse attention applied).
+        out_dir: a folder, created if missing; it must not hold ``.pt`` files yet (the search
+            reads every ``.pt`` file of the folder).
+        steps: denoising steps to record (default all).
+        layers: attention layer indices to record (default all; HunyuanVideo counts the
+            dual-stream blocks, then the single-stream ones).
+        max_query_rows: reserved; only ``None`` is accepted. The calibration format (version 1)
+            stores q with the same shape as k and v, so query rows cannot be sub-sampled at
+            capture time; the search samples query blocks itself (``query_fraction``).
+
+    Returns a :class:`CalibrationCapture`; use it as a context manager, or call ``remove()``.
+    """
+    if max_query_rows is not None:
+        raise NotImplementedError(
+            "max_query_rows is not supported: calibration files (version 1) keep q, k and v "
+            "at one shape; sub-sample query blocks in the search with query_fraction=..."
+        )
+    step_set = None if steps is None else _int_set("steps", steps)
+    if layers is not None:
+        _int_set("layers", layers)  # fail before touching the folder
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} exists and is not a folder")
+    if out.is_dir() and any(p.suffix == ".pt" for p in out.iterdir()):
+        raise ValueError(
+            f"out_dir {str(out)!r} already holds .pt files; capture into an empty folder (the "
+            "search reads every .pt file of it)"
+        )
+    method = _Capture(out, step_set, None if layers is None else list(layers))
+    out.mkdir(parents=True, exist_ok=True)
+    _apply(transformer, lambda adapter: method)
+    return CalibrationCapture(transformer, out, method)
 
 
 def _make_method(method: str, adapter: _ModelAdapter, options: dict) -> _Method:
