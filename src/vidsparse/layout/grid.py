@@ -21,11 +21,15 @@ order of the tile's own (possibly smaller) box, then the padding slots. So tile 
 2x1 box holding tokens 4 and 9, and ``tile_sizes == [4, 4, 2, 2, 2, 1]``.
 
 The index tensors behind the permutation are built once per (shape, tile, device) and cached.
+Under ``torch.compile`` Dynamo takes them from that cache on the host at trace time (they depend
+on Python values only) and puts them into the graph as constants, so ``tile`` and ``untile``
+compile without a graph break.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from typing import NamedTuple
 
 import torch
@@ -88,6 +92,44 @@ def _tile_index_cached(
         return _build_tile_index_cpu(shape, tile)
     cpu = _tile_index_cached(shape, tile, torch.device("cpu"))
     return TileIndex(*(x.to(device) for x in cpu))
+
+
+def _host_constant(fn):
+    """``torch.compiler.assume_constant_result(fn)``, without importing ``torch._dynamo``
+    (which imports Triton) when vidsparse is imported: that decorator only sets this flag.
+
+    Dynamo does not trace a function so marked: at trace time it calls it on the host with the
+    Python values of its arguments (they must be constants) and puts the tensors it returns
+    into the graph as constants. Only for functions whose result depends on nothing else.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def _grid_key(grid: VideoGrid) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(shape, tile_shape)`` of ``grid`` as plain ints, the grid's part of the key of the
+    functions that Dynamo runs on the host (``torch.compiler.assume_constant_result``): they take
+    Python constants, not the grid object (a grid built inside a compiled function is no real
+    object at trace time). ``operator.index`` makes Dynamo specialize (guard on) each int, so
+    a changed grid retraces instead of turning the ints into SymInts."""
+    return (
+        tuple(operator.index(n) for n in grid.shape),
+        tuple(operator.index(n) for n in grid.tile_shape),
+    )
+
+
+@_host_constant
+def _tile_index(
+    shape: tuple[int, int, int], tile: tuple[int, int, int], device: torch.device | str | None
+) -> TileIndex:
+    """The cached index tensors of the grid ``shape`` / ``tile`` on ``device``.
+
+    Under ``torch.compile`` Dynamo runs this on the host at trace time instead of tracing it
+    (the build uses ``bincount``, whose output shape depends on data, and the cache is an
+    ``lru_cache``): the tensors enter the graph as constants. That is sound because they depend
+    only on the Python values of the arguments, which Dynamo guards on.
+    """
+    return _tile_index_cached(shape, tile, _canonical_device(device))
 
 
 def _canonical_device(device: torch.device | str | None) -> torch.device:
@@ -199,7 +241,7 @@ class VideoGrid:
 
     def index_tensors(self, device: torch.device | str | None = None) -> TileIndex:
         """The cached gather / scatter / valid / tile_sizes tensors on ``device`` (read-only)."""
-        return _tile_index_cached(self._shape, self._tile_shape, _canonical_device(device))
+        return _tile_index(*_grid_key(self), device)
 
     def tile_sizes_on(self, device: torch.device | str | None = None) -> torch.Tensor:
         """int32 ``[num_tiles]`` real tokens per tile, on ``device`` (cached, read-only)."""

@@ -29,7 +29,9 @@ of its index tensor to ``Nt + NTb`` entries (int32 ``H x NK^2``: 100 MB for Huny
 in 2x8x8 blocks) when a stripe row needs only ``K + NTb``. Both launches read the same key
 sequence; their outputs are joined. All lists are built once per (specs, grid, spatial_unit,
 sink_frames, text_tokens, device) and cached, so the engine validates them once and later
-calls cost no host-device sync.
+calls cost no host-device sync. Under ``torch.compile`` Dynamo takes the lists from that cache
+on the host at trace time and puts them into the graph as constants: ``stripe_attn`` compiles
+with ``fullgraph=True`` (one graph around the engine's custom op, backward included).
 
 The text-token helpers (padding to blocks, appended columns, dense rows, the key sequence)
 live in ``vidsparse.ops._text_tokens``, shared with VSA.
@@ -39,13 +41,14 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from vidsparse.layout.grid import VideoGrid
+from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_block_lists, stripe_block_mask
 from vidsparse.ops._text_tokens import (
     append_columns,
@@ -119,10 +122,20 @@ def stripe_attn(
     specs, device = _validate(
         q, k, v, grid, specs, spatial_unit, tiled, sink_frames, text_tokens, scale, return_lse
     )
+    # Under torch.compile an int that changed between calls arrives as a SymInt; these set
+    # shapes and key the cached plan, so make Dynamo specialize them (plain ints, guarded on).
+    sink_frames, text_tokens = operator.index(sink_frames), operator.index(text_tokens)
     if resolve_backend(device) == "triton":
         _check_triton_supported(q, grid)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    plan = _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device)
+    plan = _cached_engine_plan(
+        tuple(_spec_fields(spec) for spec in specs),
+        _grid_key(grid),
+        spatial_unit,
+        sink_frames,
+        text_tokens,
+        device,
+    )
     o, lse = _run_engine(q, k, v, grid, plan, tiled, text_tokens, scale)
     return (o, lse) if return_lse else o
 
@@ -170,6 +183,37 @@ class _EnginePlan(NamedTuple):
     text_blocks: int  # NTb = ceil(N / V)
 
 
+def _spec_fields(spec: StripeSpec) -> tuple:
+    """A spec as a plain tuple of its fields (``StripeSpec(*fields)`` rebuilds it), for
+    ``_cached_engine_plan``: Dynamo cannot pass frozen dataclass instances to it as constants.
+    ``operator.index`` makes Dynamo specialize (guard on) each int: after a recompile it would
+    otherwise trace a changed field as a SymInt, which is no constant."""
+    return tuple(
+        None if value is None else operator.index(value)
+        for value in (
+            spec.t_width, spec.t_offset, spec.t_stride, spec.s_width, spec.s_offset, spec.s_stride
+        )
+    )  # fmt: skip
+
+
+@_host_constant
+def _cached_engine_plan(
+    spec_fields, grid_key, spatial_unit, sink_frames, text_tokens, device
+) -> _EnginePlan:
+    """``_engine_plan`` as ``stripe_attn`` calls it, the specs given by ``_spec_fields`` and
+    the grid by ``_grid_key``.
+
+    Under ``torch.compile`` Dynamo runs this on the host at trace time instead of tracing it,
+    and the plan's tensors enter the graph as constants. Tracing it would break the graph
+    (building the lists reads tensors back: ``nonzero``, ``.item()``), and the plan depends
+    only on the Python values of the arguments, which Dynamo guards on: another grid, spec,
+    text length or device traces a new graph.
+    """
+    specs = tuple(StripeSpec(*fields) for fields in spec_fields)
+    grid = VideoGrid(*grid_key)  # equal to the caller's grid, so the same cache entry
+    return _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device)
+
+
 @functools.lru_cache(maxsize=_CACHE_SIZE)
 def _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) -> _EnginePlan:
     video_indices, video_counts = stripe_block_lists(
@@ -184,16 +228,22 @@ def _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) ->
         text_indices, text_counts = dense_rows(len(specs), ntb, grid.num_tiles + ntb, device)
         sizes = torch.cat([sizes, text_block_sizes(text_tokens, grid.tile_volume, device)])
     # The engine's unmasked kernel is faster (on Hopper it moves tiles by TMA): use it when
-    # every key block is full.
-    all_full = bool((sizes == grid.tile_volume).all())
+    # every key block is full, a property of the grid and N alone (no tensor read back).
     return _EnginePlan(
         video_indices,
         video_counts,
         text_indices,
         text_counts,
-        None if all_full else sizes.to(torch.int32).contiguous(),
+        None if _all_key_blocks_full(grid, text_tokens) else sizes.to(torch.int32).contiguous(),
         ntb,
     )
+
+
+def _all_key_blocks_full(grid: VideoGrid, text_tokens: int) -> bool:
+    """Every key block holds ``tile_volume`` real tokens: the tiles divide the grid, and the
+    text tokens fill whole blocks."""
+    tiles_divide = all(n % t == 0 for n, t in zip(grid.shape, grid.tile_shape))
+    return tiles_divide and text_tokens % grid.tile_volume == 0
 
 
 # --------------------------------------------------------------------------- running

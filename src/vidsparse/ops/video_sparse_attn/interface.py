@@ -18,19 +18,21 @@ blocks of ``V = tile_volume`` slots and appended to the key sequence as key bloc
 The coarse stage (pooling, coarse attention, selection) sees the video tokens only. Text rows
 get no coarse term (their gate rows are ignored). The top-k lists come from the selection
 kernel per call, so the text columns are appended per call (``B*H*Nt*(topk+NTb)`` int32); the
-text query lists and key-block sizes are cached per (grid, N, H, device).
+text query lists and key-block sizes are cached per (grid, N, H, device) and, under
+``torch.compile``, enter the graph as constants taken from that cache on the host.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from vidsparse.layout.grid import VideoGrid
+from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
 from vidsparse.ops._text_tokens import (
     append_columns,
     ceil_div,
@@ -96,7 +98,10 @@ def video_sparse_attn(
     Returns ``o`` in q's dtype and layout. Differentiable in q, k, v and gate.
     """
     device = _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens)
-    topk = resolve_topk(grid.num_tiles, topk, sparsity)
+    # Under torch.compile an int that changed between calls arrives as a SymInt; these set
+    # shapes and key cached plans, so make Dynamo specialize them (plain ints, guarded on).
+    text_tokens = operator.index(text_tokens)
+    topk = operator.index(resolve_topk(grid.num_tiles, topk, sparsity))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if resolve_backend(device) == "torch":
         return video_sparse_attn_ref(
@@ -118,7 +123,8 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))  # [B, H, P, D]
     o_coarse, kv_indices, kv_counts = vsa_coarse_stage(q_t, k_t, v_t, grid, topk, scale)
     if text_tokens:
-        plan = _text_plan(grid, text_tokens, H, q.device)
+        # operator.index: plain ints (Dynamo specializes them), never SymInts, as plan keys
+        plan = _cached_text_plan(_grid_key(grid), text_tokens, operator.index(H), q.device)
         text_pad = plan.text_blocks * V - text_tokens
         k_seq = key_sequence(k, grid, tiled, video_len, text_pad, video=k_t)  # [B, H, P+NTb*V, D]
         v_seq = key_sequence(v, grid, tiled, video_len, text_pad, video=v_t)
@@ -172,6 +178,15 @@ class _TextPlan(NamedTuple):
     text_counts: torch.Tensor  # int32 [1, H, NTb]
     kv_block_sizes: torch.Tensor  # int32 [Nt+NTb]: real tokens per key block
     text_blocks: int  # NTb = ceil(N / V)
+
+
+@_host_constant
+def _cached_text_plan(grid_key, text_tokens: int, heads: int, device) -> _TextPlan:
+    """``_text_plan`` as the Triton path calls it, the grid given by ``_grid_key``. Under
+    ``torch.compile`` Dynamo runs it on the host at trace time (its ``lru_cache`` is not
+    traced) and the plan's tensors enter the graph as constants: they depend only on the
+    Python values of the arguments, which Dynamo guards on."""
+    return _text_plan(VideoGrid(*grid_key), text_tokens, heads, device)
 
 
 @functools.lru_cache(maxsize=32)
