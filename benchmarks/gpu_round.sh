@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
+#   bash benchmarks/gpu_round.sh tests|vsa|psa|engine|demo [...]   (default: tests demo)
+# Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
+# time limit still leaves its log behind. Pass the commit being measured in
+# VIDSPARSE_GIT_COMMIT (the device copy of the tree has no .git).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-out/gpu}"
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "=== $name exit $? ; last lines:"
+  tail -n 15 "$OUT/$name.log"
+}
+
+for what in "${@:-tests demo}"; do
+  case $what in
+    tests) step gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider ;;
+    demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
+    engine) step engine 540 python3 benchmarks/bench_block_sparse.py --shapes default \
+      --providers ours,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \
+      --out "$OUT/block_sparse_h200.json" ;;
+    masked) step tune_masked 300 python3 benchmarks/tune_block_sparse.py --masked \
+      --out "$OUT/tune_masked.json" ;;
+    vsa) step vsa 540 python3 benchmarks/bench_vsa.py --out "$OUT/vsa_h200.json" ;;
+    psa) step psa 540 python3 benchmarks/bench_psa.py --out "$OUT/psa_h200.json" ;;
+    *) echo "unknown step: $what" >&2; exit 2 ;;
+  esac
+done
