@@ -19,7 +19,8 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 15 "$OUT/$name.log"
 }
 
-for what in "${@:-tests demo}"; do
+[ $# -eq 0 ] && set -- tests demo
+for what in "$@"; do
   case $what in
     tests) step gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
