@@ -197,7 +197,7 @@ def _generic_sdpa_case(layout: str) -> None:
 
 
 def _comm_case(layout: str) -> None:
-    """The all_gather fallback equals all_to_all_single; both round-trip; gradients agree."""
+    """The all_gather exchange equals all_to_all_single; both round-trip; gradients agree."""
     x_full = _randn(2, 4, 10, 3, seed=40)  # [B, H, S, D]
     rank = dist.get_rank()
     heads = slice(rank * 2, rank * 2 + 2)

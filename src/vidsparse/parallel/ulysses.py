@@ -12,9 +12,9 @@ Both all-to-alls are differentiable: an equal-split all-to-all is a permutation 
 is its own inverse, so its backward is the same all-to-all applied to the gradient.
 
 Communication is ``torch.distributed.all_to_all_single`` on one contiguous buffer (q, k, v and a
-gate are packed together, so a layer costs one collective in and one out). NCCL and gloo (CPU,
-torch >= 2.x) both implement it; a backend that does not is detected on its first refusal and
-served by an ``all_gather`` fallback (``P`` times the traffic and memory; correct, not fast).
+gate are packed together, so a layer costs one collective in and one out). NCCL and gloo (CPU)
+both implement it; ``comm="all_gather"`` selects an ``all_gather`` exchange instead, for a
+backend that lacks it (``P`` times the traffic and memory; correct, not fast).
 
 Every check that can fail runs before the first collective, so a bad argument raises on every
 rank instead of leaving the others waiting in a collective. Shapes that differ *between* ranks
@@ -47,12 +47,8 @@ __all__ = [
 ]
 
 LAYOUTS = ("bshd", "bhsd")
-COMM_METHODS = ("auto", "all_to_all", "all_gather")
+COMM_METHODS = ("all_to_all", "all_gather")
 CHECK_ENV = "VIDSPARSE_ULYSSES_CHECK"
-
-# (backend name, device type) pairs whose all_to_all_single raised "unsupported" once: later
-# calls go straight to the all_gather fallback instead of failing and retrying every time.
-_NO_ALL_TO_ALL: set[tuple[str, str]] = set()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,13 +203,6 @@ def _backend_name(group) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_unsupported(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, NotImplementedError) or any(
-        word in text for word in ("not support", "unsupported", "not implemented")
-    )
-
-
 def _all_to_all_by_gather(buf: torch.Tensor, group) -> torch.Tensor:
     """``out[r] = chunk rank r addresses to me``, from an all_gather of everyone's buffers."""
     rank = dist.get_rank(group)
@@ -225,19 +214,10 @@ def _all_to_all_by_gather(buf: torch.Tensor, group) -> torch.Tensor:
 def _all_to_all(buf: torch.Tensor, group, method: str) -> torch.Tensor:
     """Equal-split all-to-all along dim 0 (size P) of a contiguous buffer: chunk ``p`` goes to
     rank ``p``; chunk ``r`` of the result came from rank ``r``."""
-    key = (_backend_name(group), buf.device.type)
-    if method == "all_gather" or (method == "auto" and key in _NO_ALL_TO_ALL):
+    if method == "all_gather":
         return _all_to_all_by_gather(buf, group)
     out = torch.empty_like(buf)
-    try:
-        dist.all_to_all_single(out, buf, group=group)
-    except (RuntimeError, NotImplementedError) as exc:
-        # A backend without all-to-all refuses on every rank before exchanging anything, so
-        # every rank takes the fallback together; any other failure is re-raised.
-        if method != "auto" or not _is_unsupported(exc):
-            raise
-        _NO_ALL_TO_ALL.add(key)
-        return _all_to_all_by_gather(buf, group)
+    dist.all_to_all_single(out, buf, group=group)
     return out
 
 
@@ -313,13 +293,13 @@ def _seq_to_head_many(
 
 
 def seq_to_head(
-    x: torch.Tensor, *, group=None, layout: str = "bshd", comm: str = "auto"
+    x: torch.Tensor, *, group=None, layout: str = "bshd", comm: str = "all_to_all"
 ) -> torch.Tensor:
     """Sequence shard ``[B, S/P, H, D]`` (or ``[B, H, S/P, D]``) -> ``[B, H/P, S, D]``: the full
     sequence of this rank's heads. Differentiable (backward: :func:`head_to_seq`).
 
-    ``comm``: ``"auto"`` (all_to_all_single, all_gather where the backend lacks it),
-    ``"all_to_all"`` or ``"all_gather"`` (forced).
+    ``comm``: ``"all_to_all"`` (``all_to_all_single``) or ``"all_gather"`` (for a backend
+    without all-to-all; ``P`` times the traffic).
     """
     ctx = resolve_context(group, layout)
     validate_shards(ctx, x=x)
@@ -327,7 +307,7 @@ def seq_to_head(
 
 
 def head_to_seq(
-    y: torch.Tensor, *, group=None, layout: str = "bshd", comm: str = "auto"
+    y: torch.Tensor, *, group=None, layout: str = "bshd", comm: str = "all_to_all"
 ) -> torch.Tensor:
     """``[B, H/P, S, D]`` -> sequence shard ``[B, S/P, H, D]`` (or ``[B, H, S/P, D]``): the
     inverse of :func:`seq_to_head`. Differentiable. ``S`` must be divisible by the world size."""
@@ -374,14 +354,14 @@ def _run(
     if _want_global_check(check):
         validate_shards_across_ranks(ctx, **tensors)
     present = [x for x in tensors.values() if x is not None]
-    full = iter(_seq_to_head_many(present, ctx, "auto"))
+    full = iter(_seq_to_head_many(present, ctx, "all_to_all"))
     q_h, k_h, v_h, *extra_h = (None if x is None else next(full) for x in tensors.values())
     heads = ctx.head_slice(local_dims(tensors["q"], ctx.layout)[2])
     result = attn_fn(heads, q_h, k_h, v_h, *extra_h)
     if isinstance(result, tuple):  # (o, lse)
         o, lse = result
-        return _head_to_seq(o, ctx, "auto"), _lse_to_seq(lse, ctx, "auto")
-    return _head_to_seq(result, ctx, "auto")
+        return _head_to_seq(o, ctx, "all_to_all"), _lse_to_seq(lse, ctx, "all_to_all")
+    return _head_to_seq(result, ctx, "all_to_all")
 
 
 def ulysses_attention(
