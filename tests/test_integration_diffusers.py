@@ -626,7 +626,6 @@ def test_capture_hunyuan_saves_video_tokens_only(hunyuan, hunyuan_stock_out, tmp
         ({"layers": []}, ValueError, "non-empty"),
         ({"steps": [-1]}, ValueError, "ints >= 0"),
         ({"steps": 3}, TypeError, "iterable"),
-        ({"max_query_rows": 64}, NotImplementedError, "query_fraction"),
     ],
 )
 def test_capture_bad_options(wan, tmp_path, options, error, match):

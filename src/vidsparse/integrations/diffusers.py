@@ -50,6 +50,7 @@ puts back the original processor objects, removes the hook and the added gate mo
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import inspect
 import os
@@ -278,24 +279,26 @@ def _sdpa(q, k, v, call: _Call) -> torch.Tensor:
     )
 
 
-class _Method:
+class _Method(abc.ABC):
     name = "?"
     supports_text_tokens = True
 
-    def check_model(self, num_layers: int, heads: int) -> None:
-        pass
+    # Hooks a method may override; the defaults accept everything.
+    def check_model(self, num_layers: int, heads: int) -> None:  # noqa: B027
+        return None
 
-    def check_grid(self, shape: tuple[int, int, int]) -> None:
-        pass
+    def check_grid(self, shape: tuple[int, int, int]) -> None:  # noqa: B027
+        return None
 
-    def check_num_steps(self, num_steps: int) -> None:
-        pass
+    def check_num_steps(self, num_steps: int) -> None:  # noqa: B027
+        return None
 
     def add_modules(self, attn, *, dim, heads, head_dim) -> list[tuple[nn.Module, str]]:
         return []
 
+    @abc.abstractmethod
     def attend(self, q, k, v, call: _Call) -> torch.Tensor:
-        raise NotImplementedError
+        """Attention output [B, H, S, D] of one call."""
 
 
 class _Dense(_Method):
@@ -339,8 +342,9 @@ class _SparseMethod(_Method):
             out[b : b + 1, :, :n] = self.sparse(qb, kb, vb, call_b, n - video)
         return out
 
+    @abc.abstractmethod
     def sparse(self, q, k, v, call, text_tokens) -> torch.Tensor:
-        raise NotImplementedError
+        """The sparse op on one batch of unpadded sequences with ``text_tokens`` text keys."""
 
 
 class _VSA(_SparseMethod):
@@ -587,7 +591,6 @@ def capture_calibration(
     *,
     steps: Iterable[int] | None = None,
     layers: Iterable[int] | None = None,
-    max_query_rows: int | None = None,
 ) -> CalibrationCapture:
     """Record calibration samples for the PSA search while the transformer runs.
 
@@ -611,17 +614,9 @@ def capture_calibration(
         steps: denoising steps to record (default all).
         layers: attention layer indices to record (default all; HunyuanVideo counts the
             dual-stream blocks, then the single-stream ones).
-        max_query_rows: reserved; only ``None`` is accepted. The calibration format (version 1)
-            stores q with the same shape as k and v, so query rows cannot be sub-sampled at
-            capture time; the search samples query blocks itself (``query_fraction``).
 
     Returns a :class:`CalibrationCapture`; use it as a context manager, or call ``remove()``.
     """
-    if max_query_rows is not None:
-        raise NotImplementedError(
-            "max_query_rows is not supported: calibration files (version 1) keep q, k and v "
-            "at one shape; sub-sample query blocks in the search with query_fraction=..."
-        )
     step_set = None if steps is None else _int_set("steps", steps)
     if layers is not None:
         _int_set("layers", layers)  # fail before touching the folder
