@@ -160,9 +160,11 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         o5 = o5 + o_coarse
     else:  # the gate's video rows only; text rows have no coarse term
         o5 = o5 + video_tiles(gate, grid, tiled, video_len).reshape(B, H, Nt, V, D) * o_coarse
-    real = grid.real_token_mask(q.device).view(Nt, V, 1)
-    o = o5.masked_fill(~real, 0).view(B, H, Nt * V, D)
-    o = o if tiled else grid.untile(o, dim=-2)
+    o = o5.view(B, H, Nt * V, D)
+    if tiled:  # padding rows of a tiled output are zero; untiling drops them instead
+        o = o.masked_fill(~grid.real_token_mask(q.device).view(Nt * V, 1), 0)
+    else:
+        o = grid.untile(o, dim=-2)
     if not text_tokens:
         return o
     q_text = F.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
