@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
-#   bash benchmarks/gpu_round.sh tests|vsa|psa|engine|demo [...]   (default: tests demo)
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|vsa|psa [...]   (default: tests demo)
 # Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
 # time limit still leaves its log behind. Pass the commit being measured in
 # VIDSPARSE_GIT_COMMIT (the device copy of the tree has no .git).
@@ -22,7 +22,8 @@ step() {  # step NAME SECONDS COMMAND...
 [ $# -eq 0 ] && set -- tests demo
 for what in "$@"; do
   case $what in
-    tests) step gpu_tests 420 python3 -m pytest tests -m gpu -q -p no:cacheprovider ;;
+    tests) step gpu_tests 300 bash benchmarks/gpu_tests_parallel.sh ;;
+    profile) step profile 150 python3 benchmarks/profile_methods.py ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
     engine) step engine 540 python3 benchmarks/bench_block_sparse.py --shapes default \
       --providers ours,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU-marked tests in three pytest processes at once: Triton compiles dominate their time
+# and run on the CPU, so splitting the files cuts the wall time on a many-core GPU machine.
+# Each part's summary is printed at the end; the exit code is non-zero if any part failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG="${OUT:-out/gpu}"
+mkdir -p "$LOG"
+parts=(
+  "tests/test_block_sparse_attn.py"
+  "tests/test_vsa.py tests/test_vsa_coarse.py tests/test_vsa_text.py"
+  "$(ls tests/test_*.py | grep -v -e test_block_sparse_attn.py -e test_vsa | tr '\n' ' ')"
+)
+pids=()
+for i in "${!parts[@]}"; do
+  # shellcheck disable=SC2086  # the part is a list of files
+  python3 -m pytest ${parts[$i]} -m gpu -q -p no:cacheprovider >"$LOG/gpu_tests_$i.log" 2>&1 &
+  pids+=($!)
+done
+status=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || status=1
+  echo "--- part $i: ${parts[$i]:0:80}"
+  grep -E "passed|failed|error" "$LOG/gpu_tests_$i.log" | tail -n 3
+  grep -E "^(FAILED|ERROR)" "$LOG/gpu_tests_$i.log" | head -n 20
+done
+exit $status

@@ -1,0 +1,95 @@
+"""Per-kernel GPU time of VSA and PSA at the benchmark shapes (torch.profiler).
+
+    PYTHONPATH=src python benchmarks/profile_methods.py                 # both methods
+    PYTHONPATH=src python benchmarks/profile_methods.py --methods vsa
+
+Shows where a method's time goes beyond the fine-stage kernel (tiling, selection, gate
+combine, list building), which the benchmarks' totals hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+for _p in (_REPO / "src", _REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import torch  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import vidsparse  # noqa: E402
+from benchmarks.bench_psa import mixed_specs  # noqa: E402
+
+
+def show(title: str, step, repeats: int = 5) -> None:
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            step()
+        torch.cuda.synchronize()
+    print(f"\n=== {title} ({repeats} steps; per-step = total / {repeats}) ===", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+
+
+def profile_vsa(grid_shape=(21, 30, 52), heads=12, sparsity=0.875) -> None:
+    grid = vidsparse.VideoGrid(grid_shape, tile=(4, 4, 4))
+    shape = (1, heads, grid.num_tokens, 128)
+    q, k, v, gate = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(4)
+    )
+    tiled = [grid.tile(x.detach(), dim=-2).contiguous().requires_grad_() for x in (q, k, v, gate)]
+    do_t = torch.randn_like(tiled[0])
+
+    def fwd_tiled():
+        with torch.no_grad():
+            vidsparse.video_sparse_attn(*tiled[:3], grid, sparsity=sparsity, gate=tiled[3], tiled=True)
+
+    def fwd_natural():
+        with torch.no_grad():
+            vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate)
+
+    def fwd_bwd_tiled():
+        o = vidsparse.video_sparse_attn(*tiled[:3], grid, sparsity=sparsity, gate=tiled[3], tiled=True)
+        torch.autograd.grad(o, tiled, do_t)
+
+    name = f"VSA grid {grid_shape} H={heads} sparsity {sparsity}"
+    show(f"{name} fwd tiled", fwd_tiled)
+    show(f"{name} fwd natural", fwd_natural)
+    show(f"{name} fwd+bwd tiled", fwd_bwd_tiled)
+
+
+def profile_psa(grid_shape=(21, 45, 80), heads=40, tiles=((2, 8, 8), (1, 8, 16))) -> None:
+    S = grid_shape[0] * grid_shape[1] * grid_shape[2]
+    q, k, v = (torch.randn(1, heads, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for tile in tiles:
+        grid = vidsparse.VideoGrid(grid_shape, tile=tile)
+        for target in (0.6, 0.9):
+            specs, achieved = mixed_specs(grid.tiles, heads, target, random.Random(0))
+
+            def fwd():
+                vidsparse.stripe_attn(q, k, v, grid, specs)
+
+            show(f"PSA grid {grid_shape} tile {tile} H={heads} sparsity {achieved:.3f}", fwd)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default="vsa,psa")
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    if "vsa" in methods:
+        profile_vsa()
+    if "psa" in methods:
+        profile_psa()
+
+
+if __name__ == "__main__":
+    main()
