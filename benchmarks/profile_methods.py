@@ -50,14 +50,18 @@ def profile_vsa(grid_shape=(21, 30, 52), heads=12, sparsity=0.875) -> None:
 
     def fwd_tiled():
         with torch.no_grad():
-            vidsparse.video_sparse_attn(*tiled[:3], grid, sparsity=sparsity, gate=tiled[3], tiled=True)
+            vidsparse.video_sparse_attn(
+                *tiled[:3], grid, sparsity=sparsity, gate=tiled[3], tiled=True
+            )
 
     def fwd_natural():
         with torch.no_grad():
             vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate)
 
     def fwd_bwd_tiled():
-        o = vidsparse.video_sparse_attn(*tiled[:3], grid, sparsity=sparsity, gate=tiled[3], tiled=True)
+        o = vidsparse.video_sparse_attn(
+            *tiled[:3], grid, sparsity=sparsity, gate=tiled[3], tiled=True
+        )
         torch.autograd.grad(o, tiled, do_t)
 
     name = f"VSA grid {grid_shape} H={heads} sparsity {sparsity}"

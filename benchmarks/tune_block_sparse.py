@@ -41,7 +41,7 @@ def main(argv=None):
     ap.add_argument(
         "--masked",
         action="store_true",
-        help="only the padded-tile forward at VSA's Wan 480p shape (pointer vs TMA kernels)",
+        help="only the forward variants on padded tiles (VSA and PSA shapes, key pairs)",
     )
     args = ap.parse_args(argv)
     if args.masked:
@@ -161,36 +161,124 @@ def main(argv=None):
 
 
 def sweep_masked_forward(out):
-    """Forward configs on VSA's fine-stage shape: Wan 1.3B 480p tiled (624 tiles of 64 tokens,
-    partial tiles masked by kv_block_sizes), 12 heads, top-78 random lists (sparsity 0.875)."""
-    from vidsparse.layout import VideoGrid
+    """Forward variants on padded tiles (keys masked by kv_block_sizes) at the methods' shapes.
 
+    - VSA's fine stage: Wan 1.3B 480p tiled (624 tiles of 4x4x4 = 64 tokens), 12 heads,
+      top-78 random lists (sparsity 0.875); also with VSA's fused gate epilogue.
+    - PSA: the same grid in tiles of 1x8x16 = 128 tokens, 12 heads, density 1/4.
+    - The engine's unmasked shape (S=32768, 12 heads, density 1/8) for the key-pair loop.
+
+    Variants: pointer vs TMA loads, zeroing padding values or not (``padding_finite``), one or
+    two listed key blocks per loop step (``kv_pair``), warps and stages.
+    """
+    from vidsparse.layout import VideoGrid
+    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
+
+    rows = []
+    D = 128
+
+    def sweep(label, q, k, v, idx, cnt, sizes, block, configs, work, combine=None):
+        def run(cfg, finite):
+            if combine is None:
+                return block_sparse_attn_fwd(
+                    q, k, v, idx, cnt, sizes, block, block, D**-0.5, cfg, padding_finite=finite
+                )[0]
+            return block_sparse_attn_fwd_combined(
+                q, k, v, idx, cnt, sizes, block, block, D**-0.5, combine, cfg, padding_finite=finite
+            )[0]
+
+        ref = run(KernelConfig(4, 2), False).float()
+        for cfg, finite in configs:
+            try:
+                err = ((run(cfg, finite).float() - ref).norm() / ref.norm()).item()
+                ms = bench(lambda: run(cfg, finite))
+            except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
+                print(f"{label} {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            tf = work / (ms * 1e-3) / 1e12
+            rows.append(
+                dict(
+                    kernel=label,
+                    cfg=repr(cfg),
+                    padding_finite=finite,
+                    ms=ms,
+                    tflops=tf,
+                    rel_err=err,
+                )
+            )
+            print(
+                f"{label} w={cfg.num_warps} s={cfg.num_stages} tma={cfg.use_tma}"
+                f" pair={cfg.kv_pair} finite={finite}: {ms:.3f} ms {tf:.0f} TFLOP/s"
+                f" err {err:.1e}",
+                flush=True,
+            )
+
+    def variants(warps, stages):
+        out = [(KernelConfig(w, s), False) for w in warps for s in stages]
+        for w, s, pair, finite in itertools.product(warps, stages, (False, True), (False, True)):
+            out.append((KernelConfig(w, s, use_tma=True, kv_pair=pair), finite))
+        return out
+
+    # VSA fine stage, nominal work over padded blocks
     grid = VideoGrid((21, 30, 52))
-    H, D, S, n = 12, 128, grid.padded_len, grid.num_tiles
-    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    H, S, n = 12, grid.padded_len, grid.num_tiles
+    q, k, v, g = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     sizes = grid.tile_sizes_on("cuda").to(torch.int32)
     idx, cnt = random_block_lists(1, H, n, n, count=78, device="cuda")
-    ref, _ = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, 64, 64, D**-0.5, KernelConfig(4, 2))
-    real_pairs = float(sizes.sum()) / S  # fraction of real keys: effective work shrinks with it
-    rows = []
-    for cfg in [
-        KernelConfig(w, s, use_tma=t) for t in (False, True) for w in (4, 8) for s in (2, 3)
-    ]:
-        try:
-            o, _ = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, 64, 64, D**-0.5, cfg)
-            err = ((o.float() - ref.float()).norm() / ref.float().norm()).item()
-            ms = bench(
-                lambda: block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, 64, 64, D**-0.5, cfg)
-            )
-        except Exception as e:
-            print(f"masked {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
-            continue
-        tf = 4 * H * S * 78 * 64 * D * real_pairs / (ms * 1e-3) / 1e12
-        rows.append(dict(kernel="fwd_masked_vsa480p", cfg=repr(cfg), ms=ms, tflops=tf, rel_err=err))
-        print(
-            f"masked 64x64 w={cfg.num_warps} s={cfg.num_stages} tma={cfg.use_tma}: {ms:.3f} ms"
-            f" {tf:.0f} TFLOP/s err {err:.1e}",
-            flush=True,
+    work = 4 * H * S * 78 * 64 * D
+    sweep("vsa480p_64", q, k, v, idx, cnt, sizes, 64, variants((4,), (2, 3)), work)
+    oc = torch.randn(1, H, n, D, device="cuda", dtype=torch.float32)
+    for store in (False, True):
+        sweep(
+            f"vsa480p_64_combined_store{int(store)}",
+            q,
+            k,
+            v,
+            idx,
+            cnt,
+            sizes,
+            64,
+            variants((4,), (2,)),
+            work,
+            CoarseCombine(oc, g, sizes, store),
+        )
+    # PSA, 1x8x16 tiles
+    grid = VideoGrid((21, 30, 52), tile=(1, 8, 16))
+    S, n = grid.padded_len, grid.num_tiles
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    sizes = grid.tile_sizes_on("cuda").to(torch.int32)
+    count = n // 4
+    idx, cnt = random_block_lists(1, H, n, n, count=count, device="cuda")
+    sweep(
+        "psa480p_128",
+        q,
+        k,
+        v,
+        idx,
+        cnt,
+        sizes,
+        128,
+        variants((8,), (2, 3)),
+        4 * H * S * count * 128 * D,
+    )
+    # the engine's unmasked shape: does the key-pair loop help there too?
+    S = 32768
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    for block, warps, stages in ((128, 8, 3), (64, 4, 2)):
+        n = S // block
+        idx, cnt = random_block_lists(1, H, n, n, count=n // 8, device="cuda")
+        configs = [(KernelConfig(warps, stages, use_tma=True, kv_pair=p), True) for p in (0, 1)]
+        sweep(
+            f"engine_{block}",
+            q,
+            k,
+            v,
+            idx,
+            cnt,
+            None,
+            block,
+            configs,
+            4 * H * S * (n // 8) * block * D,
         )
     meta = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__

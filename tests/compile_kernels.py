@@ -144,7 +144,11 @@ def _recording(target, tma_compatible: bool, sink: list):
 def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tma_compatible):
     """``[(kernel, args, kwargs)]`` of one forward and one backward pass, on meta tensors."""
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
-    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+    from vidsparse.ops.block_sparse_attn.fwd import (
+        CoarseCombine,
+        block_sparse_attn_fwd,
+        block_sparse_attn_fwd_combined,
+    )
 
     meta = torch.device("meta")
     nq, nk = SEQ // block_q, SEQ // block_kv
@@ -162,6 +166,15 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         o, lse = block_sparse_attn_fwd(
             q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
         )
+        # VSA's fine stage with the fused gate epilogue, at its 4x4x4 tile (64 tokens). With
+        # 128-token tiles the epilogue spills 2-7 registers on gfx942/gfx950 (not recorded).
+        if has_kv_sizes and block_q == block_kv == 64:
+            oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
+            combine = CoarseCombine(oc, bhsd(), kv_sizes, True)
+            block_sparse_attn_fwd_combined(
+                q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale, combine,
+                padding_finite=True,
+            )  # fmt: skip
         block_sparse_attn_bwd(
             do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
         )
@@ -229,9 +242,7 @@ def build_jobs(names):
         for bq, bk, d, dtype in cases:
             for has_sizes in (False, True):
                 # Both forward paths on NVIDIA: TMA when the config and inputs allow, else generic.
-                tma_choices = (
-                    (False, True) if target.backend == "cuda" and not has_sizes else (False,)
-                )
+                tma_choices = (False, True) if target.backend == "cuda" else (False,)
                 for tma_ok in tma_choices:
                     for kernel, args, kwargs in record_launches(
                         target, bq, bk, d, dtype, has_sizes, tma_ok
@@ -267,6 +278,107 @@ def build_jobs(names):
                                 "options": options,
                             }
                         )
+    jobs.extend(build_permute_jobs(names))  # VideoGrid.tile / untile kernels
+    return jobs
+
+
+# --------------------------------------------------------------------------------------------
+# VideoGrid.tile / untile kernels (vidsparse.layout.permute)
+
+# Wan 14B at 720p: a (21, 45, 80) latent grid, 40 heads; PSA's (2, 8, 8) and VSA's (4, 4, 4)
+# tiles. The tile shape and head dim are constexprs; strides only reach the compiler as
+# alignments, so a contiguous [B, H, S, D] input and a transposed [B, S, H, D] one are recorded.
+PERMUTE_GRID, PERMUTE_HEADS = (21, 45, 80), 40
+PERMUTE_TILES = ((4, 4, 4), (2, 8, 8))
+PERMUTE_CASES = [(d, torch.bfloat16) for d in HEAD_DIMS] + [(128, torch.float32)]
+PERMUTE_KERNEL_NAMES = {"_tile_rows_kernel": "grid_tile", "_untile_rows_kernel": "grid_untile"}
+DTYPES.setdefault(torch.float32, "fp32")
+
+
+@contextlib.contextmanager
+def _recording_permute(sink: list):
+    """Record every launch of the permute launchers (they pick no target-specific config)."""
+    from triton.runtime.jit import JITFunction
+
+    from vidsparse.layout import permute
+
+    saved = {}
+    for attr in dir(permute):
+        obj = getattr(permute, attr)
+        if attr.endswith("_kernel") and isinstance(obj, JITFunction):
+            saved[attr] = obj
+            setattr(permute, attr, _Recorder(obj, sink))
+    try:
+        yield
+    finally:
+        for attr, obj in saved.items():
+            setattr(permute, attr, obj)
+
+
+def record_permute_launches(tile, head_dim, dtype):
+    """``[(kernel, args, kwargs)]`` of one tile and one untile, on meta tensors."""
+    from vidsparse.layout.permute import tile_rows, untile_rows
+
+    meta = torch.device("meta")
+    num_tokens = PERMUTE_GRID[0] * PERMUTE_GRID[1] * PERMUTE_GRID[2]
+    padded = 1
+    for n, t in zip(PERMUTE_GRID, tile):
+        padded *= -(-n // t) * t
+    sink: list = []
+    with _recording_permute(sink):
+        for seq, launcher in ((num_tokens, tile_rows), (padded, untile_rows)):
+            bhsd = torch.empty(1, PERMUTE_HEADS, seq, head_dim, dtype=dtype, device=meta)
+            bshd = torch.empty(1, seq, PERMUTE_HEADS, head_dim, dtype=dtype, device=meta)
+            for x in (bhsd, bshd.transpose(1, 2)):
+                launcher(x, PERMUTE_GRID, tile)
+    return sink
+
+
+def build_permute_jobs(names):
+    """One job per distinct compile of the tile / untile kernels, as ``build_jobs`` does."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    jobs, seen = [], set()
+    for name in names:
+        _, gpu_args, shared_limit = TARGETS[name]
+        backend_cls = type(make_backend(GPUTarget(*gpu_args)))
+        for tile in PERMUTE_TILES:
+            for d, dtype in PERMUTE_CASES:
+                for kernel, args, kwargs in record_permute_launches(tile, d, dtype):
+                    signature, constexprs, attrs, options = specialise(
+                        kernel, args, kwargs, backend_cls
+                    )
+                    key = json.dumps(
+                        [name, kernel.__name__, signature, constexprs, attrs, options],
+                        sort_keys=True,
+                        default=str,
+                    )
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    jobs.append(
+                        {
+                            "target": name,
+                            "gpu_target": gpu_args,
+                            "shared_limit": shared_limit,
+                            "kernel": PERMUTE_KERNEL_NAMES.get(
+                                kernel.__name__, kernel.__name__.strip("_")
+                            ),
+                            "module": kernel.fn.__module__,
+                            "function": kernel.__name__,
+                            "block_q": constexprs.get("BLOCK_S"),  # rows per program
+                            "block_kv": None,
+                            "head_dim": d,
+                            "dtype": DTYPES[dtype],
+                            "has_kv_sizes": None,
+                            "config": _config_of(options, constexprs),  # tile_t/h/w, block_s
+                            "signature": signature,
+                            "constexprs": constexprs,
+                            "attrs": attrs,
+                            "options": options,
+                        }
+                    )
     return jobs
 
 

@@ -1,6 +1,7 @@
 """The command-line tool: exit codes, outputs, help."""
 
 import json
+import math
 import subprocess
 import sys
 import time
@@ -16,10 +17,19 @@ def test_demo_writes_report(tmp_path, torch_backend, capsys):
     report = json.loads((tmp_path / "report.json").read_text())
     methods = [r["method"] for r in report["results"]]
     assert methods[0].startswith("dense") and methods[1].startswith("VSA")
+    assert methods[2].startswith("PSA")
     assert report["workload"]["reduced"] is True
-    vsa = report["results"][1]
+    vsa, psa = report["results"][1], report["results"][2]
     assert 0 < vsa["rel_l2"] < 0.5  # sparse output close to dense on video-like inputs
-    assert "reduced grid" in capsys.readouterr().out
+    assert math.isfinite(psa["rel_l2"]) and 0 < psa["rel_l2"] < 0.5
+    assert 0 < psa["sparsity"] < 1 and psa["psa"]["search"]["seconds"] > 0
+    # Figures are named relative to the output folder, so the folder can be moved.
+    assert "psa_masks.png" in report["figures"] or not report["figures"]
+    for name in report["figures"]:
+        assert "/" not in name and (tmp_path / name).is_file()
+    out = capsys.readouterr().out
+    assert "reduced grid" in out and "PSA search:" in out
+    assert any(line.startswith("PSA target 0.75") for line in out.splitlines())
 
 
 def test_demo_json_on_stdout(tmp_path, torch_backend, capsys):

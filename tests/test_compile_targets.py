@@ -94,9 +94,10 @@ def test_library_choices_are_covered(compile_run, target):
         for sizes in (False, True):
             for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
                 expected.add((kernel, bq, bk, d, sizes))
-        cfg = forward_config(TARGETS[target], bq, bk, d, torch.bfloat16)
-        if TARGETS[target].backend == "cuda" and cfg.use_tma:
-            expected.add(("fwd_tma", bq, bk, d, False))
+        for sizes in (False, True):
+            cfg = forward_config(TARGETS[target], bq, bk, d, torch.bfloat16, masked=sizes)
+            if TARGETS[target].backend == "cuda" and cfg.use_tma:
+                expected.add(("fwd_tma", bq, bk, d, sizes))
     missing = expected - compiled
     assert not missing, f"not compiled for {target}: {sorted(missing, key=str)}"
 
@@ -123,3 +124,25 @@ def test_shared_memory_fits(compile_run, target):
     assert not over, "\n".join(
         f"{_label(r)}: {r['shared']} bytes > {r['shared_limit']}" for r in over
     )
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_layout_permute_kernels_are_covered(compile_run, target):
+    """``VideoGrid.tile`` / ``untile``'s one-pass kernels are compiled for every recorded tile
+    shape, head dim and dtype (their spills and shared memory are checked with the rest)."""
+    from vidsparse.layout.permute import NUM_WARPS
+
+    compiled = {
+        (r["kernel"], r["head_dim"], r["dtype"], (r["config"]["tile_t"], r["config"]["tile_h"],
+         r["config"]["tile_w"]))
+        for r in _reports(compile_run, target)
+        if r["kernel"] in ("grid_tile", "grid_untile") and r["config"]["num_warps"] == NUM_WARPS
+    }  # fmt: skip
+    expected = {
+        (kernel, d, dtype, tile)
+        for kernel in ("grid_tile", "grid_untile")
+        for d, dtype in ((64, "bf16"), (128, "bf16"), (128, "fp32"))
+        for tile in ((4, 4, 4), (2, 8, 8))
+    }
+    missing = expected - compiled
+    assert not missing, f"not compiled for {target}: {sorted(missing)}"

@@ -1,6 +1,7 @@
 """The demo workload: the shipped clip, the q/k/v made from it, Wan's RoPE, the run and its PNGs."""
 
 import importlib.util
+import math
 import sys
 import time
 
@@ -8,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+import vidsparse
+from vidsparse import StripeSpec
 from vidsparse.data import load_clip
 from vidsparse.demo import (
     CPU_DIM,
@@ -19,6 +22,7 @@ from vidsparse.demo import (
     rope_band_pairs,
     run_demo,
 )
+from vidsparse.ops.stripe_attn import stripe_attn_density
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -88,16 +92,43 @@ def test_rope_scores_depend_only_on_relative_position():
     torch.testing.assert_close(q.norm(dim=-1), content_q.norm().expand(S))
 
 
+def check_psa_row(row, heads: int, target: float = 0.75) -> None:
+    """The PSA row of a demo report: a searched pattern per head, timed and measured."""
+    assert row["method"] == f"PSA target {target}"
+    assert row["ms"] > 0 and math.isfinite(row["ms"]) and row["speedup"] > 0
+    assert math.isfinite(row["rel_l2"]) and 0 < row["rel_l2"] < 0.5
+    assert 0 < row["sparsity"] < 1
+    psa = row["psa"]
+    assert psa["search"]["target_sparsity"] == target and psa["search"]["seconds"] > 0
+    assert 0 < psa["search"]["query_fraction"] < 1 and psa["search"]["num_candidates"] > 1
+    assert len(psa["heads"]) == heads
+    grid = vidsparse.VideoGrid(CPU_GRID, tile=tuple(psa["tile"]))
+    assert list(grid.tiles) == psa["block_grid"]
+    specs = [StripeSpec.from_dict(h["spec"]) for h in psa["heads"]]
+    # The sparsity reported is that of the specs stripe_attn ran, and meets the target.
+    ran = 1 - stripe_attn_density(specs, grid).double()
+    reported = torch.tensor([h["sparsity"] for h in psa["heads"]], dtype=torch.float64)
+    torch.testing.assert_close(ran, reported, rtol=0, atol=1e-6)
+    assert bool((reported >= target - 1e-9).all()) and bool((reported < 1).all())
+    assert math.isclose(row["sparsity"], float(reported.mean()), abs_tol=1e-9)
+    assert all(math.isfinite(h["search_rel_l2"]) for h in psa["heads"])
+
+
 def test_cpu_demo_runs_fast_and_writes_pngs(tmp_path, torch_backend):
     start = time.perf_counter()
     report = run_demo(device="cpu", log=None, out_dir=tmp_path)
     assert time.perf_counter() - start < 30
     assert "Big Buck Bunny" in report["workload"]["inputs"]
+    methods = [r["method"] for r in report["results"]]
+    assert [m.split()[0] for m in methods] == ["dense", "VSA", "PSA"]
     assert 0 < report["results"][1]["rel_l2"] < 0.5
-    names = {"attention_dense.png", "vsa_selection.png", "clip_frame.png"}
+    assert report["results"][1]["sparsity"] == 0.875  # 4 of 32 tiles kept
+    check_psa_row(report["results"][2], heads=CPU_HEADS)
+    names = ["attention_dense.png", "vsa_selection.png", "clip_frame.png", "psa_masks.png"]
     if HAS_MATPLOTLIB:
-        assert {p.name for p in tmp_path.glob("*.png")} == names
+        assert {p.name for p in tmp_path.glob("*.png")} == set(names)
         assert all((tmp_path / n).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for n in names)
+        assert report["figures"] == names  # relative to the output folder
     else:
         assert report["figures"] == []
 

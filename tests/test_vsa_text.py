@@ -14,7 +14,7 @@ import torch
 import vidsparse
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.ops.video_sparse_attn import video_sparse_attn_ref
-from vidsparse.testing import assert_rel_l2
+from vidsparse.testing import add_tile_structure, assert_rel_l2
 
 FP64_BOUND = 1e-10
 
@@ -51,9 +51,13 @@ def _brute_force(q, k, v, gate, grid, topk, N, scale):
     return torch.cat([o[:, :, :S] + coarse, o[:, :, S:]], dim=2)
 
 
-def _inputs(grid, N, *, B=2, H=2, D=16, dtype=torch.float64, device="cpu", scale=1.0):
+def _inputs(
+    grid, N, *, B=2, H=2, D=16, dtype=torch.float64, device="cpu", scale=1.0, tile_structure=0.0
+):
     S = grid.num_tokens + N
     xs = [torch.randn(B, H, S, D, dtype=torch.float64) for _ in range(4)]
+    if tile_structure:  # q and k: no near-tie top-k decisions (see add_tile_structure)
+        xs[:2] = [add_tile_structure(x, grid, tile_structure, tiled=False) for x in xs[:2]]
     xs[:3] = [x * scale for x in xs[:3]]
     return [x.to(device=device, dtype=dtype) for x in xs]
 
@@ -173,8 +177,13 @@ def test_zero_text_tokens_unchanged(monkeypatch, backend):
 # ---- Triton path (interpreter) against the reference -------------------------------------------
 
 
-def _compare(grid, N, *, B, H, D, dtype, device, topk, tiled, scale=1.0, bound_o, bound_g):
-    q, k, v, gate = _inputs(grid, N, B=B, H=H, D=D, dtype=dtype, device=device, scale=scale)
+def _compare(
+    grid, N, *, B, H, D, dtype, device, topk, tiled, scale=1.0, bound_o, bound_g, tile_structure=0.0
+):
+    q, k, v, gate = _inputs(
+        grid, N, B=B, H=H, D=D, dtype=dtype, device=device, scale=scale,
+        tile_structure=tile_structure,
+    )  # fmt: skip
     if tiled:
         q, k, v, gate = (_to_tiled(x, grid, N) for x in (q, k, v, gate))
     q, k, v, gate = (x.requires_grad_(True) for x in (q, k, v, gate))
@@ -237,6 +246,7 @@ def test_vsa_text_gpu_bf16_matches_reference(tiled):
         device="cuda",
         topk=9,
         tiled=tiled,
+        tile_structure=1.0,
         bound_o=3e-2,
         bound_g=6e-2,
     )

@@ -1,4 +1,4 @@
-"""The built-in demo workload: one Wan-2.1-shaped video self-attention layer, dense vs VSA.
+"""The built-in demo workload: one Wan-2.1-shaped video self-attention layer, dense vs VSA vs PSA.
 
 q/k/v come from a real clip (81 frames of Big Buck Bunny shipped in ``vidsparse.data``), made
 into latent-grid tokens the way Wan 2.1 does, with stand-ins for the trained parts:
@@ -18,7 +18,13 @@ into latent-grid tokens the way Wan 2.1 does, with stand-ins for the trained par
    position kernel whose reach depends on which RoPE bands (t, h, w) its energy sits in.
 
 So attention reflects real content plus position, with the locality of real video heads, but
-no trained weights: the numbers say how VSA behaves on video-like attention, not on Wan itself.
+no trained weights: the numbers say how VSA and PSA behave on video-like attention, not on Wan
+itself.
+
+PSA has no offline plan for these heads, so the demo searches one on the spot, on the same
+q/k/v: the default candidate family (``CandidateFamily()``), the objective on a random quarter
+of the query blocks, and per head the lowest-error candidate at least ``psa_target`` sparse.
+That search is timed apart from the attention.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import math
 import platform
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +41,9 @@ import torch.nn.functional as F
 
 import vidsparse
 from vidsparse.data import CLIP_ATTRIBUTION, load_clip
+from vidsparse.masks.stripe import StripeSpec
+from vidsparse.plots import plot_attention_vs_mask
+from vidsparse.search import Candidate, CandidateFamily, StripeObjective, select_candidates
 from vidsparse.testing import rel_l2
 
 GPU_GRID, GPU_HEADS, GPU_DIM = (21, 30, 52), 12, 128  # Wan 2.1 1.3B, 480p, 81 frames
@@ -42,6 +52,10 @@ VAE_STRIDE_T = 4  # Wan 2.1 VAE: 4x in time (first frame kept alone), 8x in spac
 ROPE_THETA = 10000.0  # Wan's rope_params default
 NUM_FEATURES = 17  # 12 RGB of the 2x2 latent pixels + 2 luma gradients + 3 motion
 LUMA = (0.299, 0.587, 0.114)
+# PSA blocks: the benchmarks' Wan 480p block on the GPU; on the reduced CPU grid the same shape
+# halved in space, so the 16x16 frames still hold a 4x4 grid of blocks (4x4x4 blocks in all).
+GPU_PSA_TILE, CPU_PSA_TILE = (2, 8, 8), (2, 4, 4)
+PSA_QUERY_FRACTION = 0.25  # share of query blocks the on-the-spot search evaluates
 
 
 # ---- the clip as latent-grid tokens ---------------------------------------------------------
@@ -202,13 +216,83 @@ def clip_qkv(frames, grid_shape, heads, head_dim, *, device, dtype, generator):
     return [x.unsqueeze(0).to(device=device, dtype=dtype) for x in (q, k, v)]
 
 
+# ---- PSA: a per-head stripe search on the spot ----------------------------------------------
+
+
+@dataclass
+class PsaChoice:
+    """What the on-the-spot search chose: one candidate per head, on ``grid``'s blocks."""
+
+    grid: vidsparse.VideoGrid
+    candidates: list[Candidate]
+    specs: list[StripeSpec]  # the candidates as "block"-unit specs (one stripe_attn launch)
+    sparsity: list[float]  # per head, of the padded block grid
+    search_rel_l2: list[float]  # per head, the objective's estimate on the sampled blocks
+    num_candidates: int
+    target_sparsity: float
+    query_fraction: float
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return dict(
+            tile=list(self.grid.tile_shape),
+            block_grid=list(self.grid.tiles),
+            heads=[
+                dict(
+                    candidate=str(c),
+                    spec=spec.to_dict(),
+                    sparsity=sp,
+                    search_rel_l2=err,
+                )
+                for c, spec, sp, err in zip(
+                    self.candidates, self.specs, self.sparsity, self.search_rel_l2
+                )
+            ],
+            search=dict(
+                family="CandidateFamily() (the default)",
+                num_candidates=self.num_candidates,
+                query_fraction=self.query_fraction,
+                selection="per head, the lowest rel L2 among candidates >= target_sparsity",
+                target_sparsity=self.target_sparsity,
+                seconds=self.seconds,
+            ),
+        )
+
+
+def search_psa(q, k, v, grid, *, target_sparsity: float, query_fraction: float, seed: int):
+    """Per head, the default family's lowest-error candidate at ``>= target_sparsity``.
+
+    The objective (rel L2 of each candidate's output against dense) runs on a random
+    ``query_fraction`` of the query blocks; ``grid``'s tile is the PSA block.
+    """
+    start = time.perf_counter()
+    cands = CandidateFamily().on_grid(grid.tiles)
+    objective = StripeObjective(grid, cands, query_fraction=query_fraction, seed=seed)
+    rel = objective(q, k, v).rel_l2  # [H, C], on the CPU: the search has finished
+    pick = select_candidates(rel, cands.sparsity, target_sparsity=target_sparsity).tolist()
+    seconds = time.perf_counter() - start
+    chosen = [cands[i] for i in pick]
+    return PsaChoice(
+        grid=grid,
+        candidates=chosen,
+        specs=[c.block_spec(grid.tiles[2]) for c in chosen],
+        sparsity=[float(cands.sparsity[i]) for i in pick],
+        search_rel_l2=[float(rel[h, i]) for h, i in enumerate(pick)],
+        num_candidates=len(cands),
+        target_sparsity=target_sparsity,
+        query_fraction=query_fraction,
+        seconds=seconds,
+    )
+
+
 # ---- timing and the run ---------------------------------------------------------------------
 
 
 def _time(
-    fn: Callable[[], torch.Tensor], device: torch.device, repeats: int
+    fn: Callable[[], torch.Tensor], device: torch.device, repeats: int, warmup: int = 1
 ) -> tuple[float, torch.Tensor]:
-    out = fn()  # warm-up (compilation, caches)
+    for _ in range(warmup):  # compilation, caches, and on the CPU the allocator settling
+        out = fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -219,16 +303,57 @@ def _time(
     return (time.perf_counter() - start) / repeats * 1e3, out
 
 
+def _psa_row(q, k, v, ref, grid_shape, psa_target, seed, dense_ms, timing, log):
+    """Search PSA's per-head patterns on the spot, then time ``stripe_attn`` with them.
+
+    Returns the results row and the ``PsaChoice``.
+    """
+    on_gpu = timing["device"].type == "cuda"
+    psa_grid = vidsparse.VideoGrid(grid_shape, tile=GPU_PSA_TILE if on_gpu else CPU_PSA_TILE)
+    log(
+        f"PSA search: default candidate family on {psa_grid.num_tiles} blocks of"
+        f" {'x'.join(map(str, psa_grid.tile_shape))}, objective on"
+        f" {PSA_QUERY_FRACTION:.0%} of the query blocks; per head the lowest-error candidate"
+        f" at sparsity >= {psa_target}"
+    )
+    psa = search_psa(
+        q, k, v, psa_grid, target_sparsity=psa_target, query_fraction=PSA_QUERY_FRACTION, seed=seed
+    )
+    log(
+        f"PSA search: {psa.num_candidates} candidates x {q.shape[1]} heads in {psa.seconds:.2f} s"
+        " (not part of the attention time"
+        + ("; a first GPU run includes kernel compilation)" if on_gpu else ")")
+    )
+    for h, (cand, sp, err) in enumerate(zip(psa.candidates, psa.sparsity, psa.search_rel_l2)):
+        log(f"  head {h:>2}: {cand}  sparsity {sp:.3f}, search rel L2 {err:.4f}")
+    psa_ms, out = _time(lambda: vidsparse.stripe_attn(q, k, v, psa_grid, psa.specs), **timing)
+    row = dict(
+        method=f"PSA target {psa_target}",
+        ms=psa_ms,
+        speedup=dense_ms / psa_ms,
+        sparsity=sum(psa.sparsity) / len(psa.sparsity),
+        rel_l2=rel_l2(out, ref),
+        psa=psa.to_dict(),
+    )
+    return row, psa
+
+
 def run_demo(
     *,
     device: str = "auto",
     sparsity: float = 0.875,
+    psa_target: float = 0.75,
     seed: int = 0,
     log=print,
     out_dir: str | Path | None = None,
 ) -> dict:
-    """Dense vs VSA on the clip workload; returns the report. PNGs go to ``out_dir`` if given
-    and matplotlib is installed."""
+    """Dense vs VSA vs PSA on the clip workload; returns the report. PNGs go to ``out_dir`` if
+    given and matplotlib is installed; the report names them relative to ``out_dir``.
+
+    ``sparsity``: VSA's; ``psa_target``: the least sparsity of each head's PSA pattern.
+    """
+    from vidsparse.ops.video_sparse_attn.reference import resolve_topk
+
     log = log or (lambda *a, **k: None)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -247,35 +372,55 @@ def run_demo(
     gen = torch.Generator().manual_seed(seed)
     frames = load_clip()
     q, k, v = clip_qkv(frames, grid_shape, heads, head_dim, device=dev, dtype=dtype, generator=gen)
-    repeats = 10 if on_gpu else 2
+    # The CPU's first calls of the reference paths run slower: warm up a few times.
+    timing = dict(device=dev, repeats=10 if on_gpu else 4, warmup=1 if on_gpu else 3)
     log(f"inputs: {CLIP_ATTRIBUTION}; patch-embedded, Wan 3-D RoPE")
     log(
         f"workload: grid {grid_shape} = {grid.num_tokens} tokens, {grid.num_tiles} tiles of 4x4x4,"
         f" {heads} heads, head_dim {head_dim}, {str(dtype).replace('torch.', '')}, {device}"
     )
 
-    dense_ms, dense = _time(lambda: F.scaled_dot_product_attention(q, k, v), dev, repeats)
+    dense_ms, dense = _time(lambda: F.scaled_dot_product_attention(q, k, v), **timing)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    rows = [dict(method="dense (SDPA)", ms=dense_ms, speedup=1.0, rel_l2=rel_l2(dense, ref))]
+    rows = [
+        dict(
+            method="dense (SDPA)", ms=dense_ms, speedup=1.0, sparsity=0.0, rel_l2=rel_l2(dense, ref)
+        )
+    ]
     # An untrained model's gate is zero (the coarse branch is learned during fine-tuning), so the
     # output compared with dense attention is the fine stage over the selected tiles.
     gate = torch.zeros_like(q)
     vsa_ms, vsa = _time(
-        lambda: vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate),
-        dev,
-        repeats,
+        lambda: vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate), **timing
     )
     rows.append(
         dict(
             method=f"VSA sparsity {sparsity}",
             ms=vsa_ms,
             speedup=dense_ms / vsa_ms,
+            sparsity=1.0 - resolve_topk(grid.num_tiles, sparsity=sparsity) / grid.num_tiles,
             rel_l2=rel_l2(vsa, ref),
         )
     )
-    log(f"{'method':<22} {'time ms':>9} {'speedup':>8} {'rel L2 vs dense':>16}")
+
+    psa_row, psa = _psa_row(q, k, v, ref, grid_shape, psa_target, seed, dense_ms, timing, log)
+    rows.append(psa_row)
+
+    log(f"{'method':<22} {'time ms':>9} {'speedup':>8} {'sparsity':>9} {'rel L2 vs dense':>16}")
     for r in rows:
-        log(f"{r['method']:<22} {r['ms']:>9.2f} {r['speedup']:>7.2f}x {r['rel_l2']:>16.4f}")
+        log(
+            f"{r['method']:<22} {r['ms']:>9.2f} {r['speedup']:>7.2f}x {r['sparsity']:>9.3f}"
+            f" {r['rel_l2']:>16.4f}"
+        )
+    log(
+        "sparsity: skipped key tiles (VSA) or block pairs (PSA, mean over heads); the PSA"
+        " search time above is not in PSA's time"
+    )
+    if not on_gpu:
+        log(
+            "on the CPU, VSA and PSA run their PyTorch reference paths: the speedups are"
+            " for the GPU to show"
+        )
     report = dict(
         workload=dict(
             grid=list(grid_shape),
@@ -295,13 +440,14 @@ def run_demo(
         ),
     )
     if out_dir is not None:
-        report["figures"] = write_figures(Path(out_dir), frames, grid, q, k, sparsity, log)
+        report["figures"] = write_figures(Path(out_dir), frames, grid, q, k, sparsity, log, psa)
     return report
 
 
 # ---- pictures -------------------------------------------------------------------------------
 
 MAX_HEADS_SHOWN, MAX_FRAMES_SHOWN = 4, 4
+PSA_MASKS_PNG = "psa_masks.png"
 
 
 def _query_tile(grid, frames) -> tuple[int, tuple[int, int, int]]:
@@ -419,8 +565,13 @@ def _clip_frame_figure(frames, grid, query_t: int, box):
     return fig
 
 
-def write_figures(out_dir: Path, frames, grid, q, k, sparsity: float, log) -> list[str]:
-    """PNGs of the attention of one query tile; skipped (with a note) without matplotlib."""
+def write_figures(
+    out_dir: Path, frames, grid, q, k, sparsity: float, log, psa: PsaChoice | None = None
+) -> list[str]:
+    """PNGs of the attention of one query tile, and PSA's chosen block masks (with ``psa``).
+
+    Returns the file names (relative to ``out_dir``); skipped (with a note) without matplotlib.
+    """
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -456,9 +607,23 @@ def write_figures(out_dir: Path, frames, grid, q, k, sparsity: float, log) -> li
         ),
         "clip_frame.png": _clip_frame_figure(frames, grid, query_t, box),
     }
-    paths = []
     for name, fig in figures.items():
         fig.savefig(out_dir / name, dpi=110)
-        paths.append(str(out_dir / name))
-    log(f"figures: {', '.join(paths)}")
-    return paths
+    names = list(figures)
+    if psa is not None:
+        plot_attention_vs_mask(
+            q,
+            k,
+            psa.grid,
+            psa.specs,
+            out_dir / PSA_MASKS_PNG,
+            heads,
+            title=(
+                f"PSA masks the search chose (lowest error at sparsity >= {psa.target_sparsity})"
+                f"\nblocks of {'x'.join(map(str, psa.grid.tile_shape))}, block grid"
+                f" {psa.grid.tiles}"
+            ),
+        )
+        names.append(PSA_MASKS_PNG)
+    log(f"figures in {out_dir}: {', '.join(names)}")
+    return names

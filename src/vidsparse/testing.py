@@ -69,3 +69,20 @@ def poison_(x: torch.Tensor) -> torch.Tensor:
     if x.is_floating_point():
         return x.fill_(float("nan"))
     return x.fill_(-12345)
+
+
+def add_tile_structure(x: torch.Tensor, grid, strength: float, *, tiled: bool) -> torch.Tensor:
+    """``x`` plus a random component shared by all tokens of a tile (as real video has), on the
+    video part of ``x [B, H, S, D]`` (the first ``num_tokens``, or ``padded_len`` if ``tiled``).
+
+    Spreads VSA's coarse scores so that no top-k decision is a near-tie: a test of the fine
+    stage then does not hinge on ties that TF32 coarse scores could break differently from an
+    fp32 reference.
+    """
+    B, H, _, D = x.shape
+    per_tile = torch.randn(B, H, grid.num_tiles, 1, D, device=x.device, dtype=x.dtype)
+    slots = per_tile.expand(-1, -1, -1, grid.tile_volume, -1).reshape(B, H, -1, D)
+    video = slots if tiled else grid.untile(slots, dim=-2)
+    extra = torch.zeros_like(x)
+    extra[:, :, : video.shape[2]] = video
+    return x + strength * extra

@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 import torch
 
+from vidsparse.layout import permute_ops
 from vidsparse.utils.checks import check_positive_ints, check_tensor
 
 __all__ = ["VideoGrid", "TileIndex"]
@@ -266,6 +267,9 @@ class VideoGrid:
         """
         check_tensor("x", x)
         dim = self._check_dim_size(x, dim, self.num_tokens, "num_tokens")
+        if permute_ops.kernel_supports(x, dim, self.padded_len):
+            # [B, H, S, D] on the Triton backend: one pass (gather + zero padding) in a kernel.
+            return permute_ops.tile_op(x, *_grid_key(self))
         index = self.index_tensors(x.device)
         tiled = x.index_select(dim, index.gather_index)
         # Padding slots gathered token 0; zero them out-of-place so autograd sees a plain op.
@@ -281,6 +285,9 @@ class VideoGrid:
         """
         check_tensor("x", x)
         dim = self._check_dim_size(x, dim, self.padded_len, "padded_len")
+        if permute_ops.kernel_supports(x, dim, self.padded_len):
+            # [B, H, P, D] on the Triton backend: one pass that never reads padding slots.
+            return permute_ops.untile_op(x, *_grid_key(self))
         return x.index_select(dim, self.index_tensors(x.device).scatter_index)
 
     def _check_dim_size(self, x: torch.Tensor, dim, expected: int, what: str) -> int:

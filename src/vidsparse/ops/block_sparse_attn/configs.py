@@ -29,6 +29,8 @@ class KernelConfig:
     use_tma: bool = False
     # Let Triton split the loop into producer / consumer warps (Hopper; TMA kernel only).
     warp_specialize: bool = False
+    # Forward TMA kernel: take the listed key blocks two at a time (one rescale per pair).
+    kv_pair: bool = False
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
@@ -50,9 +52,9 @@ HOPPER = {
     ("fwd", 128, 128, "*"): KernelConfig(8, 3, use_tma=True),
     ("fwd", 128, 64, "*"): KernelConfig(8, 2, use_tma=True),  # 4 warps: 1.15x faster, spills
     ("fwd", 64, 64, "*"): KernelConfig(4, 2, use_tma=True),
-    ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3),
+    ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3, use_tma=True),
     ("fwd_masked", 128, 64, "*"): KernelConfig(8, 2),
-    ("fwd_masked", 64, 64, "*"): KernelConfig(4, 3),
+    ("fwd_masked", 64, 64, "*"): KernelConfig(4, 2, use_tma=True),
     ("bwd_dkdv", 128, 128, 128): KernelConfig(8, 2, sub_m=32),
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(8, 2, sub_m=64),
     ("bwd_dkdv", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),

@@ -7,6 +7,8 @@ recurrence of FlashAttention, in base 2 (``log2(e)`` folded into the scale).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -48,6 +50,73 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
 
 
 @triton.jit
+def _online_softmax_pair(q, k0, v0, real0, k1, v1, real1, m_i, l_i, acc, qk_scale,
+                         MASK_KEYS: tl.constexpr):
+    """Two listed key blocks in one step of the recurrence: one running-max update and one
+    rescale of ``acc`` for both (the rescale of a [BM, D] fp32 accumulator is a large part of
+    a 64-row program's non-matmul work), and two independent QK^T products in flight."""
+    qk0 = tl.dot(q, tl.trans(k0))  # [BM, BN] fp32
+    qk1 = tl.dot(q, tl.trans(k1))
+    if MASK_KEYS:
+        qk0 = tl.where(real0[None, :], qk0 * qk_scale, float("-inf"))
+        qk1 = tl.where(real1[None, :], qk1 * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p0 = tl.math.exp2(qk0 - m_sub[:, None])
+        p1 = tl.math.exp2(qk1 - m_sub[:, None])
+    else:
+        m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)) * qk_scale)
+        m_sub = m_new
+        p0 = tl.math.exp2(qk0 * qk_scale - m_sub[:, None])
+        p1 = tl.math.exp2(qk1 * qk_scale - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)  # [BM]
+    l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1)
+    acc = tl.dot(p0.to(v0.dtype), v0, acc * alpha[:, None])
+    acc = tl.dot(p1.to(v1.dtype), v1, acc)  # [BM, D]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr):
+    """K, V tiles of one listed block by TMA, and the mask of its real keys [BN].
+
+    TMA cannot mask rows, so padding keys are read. Their scores are always masked; their
+    values are zeroed only with ZERO_PAD_V, which costs a trip of V through registers: callers
+    that know the padding holds finite values (0 x finite = 0) skip it."""
+    k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
+    v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+    if HAS_KV_SIZES:
+        real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+        if ZERO_PAD_V:
+            v = tl.where(real[:, None], v, 0.0)
+    else:
+        real = offs_n < BLOCK_N
+    return k, v, real
+
+
+@triton.jit
+def _combine_coarse(o, b, h, pid_m, offs_m, offs_d,
+                    OC, stride_ocb, stride_och, stride_ocm,
+                    GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
+                    HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """VSA's epilogue: ``o + gate * o_coarse`` (one coarse row per query block, broadcast over
+    its rows; unit-stride head dim), in fp32, with the padding rows of the block set to zero."""
+    oc = tl.load(OC + b * stride_ocb + h * stride_och + pid_m.to(tl.int64) * stride_ocm + offs_d)
+    oc = oc.to(tl.float32)  # [D]
+    if HAS_GATE:
+        g_ptrs = GATE + b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gs + offs_d[None, :]
+        o = o + tl.load(g_ptrs).to(tl.float32) * oc[None, :]  # [BM, D]
+    else:
+        o = o + oc[None, :]
+    if ZERO_PAD_ROWS:
+        real_rows = tl.arange(0, BLOCK_M) < tl.load(Q_SIZES + pid_m)  # [BM]
+        o = tl.where(real_rows[:, None], o, 0.0)
+    return o
+
+
+@triton.jit
 def _finish_rows(acc, m_i, l_i):
     """Normalise; rows that saw no live key get o = 0 and lse = -inf (never NaN)."""
     live = l_i > 0.0
@@ -67,10 +136,15 @@ def _block_sparse_attn_fwd_kernel(
     stride_ob, stride_oh, stride_os, stride_od,
     stride_ib, stride_ih, stride_iq, stride_ik,  # stride_ib == 0 when lists broadcast over batch
     stride_cb, stride_ch, stride_cq,
+    OC, stride_ocb, stride_och, stride_ocm,  # COMBINE: o_coarse [B, H, NQ, D], fp32
+    GATE, stride_gb, stride_gh, stride_gs,  # COMBINE with HAS_GATE: gate like q, unit-stride D
+    Q_SIZES, OF,  # COMBINE: real rows per query block [NQ]; o_fine like o (STORE_FINE)
     H, Sq,
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
+    STORE_FINE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -111,8 +185,15 @@ def _block_sparse_attn_fwd_kernel(
                                              HAS_KV_SIZES, IEEE_DOT)
 
     acc, lse = _finish_rows(acc, m_i, l_i)
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty))
+    o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+    if COMBINE:
+        if STORE_FINE:  # the backward needs the fine output itself
+            tl.store(OF + o_offs, acc.to(O.dtype.element_ty))
+        acc = _combine_coarse(acc, b, h, pid_m, offs_m, offs_d,
+                              OC, stride_ocb, stride_och, stride_ocm,
+                              GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
+                              HAS_GATE, ZERO_PAD_ROWS, BLOCK_M)
+    tl.store(O + o_offs, acc.to(O.dtype.element_ty))
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
 
 
@@ -122,14 +203,19 @@ def _block_sparse_attn_fwd_tma_kernel(
     KV_IDX, KV_CNT, KV_SIZES,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
+    OC, stride_ocb, stride_och, stride_ocm,  # as in the pointer kernel
+    GATE, stride_gb, stride_gh, stride_gs,
+    Q_SIZES, OF, stride_fb, stride_fh, stride_fs,  # o_fine: unit-stride D
     H, Sq,
     qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr,
+    KV_PAIR: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
+    STORE_FINE: tl.constexpr,
 ):
-    """Hopper variant: tiles move by the bulk-copy engine (TMA), which cannot mask rows, so
-    with HAS_KV_SIZES the padding keys are read; their scores are masked and their values
-    zeroed in registers (whatever the padding holds, even NaN, gets no weight)."""
+    """Hopper variant: tiles move by the bulk-copy engine (TMA). With KV_PAIR the loop takes
+    the listed key blocks two at a time (an odd last one runs alone)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -142,22 +228,49 @@ def _block_sparse_attn_fwd_tma_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
     offs_n = tl.arange(0, BLOCK_N)
-    for j in tl.range(0, count, warp_specialize=WARP_SPECIALIZE):
+    single_from = 0
+    if KV_PAIR:
+        for j in tl.range(0, count // 2, warp_specialize=WARP_SPECIALIZE):
+            blk0 = tl.load(idx_row + (2 * j) * stride_ik)
+            blk1 = tl.load(idx_row + (2 * j + 1) * stride_ik)
+            k0, v0, real0 = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, blk0, offs_n,
+                                           BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
+            k1, v1, real1 = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, blk1, offs_n,
+                                           BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
+            m_i, l_i, acc = _online_softmax_pair(q, k0, v0, real0, k1, v1, real1,
+                                                 m_i, l_i, acc, qk_scale, HAS_KV_SIZES)
+        single_from = count // 2 * 2
+    for j in tl.range(single_from, count, warp_specialize=WARP_SPECIALIZE):
         kv_block = tl.load(idx_row + j * stride_ik)
-        k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
-        v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
-        if HAS_KV_SIZES:
-            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
-            v = tl.where(real[:, None], v, 0.0)
-        else:
-            real = offs_n < BLOCK_N
+        k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
+                                    BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
                                              HAS_KV_SIZES, False)
 
     acc, lse = _finish_rows(acc, m_i, l_i)
-    desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if COMBINE:
+        offs_d = tl.arange(0, HEAD_DIM)
+        b64 = b.to(tl.int64)
+        h64 = h.to(tl.int64)
+        if STORE_FINE:  # the backward needs the fine output itself
+            f_ptrs = OF + b64 * stride_fb + h64 * stride_fh + offs_m[:, None] * stride_fs + offs_d[None, :]
+            tl.store(f_ptrs, acc.to(desc_o.dtype))
+        acc = _combine_coarse(acc, b64, h64, pid_m, offs_m, offs_d,
+                              OC, stride_ocb, stride_och, stride_ocm,
+                              GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
+                              HAS_GATE, ZERO_PAD_ROWS, BLOCK_M)
+    desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
+
+
+class CoarseCombine(NamedTuple):
+    """Inputs of VSA's fused epilogue ``o = o_fine + gate * o_coarse`` (see ``_combine_coarse``)."""
+
+    o_coarse: torch.Tensor  # [B, H, NQ, D], unit-stride D: one coarse row per query block
+    gate: torch.Tensor | None  # [B, H, Sq, D], unit-stride D; None adds o_coarse as is
+    q_block_sizes: torch.Tensor | None  # int32 [NQ]: rows past it in a block are set to 0
+    store_fine: bool  # also return o_fine (the backward needs it)
 
 
 def block_sparse_attn_fwd(
@@ -171,37 +284,87 @@ def block_sparse_attn_fwd(
     block_kv: int,
     scale: float,
     config: KernelConfig | None = None,
+    *,
+    padding_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs; returns ``(o, lse)``.
 
-    ``config`` overrides the table in configs.py (for tuning).
+    ``config`` overrides the table in configs.py (for tuning). ``padding_finite``: the caller
+    guarantees that padding keys (past ``kv_block_sizes``) hold finite values, so the TMA
+    kernel may skip zeroing their values (their scores are masked either way).
     """
+    o, _, lse = _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
+                         scale, config, padding_finite, None)
+    return o, lse
+
+
+def block_sparse_attn_fwd_combined(
+    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+    combine: CoarseCombine, config: KernelConfig | None = None, *, padding_finite: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The forward with VSA's epilogue fused; returns ``(o, o_fine or None, lse)``."""
+    return _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+                    config, padding_finite, combine)
+
+
+def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, config,
+             padding_finite, combine):
     B, H, Sq, D = q.shape
     num_q_blocks = Sq // block_q
-    o = torch.empty_like(q)
+    # The combined epilogue addresses o and o_fine with one set of strides: both contiguous.
+    o = torch.empty_like(q) if combine is None else q.new_empty(q.shape)
+    o_fine = q.new_empty(q.shape) if combine is not None and combine.store_fine else None
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     cfg = config or forward_config(
         target_of(q.device), block_q, block_kv, D, q.dtype, masked=kv_block_sizes is not None
     )
     grid = (num_q_blocks, B * H)
     sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
+    epilogue = _epilogue_args(combine, o, o_fine, kv_counts)
     # fp32 takes the pointer kernel: it alone runs IEEE-exact fp32 dots.
     if cfg.use_tma and q.dtype != torch.float32 and _tma_compatible(q, k, v, o):
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, kv_block_sizes is not None,
-                    block_q, block_kv, scale, cfg, grid)
-        return o, lse
+                    padding_finite, block_q, block_kv, scale, cfg, grid, epilogue)
+        return o, o_fine, lse
+    args, flags = epilogue
     _block_sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse,
         kv_indices, kv_counts, sizes,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
+        *args[:10],  # OC..Q_SIZES, OF (the pointer kernel reuses o's strides for o_fine)
         H, Sq,
         scale * LOG2E,
         BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D,
         HAS_KV_SIZES=kv_block_sizes is not None, IEEE_DOT=q.dtype == torch.float32,
+        **flags,
         **cfg.launch_kwargs(),
     )
-    return o, lse
+    return o, o_fine, lse
+
+
+def _epilogue_args(combine: CoarseCombine | None, o, o_fine, dummy) -> tuple[tuple, dict]:
+    """Kernel arguments of the combine epilogue: pointers and strides (dummies when off),
+    ``OC, 3 strides, GATE, 3 strides, Q_SIZES, OF, 3 o_fine strides``, and the constexpr
+    flags."""
+    if combine is None:
+        flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False, STORE_FINE=False)
+        return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy, dummy, 0, 0, 0), flags
+    oc, gate = combine.o_coarse, combine.gate
+    gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *gate.stride()[:3])
+    fine = o_fine if o_fine is not None else o
+    args = (
+        oc, *oc.stride()[:3], *gate_args,
+        dummy if combine.q_block_sizes is None else combine.q_block_sizes,
+        fine, *fine.stride()[:3],
+    )
+    flags = dict(
+        COMBINE=True,
+        HAS_GATE=gate is not None,
+        ZERO_PAD_ROWS=combine.q_block_sizes is not None,
+        STORE_FINE=o_fine is not None,
+    )
+    return args, flags
 
 
 def _broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
@@ -222,8 +385,8 @@ def _tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, block_q, block_kv,
-                scale, cfg, grid):
+def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, padding_finite,
+                block_q, block_kv, scale, cfg, grid, epilogue):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     D = q.shape[-1]
@@ -231,13 +394,17 @@ def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, block_
     def desc(x, rows):
         return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, D])
 
+    args, flags = epilogue
     _block_sparse_attn_fwd_tma_kernel[grid](
         desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
         kv_indices, kv_counts, sizes,
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
+        *args,
         q.shape[1], q.shape[2],
         scale * LOG2E,
         BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, WARP_SPECIALIZE=cfg.warp_specialize,
+        HAS_KV_SIZES=has_sizes, ZERO_PAD_V=has_sizes and not padding_finite,
+        KV_PAIR=cfg.kv_pair, WARP_SPECIALIZE=cfg.warp_specialize,
+        **flags,
         **cfg.launch_kwargs(),
     )

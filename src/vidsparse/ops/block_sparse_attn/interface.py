@@ -55,7 +55,7 @@ def block_sparse_attn(
         kv_counts: int32 ``[B or 1, H, Sq // block_q]``, each in ``[0, K]``.
         block_size: ``block`` or ``(block_q, block_kv)``; ``Sq % block_q == Skv % block_kv == 0``.
         kv_block_sizes: optional int32 ``[Skv // block_kv]``: real keys at the start of each key
-            block; the rest are padding and get no weight (they are not even read).
+            block; the rest are padding and get no weight, whatever they hold (NaN too).
         scale: softmax scale, default ``1 / sqrt(D)``.
         return_lse: also return the fp32 natural-log log-sum-exp ``[B, H, Sq]``.
 
@@ -84,14 +84,17 @@ def block_sparse_attn_prevalidated(
     block_kv: int,
     kv_block_sizes: torch.Tensor | None,
     scale: float,
+    padding_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` for callers inside vidsparse that built the lists themselves (VSA's top-k,
     PSA's stripe lists): no argument checks, so no GPU sync reading the lists back. The caller
-    guarantees what ``block_sparse_attn`` would have checked."""
+    guarantees what ``block_sparse_attn`` would have checked, and with ``padding_finite`` that
+    padding keys hold finite values (their values then need no zeroing in the kernel)."""
     backend = resolve_backend(q.device)
     return torch.ops.vidsparse.block_sparse_attn_fwd(
-        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend
-    )
+        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
+        padding_finite,
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- validation
@@ -254,13 +257,15 @@ def _block_sparse_attn_fwd_op(
     block_kv: int,
     scale: float,
     backend: str,
+    padding_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
         return block_sparse_attn_fwd(
-            q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale
-        )
+            q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+            padding_finite=padding_finite,
+        )  # fmt: skip
     o, lse = block_sparse_attn_ref(
         q,
         k,
@@ -276,7 +281,8 @@ def _block_sparse_attn_fwd_op(
 
 
 @_block_sparse_attn_fwd_op.register_fake
-def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend):
+def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
+      padding_finite=False):  # fmt: skip
     B, H, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32)
 
@@ -326,7 +332,7 @@ def _(
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend = inputs
+    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend, _ = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes)
     ctx.meta = (block_q, block_kv, scale, backend)
@@ -351,7 +357,7 @@ def _backward(ctx, do, dlse):
         scale,
         backend,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 _block_sparse_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)

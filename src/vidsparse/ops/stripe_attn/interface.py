@@ -63,7 +63,7 @@ from vidsparse.ops._text_tokens import (
 from vidsparse.ops.block_sparse_attn.interface import (
     TRITON_DTYPES,
     TRITON_HEAD_DIMS,
-    block_sparse_attn,
+    block_sparse_attn_prevalidated,
 )
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_video_qkv
@@ -107,7 +107,9 @@ def stripe_attn(
             ``(1, 8, 16)``), so the block grid is ``grid.tiles``. Partial tiles are padded.
         specs: one :class:`StripeSpec` per head (``H`` of them); heads differ freely.
         spatial_unit: ``"block"`` or ``"row"``, how the spatial stride is measured (DESIGN.md).
-        tiled: inputs and output in tile order; padding rows of the output are zero.
+        tiled: inputs and output in tile order; padding rows of the output are zero. Padding
+            rows of k and v get no weight but must be finite (``grid.tile`` writes zeros):
+            ``0 * inf`` would be NaN.
         sink_frames: key blocks of the first ``sink_frames`` temporal blocks are attended by
             every query block.
         text_tokens: ``N`` non-video tokens after the video tokens: they attend to every token,
@@ -256,16 +258,20 @@ def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
     v_seq = key_sequence(v, grid, tiled, video_len, text_pad)
 
     def attend(q_blocks, kv_indices, kv_counts):  # one engine launch over the key sequence
-        return block_sparse_attn(
+        # The plan's lists are valid by construction (no checks, no GPU sync); padding keys
+        # are finite (zeros from tiling, or a tiled input's documented-finite padding rows),
+        # so the kernel masks their scores without zeroing their values.
+        return block_sparse_attn_prevalidated(
             q_blocks,
             k_seq,
             v_seq,
             kv_indices,
             kv_counts,
-            block_size=grid.tile_volume,
+            block_q=grid.tile_volume,
+            block_kv=grid.tile_volume,
             kv_block_sizes=plan.kv_block_sizes,
             scale=scale,
-            return_lse=True,
+            padding_finite=True,
         )
 
     q_video = video_tiles(q, grid, tiled, video_len)  # [B, H, P, D]

@@ -88,7 +88,8 @@ def video_sparse_attn(
         gate: optional tensor shaped like ``q`` weighting the coarse output. Its text rows
             are ignored (text rows have no coarse term; their gradient is zero).
         tiled: the video part of inputs and output in tile order (padding rows of the output
-            are zero).
+            are zero). Padding rows of k and v get no weight but must be finite
+            (``grid.tile`` writes zeros): ``0 * inf`` would be NaN.
         scale: softmax scale, default ``1 / sqrt(D)``.
         text_tokens: ``N`` non-video tokens after the video tokens (joint attention, e.g.
             HunyuanVideo). The coarse stage and the top-k selection use video tokens only;
@@ -116,6 +117,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     fine stage on the engine, combined with the gate; with text tokens, the text key blocks
     join every video row's list and the text queries run as a second, dense launch."""
     from vidsparse.ops.video_sparse_attn.coarse import vsa_coarse_stage  # imports Triton
+    from vidsparse.ops.video_sparse_attn.fine import vsa_fine_combined
 
     B, H, _, D = q.shape
     Nt, V = grid.num_tiles, grid.tile_volume
@@ -137,38 +139,40 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         k_seq, v_seq = k_t, v_t
         sizes = grid.tile_sizes_on(q.device).to(torch.int32)
 
-    def attend(q_blocks, indices, counts):
-        # The lists come straight from the selection kernel or the cached text plan: valid by
-        # construction, so the engine's argument checks (and their GPU sync) are skipped.
-        o_blocks, _ = block_sparse_attn_prevalidated(
-            q_blocks,
-            k_seq,
-            v_seq,
-            indices,
-            counts,
-            block_q=V,
-            block_kv=V,
-            kv_block_sizes=sizes,
-            scale=scale,
-        )
-        return o_blocks
-
-    o_fine = attend(q_t, kv_indices, kv_counts)  # [B, H, P, D]
-    o_coarse = o_coarse.to(q.dtype).unsqueeze(-2)  # [B, H, Nt, 1, D], broadcast over the tile
-    o5 = o_fine.view(B, H, Nt, V, D)
-    if gate is None:
-        o5 = o5 + o_coarse
-    else:  # the gate's video rows only; text rows have no coarse term
-        o5 = o5 + video_tiles(gate, grid, tiled, video_len).reshape(B, H, Nt, V, D) * o_coarse
-    o = o5.view(B, H, Nt * V, D)
-    if tiled:  # padding rows of a tiled output are zero; untiling drops them instead
-        o = o.masked_fill(~grid.real_token_mask(q.device).view(Nt * V, 1), 0)
-    else:
+    # The coarse branch and the gate join in the fine kernel's epilogue (fine.py). Padding
+    # keys are finite here (zeros from tiling; a tiled input's padding rows are documented
+    # finite), so the kernel masks their scores without zeroing their values.
+    o = vsa_fine_combined(
+        q_t,
+        k_seq,
+        v_seq,
+        kv_indices,
+        kv_counts,
+        sizes,
+        o_coarse,
+        None if gate is None else video_tiles(gate, grid, tiled, video_len),
+        sizes[:Nt] if tiled else None,  # tiled output: padding rows zero; untiling drops them
+        V,
+        scale,
+    )  # [B, H, P, D]
+    if not tiled:
         o = grid.untile(o, dim=-2)
     if not text_tokens:
         return o
     q_text = F.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
-    o_text = attend(q_text, plan.text_indices, plan.text_counts)
+    # The text queries' lists come from the cached plan: valid by construction, so the
+    # engine's argument checks (and their GPU sync) are skipped.
+    o_text, _ = block_sparse_attn_prevalidated(
+        q_text,
+        k_seq,
+        v_seq,
+        plan.text_indices,
+        plan.text_counts,
+        block_q=V,
+        block_kv=V,
+        kv_block_sizes=sizes,
+        scale=scale,
+    )
     return torch.cat([o, o_text[:, :, :text_tokens]], dim=-2)
 
 

@@ -1,0 +1,842 @@
+"""End-to-end benchmark: one denoising step of the real-architecture Wan 2.1 transformer.
+
+Run from the repository root (on the lent H200, diffusers has to be carried: see below)::
+
+    PYTHONPATH=src python benchmarks/bench_e2e.py                          # Wan 1.3B, 480p
+    PYTHONPATH=src python benchmarks/bench_e2e.py --model wan14b --layers 8   # Wan 14B, 720p
+    python benchmarks/bench_e2e.py --device cpu --tiny                     # CPU smoke run
+
+What runs: diffusers' ``WanTransformer3DModel`` built from the published Wan 2.1 config
+(``WAN_CONFIGS``; random weights: nothing can be downloaded), bf16, on the GPU, in eval mode.
+One forward = one denoising step of one CFG branch: latents ``[1, 16, 21, 60, 104]`` (480p,
+81 frames: 32,760 video tokens on a 21x30x52 grid after the (1, 2, 2) patch) or
+``[1, 16, 21, 90, 160]`` (720p: 75,600 tokens, 21x45x80), timestep 500, random text-encoder
+states ``[1, 512, 4096]`` (umT5 width, 512 tokens as WanPipeline pads them). ``--layers N``
+builds only the first N transformer blocks (the 14B model defaults to 8 of its 40 so that four
+methods with their repetitions stay well inside a 10-minute command; its weights are 0.7 GB a
+block in bf16, so memory would hold all 40: the JSON says which and why).
+
+Methods (rows), all on the same model object and inputs:
+
+- ``dense``: stock diffusers (``WanAttnProcessor`` -> ``dispatch_attention_fn`` -> SDPA), no
+  vidsparse at all, with SDPA's cuDNN backend first in priority. Before timing, a cuDNN-only
+  SDPA call on the self-attention shape checks that cuDNN takes it (so it is what runs), and
+  the cross-attention shape is checked the same way (``meta.sdpa``). Every method's
+  cross-attention (Wan's ``attn2``, untouched by vidsparse) runs under the same setting.
+- ``vsa``: ``apply_sparse_attention(model, "vsa", sparsity=0.875)``: 4x4x4 tiles, with the
+  per-layer zero-initialised gate projection (as a VSA-finetuned checkpoint has one).
+  ``sparsity`` = 1 - topk / tiles (78 of 624 at 480p).
+- ``psa`` at targets 0.60 and 0.75: ``apply_sparse_attention(model, "psa", plan=...)`` with a
+  synthetic one-step plan: for every (layer, head) a stripe spec of the default PSA candidate
+  family (``CandidateFamily``) on the model's block grid (``--psa-tile``, default 2x8x8 = 128
+  tokens a block), drawn at random among the candidates within 0.1 of the target
+  (``--psa-tolerance``; the family has only 4-6 distinct masks near 0.6-0.75 on these block
+  grids); a draw that would move the running mean more than 0.005 off the target is redrawn
+  from the side of the target that brings it back. ``sparsity`` is the achieved mean over all
+  (layer, head) of skipped (query block, key block) pairs of the padded block grid.
+  ``--psa-plan FILE`` adds a row for a searched plan file (run at its first sparse step).
+
+Measurements per method (GPU: CUDA events; CPU: ``perf_counter``, labelled cpu-dry-run):
+
+- ``step_ms``: median of ``--reps`` timed forwards under ``torch.no_grad``, after one forward
+  that compiles / builds everything (its output gives ``rel_l2``) and ``--warmup`` more. The
+  passes are queued back to back, one event pair around each, as ``do_bench`` does; every
+  repetition is in ``step_ms_all``. (``harness.time_ms`` is not used: ``do_bench`` picks its
+  repetition count from a 5-call estimate, which at 0.5-3 s a step would mostly be calls
+  nobody reads.)
+- ``attn_ms`` / ``attn_share``: in ``--share-reps`` further forwards, a CUDA event pair around
+  every video self-attention call and one around the whole step. The attention call is what
+  the method replaces, ``[B, H, S, D]`` q/k/v in, output out: dense, the stock
+  ``dispatch_attention_fn`` (SDPA); VSA, the integration method's ``attend`` (gate
+  projection, tiling, coarse stage, top-k, fine stage, combine, untiling); PSA, ``attend``
+  (tiling, stripe kernel, untiling). q/k/v projections, norms, RoPE and the output projection
+  are outside it, as is the cross-attention (``cross_attn_ms``, timed the same way).
+  ``attn_share`` = attention time / step time, summed over those passes (``instr_step_ms`` is
+  their mean step time: the events cost next to nothing, compare it with ``step_ms``).
+  Events measure GPU time between two points of the stream, so this is the attention
+  kernels' time provided the CPU keeps ahead of the GPU (it does at these sizes: every
+  attention call is milliseconds of GPU work).
+- ``rel_l2``: ``||out - out_dense|| / ||out_dense||`` of the transformer output (fp32), against
+  the dense row's first forward; for ``dense`` itself, a second dense forward against the first
+  (0 unless SDPA is nondeterministic). With random weights this checks plumbing and gives the
+  size of the approximation on random activations, not a quality figure.
+- ``speedup`` = dense ``step_ms`` / method ``step_ms``; ``attn_speedup`` the same on ``attn_ms``.
+
+A method that raises (out of memory, a kernel refusing a shape) gets a row with ``error`` and
+the run goes on. The JSON (``--out``) is rewritten after every method (``meta.complete``
+false until the end), so a run cut short keeps what it measured.
+
+Carrying diffusers to the GPU machine (its image has torch, triton, numpy, einops, pytest,
+but no diffusers, and nothing can be downloaded there). Here, into the git-ignored ``.whl/``::
+
+    python -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
+        -d .whl/diffusers diffusers==0.42.1 && rm .whl/diffusers/numpy-*.whl
+
+(diffusers and its import-time dependencies, ~21 MB; the image's numpy stays), then on the
+device machine (``run`` with ``carry=[".whl/diffusers"]``)::
+
+    python3 -m pip install --no-index --no-deps --target /tmp/site .whl/diffusers/*.whl && \\
+    PYTHONPATH=/tmp/site:src python3 benchmarks/bench_e2e.py
+
+If pip is missing or refuses a wheel there, unzipping every wheel is equivalent:
+``for w in .whl/diffusers/*.whl; do python3 -m zipfile -e $w /tmp/site; done``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+_REPO = Path(__file__).resolve().parent.parent
+for _p in (_REPO / "src", _REPO):  # run as a script: make `benchmarks` and vidsparse importable
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+from benchmarks.harness import Column  # noqa: E402
+
+# ---------------------------------------------------------------------------------------------
+# models and inputs
+# ---------------------------------------------------------------------------------------------
+
+# The published diffusers configs of Wan 2.1 T2V (Wan-AI/Wan2.1-T2V-1.3B-Diffusers and
+# Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json; the dims agree with FACTS.md:
+# 1.3B = 12 heads x 128 = 1536 hidden, ffn 8960, 30 layers; 14B = 40 x 128 = 5120, ffn 13824,
+# 40 layers). text_dim 4096 is the umT5-XXL encoder's width.
+_WAN_COMMON = dict(
+    patch_size=(1, 2, 2),
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=1024,
+)
+WAN_CONFIGS = {
+    "wan1.3b": dict(_WAN_COMMON, num_attention_heads=12, ffn_dim=8960, num_layers=30),
+    "wan14b": dict(_WAN_COMMON, num_attention_heads=40, ffn_dim=13824, num_layers=40),
+}
+MODEL_NAMES = {"wan1.3b": "wan2.1-t2v-1.3b", "wan14b": "wan2.1-t2v-14b"}
+DEFAULT_RESOLUTION = {"wan1.3b": "480p", "wan14b": "720p"}
+DEFAULT_LAYERS = {"wan1.3b": 30, "wan14b": 8}
+# Latent height x width of the VAE (8x spatial downsampling): 480x832 and 720x1280 videos.
+LATENT_HW = {"480p": (60, 104), "720p": (90, 160)}
+LATENT_CHANNELS = 16
+TEXT_TOKENS = 512  # WanPipeline pads prompts to max_sequence_length=512
+TIMESTEP = 500
+
+# Tiny CPU smoke model: 2 heads of 32, 2 blocks; latents 5x12x20 -> a 5x6x10 token grid (partial
+# 4x4x4 tiles at every edge); 16 text tokens (not the video token count, so self- and
+# cross-attention calls are told apart by their key length, as at full size).
+TINY_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=32,
+    in_channels=4,
+    out_channels=4,
+    text_dim=32,
+    freq_dim=32,
+    ffn_dim=64,
+    num_layers=2,
+    rope_max_seq_len=64,
+)
+TINY_LATENT = (1, 4, 5, 12, 20)
+TINY_TEXT = (1, 16, 32)
+
+VSA_TILE = (4, 4, 4)  # the integration's default; the VSA kernels work on 64-token tiles
+DEFAULT_PSA_TILE = "2x8x8"  # 128-token blocks: the engine's fast 128x128 configuration
+TINY_PSA_TILE = (1, 4, 4)
+PSA_SLACK = 0.005  # how far the running mean of the drawn specs may stray from the target
+PSA_TOLERANCE = 0.1  # the family is coarse near 0.6-0.75 on these grids (4-6 candidates)
+
+DIFFUSERS_MISSING = (
+    "bench_e2e.py needs diffusers>=0.36, which this Python cannot import ({exc}); carry its "
+    "wheels: here `python -m pip download --only-binary=:all: --python-version 3.12 "
+    "--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "
+    "-d .whl/diffusers diffusers==0.42.1`, there (carry .whl/diffusers) `python3 -m pip install "
+    "--no-index --no-deps --target /tmp/site .whl/diffusers/*.whl` and "
+    "PYTHONPATH=/tmp/site:src (see the module docstring)"
+)
+
+COLUMNS = [
+    Column("method", "method"),
+    Column("target", "target", ".2f"),
+    Column("sparsity", "sparsity", ".3f"),
+    Column("step_ms", "step ms", ".1f"),
+    Column("speedup", "speedup", ".2f"),
+    Column("attn_ms", "attn ms", ".1f"),
+    Column("attn_share", "attn share", ".1%"),
+    Column("attn_speedup", "attn x", ".2f"),
+    Column("rel_l2", "rel L2", ".4f"),
+    Column("peak_mem_gb", "peak GB", ".1f"),
+]
+
+
+def import_wan():
+    """diffusers' ``WanTransformer3DModel``, or exit with one line saying how to carry it."""
+    try:
+        from diffusers import WanTransformer3DModel
+    except ImportError as exc:
+        raise SystemExit(DIFFUSERS_MISSING.format(exc=exc)) from None
+    return WanTransformer3DModel
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The model to build and the inputs of one step."""
+
+    name: str  # "wan1.3b-480p", "tiny"
+    model_name: str  # the plan's model string
+    config: dict
+    layers: int
+    full_layers: int
+    latent: tuple[int, ...]  # [B, C, F, H, W]
+    text: tuple[int, int, int]  # [B, tokens, text_dim]
+    grid_shape: tuple[int, int, int]  # tokens after the patch
+    psa_tile: tuple[int, int, int]
+
+    @property
+    def heads(self) -> int:
+        return self.config["num_attention_heads"]
+
+    @property
+    def tokens(self) -> int:
+        return math.prod(self.grid_shape)
+
+
+def make_workload(args) -> Workload:
+    if args.tiny:
+        config = dict(TINY_CONFIG)
+        layers = args.layers or config["num_layers"]
+        latent, text, psa_tile = TINY_LATENT, TINY_TEXT, TINY_PSA_TILE
+        name, model_name, full = "tiny", "tiny-wan", config["num_layers"]
+    else:
+        config = dict(WAN_CONFIGS[args.model])
+        full = config["num_layers"]
+        layers = args.layers or DEFAULT_LAYERS[args.model]
+        resolution = args.resolution or DEFAULT_RESOLUTION[args.model]
+        h, w = LATENT_HW[resolution]
+        frames = (args.frames - 1) // 4 + 1  # the VAE's 4x temporal compression (81 -> 21)
+        latent = (1, LATENT_CHANNELS, frames, h, w)
+        text = (1, TEXT_TOKENS, config["text_dim"])
+        psa_tile = parse_tile(args.psa_tile)
+        name, model_name = f"{args.model}-{resolution}", MODEL_NAMES[args.model]
+    if not 1 <= layers <= full:
+        raise SystemExit(f"--layers must lie in [1, {full}] for this model, got {layers}")
+    config["num_layers"] = layers
+    p_t, p_h, p_w = config["patch_size"]
+    grid_shape = (latent[2] // p_t, latent[3] // p_h, latent[4] // p_w)
+    return Workload(name, model_name, config, layers, full, latent, text, grid_shape, psa_tile)
+
+
+def parse_tile(text: str) -> tuple[int, int, int]:
+    parts = tuple(int(x) for x in text.lower().split("x"))
+    if len(parts) != 3 or min(parts) < 1:
+        raise SystemExit(f"a tile is TxHxW, e.g. 2x8x8; got {text!r}")
+    return parts
+
+
+def build_model(work: Workload, device: torch.device, dtype: torch.dtype, seed: int):
+    """Random-weight transformer on ``device`` in ``dtype``; modules diffusers keeps in fp32 when
+    it loads a checkpoint in bf16 (``_keep_in_fp32_modules``: RoPE tables, time embedder,
+    scale/shift tables, the FP32LayerNorms) are kept in fp32 here too."""
+    cls = import_wan()
+    torch.manual_seed(seed)
+    with torch.device(device):  # initialise on the GPU: seconds, not minutes, for 14B
+        model = cls(**work.config)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    # Tensor by tensor (``model.to(dtype)`` would cast the fp32 modules too, and warn).
+    for module_name, module in model.named_modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is None or not t.is_floating_point():
+                    continue
+                full = f"{module_name}.{name}" if module_name else name
+                target = torch.float32 if keep.intersection(full.split(".")) else dtype
+                if isinstance(t, torch.nn.Parameter):
+                    t.data = t.data.to(target)
+                else:
+                    tensors[name] = t.to(target)
+    return model.eval().requires_grad_(False)
+
+
+def make_inputs(work: Workload, device: torch.device, dtype: torch.dtype, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed + 1)
+    return {
+        "hidden_states": torch.randn(work.latent, generator=g).to(device, dtype),
+        "timestep": torch.tensor([TIMESTEP], device=device),
+        "encoder_hidden_states": torch.randn(work.text, generator=g).to(device, dtype),
+        "return_dict": False,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# PSA plans
+# ---------------------------------------------------------------------------------------------
+
+
+def synthetic_plan(work: Workload, target: float, rng: random.Random, tolerance: float):
+    """A one-step PSA plan with a spec near ``target`` for every (layer, head).
+
+    Returns ``(plan, achieved sparsity, pattern histogram)``. The candidates are the default
+    family's distinct masks on the block grid (dense excluded) within ``tolerance`` of the
+    target (the 4 closest if none is), uniformly at random; a draw that would move the running
+    mean more than ``PSA_SLACK`` off the target is redrawn from the side that brings it back,
+    so the model-wide mean lands near the target while the heads still mix patterns.
+    """
+    from vidsparse.layout.grid import VideoGrid
+    from vidsparse.search.candidates import CandidateFamily
+    from vidsparse.search.plan import HeadChoice, Plan, PlanBucket
+
+    grid = VideoGrid(work.grid_shape, work.psa_tile)
+    cands = CandidateFamily().on_grid(grid.tiles)
+    sparsity = cands.sparsity.tolist()
+    sparse = [i for i in range(len(cands)) if sparsity[i] > 0.0]
+    pool = [i for i in sparse if abs(sparsity[i] - target) <= tolerance]
+    if not pool:
+        pool = sorted(sparse, key=lambda i: abs(sparsity[i] - target))[:4]
+    below = [i for i in pool if sparsity[i] <= target]
+    above = [i for i in pool if sparsity[i] >= target]
+    total, drawn = 0.0, 0
+    patterns: Counter[str] = Counter()
+    layers = {}
+    for layer in range(work.layers):
+        heads = []
+        for _ in range(work.heads):
+            i = rng.choice(pool)
+            mean = (total + sparsity[i]) / (drawn + 1)
+            if abs(mean - target) > PSA_SLACK:
+                i = rng.choice((below if mean > target else above) or pool)
+            total, drawn = total + sparsity[i], drawn + 1
+            patterns[str(cands[i])] += 1
+            # No search ran: the objective fields are unknown (NaN), not zero.
+            heads.append(
+                HeadChoice(cands[i].spec, cands[i].spatial_unit, sparsity[i], math.nan, math.nan)
+            )
+        layers[layer] = tuple(heads)
+    plan = Plan(
+        model=work.model_name,
+        grid=grid,
+        num_heads=work.heads,
+        num_steps=1,
+        dense_steps=0,
+        buckets=(PlanBucket(0, 1, layers),),
+        selection={"mode": "target", "alpha": None, "target_sparsity": target, "metric": "rel_l2"},
+        search={"num_candidates": len(cands), "query_fraction": 1.0, "num_samples": 0},
+    )
+    return plan, total / drawn, dict(patterns.most_common())
+
+
+def plan_file_method(path: str, work: Workload) -> tuple[Any, int, float, dict]:
+    """A searched plan file: ``(plan, step, sparsity at that step, patterns)``; it runs at its
+    first sparse step (``dense_steps``)."""
+    from vidsparse.search.plan import load_plan
+
+    plan = load_plan(path)
+    step = plan.dense_steps
+    if step >= plan.num_steps:
+        raise ValueError(f"the plan {path} runs every step dense")
+    bucket = plan.bucket_for(step)
+    choices = [c for heads in bucket.layers.values() for c in heads]
+    patterns = Counter(str(c.candidate) for c in choices)
+    sparsity = sum(c.sparsity for c in choices) / len(choices)
+    return plan, step, sparsity, dict(patterns.most_common())
+
+
+# ---------------------------------------------------------------------------------------------
+# methods
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Method:
+    """One row: how to patch the model (``apply``) and what to record about it."""
+
+    name: str
+    target: float | None = None
+    options: dict | None = None  # apply_sparse_attention(model, kind, **options); None: stock
+    kind: str = "dense"
+    step: int = 0  # denoising step to set (PSA plans)
+    info: dict | None = None  # row fields known before running (sparsity, tiles, ...)
+
+
+def make_methods(args, work: Workload) -> list[Method]:
+    from vidsparse.layout.grid import VideoGrid
+    from vidsparse.ops.video_sparse_attn.reference import resolve_topk
+
+    wanted = set(args.methods.split(","))
+    unknown = wanted - {"dense", "vsa", "psa"}
+    if unknown:
+        raise SystemExit(f"--methods takes dense, vsa, psa; got {sorted(unknown)}")
+    methods = [Method("dense", info={"sparsity": 0.0, "attention": "stock diffusers SDPA"})]
+    if "vsa" in wanted:
+        grid = VideoGrid(work.grid_shape, VSA_TILE)
+        topk = resolve_topk(grid.num_tiles, sparsity=args.vsa_sparsity)
+        methods.append(
+            Method(
+                "vsa",
+                target=args.vsa_sparsity,
+                kind="vsa",
+                options={"sparsity": args.vsa_sparsity, "gate": not args.no_vsa_gate},
+                info={
+                    "sparsity": 1.0 - topk / grid.num_tiles,
+                    "topk": topk,
+                    "tiles": grid.num_tiles,
+                    "tile": "x".join(map(str, VSA_TILE)),
+                    "padded_tokens": grid.padded_len,
+                    "gate": not args.no_vsa_gate,
+                },
+            )
+        )
+    if "psa" in wanted:
+        grid = VideoGrid(work.grid_shape, work.psa_tile)
+        rng = random.Random(args.seed)
+        for target in (float(x) for x in args.psa_sparsities.split(",")):
+            plan, achieved, patterns = synthetic_plan(work, target, rng, args.psa_tolerance)
+            methods.append(
+                Method(
+                    "psa",
+                    target=target,
+                    kind="psa",
+                    options={"plan": plan},
+                    info={
+                        "sparsity": achieved,
+                        "tile": "x".join(map(str, work.psa_tile)),
+                        "tiles": grid.num_tiles,
+                        "padded_tokens": grid.padded_len,
+                        "plan": "synthetic: family candidates near the target, per (layer, head)",
+                        "patterns": patterns,
+                    },
+                )
+            )
+    if args.psa_plan:
+        plan, step, sparsity, patterns = plan_file_method(args.psa_plan, work)
+        methods.append(
+            Method(
+                "psa-plan",
+                kind="psa",
+                step=step,
+                options={"plan": plan},
+                info={
+                    "sparsity": sparsity,
+                    "tile": "x".join(map(str, plan.grid.tile_shape)),
+                    "tiles": plan.grid.num_tiles,
+                    "plan": str(args.psa_plan),
+                    "plan_step": step,
+                    "patterns": patterns,
+                },
+            )
+        )
+    return methods
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+
+class _Stopwatch:
+    """Marks on the device stream (CUDA events) or the host clock (CPU), read after a sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        if self.cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) * 1e3
+
+
+def time_steps(fn: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
+    """Milliseconds of each of ``reps`` calls, queued back to back, one mark pair per call."""
+    watch = _Stopwatch(device)
+    marks = []
+    for _ in range(reps):
+        start = watch.mark()
+        fn()
+        marks.append((start, watch.mark()))
+    harness.synchronize(device)
+    return [watch.elapsed_ms(a, b) for a, b in marks]
+
+
+class AttentionTimer:
+    """Marks around every attention call during the steps run inside it.
+
+    Stock attention (dense's self-attention, every method's cross-attention) is timed by
+    wrapping diffusers' ``dispatch_attention_fn`` as the Wan module calls it (self- and cross-
+    attention told apart by the key length); a vidsparse method by wrapping its ``attend``.
+    """
+
+    def __init__(self, model, device: torch.device):
+        self.model, self.watch = model, _Stopwatch(device)
+        self.marks: dict[str, list] = {"self": [], "cross": []}
+
+    def _timed(self, fn: Callable, kind: Callable[..., str]) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = self.watch.mark()
+            out = fn(*args, **kwargs)
+            self.marks[kind(*args, **kwargs)].append((start, self.watch.mark()))
+            return out
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[AttentionTimer]:
+        from diffusers.models.transformers import transformer_wan
+
+        def dispatch_kind(query, key, *args, **kwargs):
+            return "self" if query.shape[1] == key.shape[1] else "cross"
+
+        original = transformer_wan.dispatch_attention_fn
+        transformer_wan.dispatch_attention_fn = self._timed(original, dispatch_kind)
+        # The integration keeps its state on the transformer; its method's ``attend`` is the
+        # whole replaced attention (there is no public hook to time it).
+        state = getattr(self.model, "_vidsparse_state", None)
+        method = None if state is None else state.method
+        if method is not None:
+            method.attend = self._timed(method.attend, lambda *a, **k: "self")
+        try:
+            yield self
+        finally:
+            transformer_wan.dispatch_attention_fn = original
+            if method is not None:
+                del method.attend  # the instance attribute; the class's method shows again
+
+    def total_ms(self, kind: str) -> float:
+        return sum(self.watch.elapsed_ms(a, b) for a, b in self.marks[kind])
+
+
+def attention_share(model, step: Callable[[], Any], device: torch.device, reps: int) -> dict:
+    """Self- and cross-attention time per step and the self-attention share, over ``reps``
+    instrumented steps (module docstring)."""
+    timer = AttentionTimer(model, device)
+    with timer.active():
+        step_ms = sum(time_steps(step, device, reps))
+    attn, cross = timer.total_ms("self"), timer.total_ms("cross")
+    calls = len(timer.marks["self"]) // reps
+    return {
+        "attn_ms": attn / reps,
+        "cross_attn_ms": cross / reps,
+        "attn_share": attn / step_ms if step_ms > 0 else None,
+        "instr_step_ms": step_ms / reps,
+        "attn_calls_per_step": calls,
+    }
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# ---------------------------------------------------------------------------------------------
+# SDPA backend
+# ---------------------------------------------------------------------------------------------
+
+
+def sdpa_context(device: torch.device):
+    """cuDNN first for every SDPA call on the GPU (falls back only where cuDNN refuses a call;
+    ``check_cudnn`` verifies it takes the step's shapes). On the CPU: SDPA's default."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def check_cudnn(work: Workload, device: torch.device, dtype: torch.dtype) -> dict:
+    """Does cuDNN alone take the self- and cross-attention shapes of the step?"""
+    if device.type != "cuda":
+        return {"backend": "default (CPU)"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    d = work.config["attention_head_dim"]
+    shapes = {"self": work.tokens, "cross": work.text[1]}
+    out = {"backend": "cuDNN first (sdpa_kernel priority)"}
+    q = torch.randn(1, work.heads, work.tokens, d, device=device, dtype=dtype)
+    for kind, keys in shapes.items():
+        k = torch.randn(1, work.heads, keys, d, device=device, dtype=dtype)
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, k)
+            out[kind] = "cudnn"
+        except RuntimeError as exc:
+            out[kind] = f"not cudnn ({harness.error_message(exc, 120)})"
+        del k
+    del q
+    harness.release_memory(device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# one method
+# ---------------------------------------------------------------------------------------------
+
+
+def run_method(method: Method, model, inputs, work: Workload, device, args, ref):
+    """Patch, run, time, unpatch. Returns the row and (for dense) the reference output."""
+    from vidsparse.integrations.diffusers import (
+        apply_sparse_attention,
+        remove_sparse_attention,
+        set_denoising_step,
+    )
+
+    row: dict[str, Any] = {"method": method.name, "target": method.target, **(method.info or {})}
+    out_ref = None
+    patched = False
+    try:
+        if method.options is not None:
+            apply_sparse_attention(model, method.kind, **method.options)
+            patched = True
+            set_denoising_step(model, method.step)
+
+        def step():
+            with torch.no_grad(), sdpa_context(device):
+                return model(**inputs)[0]
+
+        first = step()  # compiles kernels, builds lists and caches
+        harness.synchronize(device)
+        if method.name == "dense":
+            out_ref = first
+            row["rel_l2"] = rel_l2(step(), first)
+        elif ref is not None:
+            row["rel_l2"] = rel_l2(first, ref)
+        row["out_finite"] = bool(torch.isfinite(first).all())
+        del first
+        for _ in range(args.warmup):
+            step()
+        if device.type == "cuda":
+            harness.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_steps(step, device, args.reps)
+        row["step_ms"] = statistics.median(times)
+        row["step_ms_min"] = min(times)
+        row["step_ms_all"] = times
+        row["step_ms_per_layer"] = row["step_ms"] / work.layers
+        if device.type == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        if args.share_reps > 0:
+            try:
+                row.update(attention_share(model, step, device, args.share_reps))
+            except Exception as exc:  # noqa: BLE001 - the latency stands without the share
+                row["attn_share_error"] = harness.error_message(exc)
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        row["error"] = harness.error_message(exc)
+    finally:
+        if patched:
+            remove_sparse_attention(model)
+        harness.release_memory(device)
+    return row, out_ref
+
+
+def add_relative(rows: list[dict]) -> None:
+    """Speedups against the dense row."""
+    dense = next((r for r in rows if r["method"] == "dense" and "step_ms" in r), None)
+    for r in rows:
+        if dense is None:
+            break
+        if r.get("step_ms"):
+            r["speedup"] = dense["step_ms"] / r["step_ms"]
+        if r.get("attn_ms") and dense.get("attn_ms"):
+            r["attn_speedup"] = dense["attn_ms"] / r["attn_ms"]
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def default_out(device: torch.device, work: Workload) -> Path:
+    gpu = harness.slug(harness.gpu_name(device))
+    gpu = gpu.removeprefix("nvidia-")  # "NVIDIA H200" -> "h200"
+    stem = "e2e" if work.name == "wan1.3b-480p" else f"e2e_{work.name}"
+    return _REPO / "benchmarks" / "results" / f"{stem}_{gpu}.json"
+
+
+@contextlib.contextmanager
+def cpu_backend(device: torch.device) -> Iterator[None]:
+    """On the CPU, vidsparse's PyTorch reference (``VIDSPARSE_BACKEND=torch``) unless a backend
+    was asked for explicitly; the environment is restored afterwards (in-process callers)."""
+    key = "VIDSPARSE_BACKEND"
+    old = os.environ.get(key)
+    if device.type == "cpu" and (old or "auto").strip().lower() == "auto":
+        os.environ[key] = "torch"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", choices=sorted(WAN_CONFIGS), default="wan1.3b")
+    ap.add_argument("--resolution", choices=sorted(LATENT_HW), default=None)
+    ap.add_argument("--frames", type=int, default=81, help="video frames (81 -> 21 latent)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="transformer blocks to build (1.3B: 30, 14B: 8)"
+    )
+    ap.add_argument("--methods", default="dense,vsa,psa", help="subset of dense,vsa,psa")
+    ap.add_argument("--vsa-sparsity", type=float, default=0.875)
+    ap.add_argument("--no-vsa-gate", action="store_true", help="VSA without the gate projection")
+    ap.add_argument("--psa-sparsities", default="0.6,0.75")
+    ap.add_argument("--psa-tile", default=DEFAULT_PSA_TILE, help="PSA block TxHxW")
+    ap.add_argument("--psa-tolerance", type=float, default=PSA_TOLERANCE)
+    ap.add_argument("--psa-plan", default=None, help="also run this searched plan file")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    ap.add_argument("--reps", type=int, default=5, help="timed steps (median)")
+    ap.add_argument("--share-reps", type=int, default=2, help="instrumented steps (0: skip)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny model and grid (CPU smoke run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0 or args.share_reps < 0:
+        raise SystemExit("--reps must be >= 1, --warmup and --share-reps >= 0")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("the full-size models need a GPU; use --device cpu --tiny on the CPU")
+    import_wan()  # fail now, in one line, if diffusers is missing
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    work = make_workload(args)
+    out = Path(args.out) if args.out else default_out(device, work)
+    with cpu_backend(device):
+        return _run(args, work, device, dtype, out)
+
+
+def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
+    import diffusers
+
+    start = time.perf_counter()
+    model = build_model(work, device, dtype, args.seed)
+    build_s = time.perf_counter() - start
+    inputs = make_inputs(work, device, dtype, args.seed)
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    sdpa = check_cudnn(work, device, dtype)
+    methods = make_methods(args, work)
+    truncated = work.layers < work.full_layers
+    meta = harness.collect_metadata(
+        device,
+        benchmark="e2e",
+        workload=work.name,
+        model=work.model_name,
+        config={k: list(v) if isinstance(v, tuple) else v for k, v in work.config.items()},
+        layers=work.layers,
+        full_layers=work.full_layers,
+        layers_note=(
+            f"first {work.layers} of {work.full_layers} transformer blocks: a step of the whole "
+            "model takes about full_layers / layers times as long (step_ms_per_layer); chosen "
+            "for run time, memory would hold more (weights_gb is this build's)"
+            if truncated
+            else "all transformer blocks"
+        ),
+        weights_gb=weights_gb,
+        latent_shape=list(work.latent),
+        text_shape=list(work.text),
+        timestep=TIMESTEP,
+        grid=list(work.grid_shape),
+        tokens=work.tokens,
+        heads=work.heads,
+        head_dim=work.config["attention_head_dim"],
+        dtype=str(dtype),
+        diffusers=diffusers.__version__,
+        tiny=args.tiny,
+        seed=args.seed,
+        warmup=args.warmup,
+        reps=args.reps,
+        share_reps=args.share_reps,
+        sdpa=sdpa,
+        build_s=build_s,
+        timer=(
+            ("CUDA events" if device.type == "cuda" else f"{harness.CPU_TIMER_LABEL} perf_counter")
+            + f": 1 + {args.warmup} untimed steps, median of {args.reps} timed steps"
+        ),
+        attention_share=(
+            "event pair around every self-attention call (dense: diffusers' "
+            "dispatch_attention_fn; vidsparse methods: the integration method's attend) over "
+            f"the step's event pair, summed over {args.share_reps} instrumented steps"
+        ),
+        complete=False,
+    )
+    print(
+        f"{work.name}: {work.layers}/{work.full_layers} layers, grid {work.grid_shape} "
+        f"({work.tokens} tokens), {work.heads} heads, {dtype}, built in {build_s:.1f} s; "
+        f"SDPA {sdpa}",
+        flush=True,
+    )
+    base = {
+        "workload": work.name,
+        "layers": work.layers,
+        "full_layers": work.full_layers,
+        "tokens": work.tokens,
+        "heads": work.heads,
+    }
+    rows: list[dict] = []
+    ref = None
+    for method in methods:
+        row, out_ref = run_method(method, model, inputs, work, device, args, ref)
+        if out_ref is not None:
+            ref = out_ref
+        rows.append({**base, **row})
+        add_relative(rows)
+        harness.write_results(out, meta, rows)
+        r = rows[-1]
+        print(
+            f"  {r['method']:<8} target {r.get('target') or 0:.2f} sparsity "
+            f"{r.get('sparsity', 0):.3f}: step {r.get('step_ms', float('nan')):.1f} ms, attn "
+            f"{r.get('attn_ms', float('nan')):.1f} ms ({r.get('attn_share') or float('nan'):.1%})"
+            f", rel L2 {r.get('rel_l2', float('nan')):.4f}"
+            + (f"  ERROR {r['error']}" if r.get("error") else ""),
+            flush=True,
+        )
+    meta["complete"] = True
+    meta["total_s"] = time.perf_counter() - start
+    harness.write_results(out, meta, rows)
+    harness.print_table(rows, COLUMNS)
+    print(f"wrote {out}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

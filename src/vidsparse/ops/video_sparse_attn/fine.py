@@ -1,0 +1,147 @@
+"""VSA's fine stage with the gate combine fused into the engine's epilogue.
+
+::
+
+    o[b, h, tile i, row r] = o_fine[b, h, i, r] + gate[b, h, i, r] * o_coarse[b, h, i]
+                             (0 for padding rows when ``q_block_sizes`` is given)
+
+``o_fine`` is block-sparse attention over the key tiles listed for tile ``i`` (the engine's
+forward kernel); the sum is formed in fp32 in the kernel before the one store of ``o``, so the
+combine costs no pass over memory of its own. The backward runs the engine's backward on
+``do`` (padding rows zeroed) and forms the coarse and gate gradients in PyTorch:
+
+    d o_coarse[b, h, i] = sum_r do[b, h, i, r] * gate[b, h, i, r]      d gate = do * o_coarse
+
+Registered as custom ops so ``torch.compile`` keeps the call whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# registers vidsparse::block_sparse_attn_bwd, which the backward calls
+import vidsparse.ops.block_sparse_attn.interface  # noqa: F401
+
+
+def vsa_fine_combined(
+    q_t: torch.Tensor,
+    k_seq: torch.Tensor,
+    v_seq: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor,
+    o_coarse: torch.Tensor,
+    gate_t: torch.Tensor | None,
+    q_block_sizes: torch.Tensor | None,
+    block: int,
+    scale: float,
+) -> torch.Tensor:
+    """``o_fine + gate * o_coarse`` over tile-order queries ``q_t [B, H, Nt*V, D]``.
+
+    Lists must be valid (they come from the selection kernel); ``o_coarse [B, H, Nt, D]``
+    (fp32); ``gate_t`` like ``q_t`` or None (then ``o_fine + o_coarse``); padding keys must be
+    finite (zeros from tiling, or a tiled input's padding rows), their scores are masked.
+    """
+    store_fine = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t)
+    )
+    o, _, _ = torch.ops.vidsparse.vsa_fine_fwd(
+        q_t,
+        k_seq,
+        v_seq,
+        kv_indices,
+        kv_counts,
+        kv_block_sizes,
+        o_coarse,
+        None if gate_t is None else gate_t.contiguous(),
+        q_block_sizes,
+        block,
+        scale,
+        store_fine,
+    )
+    return o
+
+
+@torch.library.custom_op("vidsparse::vsa_fine_fwd", mutates_args=())
+def _vsa_fine_fwd_op(
+    q_t: torch.Tensor,
+    k_seq: torch.Tensor,
+    v_seq: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor,
+    o_coarse: torch.Tensor,
+    gate_t: torch.Tensor | None,
+    q_block_sizes: torch.Tensor | None,
+    block: int,
+    scale: float,
+    store_fine: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(o, o_fine, lse)``; ``o_fine`` is empty unless ``store_fine``."""
+    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
+
+    combine = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, store_fine)
+    o, o_fine, lse = block_sparse_attn_fwd_combined(
+        q_t,
+        k_seq,
+        v_seq,
+        kv_indices,
+        kv_counts,
+        kv_block_sizes,
+        block,
+        block,
+        scale,
+        combine,
+        padding_finite=True,
+    )
+    return o, (o_fine if o_fine is not None else q_t.new_empty(0)), lse
+
+
+@_vsa_fine_fwd_op.register_fake
+def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, block, scale,
+      store_fine):  # fmt: skip
+    B, H, S, D = q_t.shape
+    o_fine = q_t.new_empty((B, H, S, D)) if store_fine else q_t.new_empty(0)
+    return q_t.new_empty((B, H, S, D)), o_fine, q_t.new_empty((B, H, S), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    (q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, block, scale,
+     store_fine) = inputs  # fmt: skip
+    _, o_fine, lse = output
+    ctx.save_for_backward(
+        q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes
+    )
+    ctx.meta = (block, scale, store_fine)
+    ctx.mark_non_differentiable(o_fine, lse)
+
+
+def _backward(ctx, do, _do_fine, _dlse):
+    (q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
+     q_sizes) = ctx.saved_tensors  # fmt: skip
+    block, scale, store_fine = ctx.meta
+    if not store_fine:
+        raise RuntimeError(
+            "vsa_fine_fwd ran without keeping o_fine (no input required grad at the forward)"
+        )
+    B, H, S, D = q_t.shape
+    num_tiles = S // block
+    if q_sizes is not None:  # padding rows of o are constant zero: no gradient flows back
+        real_rows = torch.arange(block, device=do.device) < q_sizes.view(-1, 1)  # [Nt, V]
+        do = do.masked_fill(~real_rows.view(1, 1, S, 1), 0)
+    dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
+        do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, block, block, scale,
+        "triton",
+    )  # fmt: skip
+    do5 = do.view(B, H, num_tiles, block, D)
+    oc5 = o_coarse.unsqueeze(-2)  # [B, H, Nt, 1, D]
+    if gate_t is None:
+        d_coarse, d_gate = do5.float().sum(-2), None
+    else:
+        d_coarse = (do5.float() * gate_t.view(B, H, num_tiles, block, D).float()).sum(-2)
+        d_gate = (do5.float() * oc5.float()).to(gate_t.dtype).view(B, H, S, D)
+    return (dq, dk, dv, None, None, None, d_coarse.to(o_coarse.dtype), d_gate, None, None, None,
+            None)  # fmt: skip
+
+
+_vsa_fine_fwd_op.register_autograd(_backward, setup_context=_setup_context)
