@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|vsa|psa [...]   (default: tests demo)
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|vsa|vsa480|psa [...]   (default: tests demo)
 # Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
 # time limit still leaves its log behind. Pass the commit being measured in
 # VIDSPARSE_GIT_COMMIT (the device copy of the tree has no .git).
@@ -30,6 +30,8 @@ for what in "$@"; do
       --out "$OUT/block_sparse_h200.json" ;;
     masked) step tune_masked 300 python3 benchmarks/tune_block_sparse.py --masked \
       --out "$OUT/tune_masked.json" ;;
+    vsa480) step vsa480 200 python3 benchmarks/bench_vsa.py --shapes wan1.3b-480p \
+      --sparsities 0.875 --out "$OUT/vsa480_h200.json" ;;
     vsa) step vsa 540 python3 benchmarks/bench_vsa.py --out "$OUT/vsa_h200.json" ;;
     psa) step psa 540 python3 benchmarks/bench_psa.py --out "$OUT/psa_h200.json" ;;
     *) echo "unknown step: $what" >&2; exit 2 ;;
