@@ -370,11 +370,12 @@ def plan_file_method(path: str, work: Workload) -> tuple[Any, int, float, dict]:
 
 @dataclass
 class Method:
-    """One row: how to patch the model (``apply``) and what to record about it."""
+    """One row: how to patch the model (``apply_sparse_attention(model, kind, **options)``;
+    no options: the stock model) and what to record about it."""
 
     name: str
     target: float | None = None
-    options: dict | None = None  # apply_sparse_attention(model, kind, **options); None: stock
+    options: dict | None = None
     kind: str = "dense"
     step: int = 0  # denoising step to set (PSA plans)
     info: dict | None = None  # row fields known before running (sparsity, tiles, ...)
@@ -447,7 +448,26 @@ def make_methods(args, work: Workload) -> list[Method]:
                 },
             )
         )
+    cache = _stripe_list_cache_size()
+    for m in methods:
+        if m.kind == "psa" and cache is not None and work.layers > cache:
+            # A plan gives every layer its own specs, so stripe_attn caches one list set per
+            # layer; with more layers than entries the LRU misses on every call and rebuilds
+            # the masks and lists inside the timed step.
+            m.info["warning"] = (
+                f"{work.layers} layers of per-layer specs exceed stripe_attn's list cache "
+                f"({cache} entries): the lists are rebuilt on every call"
+            )
     return methods
+
+
+def _stripe_list_cache_size() -> int | None:
+    try:
+        from vidsparse.ops.stripe_attn import interface
+
+        return interface._engine_plan.cache_info().maxsize
+    except (ImportError, AttributeError):
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -712,7 +732,9 @@ def parse_args(argv=None):
     ap.add_argument(
         "--layers", type=int, default=None, help="transformer blocks to build (1.3B: 30, 14B: 8)"
     )
-    ap.add_argument("--methods", default="dense,vsa,psa", help="subset of dense,vsa,psa")
+    ap.add_argument(
+        "--methods", default="dense,vsa,psa", help="of dense,vsa,psa (dense always runs)"
+    )
     ap.add_argument("--vsa-sparsity", type=float, default=0.875)
     ap.add_argument("--no-vsa-gate", action="store_true", help="VSA without the gate projection")
     ap.add_argument("--psa-sparsities", default="0.6,0.75")
@@ -799,6 +821,7 @@ def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
         ),
         complete=False,
     )
+    meta.pop("flops_convention", None)  # no FLOP rates here
     print(
         f"{work.name}: {work.layers}/{work.full_layers} layers, grid {work.grid_shape} "
         f"({work.tokens} tokens), {work.heads} heads, {dtype}, built in {build_s:.1f} s; "
@@ -827,7 +850,8 @@ def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
             f"{r.get('sparsity', 0):.3f}: step {r.get('step_ms', float('nan')):.1f} ms, attn "
             f"{r.get('attn_ms', float('nan')):.1f} ms ({r.get('attn_share') or float('nan'):.1%})"
             f", rel L2 {r.get('rel_l2', float('nan')):.4f}"
-            + (f"  ERROR {r['error']}" if r.get("error") else ""),
+            + (f"  ERROR {r['error']}" if r.get("error") else "")
+            + (f"  WARNING {r['warning']}" if r.get("warning") else ""),
             flush=True,
         )
     meta["complete"] = True
