@@ -291,18 +291,17 @@ def require_fastvideo() -> None:
 def time_split(case: Case, x: Inputs, device: torch.device) -> dict:
     """Forward times of VSA's two stages, each alone, on the tiled inputs.
 
-    The fine stage is timed on the lists of one coarse call, so neither timing includes the
-    other; the gate combine (one elementwise pass) is in neither, so coarse + fine is a bit
-    under the full forward. Returns ``coarse_ms``, ``fine_ms`` or a ``split_error``.
+    The fine stage is timed as VSA runs it (``vsa_fine_combined``: the engine with the gate
+    combine in its epilogue) on the lists and coarse output of one coarse call, so neither
+    timing includes the other. Returns ``coarse_ms``, ``fine_ms`` or a ``split_error``.
     """
     try:
-        from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_prevalidated
         from vidsparse.ops.video_sparse_attn.coarse import vsa_coarse_stage
+        from vidsparse.ops.video_sparse_attn.fine import vsa_fine_combined
     except ImportError as exc:  # the coarse stage imports Triton; a CPU box may lack it
         return {"split_error": f"split skipped: {harness.error_message(exc)}"}
     grid, topk = case.grid, case.topk
     scale = 1.0 / math.sqrt(case.head_dim)
-    volume = grid.tile_volume
     sizes = grid.tile_sizes_on(device).to(torch.int32)
 
     def coarse():
@@ -310,20 +309,13 @@ def time_split(case: Case, x: Inputs, device: torch.device) -> dict:
 
     try:
         with torch.no_grad():
-            _, kv_indices, kv_counts = coarse()
+            o_coarse, kv_indices, kv_counts = coarse()
 
             def fine():
-                return block_sparse_attn_prevalidated(
-                    x.q_t,
-                    x.k_t,
-                    x.v_t,
-                    kv_indices,
-                    kv_counts,
-                    block_q=volume,
-                    block_kv=volume,
-                    kv_block_sizes=sizes,
-                    scale=scale,
-                )
+                return vsa_fine_combined(
+                    x.q_t, x.k_t, x.v_t, kv_indices, kv_counts, sizes, o_coarse, x.gate_t,
+                    sizes, grid.tile_volume, scale,
+                )  # fmt: skip
 
             return {
                 "coarse_ms": harness.time_ms(coarse, device=device),

@@ -8,7 +8,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu}"
 mkdir -p "$OUT"
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # keep carried packages
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2

@@ -166,6 +166,11 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         o, lse = block_sparse_attn_fwd(
             q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
         )
+        if has_kv_sizes:  # PSA / VSA callers vouch for finite padding: the TMA kernel on Hopper
+            block_sparse_attn_fwd(
+                q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
+                padding_finite=True,
+            )  # fmt: skip
         # VSA's fine stage with the fused gate epilogue, at its 4x4x4 tile (64 tokens). With
         # 128-token tiles the epilogue spills 2-7 registers on gfx942/gfx950 (not recorded).
         if has_kv_sizes and block_q == block_kv == 64:

@@ -50,33 +50,6 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
 
 
 @triton.jit
-def _online_softmax_pair(q, k0, v0, real0, k1, v1, real1, m_i, l_i, acc, qk_scale,
-                         MASK_KEYS: tl.constexpr):
-    """Two listed key blocks in one step of the recurrence: one running-max update and one
-    rescale of ``acc`` for both (the rescale of a [BM, D] fp32 accumulator is a large part of
-    a 64-row program's non-matmul work), and two independent QK^T products in flight."""
-    qk0 = tl.dot(q, tl.trans(k0))  # [BM, BN] fp32
-    qk1 = tl.dot(q, tl.trans(k1))
-    if MASK_KEYS:
-        qk0 = tl.where(real0[None, :], qk0 * qk_scale, float("-inf"))
-        qk1 = tl.where(real1[None, :], qk1 * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p0 = tl.math.exp2(qk0 - m_sub[:, None])
-        p1 = tl.math.exp2(qk1 - m_sub[:, None])
-    else:
-        m_new = tl.maximum(m_i, tl.maximum(tl.max(qk0, 1), tl.max(qk1, 1)) * qk_scale)
-        m_sub = m_new
-        p0 = tl.math.exp2(qk0 * qk_scale - m_sub[:, None])
-        p1 = tl.math.exp2(qk1 * qk_scale - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)  # [BM]
-    l_i = l_i * alpha + tl.sum(p0, 1) + tl.sum(p1, 1)
-    acc = tl.dot(p0.to(v0.dtype), v0, acc * alpha[:, None])
-    acc = tl.dot(p1.to(v1.dtype), v1, acc)  # [BM, D]
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                    HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr):
@@ -209,13 +182,11 @@ def _block_sparse_attn_fwd_tma_kernel(
     H, Sq,
     qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr,
-    KV_PAIR: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
     STORE_FINE: tl.constexpr,
 ):
-    """Hopper variant: tiles move by the bulk-copy engine (TMA). With KV_PAIR the loop takes
-    the listed key blocks two at a time (an odd last one runs alone)."""
+    """Hopper variant: tiles move by the bulk-copy engine (TMA)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -228,19 +199,7 @@ def _block_sparse_attn_fwd_tma_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
     offs_n = tl.arange(0, BLOCK_N)
-    single_from = 0
-    if KV_PAIR:
-        for j in tl.range(0, count // 2, warp_specialize=WARP_SPECIALIZE):
-            blk0 = tl.load(idx_row + (2 * j) * stride_ik)
-            blk1 = tl.load(idx_row + (2 * j + 1) * stride_ik)
-            k0, v0, real0 = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, blk0, offs_n,
-                                           BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
-            k1, v1, real1 = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, blk1, offs_n,
-                                           BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
-            m_i, l_i, acc = _online_softmax_pair(q, k0, v0, real0, k1, v1, real1,
-                                                 m_i, l_i, acc, qk_scale, HAS_KV_SIZES)
-        single_from = count // 2 * 2
-    for j in tl.range(single_from, count, warp_specialize=WARP_SPECIALIZE):
+    for j in tl.range(0, count, warp_specialize=WARP_SPECIALIZE):
         kv_block = tl.load(idx_row + j * stride_ik)
         k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
                                     BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
@@ -322,7 +281,10 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
     sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
     epilogue = _epilogue_args(combine, o, o_fine, kv_counts)
     # fp32 takes the pointer kernel: it alone runs IEEE-exact fp32 dots.
-    if cfg.use_tma and q.dtype != torch.float32 and _tma_compatible(q, k, v, o):
+    # Padding keys of unknown content take the pointer kernel: masked loads never read them,
+    # where TMA would have to zero their values in registers (slower than pointer loads).
+    tma_ok = kv_block_sizes is None or padding_finite
+    if cfg.use_tma and tma_ok and q.dtype != torch.float32 and _tma_compatible(q, k, v, o):
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, kv_block_sizes is not None,
                     padding_finite, block_q, block_kv, scale, cfg, grid, epilogue)
         return o, o_fine, lse
@@ -404,7 +366,7 @@ def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, paddin
         scale * LOG2E,
         BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D,
         HAS_KV_SIZES=has_sizes, ZERO_PAD_V=has_sizes and not padding_finite,
-        KV_PAIR=cfg.kv_pair, WARP_SPECIALIZE=cfg.warp_specialize,
+        WARP_SPECIALIZE=cfg.warp_specialize,
         **flags,
         **cfg.launch_kwargs(),
     )

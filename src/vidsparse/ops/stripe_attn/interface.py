@@ -71,7 +71,11 @@ from vidsparse.utils.checks import check_same_device, check_video_qkv
 __all__ = ["stripe_attn", "stripe_attn_density", "clear_stripe_attn_cache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_CACHE_SIZE = 32
+# Engine lists per (specs, grid, ...): one entry per (layer, step bucket) of a plan, so it must
+# hold a whole model's plan (Wan 14B: 40 layers x a few step buckets; 32 entries made a
+# 40-layer plan miss on every call). An entry is O(H * blocks * K) int32: ~7-30 MB at 720p,
+# 60-90% sparsity. clear_stripe_attn_cache() frees them.
+_CACHE_SIZE = 192
 
 
 def stripe_attn(

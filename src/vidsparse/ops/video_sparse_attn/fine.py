@@ -21,6 +21,8 @@ import torch
 
 # registers vidsparse::block_sparse_attn_bwd, which the backward calls
 import vidsparse.ops.block_sparse_attn.interface  # noqa: F401
+from vidsparse.ops.block_sparse_attn.reference import block_sparse_attn_ref
+from vidsparse.utils.backend import resolve_backend
 
 
 def vsa_fine_combined(
@@ -58,6 +60,7 @@ def vsa_fine_combined(
         block,
         scale,
         store_fine,
+        resolve_backend(q_t.device),
     )
     return o
 
@@ -76,8 +79,14 @@ def _vsa_fine_fwd_op(
     block: int,
     scale: float,
     store_fine: bool,
+    backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns ``(o, o_fine, lse)``; ``o_fine`` is empty unless ``store_fine``."""
+    if backend != "triton":
+        return _combined_torch(
+            q_t, k_seq, v_seq, kv_indices, kv_counts, kv_block_sizes, o_coarse, gate_t,
+            q_block_sizes, block, scale, store_fine,
+        )  # fmt: skip
     from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
 
     combine = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, store_fine)
@@ -97,9 +106,25 @@ def _vsa_fine_fwd_op(
     return o, (o_fine if o_fine is not None else q_t.new_empty(0)), lse
 
 
+def _combined_torch(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
+                    block, scale, store_fine):  # fmt: skip
+    """The same on the engine's PyTorch reference (CPU, ``VIDSPARSE_BACKEND=torch``)."""
+    o_fine, lse = block_sparse_attn_ref(
+        q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
+        kv_block_sizes=sizes, scale=scale,
+    )  # fmt: skip
+    coarse = o_coarse.float().repeat_interleave(block, dim=2)  # [B, H, S, D]
+    o = o_fine.float() + (coarse if gate_t is None else gate_t.float() * coarse)
+    if q_sizes is not None:
+        real_rows = torch.arange(block, device=o.device) < q_sizes.view(-1, 1)  # [Nt, V]
+        o = o.masked_fill(~real_rows.view(1, 1, -1, 1), 0)
+    o_fine = o_fine.to(q_t.dtype) if store_fine else q_t.new_empty(0)
+    return o.to(q_t.dtype), o_fine, lse.float()
+
+
 @_vsa_fine_fwd_op.register_fake
 def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, block, scale,
-      store_fine):  # fmt: skip
+      store_fine, backend):  # fmt: skip
     B, H, S, D = q_t.shape
     o_fine = q_t.new_empty((B, H, S, D)) if store_fine else q_t.new_empty(0)
     return q_t.new_empty((B, H, S, D)), o_fine, q_t.new_empty((B, H, S), dtype=torch.float32)
@@ -107,19 +132,19 @@ def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes
 
 def _setup_context(ctx, inputs, output):
     (q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, block, scale,
-     store_fine) = inputs  # fmt: skip
+     store_fine, backend) = inputs  # fmt: skip
     _, o_fine, lse = output
     ctx.save_for_backward(
         q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes
     )
-    ctx.meta = (block, scale, store_fine)
+    ctx.meta = (block, scale, store_fine, backend)
     ctx.mark_non_differentiable(o_fine, lse)
 
 
 def _backward(ctx, do, _do_fine, _dlse):
     (q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
      q_sizes) = ctx.saved_tensors  # fmt: skip
-    block, scale, store_fine = ctx.meta
+    block, scale, store_fine, backend = ctx.meta
     if not store_fine:
         raise RuntimeError(
             "vsa_fine_fwd ran without keeping o_fine (no input required grad at the forward)"
@@ -131,17 +156,20 @@ def _backward(ctx, do, _do_fine, _dlse):
         do = do.masked_fill(~real_rows.view(1, 1, S, 1), 0)
     dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
         do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, block, block, scale,
-        "triton",
+        backend,
     )  # fmt: skip
     do5 = do.view(B, H, num_tiles, block, D)
-    oc5 = o_coarse.unsqueeze(-2)  # [B, H, Nt, 1, D]
+    oc5 = o_coarse.unsqueeze(-2).to(do.dtype)  # [B, H, Nt, 1, D]
+    # One pass each, in do's dtype with fp32 sums: no fp32 copy of do (these passes are
+    # memory-bound, and the products round like any bf16 gradient does).
     if gate_t is None:
-        d_coarse, d_gate = do5.float().sum(-2), None
+        d_coarse, d_gate = do5.sum(-2, dtype=torch.float32), None
     else:
-        d_coarse = (do5.float() * gate_t.view(B, H, num_tiles, block, D).float()).sum(-2)
-        d_gate = (do5.float() * oc5.float()).to(gate_t.dtype).view(B, H, S, D)
+        gate5 = gate_t.view(B, H, num_tiles, block, D)
+        d_coarse = (do5 * gate5).sum(-2, dtype=torch.float32)
+        d_gate = (do5 * oc5).to(gate_t.dtype).view(B, H, S, D)
     return (dq, dk, dv, None, None, None, d_coarse.to(o_coarse.dtype), d_gate, None, None, None,
-            None)  # fmt: skip
+            None, None)  # fmt: skip
 
 
 _vsa_fine_fwd_op.register_autograd(_backward, setup_context=_setup_context)

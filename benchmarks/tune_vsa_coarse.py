@@ -1,0 +1,80 @@
+"""Sweep configs of VSA's coarse attention + top-k kernel on the current GPU (feeds
+``coarse_configs.py``).
+
+    PYTHONPATH=src python benchmarks/tune_vsa_coarse.py --out tune_coarse.json
+
+Times ``coarse_attn_topk_fwd`` on pooled tile means at Wan 1.3B 480p (624 tiles, 12 heads,
+top-78) and Wan 14B 720p (1,440 tiles, 40 heads, top-180); every config's lists must equal
+those of the library's default config (same selection, only the launch differs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+for _p in (_REPO / "src", _REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_topk_fwd  # noqa: E402
+from vidsparse.ops.video_sparse_attn.coarse_configs import coarse_attn_config  # noqa: E402
+from vidsparse.utils.device import target_of  # noqa: E402
+
+SHAPES = {"wan1.3b-480p": (624, 12, 78), "wan14b-720p": (1440, 40, 180)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="tune_coarse.json")
+    args = ap.parse_args(argv)
+    rows = []
+    for name, (tiles, heads, topk) in SHAPES.items():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        # means of 64 random unit-variance tokens: std 1/8
+        qc, kc, vc = (
+            torch.randn(1, heads, tiles, 128, device="cuda", generator=gen) / 8 for _ in range(3)
+        )
+        base = coarse_attn_config(target_of(qc.device), 128, tiles)
+        _, ref_idx, _ = coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, base)
+        ref_sets = ref_idx.sort(-1).values
+        configs = [base] + [
+            replace(base, block_m=m, block_n=n, num_warps=w, num_pivots=p)
+            for m, n, w, p in itertools.product((16, 32), (64, 128), (4, 8), (8,))
+        ]
+        for cfg in configs:
+            try:
+                _, idx, _ = coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, cfg)
+                same = bool(torch.equal(idx.sort(-1).values, ref_sets))
+                ms = triton.testing.do_bench(
+                    lambda: coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, cfg),
+                    warmup=10,
+                    rep=50,
+                    return_mode="median",
+                )
+            except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
+                print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            rows.append(dict(shape=name, cfg=repr(cfg), ms=ms, same_selection=same))
+            print(
+                f"{name} m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} p={cfg.num_pivots}"
+                f"{' (library)' if cfg is base else ''}: {ms * 1e3:.1f} us same={same}",
+                flush=True,
+            )
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
+    )
+    with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
