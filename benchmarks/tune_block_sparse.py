@@ -43,9 +43,16 @@ def main(argv=None):
         action="store_true",
         help="only the forward variants on padded tiles (VSA and PSA shapes, key pairs)",
     )
+    ap.add_argument(
+        "--masked-bwd",
+        action="store_true",
+        help="only the backward kernels on VSA's padded 64x64 tiles (Wan 480p, top-78)",
+    )
     args = ap.parse_args(argv)
     if args.masked:
         return sweep_masked_forward(args.out)
+    if args.masked_bwd:
+        return sweep_masked_backward(args.out)
     B, H, S, D = 1, args.heads, args.seq, 128
     dev = "cuda"
     q, k, v, do = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
@@ -157,6 +164,51 @@ def main(argv=None):
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
     )
     with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+def sweep_masked_backward(out):
+    """dK/dV and dQ configs on VSA's fine-stage backward: Wan 1.3B 480p tiled (624 tiles of
+    64 tokens, partial tiles masked by kv_block_sizes), 12 heads, top-78 random lists. Each
+    kernel is swept with the other at the library's config; times are of the whole backward."""
+    from vidsparse.layout import VideoGrid
+    from vidsparse.ops.block_sparse_attn.configs import backward_config
+    from vidsparse.utils.device import target_of
+
+    grid = VideoGrid((21, 30, 52))
+    H, D, S, n = 12, 128, grid.padded_len, grid.num_tiles
+    q, k, v, do = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    sizes = grid.tile_sizes_on("cuda").to(torch.int32)
+    idx, cnt = random_block_lists(1, H, n, n, count=78, device="cuda")
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, 64, 64, D**-0.5)
+    target = target_of(q.device)
+    library = {
+        which: backward_config(target, f"bwd_{which}", 64, 64, D, masked=True)
+        for which in ("dkdv", "dq")
+    }
+    rows = []
+    for which in ("dkdv", "dq"):
+        for w, st, m in itertools.product((4, 8), (1, 2, 3), (16, 32, 64)):
+            cfg = KernelConfig(w, st, sub_m=m)
+            kw = dict(library)
+            kw[which] = cfg
+            try:
+                ms = bench(
+                    lambda: block_sparse_attn_bwd(
+                        do, q, k, v, o, lse, idx, cnt, sizes, 64, 64, D**-0.5,
+                        dkdv_config=kw["dkdv"], dq_config=kw["dq"],
+                    )
+                )  # fmt: skip
+            except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
+                print(f"masked bwd {which} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            mark = " (library)" if cfg == library[which] else ""
+            rows.append(dict(kernel=f"bwd_{which}_masked_vsa480p", cfg=repr(cfg), ms=ms))
+            print(f"masked bwd {which} w={w} s={st} sub={m}{mark}: {ms:.3f} ms", flush=True)
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
+    )
+    with open(out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 

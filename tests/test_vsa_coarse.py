@@ -347,6 +347,13 @@ def compiled():
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
+# Spills accepted because the spilling config was measured faster on the GPU (bytes allowed):
+# Hopper attn_topk with 4 warps spills 40 B yet ran 208 us vs 287 us with 8 spill-free warps at
+# Wan 480p, and 3.81 vs 4.82 ms at Wan 14B 720p, with identical selections
+# (benchmarks/tune_vsa_coarse.py, H200).
+MEASURED_SPILLS = {("cuda:90", "_coarse_attn_topk_fwd_kernel", 128): 64}
+
+
 @pytest.mark.parametrize("target", COMPILE_TARGETS)
 def test_kernels_compile_spill_free(compiled, target):
     reports = [r for r in compiled if r["target"] == target]
@@ -360,7 +367,10 @@ def test_kernels_compile_spill_free(compiled, target):
     assert not failed, "\n\n".join(failed)
     for r in reports:
         label = f"{r['kernel']} D={r['head_dim']} {r['config']}"
-        assert r["spills"] == 0, f"{label}: {r['spills']} spilled, {r['registers']} registers"
+        allowed = MEASURED_SPILLS.get((target, r["kernel"], r["head_dim"]), 0)
+        assert r["spills"] <= allowed, (
+            f"{label}: {r['spills']} spilled (allowed {allowed}), {r['registers']} registers"
+        )
         assert r["shared"] <= r["shared_limit"], f"{label}: {r['shared']} bytes shared memory"
 
 
