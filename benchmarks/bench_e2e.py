@@ -164,7 +164,10 @@ TINY_LATENT = (1, 4, 5, 12, 20)
 TINY_TEXT = (1, 16, 32)
 
 VSA_TILE = (4, 4, 4)  # the integration's default; the VSA kernels work on 64-token tiles
-DEFAULT_PSA_TILE = "2x8x8"  # 128-token blocks: the engine's fast 128x128 configuration
+# 128-token blocks (the engine's fast 128x128 configuration) that pad Wan's grids least:
+# 480p 21x30x52 -> 21x32x56 (37,632 slots; 2x8x8 makes 39,424, 1x8x16 43,008); 720p
+# 21x45x80 -> 21x48x80 (80,640, as 1x8x16; 2x8x8 makes 84,480).
+DEFAULT_PSA_TILE = "1x16x8"
 TINY_PSA_TILE = (1, 4, 4)
 PSA_SLACK = 0.005  # how far the running mean of the drawn specs may stray from the target
 PSA_TOLERANCE = 0.1  # the family is coarse near 0.6-0.75 on these grids (4-6 candidates)

@@ -177,7 +177,7 @@ def main(argv=None):
     )
     ap.add_argument("--part", choices=("all", "attn", "search"), default="all")
     ap.add_argument("--shapes", default="wan14b-720p,hunyuan-720p")
-    ap.add_argument("--tiles", default="2x8x8,1x8x16")
+    ap.add_argument("--tiles", default="1x16x8,1x8x16,2x8x8")
     ap.add_argument("--sparsities", default="0.6,0.75,0.9")
     ap.add_argument("--search-heads", type=int, default=40)
     ap.add_argument("--search-tile", default="2x8x8")
