@@ -256,16 +256,17 @@ def _git(args: list[str], cwd: Path) -> str | None:
 def git_info(cwd: Path | None = None) -> dict:
     """Commit and dirty flag of the repository holding ``cwd``.
 
-    Without git or a ``.git`` (a copy of the tree sent to a GPU machine), the commit comes from
-    ``VIDSPARSE_GIT_COMMIT`` if set (pass it from where the repository is), else "unknown".
+    ``VIDSPARSE_GIT_COMMIT``, when set, wins: a copy of the tree sent to a GPU machine may
+    carry no ``.git`` or a stale one (one such copy reported the session's first commit for
+    every run), so pass the commit from where the repository is. Else git, else "unknown".
     """
+    given = os.environ.get("VIDSPARSE_GIT_COMMIT")
+    if given:
+        return {"git_commit": given, "git_dirty": "unknown"}
     cwd = Path(cwd or Path(__file__).resolve().parent)
     commit = _git(["rev-parse", "HEAD"], cwd)
     if not commit:
-        return {
-            "git_commit": os.environ.get("VIDSPARSE_GIT_COMMIT", "unknown"),
-            "git_dirty": "unknown",
-        }
+        return {"git_commit": "unknown", "git_dirty": "unknown"}
     status = _git(["status", "--porcelain", "--untracked-files=no"], cwd)
     return {"git_commit": commit, "git_dirty": "unknown" if status is None else bool(status)}
 

@@ -179,3 +179,14 @@ def test_mode_callable_times_the_right_thing():
     before = calls["fwd"]
     both()
     assert calls["fwd"] == before + 1
+
+
+def test_git_commit_given_in_the_environment_wins(monkeypatch):
+    """A tree copied to a GPU machine may hold a stale .git: the commit passed in wins."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks import harness
+
+    monkeypatch.setenv("VIDSPARSE_GIT_COMMIT", "abc1234")
+    assert harness.git_info()["git_commit"] == "abc1234"
+    monkeypatch.delenv("VIDSPARSE_GIT_COMMIT")
+    assert harness.git_info()["git_commit"] != "abc1234"
