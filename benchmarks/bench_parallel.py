@@ -18,6 +18,10 @@ Providers:
   sizes), random per-head lists of 180 of the 1,440 key blocks per query block (density 0.125).
 - ``comm``: the exchange alone for the vsa shape (q, k, v, gate in; o out): what Ulysses adds.
 
+``--head-chunks 1,2,4`` (default): a ``gpus=P`` forward row for each value; with ``n > 1`` the
+rank's heads run in ``n`` groups while the next group's inputs and the previous group's output
+are exchanged (inference only, so backward modes run ``n = 1``).
+
 Each provider and mode gives a ``gpus=1`` row (every rank runs the whole layer on its own GPU,
 no communication, all 40 heads, on ``[B, H, S, D]`` inputs) and a ``gpus=P`` row (the Ulysses
 layer from sequence shards ``[B, S/P, H, D]`` to sequence shards, all-to-alls and layout copies
@@ -77,6 +81,7 @@ COLUMNS = [
     Column("provider", "provider"),
     Column("mode", "mode"),
     Column("gpus", "gpus"),
+    Column("head_chunks", "chunks"),
     Column("ms", "ms", ".2f"),
     Column("tflops", "eff. TFLOP/s", ".0f"),
     Column("speedup", "speedup", ".2f"),
@@ -184,7 +189,7 @@ class Case:
 
     full_inputs: list[torch.Tensor]  # [B, H, S, D]
     single: Callable[..., torch.Tensor]  # full_inputs -> o [B, H, S, D]
-    sharded: Callable[..., torch.Tensor]  # local shards -> o [B, S/P, H, D]
+    sharded: Callable[..., torch.Tensor]  # (*local shards, head_chunks=n) -> o [B, S/P, H, D]
     pairs: float  # attended (query, key) pairs, for effective TFLOP/s
 
 
@@ -197,7 +202,9 @@ def vsa_case(layer: Layer, sparsity: float, dtype, device) -> Case:
     return Case(
         inputs,
         lambda q, k, v, g: video_sparse_attn(q, k, v, grid, gate=g, **vsa),
-        lambda q, k, v, g: ulysses_video_sparse_attn(q, k, v, grid, gate=g, **vsa),
+        lambda q, k, v, g, head_chunks=1: ulysses_video_sparse_attn(
+            q, k, v, grid, gate=g, head_chunks=head_chunks, **vsa
+        ),
         pairs=layer.batch * layer.heads * grid.num_tokens**2 * density,
     )
 
@@ -214,7 +221,9 @@ def block_sparse_case(layer: Layer, sparsity: float, dtype, device) -> Case:
     return Case(
         inputs,
         lambda q, k, v: block_sparse_attn(q, k, v, idx, cnt, **engine),
-        lambda q, k, v: ulysses_block_sparse_attn(q, k, v, idx, cnt, **engine),
+        lambda q, k, v, head_chunks=1: ulysses_block_sparse_attn(
+            q, k, v, idx, cnt, head_chunks=head_chunks, **engine
+        ),
         pairs=layer.batch * layer.heads * grid.num_tokens**2 * count / nb,
     )
 
@@ -255,13 +264,22 @@ def measure(provider: str, case: Case, mode: str, args, device) -> list[dict]:
 
     shards = [local_shard(x) for x in case.full_inputs]
     with torch.no_grad():
-        check = compare_outputs(case.sharded(*shards), case.single(*case.full_inputs), device)
-    sharded = harness.mode_callable(case.sharded, shards, mode)
-    msp = time_ms(sharded, device, args.warmup, args.reps)
-    del sharded
-    harness.release_memory(device)
-    row = {**base, "gpus": world, "ms": msp, "tflops": harness.tflops(flops, msp)}
-    rows.append({**row, "speedup": ms1 / msp, **check})
+        o_full = case.single(*case.full_inputs)
+    # head_chunks > 1 pipelines the exchanges in inference only (with autograd recording the
+    # one-shot exchange runs), so backward modes measure head_chunks=1 alone.
+    for chunks in args.head_chunks if mode == "fwd" else [1]:
+        with torch.no_grad():
+            check = compare_outputs(case.sharded(*shards, head_chunks=chunks), o_full, device)
+
+        def call(*xs, chunks=chunks):
+            return case.sharded(*xs, head_chunks=chunks)
+
+        sharded = harness.mode_callable(call, shards, mode)
+        msp = time_ms(sharded, device, args.warmup, args.reps)
+        del sharded
+        harness.release_memory(device)
+        row = {**base, "gpus": world, "head_chunks": chunks, "ms": msp}
+        rows.append({**row, "tflops": harness.tflops(flops, msp), "speedup": ms1 / msp, **check})
     return rows
 
 
@@ -289,7 +307,7 @@ def run(args, device, dtype, write: Callable[[list[dict]], None]) -> list[dict]:
             rows += measure(provider, case, mode, args, device)
             write(rows)
             if dist.get_rank() == 0:
-                harness.print_table(rows[-2:], COLUMNS)
+                harness.print_table([r for r in rows if r["mode"] == mode][-4:], COLUMNS)
         del case
         harness.release_memory(device)
     return rows
@@ -319,6 +337,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per case")
     p.add_argument("--reps", type=int, default=10, help="timed calls per case (median)")
+    p.add_argument(
+        "--head-chunks",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[1, 2, 4],
+        help="P-GPU forward rows for each: heads in this many pipelined groups (1 = one-shot)",
+    )
     p.add_argument("--out", default=None, help="JSON path (default results/parallel_*.json)")
     p.add_argument(
         "--dry-run", action="store_true", help="CPU, gloo, a tiny layer, fp32: exercise the paths"
@@ -327,6 +351,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.layer = TINY if args.dry_run else WAN14B_720P
     if args.dry_run:
         args.dtype, args.warmup, args.reps = "fp32", 1, 2
+    local_heads = args.layer.heads // int(os.environ.get("WORLD_SIZE", 1))
+    bad = [n for n in args.head_chunks if n < 1 or local_heads % n]
+    if bad:
+        p.error(f"--head-chunks {bad} must divide the {local_heads} heads of a rank")
     return args
 
 

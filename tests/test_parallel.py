@@ -104,6 +104,20 @@ def _compare_with_single_process(full_fn, sharded_fn, inputs: dict, layout: str)
     check.raise_if_any()
 
 
+def _compare_forward_only(full_fn, sharded_fn, inputs: dict, layout: str) -> None:
+    """Inference (no autograd): the output (and lse) shard equals the single-process result."""
+    with torch.no_grad():
+        ref = full_fn(**inputs)
+        out = sharded_fn(**{n: _shard(x, layout) for n, x in inputs.items()})
+    ref_o, ref_lse = ref if isinstance(ref, tuple) else (ref, None)
+    o, lse = out if isinstance(out, tuple) else (out, None)
+    check = _Mismatches()
+    check.close("o", o, _shard(ref_o, layout))
+    if ref_lse is not None:
+        check.close("lse", lse, _shard(ref_lse.unsqueeze(-1), layout).squeeze(-1))
+    check.raise_if_any()
+
+
 def _randn(*shape, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
@@ -183,6 +197,73 @@ def _stripe_case(layout: str) -> None:
     _compare_with_single_process(full_fn, sharded_fn, inputs, layout)
 
 
+def _overlapped_case(layout: str, grad: bool) -> None:
+    """head_chunks=2: the pipelined exchange (inference) or, with autograd recording, the
+    one-shot one; VSA with a gate, the engine with lse, PSA, all against one process."""
+    from vidsparse.parallel import ulysses
+
+    compare = _compare_with_single_process if grad else _compare_forward_only
+    calls = []
+    pipelined = ulysses._run_overlapped
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return pipelined(*args, **kwargs)
+
+    ulysses._run_overlapped = counting
+    try:
+        _overlapped_scenarios(compare, layout)
+    finally:
+        ulysses._run_overlapped = pipelined
+    # inference takes the pipelined exchange (3 ops); with autograd recording it never does
+    assert len(calls) == (0 if grad else 3), f"pipelined path ran {len(calls)} times"
+
+
+def _overlapped_scenarios(compare, layout: str) -> None:
+    from vidsparse.ops.block_sparse_attn import block_sparse_attn
+    from vidsparse.ops.stripe_attn import stripe_attn
+    from vidsparse.ops.video_sparse_attn import video_sparse_attn
+
+    grid = VideoGrid((5, 6, 7), tile=(4, 4, 4))
+    vsa = {"sparsity": 0.5}
+
+    def vsa_full(q, k, v, gate):
+        return video_sparse_attn(q, k, v, grid, gate=gate, **vsa)
+
+    def vsa_sharded(q, k, v, gate):
+        return ulysses_video_sparse_attn(
+            q, k, v, grid, gate=gate, layout=layout, head_chunks=2, **vsa
+        )
+
+    compare(vsa_full, vsa_sharded, _qkv(1, 4, grid.num_tokens, 16, seed=60, gate=True), layout)
+
+    gen = torch.Generator().manual_seed(61)
+    counts = torch.randint(0, 9, (1, 4, 8), generator=gen)
+    kv_indices, kv_counts = random_block_lists(1, 4, 8, 8, count=counts, generator=gen)
+    engine = {"block_size": 16, "return_lse": True}
+
+    def bsa_full(q, k, v):
+        return block_sparse_attn(q, k, v, kv_indices, kv_counts, **engine)
+
+    def bsa_sharded(q, k, v):
+        return ulysses_block_sparse_attn(
+            q, k, v, kv_indices, kv_counts, layout=layout, head_chunks=2, **engine
+        )
+
+    compare(bsa_full, bsa_sharded, _qkv(2, 4, 128, 16, seed=62), layout)
+
+    stripe_grid = VideoGrid((4, 6, 8), tile=(2, 4, 4))
+    specs = [StripeSpec(1, 0, None, 1, 0, None), StripeSpec(1, 0, 1, 2, 0, 3)] * 2
+
+    def psa_full(q, k, v):
+        return stripe_attn(q, k, v, stripe_grid, specs)
+
+    def psa_sharded(q, k, v):
+        return ulysses_stripe_attn(q, k, v, stripe_grid, specs, layout=layout, head_chunks=2)
+
+    compare(psa_full, psa_sharded, _qkv(1, 4, stripe_grid.num_tokens, 16, seed=63), layout)
+
+
 def _generic_sdpa_case(layout: str) -> None:
     """Any attention function composes: dense SDPA through the UlyssesAttention handle."""
     ulysses = UlyssesAttention(layout=layout, check_shards=True)
@@ -258,6 +339,9 @@ SCENARIOS = {
 if HAS_STRIPE:
     SCENARIOS["stripe_bshd"] = lambda: _stripe_case("bshd")
     SCENARIOS["stripe_bhsd"] = lambda: _stripe_case("bhsd")
+    SCENARIOS["overlapped_inference_bshd"] = lambda: _overlapped_case("bshd", grad=False)
+    SCENARIOS["overlapped_inference_bhsd"] = lambda: _overlapped_case("bhsd", grad=False)
+    SCENARIOS["overlapped_with_grad_bshd"] = lambda: _overlapped_case("bshd", grad=True)
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:
@@ -372,6 +456,18 @@ def test_heads_not_divisible(fake_group):
         ulysses_video_sparse_attn(q, q, q, VideoGrid((2, 2, 4), tile=(1, 2, 2)), topk=1)
     with pytest.raises(ValueError, match="not divisible"):
         seq_to_head(q)
+
+
+def test_head_chunks_must_divide_the_rank_heads(fake_group):
+    q = torch.randn(1, 8, 4, 4)  # [B, S/P, H=4, D]: 2 heads per rank
+    grid = VideoGrid((2, 2, 4), tile=(1, 2, 2))
+    with pytest.raises(ValueError, match=r"head_chunks=3 must divide the heads of a rank"):
+        ulysses_video_sparse_attn(q, q, q, grid, topk=1, head_chunks=3)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="head_chunks must be a positive int"):
+            ulysses_video_sparse_attn(q, q, q, grid, topk=1, head_chunks=bad)
+    with pytest.raises(ValueError, match="head_chunks must be a positive int"):
+        UlyssesAttention(head_chunks=0)
 
 
 def test_mismatched_local_shards(fake_group):

@@ -96,7 +96,9 @@ _DEFAULT_TILE = (4, 4, 4)
 # ---------------------------------------------------------------------------------------------
 
 
-def apply_sparse_attention(transformer: nn.Module, method: str = "vsa", **options) -> None:
+def apply_sparse_attention(
+    transformer: nn.Module, method: str = "vsa", *, ulysses=None, **options
+) -> None:
     """Route the video self-attention of ``transformer`` through vidsparse.
 
     Args:
@@ -110,17 +112,26 @@ def apply_sparse_attention(transformer: nn.Module, method: str = "vsa", **option
             ``tile`` (the PSA block; default the plan's, else (4, 4, 4)), ``spatial_unit``
             (for ``specs``; default "block"), ``sink_frames`` (default 0), ``expect_model``
             (checked against the plan file's ``model``). ``"dense"`` takes none.
+        ulysses: a :class:`vidsparse.parallel.UlyssesAttention` for sequence parallelism: the
+            processors then receive this rank's sequence shard (``[B, S/P, H, D]``, as
+            diffusers' context parallelism hands it, e.g. after
+            ``transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=P))``)
+            and run the method over the whole sequence through Ulysses all-to-alls; the latent
+            grid still comes from the full input. Not with text tokens (HunyuanVideo) yet.
 
     Raises ``TypeError`` for an unsupported model class (listing the supported ones),
     ``ValueError`` for bad options, a plan for another head count or layer set, a model already
     patched, or a stock processor that was replaced by something we do not know.
     """
-    _apply(transformer, lambda adapter: _make_method(method, adapter, options))
+    _apply(transformer, lambda adapter: _make_method(method, adapter, options), ulysses)
 
 
-def _apply(transformer: nn.Module, make_method: Callable[[_ModelAdapter], _Method]) -> None:
+def _apply(
+    transformer: nn.Module, make_method: Callable[[_ModelAdapter], _Method], ulysses=None
+) -> None:
     """Install one processor per video self-attention layer, all sharing one state."""
     adapter = _adapter_for(transformer)
+    _check_ulysses(ulysses, adapter)
     if getattr(transformer, _STATE_ATTR, None) is not None:
         raise ValueError(
             "sparse attention (or a calibration capture) is already applied to this "
@@ -132,7 +143,7 @@ def _apply(transformer: nn.Module, make_method: Callable[[_ModelAdapter], _Metho
     impl = make_method(adapter)
     impl.check_model(num_layers=len(layers), heads=heads)
 
-    state = _SparseState(adapter=adapter, method=impl)
+    state = _SparseState(adapter=adapter, method=impl, ulysses=ulysses)
     try:
         for index, attn in layers:
             state.originals.append((attn, attn.processor))
@@ -206,14 +217,24 @@ class _SparseState:
     originals: list = field(default_factory=list)  # (attention module, original processor)
     added: list = field(default_factory=list)  # (module, submodule name) we registered
     hook: Any = None
+    ulysses: Any = None  # a vidsparse.parallel.UlyssesAttention: inputs are sequence shards
 
     def attend(self, attn, layer, query, key, value, hidden_states, text_tokens=0, mask=None):
         """Attention of ``[B, S, heads, D]`` q/k/v (video first, then ``text_tokens``) in
         diffusers' layout; the method sees ``[B, heads, S, D]``."""
+        if self.ulysses is not None:
+            return self._attend_sharded(attn, layer, query, key, value, hidden_states)
         shape = self._shape_for(query.shape[1] - text_tokens)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         call = _Call(attn, layer, self.step, shape, text_tokens, hidden_states, mask)
         return self.method.attend(q, k, v, call).transpose(1, 2)
+
+    def _attend_sharded(self, attn, layer, query, key, value, hidden_states):
+        """``[B, S/P, heads, D]`` sequence shards in and out; the method runs over the whole
+        sequence of this rank's heads between the Ulysses exchanges."""
+        shape = self._shape_for(query.shape[1] * self.ulysses.world_size)
+        call = _Call(attn, layer, self.step, shape, 0, hidden_states, None)
+        return self.method.attend_sharded(query, key, value, call, self.ulysses)
 
     def _shape_for(self, video_tokens: int) -> tuple[int, int, int]:
         if self.shape is None:
@@ -225,8 +246,8 @@ class _SparseState:
         if video_tokens != T * H * W:
             raise ValueError(
                 f"the attention holds {video_tokens} video tokens but the latent grid "
-                f"{T}x{H}x{W} has {T * H * W} (sequence/context parallelism and token dropping "
-                "are not supported by this integration)"
+                f"{T}x{H}x{W} has {T * H * W} (for sequence parallelism pass ulysses= to "
+                "apply_sparse_attention; token dropping is not supported)"
             )
         return self.shape
 
@@ -299,6 +320,11 @@ class _Method(abc.ABC):
     @abc.abstractmethod
     def attend(self, q, k, v, call: _Call) -> torch.Tensor:
         """Attention output [B, H, S, D] of one call."""
+
+    def attend_sharded(self, q, k, v, call: _Call, ulysses) -> torch.Tensor:
+        """Sequence shards ``[B, S/P, H, D]`` in and out (``ulysses`` set); by default the
+        per-call ``attend`` on the rank's heads, which suits head-agnostic methods."""
+        return ulysses(lambda heads, qh, kh, vh: self.attend(qh, kh, vh, call), q, k, v)
 
 
 class _Dense(_Method):
@@ -380,19 +406,35 @@ class _VSA(_SparseMethod):
         attn.add_module(GATE_MODULE_NAME, module)
         return [(attn, GATE_MODULE_NAME)]
 
-    def sparse(self, q, k, v, call, text_tokens):
+    def attend_sharded(self, q, k, v, call, ulysses):
+        # The gate projection reads this rank's hidden-state shard: a sequence shard like q,
+        # exchanged with q, k, v.
+        gate, sparsity = self._gate(q.transpose(1, 2), call, 0)
+        return ulysses.video_sparse_attn(
+            q,
+            k,
+            v,
+            self.grid(call.shape),
+            topk=self.topk,
+            sparsity=None if self.topk is not None else sparsity,
+            gate=gate.transpose(1, 2),
+        )
+
+    def _gate(self, q, call, text_tokens):
+        """``(gate [B, H, S, D], sparsity)`` for q ``[B, H, S, D]``."""
         module = getattr(call.attn, GATE_MODULE_NAME, None) if self.gate else None
         if module is None:  # no gate: the fine stage alone, as a zero-initialised gate gives
-            gate = q.new_zeros(()).expand_as(q)
-            sparsity = self.sparsity
-        else:
-            # The gate projection reads the video stream (HunyuanVideo's processor gets the
-            # video tokens as hidden_states, the text separately); text rows have no coarse
-            # term, so their gate rows are zeros that video_sparse_attn ignores.
-            gate = module.gate(call.hidden_states, q[:, :, : q.shape[2] - text_tokens])
-            if text_tokens:
-                gate = F.pad(gate, (0, 0, 0, text_tokens))
-            sparsity = module.sparsity  # a SparsitySchedule may have changed it
+            return q.new_zeros(()).expand_as(q), self.sparsity
+        # The gate projection reads the video stream (HunyuanVideo's processor gets the video
+        # tokens as hidden_states, the text separately); text rows have no coarse term, so
+        # their gate rows are zeros that video_sparse_attn ignores.
+        gate = module.gate(call.hidden_states, q[:, :, : q.shape[2] - text_tokens])
+        if text_tokens:
+            gate = F.pad(gate, (0, 0, 0, text_tokens))
+        return gate, module.sparsity  # a SparsitySchedule may have changed it
+
+    def sparse(self, q, k, v, call, text_tokens):
+        gate, sparsity = self._gate(q, call, text_tokens)
         if self.topk is not None:
             sparsity = None
         return video_sparse_attn(
@@ -478,6 +520,20 @@ class _PSA(_SparseMethod):
         if key not in self._plan_specs:  # converted once per (bucket, layer), not per call
             self._plan_specs[key] = tuple(self.plan.specs_for(step, layer))
         return self._plan_specs[key]
+
+    def attend_sharded(self, q, k, v, call, ulysses):
+        specs = self.specs_at(call.step, call.layer)
+        if specs is None:  # a dense step of the plan
+            return ulysses(lambda heads, qh, kh, vh: _sdpa(qh, kh, vh, call), q, k, v)
+        return ulysses.stripe_attn(
+            q,
+            k,
+            v,
+            self.grid(call.shape),
+            specs,  # all heads: each rank takes its own
+            spatial_unit="block" if self.plan is not None else self.spatial_unit,
+            sink_frames=self.sink_frames,
+        )
 
     def attend(self, q, k, v, call):
         if self.specs_at(call.step, call.layer) is None:
@@ -632,6 +688,26 @@ def capture_calibration(
     out.mkdir(parents=True, exist_ok=True)
     _apply(transformer, lambda adapter: method)
     return CalibrationCapture(transformer, out, method)
+
+
+def _check_ulysses(ulysses, adapter: _ModelAdapter) -> None:
+    if ulysses is None:
+        return
+    from vidsparse.parallel import UlyssesAttention
+
+    if not isinstance(ulysses, UlyssesAttention):
+        raise TypeError(
+            f"ulysses must be a vidsparse.parallel.UlyssesAttention, got {type(ulysses).__name__}"
+        )
+    if ulysses.layout != "bshd":
+        raise ValueError(
+            f"ulysses must use layout='bshd' (diffusers' [B, S, H, D]), got {ulysses.layout!r}"
+        )
+    if adapter.has_text_tokens:
+        raise ValueError(
+            f"sequence parallelism (ulysses=) is not supported on {adapter.name} yet: its joint "
+            "attention holds text tokens; supported: WanTransformer3DModel"
+        )
 
 
 def _make_method(method: str, adapter: _ModelAdapter, options: dict) -> _Method:

@@ -345,14 +345,17 @@ def _run(
     attn_fn: AttnFn,
     tensors: dict[str, torch.Tensor | None],
     check: bool,
+    head_chunks: int = 1,
 ):
     """Exchange in, run ``attn_fn`` on the rank's heads, exchange out.
 
     ``tensors``: q, k, v first, then extras sharded like q (``None`` passes through), already
-    checked by :func:`validate_shards`.
+    checked by :func:`validate_shards` (and ``head_chunks`` by :func:`check_head_chunks`).
     """
     if _want_global_check(check):
         validate_shards_across_ranks(ctx, **tensors)
+    if _overlap_applies(ctx, tensors, head_chunks):
+        return _run_overlapped(ctx, attn_fn, tensors, head_chunks)
     present = [x for x in tensors.values() if x is not None]
     full = iter(_seq_to_head_many(present, ctx, "all_to_all"))
     q_h, k_h, v_h, *extra_h = (None if x is None else next(full) for x in tensors.values())
@@ -364,6 +367,99 @@ def _run(
     return _head_to_seq(result, ctx, "all_to_all")
 
 
+def check_head_chunks(head_chunks, num_heads: int, world_size: int) -> int:
+    """``head_chunks`` must be a positive int dividing the rank's ``H/P`` heads."""
+    if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+        raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+    local = num_heads // world_size
+    if local % head_chunks:
+        raise ValueError(
+            f"head_chunks={head_chunks} must divide the heads of a rank (H/P = {num_heads}/"
+            f"{world_size} = {local})"
+        )
+    return head_chunks
+
+
+def _overlap_applies(ctx: ShardContext, tensors: dict, head_chunks: int) -> bool:
+    """The pipelined exchange serves inference: with autograd recording, or one dtype-mixed
+    set of tensors (they would need several buffers), the one-shot exchange runs instead."""
+    if head_chunks <= 1 or ctx.world_size == 1:
+        return False
+    present = [x for x in tensors.values() if x is not None]
+    if len({x.dtype for x in present}) > 1:
+        return False
+    return not (torch.is_grad_enabled() and any(x.requires_grad for x in present))
+
+
+def _post_all_to_all(buf: torch.Tensor, group):
+    """Start an equal-split all-to-all of ``buf`` (dim 0 = ranks); ``(out, work)``."""
+    out = torch.empty_like(buf)
+    work = dist.all_to_all_single(out, buf, group=group, async_op=True)
+    return out, work
+
+
+def _run_overlapped(ctx: ShardContext, attn_fn: AttnFn, tensors: dict, chunks: int):
+    """Ulysses with the exchanges pipelined against the attention (inference).
+
+    The rank's ``H/P`` heads run in ``chunks`` groups of ``h = H/(P*chunks)``. While group
+    ``c`` is attended, the inputs of group ``c+1`` are in flight and the output of group
+    ``c-1`` travels back, so only the first exchange in and the last one out are exposed::
+
+        comm   [in 0][in 1][out 0][in 2][out 1] ...        [out n-1]
+        attn         [attn 0]    [attn 1]    [attn 2] ...
+    """
+    P, layout = ctx.world_size, ctx.layout
+    B, S_local, H, D = local_dims(tensors["q"], layout)
+    h = H // P // chunks
+    first_head = ctx.head_slice(H).start
+    present = [x for x in tensors.values() if x is not None]
+
+    def send_buffer(c: int) -> torch.Tensor:
+        # [P, n, B, h, S/P, D]: chunk p holds group c of rank p's heads, for every tensor
+        parts = [_seq_shard_chunks(x, layout, P)[:, :, c * h : (c + 1) * h] for x in present]
+        return torch.stack(parts, dim=1)
+
+    inflight = _post_all_to_all(send_buffer(0), ctx.group)
+    returning, lse_parts = [], []
+    for c in range(chunks):
+        recv, work = inflight
+        if c + 1 < chunks:
+            inflight = _post_all_to_all(send_buffer(c + 1), ctx.group)
+        work.wait()
+        full = iter(_full_seq_from_chunks(recv[:, j]) for j in range(len(present)))
+        args = [None if x is None else next(full) for x in tensors.values()]
+        heads = slice(first_head + c * h, first_head + (c + 1) * h)
+        result = attn_fn(heads, *args)
+        o, lse = result if isinstance(result, tuple) else (result, None)
+        returning.append(_post_all_to_all(_head_shard_chunks(o, P).contiguous(), ctx.group))
+        if lse is not None:
+            lse_parts.append(_post_all_to_all(_head_shard_chunks(lse.unsqueeze(-1), P).contiguous(),
+                                              ctx.group))  # fmt: skip
+    o = _assemble_head_groups(returning, layout, chunks)
+    if not lse_parts:
+        return o
+    return o, _assemble_head_groups(lse_parts, layout, chunks).squeeze(-1)
+
+
+def _assemble_head_groups(parts, layout: str, chunks: int) -> torch.Tensor:
+    """Received groups ``[P, B, h, S/P, D]`` (chunk r = rank r's heads of group c) -> the
+    sequence shard with global head ``r*H/P + c*h + j`` in place (either layout)."""
+    P, B, h, S_local, D = parts[0][0].shape
+    if layout == "bshd":
+        out = parts[0][0].new_empty(B, S_local, P * chunks * h, D)
+        view = out.view(B, S_local, P, chunks, h, D)
+    else:
+        out = parts[0][0].new_empty(B, P * chunks * h, S_local, D)
+        view = out.view(B, P, chunks, h, S_local, D)
+    for c, (recv, work) in enumerate(parts):
+        work.wait()
+        if layout == "bshd":
+            view[:, :, :, c] = recv.permute(1, 3, 0, 2, 4)  # [B, S/P, P, h, D]
+        else:
+            view[:, :, c] = recv.permute(1, 0, 2, 3, 4)  # [B, P, h, S/P, D]
+    return out
+
+
 def ulysses_attention(
     attn_fn: AttnFn,
     q: torch.Tensor,
@@ -373,6 +469,7 @@ def ulysses_attention(
     group=None,
     layout: str = "bshd",
     check_shards: bool = False,
+    head_chunks: int = 1,
 ):
     """Run any attention function under Ulysses sequence parallelism.
 
@@ -385,13 +482,17 @@ def ulysses_attention(
         extra: more tensors sharded like q (a gate), exchanged the same way; ``None`` passes.
         group: the process group (default WORLD); its size must divide H.
         check_shards: all-gather local shapes first and raise on every rank if they differ.
+        head_chunks: run the rank's heads in this many groups with the exchanges of the next
+            and previous group in flight during each group's attention (must divide ``H/P``).
+            Inference only: with autograd recording, the one-shot exchange runs.
 
     Returns ``o`` in the input layout (and ``lse`` ``[B, S/P, H]`` / ``[B, H, S/P]``).
     """
     ctx = resolve_context(group, layout)
     tensors = {"q": q, "k": k, "v": v, **{f"extra{i}": x for i, x in enumerate(extra)}}
-    validate_shards(ctx, **tensors)
-    return _run(ctx, attn_fn, tensors, check_shards)
+    _, _, H, _ = validate_shards(ctx, **tensors)
+    check_head_chunks(head_chunks, H, ctx.world_size)
+    return _run(ctx, attn_fn, tensors, check_shards, head_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -472,6 +573,7 @@ def ulysses_block_sparse_attn(
     group=None,
     layout: str = "bshd",
     check_shards: bool = False,
+    head_chunks: int = 1,
     **engine_kwargs,
 ):
     """:func:`vidsparse.block_sparse_attn` over a sequence-sharded input.
@@ -485,11 +587,13 @@ def ulysses_block_sparse_attn(
         engine_kwargs: ``block_size``, ``kv_block_sizes`` (full sequence), ``scale``,
             ``return_lse`` as for the engine; ``lse`` comes back ``[B, S/P, H]`` (bshd) or
             ``[B, H, S/P]`` (bhsd).
+        head_chunks: pipelined exchange for inference (see :func:`ulysses_attention`).
     """
     from vidsparse.ops.block_sparse_attn import block_sparse_attn
 
     ctx = resolve_context(group, layout)
     _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v)
+    check_head_chunks(head_chunks, H, ctx.world_size)
     block_q = _block_q(engine_kwargs.get("block_size", 64))
     _check_block_lists(kv_indices, kv_counts, H, S_local * ctx.world_size, block_q)
 
@@ -497,7 +601,7 @@ def ulysses_block_sparse_attn(
         idx, cnt = _list_slices.get(kv_indices, heads), _list_slices.get(kv_counts, heads)
         return block_sparse_attn(q_h, k_h, v_h, idx, cnt, **engine_kwargs)
 
-    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards)
+    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards, head_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -542,6 +646,7 @@ def ulysses_video_sparse_attn(
     group=None,
     layout: str = "bshd",
     check_shards: bool = False,
+    head_chunks: int = 1,
 ) -> torch.Tensor:
     """:func:`vidsparse.video_sparse_attn` over a sequence-sharded input.
 
@@ -550,12 +655,14 @@ def ulysses_video_sparse_attn(
     chunk of the padded tile-order sequence (whole tiles when ``P`` divides ``num_tiles``,
     but any split works: the all-to-all reassembles the full sequence before the op). ``gate``
     is sharded like q and exchanged with it. Differentiable in q, k, v and gate.
+    ``head_chunks``: pipelined exchange for inference (see :func:`ulysses_attention`).
     """
     from vidsparse.ops.video_sparse_attn import video_sparse_attn
     from vidsparse.ops.video_sparse_attn.reference import resolve_topk
 
     ctx = resolve_context(group, layout)
-    _, S_local, _, _ = validate_shards(ctx, q=q, k=k, v=v, gate=gate)
+    _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v, gate=gate)
+    check_head_chunks(head_chunks, H, ctx.world_size)
     if not isinstance(tiled, bool):
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
     _check_grid_length(grid, tiled, S_local, ctx.world_size)
@@ -574,7 +681,7 @@ def ulysses_video_sparse_attn(
             scale=scale,
         )
 
-    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v, "gate": gate}, check_shards)
+    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v, "gate": gate}, check_shards, head_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -626,6 +733,7 @@ def ulysses_stripe_attn(
     group=None,
     layout: str = "bshd",
     check_shards: bool = False,
+    head_chunks: int = 1,
     **stripe_kwargs,
 ) -> torch.Tensor:
     """:func:`vidsparse.stripe_attn` (PSA) over a sequence-sharded input.
@@ -634,9 +742,11 @@ def ulysses_stripe_attn(
     uses its ``H/P``. ``stripe_kwargs`` (``spatial_unit``, ``tiled``, ``sink_frames``,
     ``text_tokens``, ``scale``, ``return_lse``) pass through; they describe the full sequence,
     ``(grid.padded_len if tiled else grid.num_tokens) + text_tokens`` long, split evenly.
+    ``head_chunks``: pipelined exchange for inference (see :func:`ulysses_attention`).
     """
     ctx = resolve_context(group, layout)
     _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v)
+    check_head_chunks(head_chunks, H, ctx.world_size)
     _check_stripe_length(grid, stripe_kwargs, S_local, ctx.world_size)
     _slice_specs(specs, H, ctx.head_slice(H))  # wrong count: raise before exchanging
     try:
@@ -647,7 +757,7 @@ def ulysses_stripe_attn(
     def attn_fn(heads, q_h, k_h, v_h):
         return stripe_attn(q_h, k_h, v_h, grid, _slice_specs(specs, H, heads), **stripe_kwargs)
 
-    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards)
+    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards, head_chunks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -663,15 +773,30 @@ class UlyssesAttention:
     resolved at each call, so the handle can be built before ``init_process_group``.
     """
 
-    def __init__(self, group=None, *, layout: str = "bshd", check_shards: bool = False):
+    def __init__(
+        self,
+        group=None,
+        *,
+        layout: str = "bshd",
+        check_shards: bool = False,
+        head_chunks: int = 1,
+    ):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
+            raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
         self.group = group
         self.layout = layout
         self.check_shards = check_shards
+        self.head_chunks = head_chunks
 
     def _kw(self) -> dict:
-        return {"group": self.group, "layout": self.layout, "check_shards": self.check_shards}
+        return {
+            "group": self.group,
+            "layout": self.layout,
+            "check_shards": self.check_shards,
+            "head_chunks": self.head_chunks,
+        }
 
     @property
     def world_size(self) -> int:
