@@ -117,11 +117,17 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def verdicts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cp")
+    # The workers import the tiny models from test_integration_diffusers (tests/ on the path).
+    saved = os.environ.get("PYTHONPATH")
     tests_dir = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p
-    )
-    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
+    try:
+        mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True)
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 
