@@ -151,3 +151,9 @@ def test_ulysses_option_is_checked():
     with pytest.raises(ValueError, match="layout='bshd'"):
         apply_sparse_attention(model, "vsa", sparsity=0.5, ulysses=UlyssesAttention(layout="bhsd"))
     assert not hasattr(model, "_vidsparse_state") or model._vidsparse_state is None
+    # diffusers' context parallelism marks the stock processors: only ulysses= may take them
+    for block in model.blocks:
+        block.attn1.processor._parallel_config = object()
+    with pytest.raises(ValueError, match="pass ulysses="):
+        apply_sparse_attention(model, "vsa", sparsity=0.5)
+    apply_sparse_attention(model, "vsa", sparsity=0.5, ulysses=UlyssesAttention())

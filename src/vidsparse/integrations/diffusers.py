@@ -138,7 +138,7 @@ def _apply(
             "transformer; call remove_sparse_attention(transformer) first"
         )
     layers = adapter.attention_layers(transformer)
-    _check_stock_processors(adapter, layers)
+    _check_stock_processors(adapter, layers, sequence_parallel=ulysses is not None)
     heads, head_dim, dim = _attention_dims(layers[0][1])
     impl = make_method(adapter)
     impl.check_model(num_layers=len(layers), heads=heads)
@@ -957,7 +957,7 @@ def _adapter_for(transformer) -> _ModelAdapter:
     return adapter
 
 
-def _check_stock_processors(adapter: _ModelAdapter, layers) -> None:
+def _check_stock_processors(adapter: _ModelAdapter, layers, sequence_parallel: bool) -> None:
     for index, attn in layers:
         processor = attn.processor
         if type(processor).__name__ != adapter.stock_processor:
@@ -966,10 +966,11 @@ def _check_stock_processors(adapter: _ModelAdapter, layers) -> None:
                 f"apply_sparse_attention replaces only diffusers' {adapter.stock_processor} "
                 "(remove other processors first)"
             )
-        if getattr(processor, "_parallel_config", None) is not None:
+        if getattr(processor, "_parallel_config", None) is not None and not sequence_parallel:
             raise ValueError(
-                "context parallelism is enabled on this transformer; apply_sparse_attention "
-                "needs every attention to see the whole sequence"
+                "context parallelism is enabled on this transformer, so its attention sees "
+                "sequence shards: pass ulysses=vidsparse.parallel.UlyssesAttention() to "
+                "apply_sparse_attention"
             )
 
 
