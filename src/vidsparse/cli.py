@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 EXAMPLES = """examples:
-  vidsparse demo                      # dense vs VSA on the default workload, report in out/demo
+  vidsparse demo                      # dense vs VSA vs PSA on the default workload (out/demo)
   vidsparse demo --out /tmp/r --json  # machine-readable summary on stdout
   vidsparse search calib/ --grid 21 30 52 --tile 2 8 8 --alpha 0.05 --out plan.json
   vidsparse inspect plan.json --png masks.png
@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demo",
         help="dense vs sparse attention on a Wan-2.1-shaped layer",
         description=(
-            "Run dense attention and VSA on a Wan-2.1-shaped video self-attention layer and"
-            " report time, speedup and error against dense. On a GPU the 480p grid (21x30x52,"
+            "Run dense attention, VSA and PSA (per-head stripes from a quick search on the"
+            " spot, timed apart) on a Wan-2.1-shaped video self-attention layer whose q/k/v"
+            " come from a real clip, and report time, speedup, sparsity and error against"
+            " dense, with report.json and PNGs in --out. On a GPU the 480p grid (21x30x52,"
             " 12 heads, head_dim 128, bf16); on CPU a reduced grid, said so in the output."
         ),
         epilog="example:\n  vidsparse demo --out out/demo",
