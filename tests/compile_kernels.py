@@ -252,37 +252,12 @@ def build_jobs(names):
                     for kernel, args, kwargs in record_launches(
                         target, bq, bk, d, dtype, has_sizes, tma_ok
                     ):
-                        signature, constexprs, attrs, options = specialise(
-                            kernel, args, kwargs, backend_cls
-                        )
-                        key = json.dumps(
-                            [name, kernel.__name__, signature, constexprs, attrs, options],
-                            sort_keys=True,
-                            default=str,
-                        )
-                        if key in seen:
-                            continue
-                        seen.add(key)
-                        jobs.append(
-                            {
-                                "target": name,
-                                "gpu_target": gpu_args,
-                                "shared_limit": shared_limit,
-                                "kernel": short_name(kernel.__name__),
-                                "module": kernel.fn.__module__,
-                                "function": kernel.__name__,
-                                "block_q": bq,
-                                "block_kv": constexprs.get("BLOCK_N"),
-                                "head_dim": d,
-                                "dtype": DTYPES[dtype],
-                                "has_kv_sizes": constexprs.get("HAS_KV_SIZES"),
-                                "config": _config_of(options, constexprs),
-                                "signature": signature,
-                                "constexprs": constexprs,
-                                "attrs": attrs,
-                                "options": options,
-                            }
-                        )
+                        _add_job(
+                            jobs, seen, (name, gpu_args, shared_limit), backend_cls,
+                            kernel, args, kwargs, short_name(kernel.__name__),
+                            block_q=bq, block_kv="BLOCK_N", head_dim=d, dtype=dtype,
+                            has_kv_sizes="HAS_KV_SIZES",
+                        )  # fmt: skip
     jobs.extend(build_permute_jobs(names))  # VideoGrid.tile / untile kernels
     return jobs
 
@@ -351,40 +326,58 @@ def build_permute_jobs(names):
         for tile in PERMUTE_TILES:
             for d, dtype in PERMUTE_CASES:
                 for kernel, args, kwargs in record_permute_launches(tile, d, dtype):
-                    signature, constexprs, attrs, options = specialise(
-                        kernel, args, kwargs, backend_cls
-                    )
-                    key = json.dumps(
-                        [name, kernel.__name__, signature, constexprs, attrs, options],
-                        sort_keys=True,
-                        default=str,
-                    )
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    jobs.append(
-                        {
-                            "target": name,
-                            "gpu_target": gpu_args,
-                            "shared_limit": shared_limit,
-                            "kernel": PERMUTE_KERNEL_NAMES.get(
-                                kernel.__name__, kernel.__name__.strip("_")
-                            ),
-                            "module": kernel.fn.__module__,
-                            "function": kernel.__name__,
-                            "block_q": constexprs.get("BLOCK_S"),  # rows per program
-                            "block_kv": None,
-                            "head_dim": d,
-                            "dtype": DTYPES[dtype],
-                            "has_kv_sizes": None,
-                            "config": _config_of(options, constexprs),  # tile_t/h/w, block_s
-                            "signature": signature,
-                            "constexprs": constexprs,
-                            "attrs": attrs,
-                            "options": options,
-                        }
-                    )
+                    label = PERMUTE_KERNEL_NAMES.get(kernel.__name__, kernel.__name__.strip("_"))
+                    _add_job(
+                        jobs,
+                        seen,
+                        (name, gpu_args, shared_limit),
+                        backend_cls,
+                        kernel,
+                        args,
+                        kwargs,
+                        label,
+                        block_q="BLOCK_S",
+                        block_kv=None,
+                        head_dim=d,
+                        dtype=dtype,
+                        has_kv_sizes=None,
+                    )  # fmt: skip  (block_q: rows per program; config: tile_t/h/w, block_s)
     return jobs
+
+
+def _add_job(jobs, seen, target, backend_cls, kernel, args, kwargs, label, **case) -> None:
+    """Append the compile job of one recorded launch unless an identical one is queued.
+
+    ``target``: ``(name, gpu_args, shared_limit)``. ``case`` fields given as a str name the
+    constexpr that holds the value (``"BLOCK_N"``); others are taken as they are."""
+    name, gpu_args, shared_limit = target
+    signature, constexprs, attrs, options = specialise(kernel, args, kwargs, backend_cls)
+    key = json.dumps(
+        [name, kernel.__name__, signature, constexprs, attrs, options], sort_keys=True, default=str
+    )
+    if key in seen:
+        return
+    seen.add(key)
+    fields = {
+        k: constexprs.get(v) if isinstance(v, str) else v for k, v in case.items() if k != "dtype"
+    }
+    jobs.append(
+        {
+            "target": name,
+            "gpu_target": gpu_args,
+            "shared_limit": shared_limit,
+            "kernel": label,
+            "module": kernel.fn.__module__,
+            "function": kernel.__name__,
+            **fields,
+            "dtype": DTYPES[case["dtype"]],
+            "config": _config_of(options, constexprs),
+            "signature": signature,
+            "constexprs": constexprs,
+            "attrs": attrs,
+            "options": options,
+        }
+    )
 
 
 _CASE_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "HEAD_DIM", "HAS_KV_SIZES", "IEEE_DOT"}

@@ -88,14 +88,8 @@ def _compare_with_single_process(full_fn, sharded_fn, inputs: dict, layout: str)
     full = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()}
     local = {n: _shard(x, layout).detach().clone().requires_grad_(True) for n, x in inputs.items()}
     ref, out = full_fn(**full), sharded_fn(**local)
-    ref_o, ref_lse = ref if isinstance(ref, tuple) else (ref, None)
-    o, lse = out if isinstance(out, tuple) else (out, None)
     check = _Mismatches()
-    check.close("o", o, _shard(ref_o, layout))
-    if ref_lse is not None:
-        # lse [B, H, S] travels as a D = 1 tensor: [B, S/P, H] (bshd) or [B, H, S/P] (bhsd).
-        check.close("lse", lse, _shard(ref_lse.unsqueeze(-1), layout).squeeze(-1))
-
+    ref_o, o = _check_outputs(check, out, ref, layout)
     grad_o = torch.randn(ref_o.shape, generator=torch.Generator().manual_seed(7))
     (ref_o * grad_o).sum().backward()
     (o * _shard(grad_o, layout)).sum().backward()
@@ -109,13 +103,20 @@ def _compare_forward_only(full_fn, sharded_fn, inputs: dict, layout: str) -> Non
     with torch.no_grad():
         ref = full_fn(**inputs)
         out = sharded_fn(**{n: _shard(x, layout) for n, x in inputs.items()})
+    check = _Mismatches()
+    _check_outputs(check, out, ref, layout)
+    check.raise_if_any()
+
+
+def _check_outputs(check: _Mismatches, out, ref, layout: str):
+    """Compare ``o`` (and ``lse``) shards with the full result; returns ``(ref_o, o)``."""
     ref_o, ref_lse = ref if isinstance(ref, tuple) else (ref, None)
     o, lse = out if isinstance(out, tuple) else (out, None)
-    check = _Mismatches()
     check.close("o", o, _shard(ref_o, layout))
     if ref_lse is not None:
+        # lse [B, H, S] travels as a D = 1 tensor: [B, S/P, H] (bshd) or [B, H, S/P] (bhsd).
         check.close("lse", lse, _shard(ref_lse.unsqueeze(-1), layout).squeeze(-1))
-    check.raise_if_any()
+    return ref_o, o
 
 
 def _randn(*shape, seed: int) -> torch.Tensor:
