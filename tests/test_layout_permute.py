@@ -257,3 +257,22 @@ def test_gpu_bf16_matches_torch(monkeypatch, shape, tile, head_dim):
     want = torch.autograd.grad(_reference(monkeypatch, loss), (x, y))
     for g, w in zip(got, want):
         _assert_bitwise(g, w)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_tile_from_chunks_and_untile_to_chunks(triton_backend, chunks):
+    """Ulysses' fused exchange: the sequence in rank chunks -> tile order, and back."""
+    from vidsparse.layout.permute import tile_rows_from_chunks, untile_rows_to_chunks
+
+    grid = VideoGrid((5, 6, 7), tile=(4, 4, 4))  # 210 tokens: 1, 2 or 5 equal chunks
+    B, H, D, S = 2, 3, 16, grid.num_tokens
+    x = torch.randn(B, H, S, D)
+    in_chunks = x.reshape(B, H, chunks, S // chunks, D).permute(2, 0, 1, 3, 4).contiguous()
+    tiled = tile_rows_from_chunks(in_chunks, grid.shape, grid.tile_shape)
+    index = grid.index_tensors("cpu")  # the PyTorch path's gather, as the reference
+    ref = x.index_select(2, index.gather_index).masked_fill(~index.valid.view(1, 1, -1, 1), 0)
+    torch.testing.assert_close(tiled, ref, rtol=0, atol=0)
+    tiled[:, :, ~grid.real_token_mask("cpu")] = float("nan")  # padding is never read back
+    out = untile_rows_to_chunks(tiled, grid.shape, grid.tile_shape, chunks)
+    torch.testing.assert_close(out, in_chunks, rtol=0, atol=0)

@@ -265,6 +265,39 @@ def _overlapped_scenarios(compare, layout: str) -> None:
     compare(psa_full, psa_sharded, _qkv(1, 4, stripe_grid.num_tokens, 16, seed=63), layout)
 
 
+def _tiled_exchange_case(layout: str) -> None:
+    """Natural-order VSA in inference on the Triton path (here the interpreter): the exchange
+    tiles on the way in and untiles on the way out, fused (``TiledExchange``)."""
+    from vidsparse.ops.video_sparse_attn import video_sparse_attn
+    from vidsparse.parallel import ulysses
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("this scenario needs TRITON_INTERPRET=1 (set by conftest)")
+    grid = VideoGrid((5, 6, 7), tile=(4, 4, 4))
+    calls = []
+    unpack = ulysses.TiledExchange.unpack
+
+    def counting(self, recv):
+        calls.append(1)
+        return unpack(self, recv)
+
+    os.environ["VIDSPARSE_BACKEND"] = "auto"  # Triton in the interpreter
+    ulysses.TiledExchange.unpack = counting
+    try:
+        _compare_forward_only(
+            lambda q, k, v, gate: video_sparse_attn(q, k, v, grid, gate=gate, sparsity=0.5),
+            lambda q, k, v, gate: ulysses_video_sparse_attn(
+                q, k, v, grid, gate=gate, sparsity=0.5, layout=layout
+            ),
+            _qkv(1, 4, grid.num_tokens, 16, seed=70, gate=True),
+            layout,
+        )
+    finally:
+        ulysses.TiledExchange.unpack = unpack
+        os.environ["VIDSPARSE_BACKEND"] = "torch"
+    assert len(calls) == 4, f"fused unpack ran {len(calls)} times (q, k, v, gate: 4)"
+
+
 def _generic_sdpa_case(layout: str) -> None:
     """Any attention function composes: dense SDPA through the UlyssesAttention handle."""
     ulysses = UlyssesAttention(layout=layout, check_shards=True)
@@ -343,6 +376,8 @@ if HAS_STRIPE:
     SCENARIOS["overlapped_inference_bshd"] = lambda: _overlapped_case("bshd", grad=False)
     SCENARIOS["overlapped_inference_bhsd"] = lambda: _overlapped_case("bhsd", grad=False)
     SCENARIOS["overlapped_with_grad_bshd"] = lambda: _overlapped_case("bshd", grad=True)
+    SCENARIOS["tiled_exchange_bshd"] = lambda: _tiled_exchange_case("bshd")
+    SCENARIOS["tiled_exchange_bhsd"] = lambda: _tiled_exchange_case("bhsd")
 
 
 def _worker(rank: int, store_path: str, out_dir: str) -> None:

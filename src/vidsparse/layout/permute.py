@@ -26,12 +26,20 @@ Imported lazily (only when a kernel runs): importing vidsparse must not import T
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["tile_rows", "untile_rows", "block_rows", "NUM_WARPS"]
+__all__ = [
+    "tile_rows",
+    "untile_rows",
+    "tile_rows_from_chunks",
+    "untile_rows_to_chunks",
+    "block_rows",
+    "NUM_WARPS",
+]
 
 NUM_WARPS = 4
 # Bytes each program moves: 16 KB is 32 fp32 registers of data per thread at 4 warps, several
@@ -50,6 +58,7 @@ def block_rows(head_dim: int, element_size: int) -> int:
 def _tile_rows_kernel(
     X, OUT,  # x [B, H, S, D] (any strides), out [B, H, P, D] contiguous
     stride_xb, stride_xh, stride_xs, stride_xd,
+    chunk_len, stride_xc,  # token n lives at chunk n // chunk_len, row n % chunk_len of it
     heads, num_blocks, padded_len,
     GRID_T, GRID_H, GRID_W, TILES_H, TILES_W,  # grid (T, H, W); tiles along H and W
     TILE_T: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr,
@@ -93,13 +102,11 @@ def _tile_rows_kernel(
 
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
     # Gathered load: one full row per real slot; padding slots are never read, they get 0.
-    src = (
-        X
-        + b * stride_xb
-        + h * stride_xh
-        + token.to(tl.int64)[:, None] * stride_xs
-        + offs_d[None, :] * stride_xd
-    )  # [BLOCK_S, D]
+    # The sequence may arrive in chunks (Ulysses' receive buffer: one per rank).
+    chunk = token // chunk_len
+    row = chunk.to(tl.int64) * stride_xc + (token - chunk * chunk_len).to(tl.int64) * stride_xs
+    src = X + b * stride_xb + h * stride_xh + row[:, None] + offs_d[None, :] * stride_xd
+    # src: [BLOCK_S, D]
     rows = tl.load(src, mask=real[:, None], other=0.0)
 
     # Contiguous store of the [BLOCK_S, D] block of output rows.
@@ -109,8 +116,10 @@ def _tile_rows_kernel(
 
 @triton.jit
 def _untile_rows_kernel(
-    X, OUT,  # x [B, H, P, D] (any strides), out [B, H, S, D] contiguous
+    X, OUT,  # x [B, H, P, D] (any strides), out [B, H, S, D] (unit stride on D)
     stride_xb, stride_xh, stride_xs, stride_xd,
+    stride_ob, stride_oh, stride_os,
+    chunk_len, stride_oc,  # token n goes to chunk n // chunk_len, row n % chunk_len of it
     heads, num_blocks, num_tokens,
     GRID_H, GRID_W, TILES_H, TILES_W,  # grid (H, W) (T is not needed); tiles along H and W
     TILE_T: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr,
@@ -156,8 +165,10 @@ def _untile_rows_kernel(
     )  # [BLOCK_S, D]
     rows = tl.load(src, mask=in_range[:, None], other=0.0)
 
-    # Contiguous store of the [BLOCK_S, D] block of natural rows.
-    dst = OUT + bh.to(tl.int64) * num_tokens * HEAD_DIM + n.to(tl.int64)[:, None] * HEAD_DIM
+    # Store of the [BLOCK_S, D] block of natural rows (contiguous unless chunked / strided).
+    chunk = n // chunk_len
+    row = chunk.to(tl.int64) * stride_oc + (n - chunk * chunk_len).to(tl.int64) * stride_os
+    dst = OUT + b * stride_ob + h * stride_oh + row[:, None]
     tl.store(dst + offs_d[None, :], rows, mask=in_range[:, None])
 
 
@@ -171,6 +182,22 @@ def tile_rows(x: torch.Tensor, shape, tile) -> torch.Tensor:
     The caller (``permute_ops``) has checked dtype, head dim and sizes.
     """
     B, heads, S, D = x.shape
+    return _tile(x, (B, heads, S, D), x.stride(), shape, tile, chunk_len=S, stride_xc=0)
+
+
+def tile_rows_from_chunks(x: torch.Tensor, shape, tile) -> torch.Tensor:
+    """``x [C, B, H, S/C, D]``, the natural sequence in ``C`` consecutive chunks (as Ulysses
+    receives it, one per rank) -> contiguous tile order ``[B, H, padded_len, D]``: the
+    reassembly of the sequence and the tiling in one pass."""
+    C, B, heads, chunk, D = x.shape
+    stride_c, *strides = x.stride()
+    return _tile(x, (B, heads, chunk * C, D), strides, shape, tile, chunk_len=chunk,
+                 stride_xc=stride_c)  # fmt: skip
+
+
+def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int):
+    """Launch over ``x`` seen as ``[B, H, S, D]`` with ``strides`` (b, h, s, d) inside a chunk."""
+    B, heads, S, D = dims
     T, H, W = shape
     tT, tH, tW = tile
     Nt, Nh, Nw = _ceil_div(T, tT), _ceil_div(H, tH), _ceil_div(W, tW)
@@ -182,7 +209,8 @@ def tile_rows(x: torch.Tensor, shape, tile) -> torch.Tensor:
     with _launch_device(x):
         _tile_rows_kernel[(B * heads * num_blocks,)](
             x, out,
-            *x.stride(),
+            *strides,
+            chunk_len, stride_xc,
             heads, num_blocks, P,
             T, H, W, Nh, Nw,
             TILE_T=tT, TILE_H=tH, TILE_W=tW, HEAD_DIM=D, BLOCK_S=block_s,
@@ -193,19 +221,39 @@ def tile_rows(x: torch.Tensor, shape, tile) -> torch.Tensor:
 
 def untile_rows(x: torch.Tensor, shape, tile) -> torch.Tensor:
     """Tile order ``[B, H, padded_len, D]`` -> contiguous natural ``[B, H, T*H*W, D]``."""
+    B, heads, _, D = x.shape
+    out = torch.empty((B, heads, math.prod(shape), D), dtype=x.dtype, device=x.device)
+    _untile(x, shape, tile, out, *out.stride()[:3], chunk_len=out.shape[2], stride_oc=0)
+    return out
+
+
+def untile_rows_to_chunks(x: torch.Tensor, shape, tile, chunks: int) -> torch.Tensor:
+    """Tile order ``[B, H, padded_len, D]`` -> natural order cut into ``chunks`` consecutive
+    pieces, contiguous ``[chunks, B, H, S/chunks, D]`` (Ulysses' send buffer: piece ``r`` goes
+    to rank ``r``): the untiling and the packing in one pass."""
+    B, heads, _, D = x.shape
+    S = math.prod(shape)
+    out = torch.empty((chunks, B, heads, S // chunks, D), dtype=x.dtype, device=x.device)
+    _untile(x, shape, tile, out, *out.stride()[1:4], chunk_len=S // chunks,
+            stride_oc=out.stride(0))  # fmt: skip
+    return out
+
+
+def _untile(x, shape, tile, out, stride_ob, stride_oh, stride_os, *, chunk_len, stride_oc):
     B, heads, P, D = x.shape
     T, H, W = shape
     tT, tH, tW = tile
     Nh, Nw = _ceil_div(H, tH), _ceil_div(W, tW)
     S = T * H * W
     assert _ceil_div(T, tT) * Nh * Nw * tT * tH * tW == P, (P, shape, tile)
-    out = torch.empty((B, heads, S, D), dtype=x.dtype, device=x.device)
     block_s = block_rows(D, x.element_size())
     num_blocks = _ceil_div(S, block_s)
     with _launch_device(x):
         _untile_rows_kernel[(B * heads * num_blocks,)](
             x, out,
             *x.stride(),
+            stride_ob, stride_oh, stride_os,
+            chunk_len, stride_oc,
             heads, num_blocks, S,
             H, W, Nh, Nw,
             TILE_T=tT, TILE_H=tH, TILE_W=tW, HEAD_DIM=D, BLOCK_S=block_s,

@@ -346,16 +346,20 @@ def _run(
     tensors: dict[str, torch.Tensor | None],
     check: bool,
     head_chunks: int = 1,
+    tiled: TiledExchange | None = None,
 ):
     """Exchange in, run ``attn_fn`` on the rank's heads, exchange out.
 
     ``tensors``: q, k, v first, then extras sharded like q (``None`` passes through), already
     checked by :func:`validate_shards` (and ``head_chunks`` by :func:`check_head_chunks`).
+    ``tiled``: for ops with a tile-order variant, fused unpack+tile / untile+pack (inference).
     """
     if _want_global_check(check):
         validate_shards_across_ranks(ctx, **tensors)
-    if _overlap_applies(ctx, tensors, head_chunks):
-        return _run_overlapped(ctx, attn_fn, tensors, head_chunks)
+    if _inference_exchange_applies(ctx, tensors):
+        tiled = tiled if tiled is not None and tiled.supports(tensors["q"], ctx.layout) else None
+        if head_chunks > 1 or tiled is not None:
+            return _run_overlapped(ctx, attn_fn, tensors, head_chunks, tiled)
     present = [x for x in tensors.values() if x is not None]
     full = iter(_seq_to_head_many(present, ctx, "all_to_all"))
     q_h, k_h, v_h, *extra_h = (None if x is None else next(full) for x in tensors.values())
@@ -380,10 +384,42 @@ def check_head_chunks(head_chunks, num_heads: int, world_size: int) -> int:
     return head_chunks
 
 
-def _overlap_applies(ctx: ShardContext, tensors: dict, head_chunks: int) -> bool:
-    """The pipelined exchange serves inference: with autograd recording, or one dtype-mixed
-    set of tensors (they would need several buffers), the one-shot exchange runs instead."""
-    if head_chunks <= 1 or ctx.world_size == 1:
+@dataclass(frozen=True)
+class TiledExchange:
+    """An op's tile-order variant, so the exchange can tile and untile on the way (inference).
+
+    The receive buffer ``[P, B, h, S/P, D]`` (the natural sequence in rank chunks) goes straight
+    to tile order ``[B, h, padded_len, D]``, and the op's tile-order output straight into the
+    send buffer, one pass each (``vidsparse.layout.permute``): the reassembly copy and the op's
+    own tiling (and untiling) copies are gone. ``attn_fn(heads, q_t, k_t, v_t, *extra_t)``
+    takes and returns tile order.
+    """
+
+    grid: VideoGrid
+    attn_fn: AttnFn
+
+    def supports(self, q: torch.Tensor, layout: str) -> bool:
+        from vidsparse.layout.permute_ops import kernel_supports
+
+        q_bhsd = q.transpose(1, 2) if layout == "bshd" else q
+        return kernel_supports(q_bhsd, 2, self.grid.padded_len)
+
+    def unpack(self, recv: torch.Tensor) -> torch.Tensor:
+        from vidsparse.layout.permute import tile_rows_from_chunks
+
+        return tile_rows_from_chunks(recv, self.grid.shape, self.grid.tile_shape)
+
+    def pack(self, o_t: torch.Tensor, world: int) -> torch.Tensor:
+        from vidsparse.layout.permute import untile_rows_to_chunks
+
+        return untile_rows_to_chunks(o_t, self.grid.shape, self.grid.tile_shape, world)
+
+
+def _inference_exchange_applies(ctx: ShardContext, tensors: dict) -> bool:
+    """The asynchronous (pipelined or fused) exchange serves inference: with autograd
+    recording, or one dtype-mixed set of tensors (they would need several buffers), the one-shot
+    exchange runs instead."""
+    if ctx.world_size == 1:
         return False
     present = [x for x in tensors.values() if x is not None]
     if len({x.dtype for x in present}) > 1:
@@ -398,7 +434,13 @@ def _post_all_to_all(buf: torch.Tensor, group):
     return out, work
 
 
-def _run_overlapped(ctx: ShardContext, attn_fn: AttnFn, tensors: dict, chunks: int):
+def _run_overlapped(
+    ctx: ShardContext,
+    attn_fn: AttnFn,
+    tensors: dict,
+    chunks: int,
+    tiled: TiledExchange | None = None,
+):
     """Ulysses with the exchanges pipelined against the attention (inference).
 
     The rank's ``H/P`` heads run in ``chunks`` groups of ``h = H/(P*chunks)``. While group
@@ -426,12 +468,14 @@ def _run_overlapped(ctx: ShardContext, attn_fn: AttnFn, tensors: dict, chunks: i
         if c + 1 < chunks:
             inflight = _post_all_to_all(send_buffer(c + 1), ctx.group)
         work.wait()
-        full = iter(_full_seq_from_chunks(recv[:, j]) for j in range(len(present)))
+        unpack = _full_seq_from_chunks if tiled is None else tiled.unpack
+        full = iter(unpack(recv[:, j]) for j in range(len(present)))
         args = [None if x is None else next(full) for x in tensors.values()]
         heads = slice(first_head + c * h, first_head + (c + 1) * h)
-        result = attn_fn(heads, *args)
+        result = (attn_fn if tiled is None else tiled.attn_fn)(heads, *args)
         o, lse = result if isinstance(result, tuple) else (result, None)
-        returning.append(_post_all_to_all(_head_shard_chunks(o, P).contiguous(), ctx.group))
+        send = _head_shard_chunks(o, P).contiguous() if tiled is None else tiled.pack(o, P)
+        returning.append(_post_all_to_all(send, ctx.group))
         if lse is not None:
             lse_parts.append(_post_all_to_all(_head_shard_chunks(lse.unsqueeze(-1), P).contiguous(),
                                               ctx.group))  # fmt: skip
@@ -668,7 +712,7 @@ def ulysses_video_sparse_attn(
     _check_grid_length(grid, tiled, S_local, ctx.world_size)
     resolve_topk(grid.num_tiles, topk, sparsity)  # bad topk/sparsity: raise before exchanging
 
-    def attn_fn(heads, q_h, k_h, v_h, gate_h):
+    def attn_fn(heads, q_h, k_h, v_h, gate_h, tiled=tiled):
         return video_sparse_attn(
             q_h,
             k_h,
@@ -681,7 +725,13 @@ def ulysses_video_sparse_attn(
             scale=scale,
         )
 
-    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v, "gate": gate}, check_shards, head_chunks)
+    def tiled_attn_fn(heads, *xs):
+        return attn_fn(heads, *xs, tiled=True)
+
+    # Natural order: in inference the exchange tiles and untiles on the way (one pass each).
+    exchange = None if tiled else TiledExchange(grid, tiled_attn_fn)
+    tensors = {"q": q, "k": k, "v": v, "gate": gate}
+    return _run(ctx, attn_fn, tensors, check_shards, head_chunks, exchange)
 
 
 # ---------------------------------------------------------------------------------------------
