@@ -86,6 +86,10 @@ def run(args, device, dtype) -> list[dict]:
 
     world = dist.get_world_size()
     work = bench_e2e.make_workload(args)
+    local_heads = work.heads // world
+    bad = [n for n in args.head_chunks if n < 1 or local_heads % n]
+    if bad:  # before any model is built, on every rank alike
+        raise SystemExit(f"--head-chunks {bad} must divide the {local_heads} heads of a rank")
     inputs = bench_e2e.make_inputs(work, device, dtype, args.seed)
     rows = []
     for method in args.methods.split(","):

@@ -24,7 +24,6 @@ local shapes first and raises the same error on every rank.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 from collections.abc import Callable, Sequence
@@ -445,104 +444,45 @@ def _run_overlapped(
     """Ulysses with the exchanges pipelined against the attention (inference).
 
     The rank's ``H/P`` heads run in ``chunks`` groups of ``h = H/(P*chunks)``. While group
-    ``c`` is attended, the inputs of group ``c+1`` are packed, sent and unpacked and the output
-    of group ``c-1`` is packed and sent back, so only the first exchange in and the last one
-    out are exposed::
+    ``c`` is attended, the inputs of group ``c+1`` are in flight and the output of group
+    ``c-1`` travels back, so only the first exchange in and the last one out are exposed::
 
-        in stream    [pack 0|send 0|unpack 0][pack 1|send 1|unpack 1][pack 2 ...
-        attn stream                          [attn 0         ][attn 1         ] ...
-        out stream                                            [pack|send 0   ][pack|send 1]
-
-    On a GPU the copies run on two side streams (memory-bound copies overlap the
-    compute-bound attention); on the CPU everything runs in order.
+        comm   [in 0][in 1][out 0][in 2][out 1] ...        [out n-1]
+        attn         [attn 0]    [attn 1]    [attn 2] ...
     """
     P, layout = ctx.world_size, ctx.layout
     B, S_local, H, D = local_dims(tensors["q"], layout)
     h = H // P // chunks
     first_head = ctx.head_slice(H).start
     present = [x for x in tensors.values() if x is not None]
-    streams = _SideStreams(present[0].device)
-    unpack = _full_seq_from_chunks if tiled is None else tiled.unpack
 
     def send_buffer(c: int) -> torch.Tensor:
         # [P, n, B, h, S/P, D]: chunk p holds group c of rank p's heads, for every tensor
         parts = [_seq_shard_chunks(x, layout, P)[:, :, c * h : (c + 1) * h] for x in present]
         return torch.stack(parts, dim=1)
 
-    def receive(c: int):
-        """Group c's full-sequence inputs, packed, exchanged and unpacked on the in stream."""
-        with streams.use("in"):
-            recv, work = _post_all_to_all(send_buffer(c), ctx.group)
-            work.wait()
-            full = [unpack(recv[:, j]) for j in range(len(present))]
-        return streams.hand_over("in", full)
-
+    inflight = _post_all_to_all(send_buffer(0), ctx.group)
     returning, lse_parts = [], []
-    streams.after_main("in")  # the inputs were written on the main stream
-    ready = receive(0)
     for c in range(chunks):
-        handed = ready
+        recv, work = inflight
         if c + 1 < chunks:
-            ready = receive(c + 1)  # queued on the in stream, runs under attention c
-        streams.main_waits(handed)
-        full = iter(handed[0])
+            inflight = _post_all_to_all(send_buffer(c + 1), ctx.group)
+        work.wait()
+        unpack = _full_seq_from_chunks if tiled is None else tiled.unpack
+        full = iter(unpack(recv[:, j]) for j in range(len(present)))
         args = [None if x is None else next(full) for x in tensors.values()]
         heads = slice(first_head + c * h, first_head + (c + 1) * h)
         result = (attn_fn if tiled is None else tiled.attn_fn)(heads, *args)
         o, lse = result if isinstance(result, tuple) else (result, None)
-        streams.after_main("out", o, lse)
-        with streams.use("out"):
-            send = _head_shard_chunks(o, P).contiguous() if tiled is None else tiled.pack(o, P)
-            returning.append(_post_all_to_all(send, ctx.group))
-            if lse is not None:
-                lse_send = _head_shard_chunks(lse.unsqueeze(-1), P).contiguous()
-                lse_parts.append(_post_all_to_all(lse_send, ctx.group))
+        send = _head_shard_chunks(o, P).contiguous() if tiled is None else tiled.pack(o, P)
+        returning.append(_post_all_to_all(send, ctx.group))
+        if lse is not None:
+            lse_parts.append(_post_all_to_all(_head_shard_chunks(lse.unsqueeze(-1), P).contiguous(),
+                                              ctx.group))  # fmt: skip
     o = _assemble_head_groups(returning, layout, chunks)
     if not lse_parts:
         return o
     return o, _assemble_head_groups(lse_parts, layout, chunks).squeeze(-1)
-
-
-class _SideStreams:
-    """The two copy streams of the pipelined exchange on a GPU; no-ops on the CPU.
-
-    Tensors cross streams with an event (the consumer waits for the producer) and
-    ``record_stream`` (the caching allocator keeps the memory until the consumer is done)."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.main = torch.cuda.current_stream(device)
-            self.side = {"in": torch.cuda.Stream(device), "out": torch.cuda.Stream(device)}
-
-    def use(self, name: str):
-        return torch.cuda.stream(self.side[name]) if self.cuda else contextlib.nullcontext()
-
-    def after_main(self, name: str, *tensors) -> None:
-        """Side stream ``name`` waits for the work queued so far on the main stream and may
-        use ``tensors`` (made there)."""
-        if not self.cuda:
-            return
-        self.side[name].wait_stream(self.main)
-        for t in tensors:
-            if t is not None:
-                t.record_stream(self.side[name])
-
-    def hand_over(self, name: str, tensors: list) -> tuple:
-        """Tensors made on side stream ``name``, with the event the main stream must wait on."""
-        if not self.cuda:
-            return tensors, None
-        event = torch.cuda.Event()
-        event.record(self.side[name])
-        return tensors, event
-
-    def main_waits(self, handed) -> None:
-        tensors, event = handed
-        if event is None:
-            return
-        self.main.wait_event(event)
-        for t in tensors:
-            t.record_stream(self.main)
 
 
 def _assemble_head_groups(parts, layout: str, chunks: int) -> torch.Tensor:
@@ -556,9 +496,7 @@ def _assemble_head_groups(parts, layout: str, chunks: int) -> torch.Tensor:
         out = parts[0][0].new_empty(B, P * chunks * h, S_local, D)
         view = out.view(B, P, chunks, h, S_local, D)
     for c, (recv, work) in enumerate(parts):
-        work.wait()  # the current stream waits for the exchange
-        if recv.is_cuda:  # received on a side stream: keep its memory until read here
-            recv.record_stream(torch.cuda.current_stream(recv.device))
+        work.wait()
         if layout == "bshd":
             view[:, :, :, c] = recv.permute(1, 3, 0, 2, 4)  # [B, S/P, P, h, D]
         else:
