@@ -266,8 +266,8 @@ def _overlapped_scenarios(compare, layout: str) -> None:
 
 
 def _tiled_exchange_case(layout: str) -> None:
-    """Natural-order VSA in inference on the Triton path (here the interpreter): the exchange
-    tiles on the way in and untiles on the way out, fused (``TiledExchange``)."""
+    """Natural-order VSA and PSA in inference on the Triton path (here the interpreter): the
+    exchange tiles on the way in and untiles on the way out, fused (``TiledExchange``)."""
     from vidsparse.ops.video_sparse_attn import video_sparse_attn
     from vidsparse.parallel import ulysses
 
@@ -281,6 +281,10 @@ def _tiled_exchange_case(layout: str) -> None:
         calls.append(1)
         return unpack(self, recv)
 
+    from vidsparse.ops.stripe_attn import stripe_attn
+
+    stripe_grid = VideoGrid((4, 6, 8), tile=(2, 4, 4))
+    specs = [StripeSpec(1, 0, None, 1, 0, None), StripeSpec(1, 0, 1, 2, 0, 3)] * 2
     os.environ["VIDSPARSE_BACKEND"] = "auto"  # Triton in the interpreter
     ulysses.TiledExchange.unpack = counting
     try:
@@ -292,10 +296,16 @@ def _tiled_exchange_case(layout: str) -> None:
             _qkv(1, 4, grid.num_tokens, 16, seed=70, gate=True),
             layout,
         )
+        _compare_forward_only(
+            lambda q, k, v: stripe_attn(q, k, v, stripe_grid, specs),
+            lambda q, k, v: ulysses_stripe_attn(q, k, v, stripe_grid, specs, layout=layout),
+            _qkv(1, 4, stripe_grid.num_tokens, 16, seed=71),
+            layout,
+        )
     finally:
         ulysses.TiledExchange.unpack = unpack
         os.environ["VIDSPARSE_BACKEND"] = "torch"
-    assert len(calls) == 4, f"fused unpack ran {len(calls)} times (q, k, v, gate: 4)"
+    assert len(calls) == 7, f"fused unpack ran {len(calls)} times (VSA q, k, v, gate; PSA q, k, v)"
 
 
 def _generic_sdpa_case(layout: str) -> None:

@@ -807,7 +807,14 @@ def ulysses_stripe_attn(
     def attn_fn(heads, q_h, k_h, v_h):
         return stripe_attn(q_h, k_h, v_h, grid, _slice_specs(specs, H, heads), **stripe_kwargs)
 
-    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards, head_chunks)
+    def tiled_attn_fn(heads, q_t, k_t, v_t):
+        kwargs = {**stripe_kwargs, "tiled": True}
+        return stripe_attn(q_t, k_t, v_t, grid, _slice_specs(specs, H, heads), **kwargs)
+
+    # Natural order, video only, o only: in inference the exchange tiles and untiles on the way.
+    plain = not any(stripe_kwargs.get(key) for key in ("tiled", "text_tokens", "return_lse"))
+    exchange = TiledExchange(grid, tiled_attn_fn) if plain else None
+    return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards, head_chunks, exchange)
 
 
 # ---------------------------------------------------------------------------------------------
