@@ -3,6 +3,7 @@
     python examples/wan_pipeline.py --method vsa --sparsity 0.875
     python examples/wan_pipeline.py --method psa --plan wan_480p_plan.json
     python examples/wan_pipeline.py --method dense            # our processor, SDPA (reference)
+    torchrun --nproc-per-node 2 examples/wan_pipeline.py --method vsa   # 2 GPUs (Ulysses)
 
 Needs a GPU, ``pip install "vidsparse[diffusers]"`` and the Wan 2.1 weights (downloaded by
 ``from_pretrained``). Not run in the tests: they check the same calls on a tiny random model.
@@ -16,11 +17,16 @@ pass the step callback, and optionally remove afterwards.
 - PSA follows a plan searched offline for this resolution and frame count (``vidsparse search``;
   a plan for another latent grid is refused). The plan is indexed by the denoising step, which
   the callback advances; its ``num_steps`` must be the pipeline's ``num_inference_steps``.
+- Under ``torchrun`` (P GPUs): diffusers' context parallelism shards the sequence and
+  ``ulysses=UlyssesAttention()`` lets vidsparse's processors run over the whole sequence of each
+  rank's heads (``docs/parallel.md``; measured on a random-weight model by
+  ``benchmarks/bench_e2e_ulysses.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -36,20 +42,33 @@ def main() -> None:
         remove_sparse_attention,
     )
 
+    ulysses = {}
+    if "WORLD_SIZE" in os.environ:  # started by torchrun: sequence parallelism over the GPUs
+        from diffusers import ContextParallelConfig
+
+        from vidsparse.parallel import UlyssesAttention
+
+        torch.distributed.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        ulysses = {"ulysses": UlyssesAttention()}  # vidsparse: our processors exchange heads
+
     vae = AutoencoderKLWan.from_pretrained(args.model, subfolder="vae", torch_dtype=torch.float32)
     pipe = WanPipeline.from_pretrained(args.model, vae=vae, torch_dtype=torch.bfloat16).to("cuda")
+    if ulysses:  # diffusers shards the sequence; vidsparse's attention runs over all of it
+        world = torch.distributed.get_world_size()
+        pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
 
     callback = None
     if args.method == "vsa":
-        apply_sparse_attention(pipe.transformer, "vsa", sparsity=args.sparsity)  # vidsparse
+        apply_sparse_attention(pipe.transformer, "vsa", sparsity=args.sparsity, **ulysses)
         if args.gate_weights:  # trained gates of a VSA fine-tune
             gates = torch.load(args.gate_weights, map_location="cuda")
             pipe.transformer.load_state_dict(gates, strict=False)
     elif args.method == "psa":
-        apply_sparse_attention(pipe.transformer, "psa", plan=args.plan)  # vidsparse
+        apply_sparse_attention(pipe.transformer, "psa", plan=args.plan, **ulysses)  # vidsparse
         callback = denoising_step_callback(pipe.transformer)  # vidsparse: plan step = pipe step
     else:
-        apply_sparse_attention(pipe.transformer, "dense")  # vidsparse
+        apply_sparse_attention(pipe.transformer, "dense", **ulysses)  # vidsparse
 
     frames = pipe(
         prompt=args.prompt,
@@ -62,7 +81,8 @@ def main() -> None:
         callback_on_step_end=callback,
         generator=torch.Generator("cuda").manual_seed(0),
     ).frames[0]
-    export_to_video(frames, args.output, fps=16)
+    if not ulysses or torch.distributed.get_rank() == 0:
+        export_to_video(frames, args.output, fps=16)
 
     remove_sparse_attention(pipe.transformer)  # vidsparse: back to the stock model, exactly
 
