@@ -185,6 +185,7 @@ def main(argv=None):
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-plot", action="store_true", help="write no PNG beside the JSON")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -198,7 +199,28 @@ def main(argv=None):
     harness.write_results(out, meta, rows)
     harness.print_table([r for r in rows if r.get("provider") != "search"], COLUMNS)
     print(f"wrote {out}")
+    if not args.no_plot:
+        png = draw(rows, Path(out).with_suffix(".png"), meta["gpu"])
+        if png:
+            print(f"wrote {png}")
     return rows
+
+
+def draw(rows: list[dict], path: Path, gpu: str):
+    """Speedup over cuDNN dense against achieved sparsity, a line per PSA block shape."""
+    return harness.plot(
+        path,
+        [r for r in rows if r.get("provider") in ("ours", "cudnn")],
+        x="sparsity",
+        y="speedup",
+        series=("tile",),
+        panels=("shape",),
+        reference=lambda r: r["provider"] == "cudnn",
+        xlabel="sparsity (skipped block pairs of the padded block grid)",
+        ylabel="speedup over cuDNN dense (forward)",
+        title=f"PSA stripe_attn, {gpu}",
+        logx=False,
+    )
 
 
 if __name__ == "__main__":

@@ -441,6 +441,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="tiny grid (CPU smoke run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default results/vsa_<gpu>.json)")
+    ap.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG beside the JSON")
     args = ap.parse_args(argv)
     args.modes = _split_list(args.modes, harness.MODES, "mode")
     args.providers = _split_list(args.providers, ALL_PROVIDERS, "provider")
@@ -474,7 +475,29 @@ def main(argv=None) -> list[dict]:
     harness.write_results(out, meta, rows)
     harness.print_table(rows, COLUMNS)
     print(f"wrote {out}", flush=True)
+    if args.plot:
+        png = draw(rows, Path(out).with_suffix(".png"), meta["gpu"])
+        if png:
+            print(f"wrote {png}", flush=True)
     return rows
+
+
+def draw(rows: list[dict], path: Path, gpu: str):
+    """Speedup over cuDNN dense against sparsity, a line per provider, a panel per shape and
+    mode."""
+    return harness.plot(
+        path,
+        rows,
+        x="sparsity",
+        y="speedup",
+        series=("provider",),
+        panels=("shape", "mode"),
+        reference=lambda r: r["provider"] == "cudnn",
+        xlabel="sparsity (key tiles skipped)",
+        ylabel="speedup over cuDNN dense",
+        title=f"VSA, {gpu}",
+        logx=False,
+    )
 
 
 def collect_meta(args, device, dtype) -> dict:
