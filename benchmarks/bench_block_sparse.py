@@ -46,6 +46,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.harness import Column, Provider  # noqa: E402
+from vidsparse.layout import VideoGrid  # noqa: E402
 
 DENSE_PROVIDERS = ("cudnn", "flash")
 SPARSE_PROVIDERS = ("ours", "ours-op", "flex", "flex64")
@@ -90,13 +91,8 @@ class Shape:
         return T * H * W
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def padded_len(grid: tuple[int, int, int], tile: tuple[int, int, int] = TILE) -> int:
-    tiles = math.prod(_ceil_div(n, t) for n, t in zip(grid, tile))
-    return tiles * math.prod(tile)
+    return VideoGrid(grid, tile=tile).padded_len
 
 
 def video_shape(name: str, grid: tuple[int, int, int], heads: int, head_dim: int) -> Shape:
@@ -144,25 +140,7 @@ def real_token_mask(shape: Shape, device: torch.device) -> torch.Tensor:
     """bool [seq_len]: which tile-order slots hold real tokens (all of them without a grid)."""
     if shape.grid is None:
         return torch.ones(shape.seq_len, dtype=torch.bool, device=device)
-    tile_sizes = _tile_sizes(shape.grid).to(device)
-    slots = torch.arange(math.prod(TILE), device=device)
-    return (slots < tile_sizes[:, None]).reshape(-1)
-
-
-def _tile_sizes(grid: tuple[int, int, int]) -> torch.Tensor:
-    """int32 [num_tiles]: real tokens of each 4x4x4 tile, from vidsparse.VideoGrid."""
-    try:
-        from vidsparse.layout import VideoGrid
-    except ImportError:
-        # Same numbers without the layout module: the tile grid is separable, so a tile's
-        # size is the product of its extents along T, H and W.
-        extents = [
-            torch.tensor([min(t, n - i * t) for i in range(_ceil_div(n, t))])
-            for n, t in zip(grid, TILE)
-        ]
-        sizes = extents[0][:, None, None] * extents[1][None, :, None] * extents[2][None, None, :]
-        return sizes.reshape(-1).to(torch.int32)
-    return VideoGrid(grid, tile=TILE).tile_sizes
+    return VideoGrid(shape.grid, tile=TILE).real_token_mask(device)
 
 
 # ---------------------------------------------------------------------------------------------

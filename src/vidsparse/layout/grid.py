@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 
 from vidsparse.layout import permute_ops
+from vidsparse.utils import ceil_div
 from vidsparse.utils.checks import check_positive_ints, check_tensor
 
 __all__ = ["VideoGrid", "TileIndex"]
@@ -49,14 +50,10 @@ class TileIndex(NamedTuple):
     tile_sizes: torch.Tensor  # int32 [num_tiles]: real tokens in each tile
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _build_tile_index_cpu(shape: tuple[int, int, int], tile: tuple[int, int, int]) -> TileIndex:
     T, H, W = shape
     tT, tH, tW = tile
-    Nt, Nh, Nw = _ceil_div(T, tT), _ceil_div(H, tH), _ceil_div(W, tW)
+    Nt, Nh, Nw = ceil_div(T, tT), ceil_div(H, tH), ceil_div(W, tW)
     volume = tT * tH * tW
     num_tiles = Nt * Nh * Nw
 
@@ -215,7 +212,7 @@ class VideoGrid:
     @property
     def tiles(self) -> tuple[int, int, int]:
         """``(Nt, Nh, Nw) = (ceil(T/tT), ceil(H/tH), ceil(W/tW))``."""
-        return tuple(_ceil_div(n, t) for n, t in zip(self._shape, self._tile_shape))
+        return tuple(ceil_div(n, t) for n, t in zip(self._shape, self._tile_shape))
 
     @property
     def num_tiles(self) -> int:

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vidsparse.utils import ceil_div
+
 __all__ = [
     "tile_rows",
     "untile_rows",
@@ -172,10 +174,6 @@ def _untile_rows_kernel(
     tl.store(dst + offs_d[None, :], rows, mask=in_range[:, None])
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def tile_rows(x: torch.Tensor, shape, tile) -> torch.Tensor:
     """Natural ``[B, H, T*H*W, D]`` -> contiguous tile order ``[B, H, padded_len, D]``.
 
@@ -200,12 +198,12 @@ def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int):
     B, heads, S, D = dims
     T, H, W = shape
     tT, tH, tW = tile
-    Nt, Nh, Nw = _ceil_div(T, tT), _ceil_div(H, tH), _ceil_div(W, tW)
+    Nt, Nh, Nw = ceil_div(T, tT), ceil_div(H, tH), ceil_div(W, tW)
     P = Nt * Nh * Nw * tT * tH * tW
     assert S == T * H * W, (S, shape)
     out = torch.empty((B, heads, P, D), dtype=x.dtype, device=x.device)
     block_s = block_rows(D, x.element_size())
-    num_blocks = _ceil_div(P, block_s)
+    num_blocks = ceil_div(P, block_s)
     with _launch_device(x):
         _tile_rows_kernel[(B * heads * num_blocks,)](
             x, out,
@@ -243,11 +241,11 @@ def _untile(x, shape, tile, out, stride_ob, stride_oh, stride_os, *, chunk_len, 
     B, heads, P, D = x.shape
     T, H, W = shape
     tT, tH, tW = tile
-    Nh, Nw = _ceil_div(H, tH), _ceil_div(W, tW)
+    Nh, Nw = ceil_div(H, tH), ceil_div(W, tW)
     S = T * H * W
-    assert _ceil_div(T, tT) * Nh * Nw * tT * tH * tW == P, (P, shape, tile)
+    assert ceil_div(T, tT) * Nh * Nw * tT * tH * tW == P, (P, shape, tile)
     block_s = block_rows(D, x.element_size())
-    num_blocks = _ceil_div(S, block_s)
+    num_blocks = ceil_div(S, block_s)
     with _launch_device(x):
         _untile_rows_kernel[(B * heads * num_blocks,)](
             x, out,

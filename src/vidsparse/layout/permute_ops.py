@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend, triton_interpret_enabled
 
 __all__ = ["kernel_supports", "tile_op", "untile_op", "KERNEL_DTYPES"]
@@ -28,15 +29,11 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 _MAX_ROWS = 2**31 - 1
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def padded_len_of(shape, tile) -> int:
     """``num_tiles * tile_volume`` of the grid ``shape`` cut into ``tile`` (as VideoGrid)."""
     n = 1
     for size, t in zip(shape, tile):
-        n *= _ceil_div(size, t) * t
+        n *= ceil_div(size, t) * t
     return n
 
 
@@ -54,7 +51,7 @@ def kernel_supports(x: torch.Tensor, dim: int, padded_len: int) -> bool:
     B, H, S, D = x.shape
     if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM or D & (D - 1):
         return False
-    if B * H == 0 or B * H * _ceil_div(max(S, padded_len), 16) > _MAX_ROWS:
+    if B * H == 0 or B * H * ceil_div(max(S, padded_len), 16) > _MAX_ROWS:
         return False
     if max(S, padded_len) > _MAX_ROWS:
         return False

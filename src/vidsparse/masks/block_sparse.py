@@ -131,6 +131,16 @@ def _check_values(kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv_bloc
         )
 
 
+def _check_block_grid(batch, heads, num_q_blocks, num_kv_blocks) -> None:
+    for name, value in (
+        ("batch", batch),
+        ("heads", heads),
+        ("num_q_blocks", num_q_blocks),
+        ("num_kv_blocks", num_kv_blocks),
+    ):
+        check_positive_int(name, value)
+
+
 def validate_block_lists(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
@@ -153,13 +163,7 @@ def validate_block_lists(
     ``[0, num_kv_blocks)`` and distinct. Entries past the count are not looked at.
     Values are not checked on the ``meta`` device.
     """
-    for name, value in (
-        ("batch", batch),
-        ("heads", heads),
-        ("num_q_blocks", num_q_blocks),
-        ("num_kv_blocks", num_kv_blocks),
-    ):
-        check_positive_int(name, value)
+    _check_block_grid(batch, heads, num_q_blocks, num_kv_blocks)
     bi, h, nq, _ = _check_structure(kv_indices, kv_counts)
     if bi not in (1, batch):
         raise ValueError(
@@ -311,13 +315,7 @@ def random_block_lists(
 
     ``K`` is the largest count (at least 1). ``generator`` must live on ``device``.
     """
-    for name, value in (
-        ("batch", batch),
-        ("heads", heads),
-        ("num_q_blocks", num_q_blocks),
-        ("num_kv_blocks", num_kv_blocks),
-    ):
-        check_positive_int(name, value)
+    _check_block_grid(batch, heads, num_q_blocks, num_kv_blocks)
     if (density is None) == (count is None):
         raise ValueError("random_block_lists needs exactly one of density and count")
     device = torch.device("cpu") if device is None else torch.device(device)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.utils import ceil_div
 
 __all__ = [
-    "ceil_div",
     "check_count",
     "check_sequence_length",
     "text_block_sizes",
@@ -30,10 +30,6 @@ __all__ = [
     "video_tiles",
     "key_sequence",
 ]
-
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_count(name: str, value) -> int:

@@ -52,7 +52,6 @@ from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_block_lists, stripe_block_mask
 from vidsparse.ops._text_tokens import (
     append_columns,
-    ceil_div,
     check_count,
     check_sequence_length,
     dense_rows,
@@ -65,6 +64,7 @@ from vidsparse.ops.block_sparse_attn.interface import (
     TRITON_HEAD_DIMS,
     block_sparse_attn_prevalidated,
 )
+from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_video_qkv
 

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
 from vidsparse.ops._text_tokens import (
     append_columns,
-    ceil_div,
     check_count,
     check_sequence_length,
     dense_rows,
@@ -48,6 +47,7 @@ from vidsparse.ops.block_sparse_attn.interface import (
     block_sparse_attn_prevalidated,
 )
 from vidsparse.ops.video_sparse_attn.reference import resolve_topk, video_sparse_attn_ref
+from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor, check_video_qkv
 
