@@ -111,7 +111,8 @@ def _block_sparse_attn_fwd_kernel(
     stride_cb, stride_ch, stride_cq,
     OC, stride_ocb, stride_och, stride_ocm,  # COMBINE: o_coarse [B, H, NQ, D], fp32
     GATE, stride_gb, stride_gh, stride_gs,  # COMBINE with HAS_GATE: gate like q, unit-stride D
-    Q_SIZES, OF,  # COMBINE: real rows per query block [NQ]; o_fine like o (STORE_FINE)
+    Q_SIZES, OF, stride_fb, stride_fh, stride_fs,  # COMBINE: real rows per query block [NQ];
+                                                   # o_fine, unit-stride D (STORE_FINE)
     H, Sq,
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -161,7 +162,8 @@ def _block_sparse_attn_fwd_kernel(
     o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     if COMBINE:
         if STORE_FINE:  # the backward needs the fine output itself
-            tl.store(OF + o_offs, acc.to(O.dtype.element_ty))
+            f_ptrs = OF + b * stride_fb + h * stride_fh + offs_m[:, None] * stride_fs + offs_d[None, :]
+            tl.store(f_ptrs, acc.to(O.dtype.element_ty))
         acc = _combine_coarse(acc, b, h, pid_m, offs_m, offs_d,
                               OC, stride_ocb, stride_och, stride_ocm,
                               GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
@@ -270,8 +272,7 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
              padding_finite, combine):
     B, H, Sq, D = q.shape
     num_q_blocks = Sq // block_q
-    # The combined epilogue addresses o and o_fine with one set of strides: both contiguous.
-    o = torch.empty_like(q) if combine is None else q.new_empty(q.shape)
+    o = torch.empty_like(q)
     o_fine = q.new_empty(q.shape) if combine is not None and combine.store_fine else None
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     cfg = config or forward_config(
@@ -294,7 +295,7 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
         kv_indices, kv_counts, sizes,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
-        *args[:10],  # OC..Q_SIZES, OF (the pointer kernel reuses o's strides for o_fine)
+        *args,
         H, Sq,
         scale * LOG2E,
         BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D,
@@ -306,9 +307,9 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
 
 
 def _epilogue_args(combine: CoarseCombine | None, o, o_fine, dummy) -> tuple[tuple, dict]:
-    """Kernel arguments of the combine epilogue: pointers and strides (dummies when off),
-    ``OC, 3 strides, GATE, 3 strides, Q_SIZES, OF, 3 o_fine strides``, and the constexpr
-    flags."""
+    """Kernel arguments of the combine epilogue, the same for both kernels: pointers and
+    strides (dummies when off), ``OC, 3 strides, GATE, 3 strides, Q_SIZES, OF, 3 o_fine
+    strides``, and the constexpr flags."""
     if combine is None:
         flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False, STORE_FINE=False)
         return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy, dummy, 0, 0, 0), flags

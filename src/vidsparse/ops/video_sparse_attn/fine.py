@@ -119,7 +119,7 @@ def _combined_torch(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, g
         real_rows = torch.arange(block, device=o.device) < q_sizes.view(-1, 1)  # [Nt, V]
         o = o.masked_fill(~real_rows.view(1, 1, -1, 1), 0)
     o_fine = o_fine.to(q_t.dtype) if store_fine else q_t.new_empty(0)
-    return o.to(q_t.dtype), o_fine, lse.float()
+    return torch.empty_like(q_t).copy_(o), o_fine, lse.float()  # strides as the Triton path
 
 
 @_vsa_fine_fwd_op.register_fake
@@ -127,7 +127,7 @@ def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes
       store_fine, backend):  # fmt: skip
     B, H, S, D = q_t.shape
     o_fine = q_t.new_empty((B, H, S, D)) if store_fine else q_t.new_empty(0)
-    return q_t.new_empty((B, H, S, D)), o_fine, q_t.new_empty((B, H, S), dtype=torch.float32)
+    return torch.empty_like(q_t), o_fine, q_t.new_empty((B, H, S), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
