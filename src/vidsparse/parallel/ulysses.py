@@ -371,10 +371,15 @@ def _run(
     return _head_to_seq(result, ctx, "all_to_all")
 
 
-def check_head_chunks(head_chunks, num_heads: int, world_size: int) -> int:
-    """``head_chunks`` must be a positive int dividing the rank's ``H/P`` heads."""
+def _positive_head_chunks(head_chunks) -> int:
     if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
         raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
+    return head_chunks
+
+
+def check_head_chunks(head_chunks, num_heads: int, world_size: int) -> int:
+    """``head_chunks`` must be a positive int dividing the rank's ``H/P`` heads."""
+    _positive_head_chunks(head_chunks)
     local = num_heads // world_size
     if local % head_chunks:
         raise ValueError(
@@ -455,6 +460,8 @@ def _run_overlapped(
     h = H // P // chunks
     first_head = ctx.head_slice(H).start
     present = [x for x in tensors.values() if x is not None]
+    unpack = _full_seq_from_chunks if tiled is None else tiled.unpack
+    attend = attn_fn if tiled is None else tiled.attn_fn  # tile order in and out
 
     def send_buffer(c: int) -> torch.Tensor:
         # [P, n, B, h, S/P, D]: chunk p holds group c of rank p's heads, for every tensor
@@ -468,11 +475,10 @@ def _run_overlapped(
         if c + 1 < chunks:
             inflight = _post_all_to_all(send_buffer(c + 1), ctx.group)
         work.wait()
-        unpack = _full_seq_from_chunks if tiled is None else tiled.unpack
         full = iter(unpack(recv[:, j]) for j in range(len(present)))
         args = [None if x is None else next(full) for x in tensors.values()]
         heads = slice(first_head + c * h, first_head + (c + 1) * h)
-        result = (attn_fn if tiled is None else tiled.attn_fn)(heads, *args)
+        result = attend(heads, *args)  # (o, lse) only without ``tiled`` (TiledExchange: o)
         o, lse = result if isinstance(result, tuple) else (result, None)
         send = _head_shard_chunks(o, P).contiguous() if tiled is None else tiled.pack(o, P)
         returning.append(_post_all_to_all(send, ctx.group))
@@ -840,12 +846,10 @@ class UlyssesAttention:
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-        if isinstance(head_chunks, bool) or not isinstance(head_chunks, int) or head_chunks < 1:
-            raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
         self.group = group
         self.layout = layout
         self.check_shards = check_shards
-        self.head_chunks = head_chunks
+        self.head_chunks = _positive_head_chunks(head_chunks)
 
     def _kw(self) -> dict:
         return {
