@@ -137,7 +137,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         sizes = plan.kv_block_sizes
     else:
         k_seq, v_seq = k_t, v_t
-        sizes = grid.tile_sizes_on(q.device).to(torch.int32)
+        sizes = grid.tile_sizes_on(q.device)  # int32, cached
 
     # The coarse branch and the gate join in the fine kernel's epilogue (fine.py). Padding
     # keys are finite here (zeros from tiling; a tiled input's padding rows are documented
