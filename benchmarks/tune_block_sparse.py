@@ -48,7 +48,14 @@ def main(argv=None):
         action="store_true",
         help="only the backward kernels on VSA's padded 64x64 tiles (Wan 480p, top-78)",
     )
+    ap.add_argument(
+        "--bwd-tma",
+        action="store_true",
+        help="only the backward kernels with and without TMA loads (engine and VSA shapes)",
+    )
     args = ap.parse_args(argv)
+    if args.bwd_tma:
+        return sweep_backward_tma(args.out)
     if args.masked:
         return sweep_masked_forward(args.out)
     if args.masked_bwd:
@@ -164,6 +171,77 @@ def main(argv=None):
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
     )
     with open(args.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+def sweep_backward_tma(out):
+    """Each backward kernel with pointer loads (the library's config) against TMA loads with a
+    few step sizes, the other kernel held at the library's config; times of the whole backward.
+    Cases: S=32768, 12 heads, density 1/8 at 128x128 and 64x64; VSA's padded 64-token tiles at
+    Wan 1.3B 480p (top-78, padding vouched finite)."""
+    from dataclasses import replace
+
+    from vidsparse.layout import VideoGrid
+    from vidsparse.ops.block_sparse_attn.configs import backward_config
+    from vidsparse.utils.device import target_of
+
+    D, H = 128, 12
+    rows = []
+    cases = []
+    S = 32768
+    for block in (128, 64):
+        n = S // block
+        idx, cnt = random_block_lists(1, H, n, n, density=0.125, device="cuda")
+        cases.append((f"S32k_{block}_d0.125", S, block, idx, cnt, None))
+    grid = VideoGrid((21, 30, 52))
+    sizes = grid.tile_sizes_on("cuda").to(torch.int32)
+    idx, cnt = random_block_lists(1, H, grid.num_tiles, grid.num_tiles, count=78, device="cuda")
+    cases.append(("vsa480p_64", grid.padded_len, 64, idx, cnt, sizes))
+    for label, S_, block, idx, cnt, sizes in cases:
+        q, k, v, do = (
+            torch.randn(1, H, S_, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+        )
+        o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, block, block, D**-0.5,
+                                       padding_finite=True)  # fmt: skip
+        masked = sizes is not None
+        library = {
+            which: backward_config(target_of(q.device), f"bwd_{which}", block, block, D, masked)
+            for which in ("dkdv", "dq")
+        }
+
+        def run(cfgs):
+            return block_sparse_attn_bwd(
+                do, q, k, v, o, lse, idx, cnt, sizes, block, block, D**-0.5,
+                dkdv_config=cfgs["dkdv"], dq_config=cfgs["dq"], padding_finite=True,
+            )  # fmt: skip
+
+        ref = run(library)
+        ms = bench(lambda: run(library))
+        rows.append(dict(case=label, kernel="library", cfg=repr(library), ms=ms))
+        print(f"{label} library {library}: {ms:.3f} ms", flush=True)
+        for which in ("dkdv", "dq"):
+            base = library[which]
+            for w, st, m in itertools.product((4, 8), (2,), (32, 64, 128)):
+                if m > block:
+                    continue
+                cfg = replace(base, num_warps=w, num_stages=st, sub_m=m, use_tma=True)
+                cfgs = dict(library)
+                cfgs[which] = cfg
+                try:
+                    got = run(cfgs)
+                    err = max(((g.float() - r.float()).norm() / r.float().norm()).item()
+                              for g, r in zip(got, ref))  # fmt: skip
+                    ms = bench(lambda: run(cfgs))
+                except Exception as e:  # noqa: BLE001 - a config that fails is reported
+                    print(f"{label} {which} {cfg}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                rows.append(dict(case=label, kernel=which, cfg=repr(cfg), ms=ms, rel_err=err))
+                print(f"{label} {which} tma w={w} s={st} sub={m}: {ms:.3f} ms err {err:.1e}",
+                      flush=True)  # fmt: skip
+    meta = dict(
+        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
+    )
+    with open(out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 

@@ -124,8 +124,9 @@ def _recording(target, tma_compatible: bool, sink: list):
 
     from vidsparse.ops.block_sparse_attn import bwd, fwd
 
-    patches = [(fwd, "_tma_compatible", lambda *tensors: tma_compatible)]
+    patches = []
     for module in (fwd, bwd):
+        patches.append((module, "_tma_compatible", lambda *tensors: tma_compatible))
         patches.append((module, "target_of", lambda device: target))
         for attr in dir(module):
             obj = getattr(module, attr)
@@ -183,6 +184,11 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         block_sparse_attn_bwd(
             do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
         )
+        if has_kv_sizes:  # VSA's backward vouches for finite padding too (TMA dQ on Hopper)
+            block_sparse_attn_bwd(
+                do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
+                padding_finite=True,
+            )  # fmt: skip
     return sink
 
 

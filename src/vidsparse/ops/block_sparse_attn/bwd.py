@@ -21,7 +21,12 @@ import triton.language as tl
 
 from vidsparse.masks.block_sparse import transpose_block_lists
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config
-from vidsparse.ops.block_sparse_attn.fwd import LOG2E, _broadcast_strides
+from vidsparse.ops.block_sparse_attn.fwd import (
+    LOG2E,
+    _broadcast_strides,
+    _tensor_descriptor,
+    _tma_compatible,
+)
 from vidsparse.utils.device import target_of
 
 
@@ -63,8 +68,9 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     H, Sq,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """With USE_TMA, Q and DO are tensor descriptors (blocks [1, 1, SUB_M, D]) read by TMA."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -84,8 +90,9 @@ def _block_sparse_attn_bwd_dkdv_kernel(
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
 
-    q_base = Q + b * stride_qb + h * stride_qh
-    do_base = DO + b * stride_dob + h * stride_doh
+    if not USE_TMA:
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
     row_base = pid_bh.to(tl.int64) * Sq
     off_row = Q_OFF + b * stride_offb + h * stride_offh
     idx_row = Q_IDX + b * stride_qib + h * stride_qih
@@ -96,10 +103,15 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     # One flat loop over (listed query block, sub-block) pairs pipelines better than two.
     for t in range(start * NSUB, end * NSUB):
-        q_block = tl.load(idx_row + t // NSUB).to(tl.int64)
-        offs_m = q_block * BLOCK_M + (t % NSUB) * SUB_M + offs_sub  # [SUB_M]
-        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)  # [SUB_M, D]
-        do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+        q_block = tl.load(idx_row + t // NSUB)
+        row0 = q_block * BLOCK_M + (t % NSUB) * SUB_M
+        offs_m = row0.to(tl.int64) + offs_sub  # [SUB_M]
+        if USE_TMA:
+            q = Q.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)  # [SUB_M, D]
+            do = DO.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
         lse2 = tl.load(LSE2 + row_base + offs_m)  # [SUB_M]
         delta = tl.load(DELTA + row_base + offs_m)
         if IEEE_DOT:
@@ -142,8 +154,11 @@ def _block_sparse_attn_bwd_dq_kernel(
     H, Sq,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
+    """With USE_TMA, K and V are tensor descriptors (blocks [1, 1, BLOCK_N, D]) read by TMA;
+    padding keys are then read too, so the caller vouches that they are finite: their
+    probabilities are zeroed, and 0 x finite keeps dS finite."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -160,24 +175,31 @@ def _block_sparse_attn_bwd_dq_kernel(
     lse2 = tl.load(LSE2 + row)  # [SUB_M]
     delta = tl.load(DELTA + row)
 
-    k_base = K + b * stride_kb + h * stride_kh
-    v_base = V + b * stride_vb + h * stride_vh
+    if not USE_TMA:
+        k_base = K + b * stride_kb + h * stride_kh
+        v_base = V + b * stride_vb + h * stride_vh
     idx_row = KV_IDX + b * stride_ib + h * stride_ih + q_block * stride_iq
     count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + q_block * stride_cq)
 
     dq = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
     for j in range(0, count):
-        kv_block = tl.load(idx_row + j * stride_ik).to(tl.int64)
-        offs_kv = kv_block * BLOCK_N + offs_n
-        k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        kv_block = tl.load(idx_row + j * stride_ik)
         if HAS_KV_SIZES:
-            real = offs_n < tl.load(KV_SIZES + kv_block)
-            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
-            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+        if USE_TMA:
+            row0 = kv_block * BLOCK_N
+            k = K.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
+            v = V.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+            offs_kv = kv_block.to(tl.int64) * BLOCK_N + offs_n
+            k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
+            v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
+            if HAS_KV_SIZES:  # padding keys are never read
+                k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
+                v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
         if IEEE_DOT:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -212,11 +234,14 @@ def block_sparse_attn_bwd(
     scale: float,
     dkdv_config: KernelConfig | None = None,
     dq_config: KernelConfig | None = None,
+    *,
+    padding_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the three backward kernels on validated inputs; returns ``(dq, dk, dv)``.
 
     The two configs override the table in configs.py (for tuning); their ``sub_m`` must divide
-    ``block_q``.
+    ``block_q``. ``padding_finite`` as in the forward: padding keys hold finite values, so the
+    dQ kernel may read them by TMA (their probabilities are zeroed either way).
     """
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
@@ -237,27 +262,33 @@ def block_sparse_attn_bwd(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D, has_sizes)
+    # dK/dV reads query rows in its loop (never padding-masked): TMA whenever the layout allows.
+    tma = cfg.use_tma and not ieee and _tma_compatible(q, do)
+    q_in, do_in = (_tensor_descriptor(x, cfg.sub_m) for x in (q, do)) if tma else (q, do)
     _block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
-        q, k, v, do, dk, dv, lse2, delta,
+        q_in, k, v, do_in, dk, dv, lse2, delta,
         q_offsets, q_indices, sizes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         *_broadcast_strides(q_offsets)[:2], *_broadcast_strides(q_indices)[:2],
         H, Sq, scale * LOG2E, scale,
         BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee,
+        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma,
         **cfg.launch_kwargs(),
     )
 
     dq = torch.empty_like(q)
     cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
+    # dQ reads key blocks in its loop: by TMA only where padding keys are unmasked-safe.
+    tma = cfg.use_tma and not ieee and (not has_sizes or padding_finite) and _tma_compatible(k, v)
+    k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v)) if tma else (k, v)
     _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
-        q, k, v, do, dq, lse2, delta,
+        q, k_in, v_in, do, dq, lse2, delta,
         kv_indices, kv_counts, sizes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
         H, Sq, scale * LOG2E, scale,
         BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee,
+        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma,
         **cfg.launch_kwargs(),
     )
     return dq, dk, dv

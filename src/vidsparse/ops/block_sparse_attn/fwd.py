@@ -348,15 +348,17 @@ def _tma_compatible(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, padding_finite,
-                block_q, block_kv, scale, cfg, grid, epilogue):
+def _tensor_descriptor(x: torch.Tensor, rows: int):
+    """TMA descriptor over a [B, H, S, D] tensor whose blocks are ``rows`` whole token rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
+
+
+def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, padding_finite,
+                block_q, block_kv, scale, cfg, grid, epilogue):
     D = q.shape[-1]
-
-    def desc(x, rows):
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, D])
-
+    desc = _tensor_descriptor
     args, flags = epilogue
     _block_sparse_attn_fwd_tma_kernel[grid](
         desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,

@@ -302,13 +302,15 @@ def _block_sparse_attn_bwd_op(
     block_kv: int,
     scale: float,
     backend: str,
+    padding_finite: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
 
         return block_sparse_attn_bwd(
-            do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale
-        )
+            do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+            padding_finite=padding_finite,
+        )  # fmt: skip
     return block_sparse_attn_bwd_ref(
         do,
         q,
@@ -326,37 +328,29 @@ def _block_sparse_attn_bwd_op(
 
 @_block_sparse_attn_bwd_op.register_fake
 def _(
-    do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend
-):
+    do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
+    padding_finite=False,
+):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend, _ = inputs
+    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend, finite = (
+        inputs
+    )
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes)
-    ctx.meta = (block_q, block_kv, scale, backend)
+    ctx.meta = (block_q, block_kv, scale, backend, finite)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes = ctx.saved_tensors
-    block_q, block_kv, scale, backend = ctx.meta
+    block_q, block_kv, scale, backend, padding_finite = ctx.meta
     dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
-        do,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        kv_indices,
-        kv_counts,
-        kv_block_sizes,
-        block_q,
-        block_kv,
-        scale,
-        backend,
-    )
+        do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+        backend, padding_finite,
+    )  # fmt: skip
     return dq, dk, dv, None, None, None, None, None, None, None, None
 
 

@@ -156,7 +156,7 @@ def _backward(ctx, do, _do_fine, _dlse):
         do = do.masked_fill(~real_rows.view(1, 1, S, 1), 0)
     dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
         do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, block, block, scale,
-        backend,
+        backend, True,  # padding keys hold finite values (as in the forward)
     )  # fmt: skip
     do5 = do.view(B, H, num_tiles, block, D)
     oc5 = o_coarse.unsqueeze(-2).to(do.dtype)  # [B, H, Nt, 1, D]
