@@ -175,8 +175,8 @@ def main(argv=None):
 
 
 def sweep_backward_tma(out):
-    """Each backward kernel with pointer loads (the library's config) against TMA loads with a
-    few step sizes, the other kernel held at the library's config; times of the whole backward.
+    """The library's backward configs with and without TMA loads, then each kernel's TMA
+    config swept (warps, step) with the other held at the library's; times of the whole backward.
     Cases: S=32768, 12 heads, density 1/8 at 128x128 and 64x64; VSA's padded 64-token tiles at
     Wan 1.3B 480p (top-78, padding vouched finite)."""
     from dataclasses import replace
@@ -216,9 +216,11 @@ def sweep_backward_tma(out):
             )  # fmt: skip
 
         ref = run(library)
-        ms = bench(lambda: run(library))
-        rows.append(dict(case=label, kernel="library", cfg=repr(library), ms=ms))
-        print(f"{label} library {library}: {ms:.3f} ms", flush=True)
+        pointer = {which: cfg.without_tma() for which, cfg in library.items()}
+        for name, cfgs in (("library", library), ("library_pointer_loads", pointer)):
+            ms = bench(lambda: run(cfgs))
+            rows.append(dict(case=label, kernel=name, cfg=repr(cfgs), ms=ms))
+            print(f"{label} {name} {cfgs}: {ms:.3f} ms", flush=True)
         for which in ("dkdv", "dq"):
             base = library[which]
             for w, st, m in itertools.product((4, 8), (2,), (32, 64, 128)):

@@ -373,10 +373,11 @@ def test_tma_forward_kernel_in_interpreter(padded):
 
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
-@pytest.mark.parametrize("padded", [False, True])
-def test_tma_backward_kernels_in_interpreter(padded):
-    """The Hopper TMA loads of both backward kernels (dK/dV: query rows; dQ: key blocks, padding
-    included when the caller vouches it finite) against the fp64 autograd reference."""
+@pytest.mark.parametrize("padding", ["none", "finite", "nan"])
+def test_tma_backward_kernels_in_interpreter(padding):
+    """Both backward kernels with a TMA config (Hopper) against the fp64 autograd reference.
+    Padding keys vouched finite are read by TMA; NaN padding (not vouched) must send the
+    kernels back to masked pointer loads, where the NaN cannot leak into any gradient."""
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
     from vidsparse.ops.block_sparse_attn.configs import KernelConfig
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
@@ -385,15 +386,24 @@ def test_tma_backward_kernels_in_interpreter(padded):
     q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float16, device="cpu")
     do = torch.randn_like(q)
     idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.5, device="cpu", empty_rows=1)
-    sizes = torch.tensor([16, 9, 1, 5], dtype=torch.int32) if padded else None
+    sizes = None if padding == "none" else torch.tensor([16, 9, 1, 5], dtype=torch.int32)
+    pad = torch.zeros(S, dtype=torch.bool)
+    if sizes is not None:
+        pad = (torch.arange(S) % bs) >= sizes.long().repeat_interleave(bs)
+    if padding == "nan":
+        k[:, :, pad], v[:, :, pad] = float("nan"), float("nan")
     o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5)
-    tma = KernelConfig(4, 1, sub_m=8, use_tma=True)
+    tma = KernelConfig(4, 1, sub_m=8, use_tma=True, pointer_sub_m=4)
     grads = block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5,
-                                  dkdv_config=tma, dq_config=tma, padding_finite=True)  # fmt: skip
-    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+                                  dkdv_config=tma, dq_config=tma,
+                                  padding_finite=padding != "nan")  # fmt: skip
+    q64, k64, v64 = (x.double().nan_to_num(0).requires_grad_() for x in (q, k, v))
     ref_o, _ = masked_dense_attention(q64, k64, v64, idx, cnt, bs, bs, sizes)
     ref = torch.autograd.grad(ref_o, (q64, k64, v64), do.double())
     for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        g = g.clone()
+        if name != "dq":
+            g[:, :, pad] = 0  # the gradient of a padding key is not defined
         assert_rel_l2(name, g, r, 3e-3)  # fp16 inputs
 
 

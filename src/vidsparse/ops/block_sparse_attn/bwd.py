@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from vidsparse.masks.block_sparse import transpose_block_lists
-from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config, fit_sub_m
 from vidsparse.ops.block_sparse_attn.fwd import (
     LOG2E,
     _broadcast_strides,
@@ -70,7 +70,9 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """With USE_TMA, Q and DO are tensor descriptors (blocks [1, 1, SUB_M, D]) read by TMA."""
+    """With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks [1, 1, BLOCK_N, D])
+    are tensor descriptors read by TMA; padding keys are then read too, so the caller vouches
+    that they are finite (their probabilities are zeroed, and 0 x finite keeps dS finite)."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -80,15 +82,20 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_d = tl.arange(0, HEAD_DIM)
     offs_sub = tl.arange(0, SUB_M)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
     if HAS_KV_SIZES:
         real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)  # [BN]
-        k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
-        v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+    if USE_TMA:
+        k = K.load([pid_bh // H, pid_bh % H, pid_n * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = V.load([pid_bh // H, pid_bh % H, pid_n * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
     else:
-        k = tl.load(k_ptrs)
-        v = tl.load(v_ptrs)
+        k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if HAS_KV_SIZES:  # padding keys are never read
+            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
+            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
 
     if not USE_TMA:
         q_base = Q + b * stride_qb + h * stride_qh
@@ -241,7 +248,7 @@ def block_sparse_attn_bwd(
 
     The two configs override the table in configs.py (for tuning); their ``sub_m`` must divide
     ``block_q``. ``padding_finite`` as in the forward: padding keys hold finite values, so the
-    dQ kernel may read them by TMA (their probabilities are zeroed either way).
+    kernels may read them by TMA (their probabilities are zeroed either way).
     """
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
@@ -262,11 +269,18 @@ def block_sparse_attn_bwd(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D, has_sizes)
-    # dK/dV reads query rows in its loop (never padding-masked): TMA whenever the layout allows.
-    tma = cfg.use_tma and not ieee and _tma_compatible(q, do)
-    q_in, do_in = (_tensor_descriptor(x, cfg.sub_m) for x in (q, do)) if tma else (q, do)
+    # TMA reads whole key blocks, padding included: only where the caller vouches it finite.
+    tma_keys_ok = not ieee and (not has_sizes or padding_finite) and _tma_compatible(k, v)
+    tma = cfg.use_tma and tma_keys_ok and _tma_compatible(q, do)
+    if cfg.use_tma and not tma:
+        cfg = fit_sub_m(cfg.without_tma(), block_q)
+    if tma:
+        q_in, do_in = (_tensor_descriptor(x, cfg.sub_m) for x in (q, do))
+        k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v))
+    else:
+        q_in, k_in, v_in, do_in = q, k, v, do
     _block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
-        q_in, k, v, do_in, dk, dv, lse2, delta,
+        q_in, k_in, v_in, do_in, dk, dv, lse2, delta,
         q_offsets, q_indices, sizes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         *_broadcast_strides(q_offsets)[:2], *_broadcast_strides(q_indices)[:2],
@@ -278,8 +292,9 @@ def block_sparse_attn_bwd(
 
     dq = torch.empty_like(q)
     cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
-    # dQ reads key blocks in its loop: by TMA only where padding keys are unmasked-safe.
-    tma = cfg.use_tma and not ieee and (not has_sizes or padding_finite) and _tma_compatible(k, v)
+    tma = cfg.use_tma and tma_keys_ok
+    if cfg.use_tma and not tma:
+        cfg = fit_sub_m(cfg.without_tma(), block_q)
     k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v)) if tma else (k, v)
     _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
         q, k_in, v_in, do, dq, lse2, delta,

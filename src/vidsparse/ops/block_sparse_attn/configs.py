@@ -29,9 +29,16 @@ class KernelConfig:
     use_tma: bool = False
     # Let Triton split the loop into producer / consumer warps (Hopper; TMA kernel only).
     warp_specialize: bool = False
+    # Backward with use_tma: the step for the pointer-load kernel, taken when the inputs do not
+    # allow TMA (pointer loads hold more registers: the TMA step can spill there).
+    pointer_sub_m: int | None = None
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+    def without_tma(self) -> KernelConfig:
+        """The config of the pointer-load kernel, for inputs that cannot be read by TMA."""
+        return replace(self, use_tma=False, sub_m=self.pointer_sub_m or self.sub_m)
 
 
 def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None):
@@ -56,16 +63,21 @@ HOPPER = {
     ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3, use_tma=True),
     ("fwd_masked", 128, 64, "*"): KernelConfig(8, 2),
     ("fwd_masked", 64, 64, "*"): KernelConfig(4, 2, use_tma=True),
-    ("bwd_dkdv", 128, 128, 128): KernelConfig(8, 2, sub_m=32),
-    ("bwd_dkdv", 128, 128, "*"): KernelConfig(8, 2, sub_m=64),
+    # Backward: TMA loads of the loop's tiles (query rows for dK/dV, key blocks for dQ) free
+    # the registers that spilled 64-row dK/dV steps with pointer loads, and are faster: whole
+    # backward at density 1/8, 128x128 6.74 -> 5.63 ms (dK/dV) / 6.50 (dQ); 64x64 5.77 ->
+    # 5.38 / 5.39; VSA 480p 8.77 -> 7.86 / 8.28 (tune_block_sparse.py --bwd-tma).
+    # Pointer loads (fp32, padding of unknown content, unaligned strides) keep the spill-free
+    # 32-row steps where 64 spills.
+    ("bwd_dkdv", 128, 128, "*"): KernelConfig(8, 2, sub_m=64, use_tma=True, pointer_sub_m=32),
     ("bwd_dkdv", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
-    ("bwd_dkdv", 64, 64, "*"): KernelConfig(4, 2, sub_m=64),
+    ("bwd_dkdv", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),
     ("bwd_dkdv_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=32),
     ("bwd_dkdv_masked", 128, 64, 128): KernelConfig(4, 2, sub_m=32),
-    ("bwd_dkdv_masked", 64, 64, 128): KernelConfig(4, 2, sub_m=32),
-    ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128),
+    ("bwd_dkdv_masked", 64, 64, 128): KernelConfig(4, 2, sub_m=64, use_tma=True, pointer_sub_m=32),
+    ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128, use_tma=True),
     ("bwd_dq", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
-    ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64),
+    ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),
     ("bwd_dq_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=64),
 }
 NVIDIA_GENERIC = {
@@ -124,7 +136,8 @@ def _lookup(
     return KernelConfig()
 
 
-def _fit_sub_m(cfg: KernelConfig, block_q: int) -> KernelConfig:
+def fit_sub_m(cfg: KernelConfig, block_q: int) -> KernelConfig:
+    """``cfg`` with its step halved until it divides ``block_q`` (at most ``block_q``)."""
     sub = cfg.sub_m or block_q
     sub = min(sub, block_q)
     while block_q % sub:
@@ -148,4 +161,4 @@ def backward_config(
     target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int, masked: bool = False
 ) -> KernelConfig:
     """``kernel`` is "bwd_dkdv" or "bwd_dq"; the result has ``sub_m`` dividing ``block_q``."""
-    return _fit_sub_m(_lookup(target, kernel, block_q, block_kv, head_dim, masked), block_q)
+    return fit_sub_m(_lookup(target, kernel, block_q, block_kv, head_dim, masked), block_q)
