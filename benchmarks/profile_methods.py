@@ -87,10 +87,13 @@ def profile_psa(grid_shape=(21, 45, 80), heads=40, tiles=((2, 8, 8), (1, 8, 16))
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default="vsa,psa")
+    ap.add_argument("--vsa-720p", action="store_true", help="VSA also at Wan 14B 720p, 40 heads")
     args = ap.parse_args(argv)
     methods = args.methods.split(",")
     if "vsa" in methods:
         profile_vsa()
+        if args.vsa_720p:
+            profile_vsa((21, 45, 80), heads=40)
     if "psa" in methods:
         profile_psa()
 

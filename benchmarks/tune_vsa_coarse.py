@@ -32,11 +32,50 @@ from vidsparse.utils.device import target_of  # noqa: E402
 SHAPES = {"wan1.3b-480p": (624, 12, 78), "wan14b-720p": (1440, 40, 180)}
 
 
+def sweep_pool(rows):
+    """The pooling kernel (q, k, v tile means in one launch) on real tile-order inputs: tiles
+    per program and warps; every config's means must equal the library config's."""
+    from vidsparse import VideoGrid
+    from vidsparse.ops.video_sparse_attn.coarse import tile_mean_pool_fwd
+    from vidsparse.ops.video_sparse_attn.coarse_configs import PoolConfig, pool_config
+
+    for name, (shape, heads) in POOL_SHAPES.items():
+        grid = VideoGrid(shape)
+        x = [torch.randn(1, heads, grid.padded_len, 128, device="cuda", dtype=torch.bfloat16)
+             for _ in range(3)]  # fmt: skip
+        sizes = grid.tile_sizes_on("cuda")
+        base = pool_config(target_of(x[0].device), 128)
+        ref = tile_mean_pool_fwd(*x, sizes, base)
+        configs = [base] + [
+            PoolConfig(tiles_per_program=t, num_warps=w, num_stages=s)
+            for t, w, s in itertools.product((1, 2, 4), (2, 4, 8), (1, 2))
+        ]
+        for cfg in configs:
+            same = bool(torch.equal(tile_mean_pool_fwd(*x, sizes, cfg), ref))
+            ms = triton.testing.do_bench(
+                lambda: tile_mean_pool_fwd(*x, sizes, cfg), warmup=10, rep=50,
+                return_mode="median",
+            )  # fmt: skip
+            rows.append(dict(shape=name, kernel="pool", cfg=repr(cfg), ms=ms, same_means=same))
+            print(
+                f"pool {name} t={cfg.tiles_per_program} w={cfg.num_warps} s={cfg.num_stages}"
+                f"{' (library)' if cfg is base else ''}: {ms * 1e3:.1f} us same={same}",
+                flush=True,
+            )
+
+
+POOL_SHAPES = {"wan1.3b-480p": ((21, 30, 52), 12), "wan14b-720p": ((21, 45, 80), 40)}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="tune_coarse.json")
+    ap.add_argument("--pool", action="store_true", help="only the pooling kernel")
     args = ap.parse_args(argv)
     rows = []
+    if args.pool:
+        sweep_pool(rows)
+        return _write(args.out, rows)
     for name, (tiles, heads, topk) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(0)
         # means of 64 random unit-variance tokens: std 1/8
@@ -69,10 +108,14 @@ def main(argv=None):
                 f"{' (library)' if cfg is base else ''}: {ms * 1e3:.1f} us same={same}",
                 flush=True,
             )
+    _write(args.out, rows)
+
+
+def _write(out, rows):
     meta = dict(
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
     )
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 

@@ -144,7 +144,11 @@ def _recording(target, tma_compatible: bool, sink: list):
 
 def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tma_compatible):
     """``[(kernel, args, kwargs)]`` of one forward and one backward pass, on meta tensors."""
-    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.bwd import (
+        CoarseGrad,
+        block_sparse_attn_bwd,
+        block_sparse_attn_bwd_combined,
+    )
     from vidsparse.ops.block_sparse_attn.fwd import (
         CoarseCombine,
         block_sparse_attn_fwd,
@@ -184,10 +188,16 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         block_sparse_attn_bwd(
             do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
         )
-        if has_kv_sizes:  # VSA's backward vouches for finite padding too (TMA dQ on Hopper)
+        if has_kv_sizes:  # VSA's backward vouches for finite padding too (TMA on Hopper)
             block_sparse_attn_bwd(
                 do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
                 padding_finite=True,
+            )  # fmt: skip
+        if has_kv_sizes and block_q == block_kv == 64:  # VSA: the combine's gradients fused
+            oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
+            block_sparse_attn_bwd_combined(
+                do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
+                CoarseGrad(oc, bhsd(), kv_sizes), padding_finite=True,
             )  # fmt: skip
     return sink
 

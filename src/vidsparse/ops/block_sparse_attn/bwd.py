@@ -15,6 +15,8 @@ The softmax scale stays an fp32 multiplier on fp32 scores: K is never pre-scaled
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -35,9 +37,20 @@ def _block_sparse_attn_bwd_preprocess_kernel(
     O, DO, LSE, DELTA, LSE2,  # o, do [B, H, Sq, D]; lse, delta, lse2 fp32 [B, H, Sq]
     stride_ob, stride_oh, stride_os, stride_od,
     stride_dob, stride_doh, stride_dos, stride_dod,
+    OC, stride_ocb, stride_och, stride_ocm,  # COMBINE: o_coarse [B, H, NQ, D], unit-stride D
+    GATE, stride_gb, stride_gh, stride_gs,  # HAS_GATE: gate like q, unit-stride D
+    Q_SIZES,  # ZERO_PAD_ROWS: real rows per query block [NQ]
+    DOC, stride_dcb, stride_dch, stride_dcm,  # COMBINE: d o_coarse fp32 [B, H, NQ, D]
+    DGATE, stride_dgb, stride_dgh, stride_dgs,  # HAS_GATE: d gate like gate
     H, Sq,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-):
+    COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
+):  # fmt: skip
+    """``delta = rowsum(o * do)`` and the base-2 lse; with COMBINE (VSA), ``O`` is o_fine and
+    the gradients of ``o = o_fine + gate * o_coarse`` are formed from the same ``do`` read:
+    ``d o_coarse[block] = sum_rows do * gate`` and ``d gate = do * o_coarse[block]``. With
+    ZERO_PAD_ROWS, padding rows (constant 0 in the forward's output) get lse2 = +inf and
+    delta = 0, so no gradient flows through them, whatever ``do`` holds there."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -46,12 +59,28 @@ def _block_sparse_attn_bwd_preprocess_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # [BM]
+    do = do.to(tl.float32)  # [BM, D]
+    delta = tl.sum(o.to(tl.float32) * do, axis=1)  # [BM]
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse = tl.load(LSE + row)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    if ZERO_PAD_ROWS:
+        real = tl.arange(0, BLOCK_M) < tl.load(Q_SIZES + pid_m)  # [BM]
+        do = tl.where(real[:, None], do, 0.0)
+        delta = tl.where(real, delta, 0.0)
+        lse2 = tl.where(real, lse2, float("inf"))
     tl.store(DELTA + row, delta)
     tl.store(LSE2 + row, lse2)
+    if COMBINE:
+        if HAS_GATE:
+            g_offs = b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gs + offs_d[None, :]
+            d_coarse = tl.sum(do * tl.load(GATE + g_offs).to(tl.float32), axis=0)  # [D]
+            oc = tl.load(OC + b * stride_ocb + h * stride_och + pid_m.to(tl.int64) * stride_ocm + offs_d)
+            dg_offs = b * stride_dgb + h * stride_dgh + offs_m[:, None] * stride_dgs + offs_d[None, :]
+            tl.store(DGATE + dg_offs, (do * oc.to(tl.float32)[None, :]).to(DGATE.dtype.element_ty))
+        else:
+            d_coarse = tl.sum(do, axis=0)  # [D]
+        tl.store(DOC + b * stride_dcb + h * stride_dch + pid_m.to(tl.int64) * stride_dcm + offs_d, d_coarse)
 
 
 @triton.jit
@@ -226,6 +255,15 @@ def _block_sparse_attn_bwd_dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
 
 
+class CoarseGrad(NamedTuple):
+    """Inputs of VSA's fused backward preprocess: the forward's ``CoarseCombine`` without
+    ``store_fine`` (the backward runs on the stored ``o_fine``)."""
+
+    o_coarse: torch.Tensor  # [B, H, NQ, D], unit-stride D
+    gate: torch.Tensor | None  # [B, H, Sq, D], unit-stride D; None: o = o_fine + o_coarse
+    q_block_sizes: torch.Tensor | None  # int32 [NQ]: rows past it in a block carry no gradient
+
+
 def block_sparse_attn_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -250,6 +288,43 @@ def block_sparse_attn_bwd(
     ``block_q``. ``padding_finite`` as in the forward: padding keys hold finite values, so the
     kernels may read them by TMA (their probabilities are zeroed either way).
     """
+    dq, dk, dv, _, _ = _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes,
+                                 block_q, block_kv, scale, dkdv_config, dq_config, padding_finite,
+                                 None)  # fmt: skip
+    return dq, dk, dv
+
+
+def block_sparse_attn_bwd_combined(
+    do, q, k, v, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+    coarse: CoarseGrad, *, padding_finite: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """The backward of ``o = o_fine + gate * o_coarse`` (``block_sparse_attn_fwd_combined``):
+    returns ``(dq, dk, dv, d_o_coarse fp32, d_gate or None)``. The combine's gradients come
+    out of the preprocess kernel's one read of ``do``."""
+    return _backward(do, q, k, v, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block_q,
+                     block_kv, scale, None, None, padding_finite, coarse)  # fmt: skip
+
+
+def _preprocess_epilogue_args(coarse: CoarseGrad | None, do, num_q_blocks, dummy):
+    """``(args, flags, d_coarse, d_gate)`` of the preprocess kernel's VSA epilogue."""
+    if coarse is None:
+        flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False)
+        return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy, dummy, 0, 0, 0, dummy, 0, 0, 0), flags, None, None
+    B, H, _, D = do.shape
+    oc, gate = coarse.o_coarse, coarse.gate
+    d_coarse = torch.empty((B, H, num_q_blocks, D), device=do.device, dtype=torch.float32)
+    d_gate = torch.empty_like(gate) if gate is not None else None
+    gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *gate.stride()[:3])
+    dgate_args = (dummy, 0, 0, 0) if gate is None else (d_gate, *d_gate.stride()[:3])
+    sizes = coarse.q_block_sizes
+    args = (oc, *oc.stride()[:3], *gate_args, dummy if sizes is None else sizes,
+            d_coarse, *d_coarse.stride()[:3], *dgate_args)  # fmt: skip
+    flags = dict(COMBINE=True, HAS_GATE=gate is not None, ZERO_PAD_ROWS=sizes is not None)
+    return args, flags, d_coarse, d_gate
+
+
+def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
+              scale, dkdv_config, dq_config, padding_finite, coarse):  # fmt: skip
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     num_q_blocks, num_kv_blocks = Sq // block_q, Skv // block_kv
@@ -260,9 +335,10 @@ def block_sparse_attn_bwd(
 
     delta = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
+    args, flags, d_coarse, d_gate = _preprocess_epilogue_args(coarse, do, num_q_blocks, lse)
     _block_sparse_attn_bwd_preprocess_kernel[(num_q_blocks, B * H)](
-        o, do, lse, delta, lse2, *o.stride(), *do.stride(), H, Sq,
-        BLOCK_M=block_q, HEAD_DIM=D,
+        o, do, lse, delta, lse2, *o.stride(), *do.stride(), *args, H, Sq,
+        BLOCK_M=block_q, HEAD_DIM=D, **flags,
     )
 
     q_offsets, q_indices = transpose_block_lists(kv_indices, kv_counts, num_kv_blocks)
@@ -306,4 +382,4 @@ def block_sparse_attn_bwd(
         HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma,
         **cfg.launch_kwargs(),
     )
-    return dq, dk, dv
+    return dq, dk, dv, d_coarse, d_gate

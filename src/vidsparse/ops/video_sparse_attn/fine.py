@@ -7,10 +7,12 @@
 
 ``o_fine`` is block-sparse attention over the key tiles listed for tile ``i`` (the engine's
 forward kernel); the sum is formed in fp32 in the kernel before the one store of ``o``, so the
-combine costs no pass over memory of its own. The backward runs the engine's backward on
-``do`` (padding rows zeroed) and forms the coarse and gate gradients in PyTorch:
+combine costs no pass over memory of its own. The backward is the engine's backward on the
+stored ``o_fine``; its preprocess kernel, which reads ``do`` anyway, also forms
 
     d o_coarse[b, h, i] = sum_r do[b, h, i, r] * gate[b, h, i, r]      d gate = do * o_coarse
+
+and gives padding rows (constant 0 in ``o``) no gradient.
 
 Registered as custom ops so ``torch.compile`` keeps the call whole.
 """
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 import torch
 
-# registers vidsparse::block_sparse_attn_bwd, which the backward calls
-import vidsparse.ops.block_sparse_attn.interface  # noqa: F401
-from vidsparse.ops.block_sparse_attn.reference import block_sparse_attn_ref
+from vidsparse.ops.block_sparse_attn.reference import (
+    block_sparse_attn_bwd_ref,
+    block_sparse_attn_ref,
+)
 from vidsparse.utils.backend import resolve_backend
 
 
@@ -149,27 +152,79 @@ def _backward(ctx, do, _do_fine, _dlse):
         raise RuntimeError(
             "vsa_fine_fwd ran without keeping o_fine (no input required grad at the forward)"
         )
+    dq, dk, dv, d_coarse, d_gate = torch.ops.vidsparse.vsa_fine_bwd(
+        do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
+        q_sizes, block, scale, backend,
+    )  # fmt: skip
+    return (dq, dk, dv, None, None, None, d_coarse.to(o_coarse.dtype),
+            None if gate_t is None else d_gate, None, None, None, None, None)  # fmt: skip
+
+
+@torch.library.custom_op("vidsparse::vsa_fine_bwd", mutates_args=())
+def _vsa_fine_bwd_op(
+    do: torch.Tensor,
+    q_t: torch.Tensor,
+    k_seq: torch.Tensor,
+    v_seq: torch.Tensor,
+    o_fine: torch.Tensor,
+    lse: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor,
+    o_coarse: torch.Tensor,
+    gate_t: torch.Tensor | None,
+    q_block_sizes: torch.Tensor | None,
+    block: int,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(dq, dk, dv, d_o_coarse fp32, d_gate)`` (``d_gate`` empty without a gate).
+
+    Triton: the engine's backward, with the combine's gradients formed in its preprocess kernel
+    from the one read of ``do`` (padding rows carry no gradient: they are constant 0)."""
+    if backend != "triton":
+        return _combined_bwd_torch(
+            do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, kv_block_sizes, o_coarse,
+            gate_t, q_block_sizes, block, scale,
+        )  # fmt: skip
+    from vidsparse.ops.block_sparse_attn.bwd import CoarseGrad, block_sparse_attn_bwd_combined
+
+    dq, dk, dv, d_coarse, d_gate = block_sparse_attn_bwd_combined(
+        do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block, block,
+        scale, CoarseGrad(o_coarse, gate_t, q_block_sizes), padding_finite=True,
+    )  # fmt: skip
+    return dq, dk, dv, d_coarse, (d_gate if d_gate is not None else do.new_empty(0))
+
+
+def _combined_bwd_torch(do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, sizes, o_coarse,
+                        gate_t, q_sizes, block, scale):  # fmt: skip
+    """The same on the engine's PyTorch reference; the combine's sums in fp32 (fp64 for fp64)."""
     B, H, S, D = q_t.shape
+    acc = torch.promote_types(do.dtype, torch.float32)
     num_tiles = S // block
     if q_sizes is not None:  # padding rows of o are constant zero: no gradient flows back
         real_rows = torch.arange(block, device=do.device) < q_sizes.view(-1, 1)  # [Nt, V]
         do = do.masked_fill(~real_rows.view(1, 1, S, 1), 0)
-    dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
-        do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, block, block, scale,
-        backend, True,  # padding keys hold finite values (as in the forward)
+    dq, dk, dv = block_sparse_attn_bwd_ref(
+        do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, block_q=block, block_kv=block,
+        kv_block_sizes=sizes, scale=scale,
     )  # fmt: skip
-    do5 = do.view(B, H, num_tiles, block, D)
-    oc5 = o_coarse.unsqueeze(-2).to(do.dtype)  # [B, H, Nt, 1, D]
-    # One pass each, in do's dtype with fp32 sums: no fp32 copy of do (these passes are
-    # memory-bound, and the products round like any bf16 gradient does).
+    do5 = do.to(acc).view(B, H, num_tiles, block, D)
     if gate_t is None:
-        d_coarse, d_gate = do5.sum(-2, dtype=torch.float32), None
-    else:
-        gate5 = gate_t.view(B, H, num_tiles, block, D)
-        d_coarse = (do5 * gate5).sum(-2, dtype=torch.float32)
-        d_gate = (do5 * oc5).to(gate_t.dtype).view(B, H, S, D)
-    return (dq, dk, dv, None, None, None, d_coarse.to(o_coarse.dtype), d_gate, None, None, None,
-            None, None)  # fmt: skip
+        return dq, dk, dv, do5.sum(-2), do.new_empty(0)
+    d_coarse = (do5 * gate_t.to(acc).view(B, H, num_tiles, block, D)).sum(-2)
+    d_gate = (do5 * o_coarse.to(acc).unsqueeze(-2)).to(gate_t.dtype).view(B, H, S, D)
+    return dq, dk, dv, d_coarse, d_gate
+
+
+@_vsa_fine_bwd_op.register_fake
+def _(do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
+      q_sizes, block, scale, backend):  # fmt: skip
+    B, H, S, D = q_t.shape
+    acc = torch.promote_types(do.dtype, torch.float32)  # fp32 as the kernel; fp64 on torch
+    d_coarse = q_t.new_empty((B, H, S // block, D), dtype=acc)
+    d_gate = torch.empty_like(gate_t) if gate_t is not None else do.new_empty(0)
+    return torch.empty_like(q_t), torch.empty_like(k_seq), torch.empty_like(v_seq), d_coarse, d_gate
 
 
 _vsa_fine_fwd_op.register_autograd(_backward, setup_context=_setup_context)
