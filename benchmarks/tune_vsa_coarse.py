@@ -34,7 +34,8 @@ SHAPES = {"wan1.3b-480p": (624, 12, 78), "wan14b-720p": (1440, 40, 180)}
 
 def sweep_pool(rows):
     """The pooling kernel (q, k, v tile means in one launch) on real tile-order inputs: tiles
-    per program and warps; every config's means must equal the library config's."""
+    per program and warps; every config's means must match the library config's to fp32
+    rounding (the reduction order differs)."""
     from vidsparse import VideoGrid
     from vidsparse.ops.video_sparse_attn.coarse import tile_mean_pool_fwd
     from vidsparse.ops.video_sparse_attn.coarse_configs import PoolConfig, pool_config
@@ -51,7 +52,9 @@ def sweep_pool(rows):
             for t, w, s in itertools.product((1, 2, 4), (2, 4, 8), (1, 2))
         ]
         for cfg in configs:
-            same = bool(torch.equal(tile_mean_pool_fwd(*x, sizes, cfg), ref))
+            # another reduction order rounds differently: compare to fp32 precision
+            diff = (tile_mean_pool_fwd(*x, sizes, cfg) - ref).abs().max().item()
+            same = diff <= 1e-6 * ref.abs().max().item()
             ms = triton.testing.do_bench(
                 lambda: tile_mean_pool_fwd(*x, sizes, cfg), warmup=10, rep=50,
                 return_mode="median",

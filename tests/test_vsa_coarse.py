@@ -204,6 +204,24 @@ def test_gradients_match_reference_autograd(triton_backend, grid_name, D, dtype,
         assert_error_relative(name, g, r, b, atol=1e-6)
 
 
+@pytest.mark.parametrize("input_scale", [1.0, 16.0])
+def test_bf16_gradients_within_bf16_error(torch_backend, input_scale):
+    """bf16 inputs: the coarse backward's gradient matmuls run in bf16 (fp32 probabilities),
+    which must stay at bf16's own error level (~4e-3) even where a large input scale makes the
+    coarse softmax sharp (bf16 scores would be off by ~25% there)."""
+    grid = GRIDS["36_tiles"]
+    q_t, k_t, v_t = _tiled_qkv(grid, 1, 2, 64, torch.bfloat16, "cpu", scale=input_scale)
+    leaves = [x.requires_grad_() for x in (q_t, k_t, v_t)]
+    oc, _, _ = vsa_coarse_stage(*leaves, grid, 9)
+    weight = torch.randn_like(oc)
+    grads = torch.autograd.grad((oc * weight).sum(), leaves)
+    xs = [x.detach().double().requires_grad_() for x in (q_t, k_t, v_t)]
+    _, ref_oc, _, _, _ = _reference(*xs, grid, 9, 64**-0.5, dtype=torch.float64)
+    exact = torch.autograd.grad((ref_oc * weight.double()).sum(), xs)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, exact):
+        assert_rel_l2(name, g.double(), r, 1.5e-2)
+
+
 def test_torch_backend_matches_reference(torch_backend):
     """The custom op's PyTorch path (CPU without the interpreter): same outputs and gradients."""
     grid = GRIDS["36_tiles"]

@@ -54,7 +54,8 @@ matches ``select_topk`` up to ties; on GPUs the dots run in TF32 (configs), whic
 scores by ~1e-3 relative.
 
 Backward (``coarse_attn_bwd``, then ``_tile_mean_pool_bwd_kernel``): the gradient of the coarse
-attention in PyTorch, chunked over query tiles so no ``[B, H, Nt, Nt]`` temporary exceeds
+attention in PyTorch (probabilities recomputed in fp32; the gradient matmuls in bf16 for bf16
+inputs), chunked over query tiles so no ``[B, H, Nt, Nt]`` temporary exceeds
 ``_BWD_CHUNK_ELEMENTS``; then every real token of tile ``i`` gets ``dqc_i / size_i`` and every
 padding slot 0, written once in the input dtype. Selection is not differentiated.
 
@@ -725,29 +726,42 @@ def coarse_attn_topk_fwd(
 
 @torch.no_grad()
 def coarse_attn_bwd(
-    doc: torch.Tensor, qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, scale: float
+    doc: torch.Tensor,
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    scale: float,
+    grad_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Gradient of ``oc = softmax(qc kc^T * scale) vc`` in qc's precision, chunked over query
-    tiles (each ``[B, H, chunk, Nt]`` temporary within ``_BWD_CHUNK_ELEMENTS``).
+    """Gradient of ``oc = softmax(qc kc^T * scale) vc``, chunked over query tiles (each
+    ``[B, H, chunk, Nt]`` temporary within ``_BWD_CHUNK_ELEMENTS``).
 
-    Returns ``dpooled`` ``[3, B, H, Nt, D]`` = ``(dqc, dkc, dvc)``.
+    The probabilities are recomputed in qc's precision (fp32): at large input scales the
+    softmax is sharp and bf16 scores would be off by ~25%. The four gradient matmuls run in
+    ``grad_dtype`` (default qc's), with the products accumulated in fp32: bf16 there costs
+    ~4e-3 relative error, like any bf16 gradient, and runs on the tensor cores.
+
+    Returns ``dpooled`` ``[3, B, H, Nt, D]`` = ``(dqc, dkc, dvc)`` in qc's dtype.
     """
     B, H, num_tiles, D = qc.shape
-    doc = doc.to(qc.dtype)
+    low = grad_dtype or qc.dtype
+    doc_low, qc_low, kc_low, vc_t_low = (
+        x.to(low) for x in (doc, qc, kc, vc.transpose(-1, -2))
+    )  # fmt: skip
     dpooled = torch.zeros((3, B, H, num_tiles, D), device=qc.device, dtype=qc.dtype)
     dqc, dkc, dvc = dpooled.unbind(0)
     kc_t = kc.transpose(-1, -2)  # [B, H, D, Nt]
     chunk = max(1, _BWD_CHUNK_ELEMENTS // max(1, B * H * num_tiles))
     for start in range(0, num_tiles, chunk):
         rows = slice(start, min(start + chunk, num_tiles))
-        q_rows, do_rows = qc[:, :, rows], doc[:, :, rows]  # [B, H, c, D]
-        probs = torch.softmax(torch.matmul(q_rows, kc_t) * scale, dim=-1)  # [B, H, c, Nt]
-        dvc += torch.matmul(probs.transpose(-1, -2), do_rows)  # [B, H, Nt, D]
-        dprobs = torch.matmul(do_rows, vc.transpose(-1, -2))  # [B, H, c, Nt]
+        do_rows = doc_low[:, :, rows]  # [B, H, c, D]
+        probs = torch.softmax(torch.matmul(qc[:, :, rows], kc_t) * scale, dim=-1)  # [B, H, c, Nt]
+        dvc += torch.matmul(probs.to(low).transpose(-1, -2), do_rows)  # [B, H, Nt, D]
+        dprobs = torch.matmul(do_rows, vc_t_low).to(qc.dtype)  # [B, H, c, Nt]
         delta = (probs * dprobs).sum(dim=-1, keepdim=True)  # [B, H, c, 1]
-        dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale)  # [B, H, c, Nt], in place
-        dqc[:, :, rows] = torch.matmul(dscores, kc)  # [B, H, c, D]
-        dkc += torch.matmul(dscores.transpose(-1, -2), q_rows)  # [B, H, Nt, D]
+        dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale).to(low)  # [B, H, c, Nt]
+        dqc[:, :, rows] = torch.matmul(dscores, kc_low)  # [B, H, c, D]
+        dkc += torch.matmul(dscores.transpose(-1, -2), qc_low[:, :, rows])  # [B, H, Nt, D]
     return dpooled
 
 
@@ -837,7 +851,11 @@ def _vsa_coarse_stage_bwd_op(
     scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale)
+    # bf16 inputs: the gradient matmuls in bf16 too, as the fine stage's kernels form theirs.
+    # fp16 inputs keep fp32 there: d o_coarse sums a tile's rows of do and can leave fp16's
+    # range under loss scaling. fp32 / fp64 inputs keep their precision throughout.
+    grad_dtype = torch.bfloat16 if dtype == torch.bfloat16 else None
+    dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale, grad_dtype)
     if backend == "triton":
         return tile_mean_pool_bwd(dpooled, tile_sizes, padded_len, dtype)
     return _tile_mean_pool_bwd_torch(dpooled, tile_sizes, padded_len, dtype)

@@ -66,9 +66,10 @@ def _amd(**extra) -> tuple[tuple[str, int], ...]:
 # registers: 255 registers + 40 B of spills at D=128; 8 warps fit in ~190), yet on the H200
 # 4 warps ran faster with the same selections: 208 vs 287 us at Wan 480p (624 tiles, 12 heads,
 # top-78), 3.81 vs 4.82 ms at Wan 14B 720p. Hopper takes the measured winner; the generic
-# NVIDIA entry stays spill-free.
+# NVIDIA entry stays spill-free. Pooling: one tile per program on 2 warps, 85 vs 130 us at
+# 480p and 559 vs 926 us at 720p (tune_vsa_coarse.py --pool).
 HOPPER = {
-    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
+    ("pool", "*"): PoolConfig(tiles_per_program=1, num_warps=2),
     ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, num_pivots=8,
                                          bracket_capacity=128, input_precision="tf32",
                                          num_warps=4, num_stages=2),
