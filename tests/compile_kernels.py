@@ -193,11 +193,13 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
                 do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
                 padding_finite=True,
             )  # fmt: skip
-        if has_kv_sizes and block_q == block_kv == 64:  # VSA: the combine's gradients fused
+        if has_kv_sizes and block_q == block_kv == 64:  # VSA: the combine's gradients fused,
+            # and the coarse branch's (tile means' shares added in the dK/dV and dQ epilogues)
             oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
+            dpooled = torch.empty(3, BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
             block_sparse_attn_bwd_combined(
                 do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
-                CoarseGrad(oc, bhsd(), kv_sizes), padding_finite=True,
+                CoarseGrad(oc, bhsd(), kv_sizes, lambda d_coarse: dpooled), padding_finite=True,
             )  # fmt: skip
     return sink
 

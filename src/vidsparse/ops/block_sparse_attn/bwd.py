@@ -15,6 +15,7 @@ The softmax scale stays an fp32 multiplier on fp32 scores: K is never pre-scaled
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -84,6 +85,16 @@ def _block_sparse_attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _pooled_share(DPOOL, which, b, h, block, offs_d, size,
+                  stride_pt, stride_pb, stride_ph, stride_pn):  # fmt: skip
+    """Each real row's share of a block mean's gradient, ``dpooled[which, b, h, block] / size``
+    ([D] fp32): the backward of VSA's tile-mean pooling, added in the kernels' epilogues."""
+    g = tl.load(DPOOL + which * stride_pt + b * stride_pb + h * stride_ph
+                + block.to(tl.int64) * stride_pn + offs_d)  # fmt: skip
+    return g.to(tl.float32) / tl.maximum(size, 1).to(tl.float32)
+
+
+@triton.jit
 def _block_sparse_attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE2, DELTA,
     Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
@@ -94,14 +105,18 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     stride_offb, stride_offh, stride_qib, stride_qih,
-    H, Sq,
+    DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,  # ADD_POOLED: fp32 [3, B, H, NQ, D]
+    H, Sq, NQ,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
-):
+    ADD_POOLED: tl.constexpr,
+):  # fmt: skip
     """With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks [1, 1, BLOCK_N, D])
     are tensor descriptors read by TMA; padding keys are then read too, so the caller vouches
-    that they are finite (their probabilities are zeroed, and 0 x finite keeps dS finite)."""
+    that they are finite (their probabilities are zeroed, and 0 x finite keeps dS finite).
+    With ADD_POOLED (VSA; key block j < NQ is query block j's tile), the real rows of key
+    block j also get ``dpooled[1 or 2, j] / size_j``: the tile-mean pooling's backward."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -169,6 +184,16 @@ def _block_sparse_attn_bwd_dkdv_kernel(
         else:
             dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BN, D]
     dk = dk * scale
+    if ADD_POOLED:  # noqa: SIM102 - a constexpr test, then a runtime one (Triton)
+        if pid_n < NQ:
+            size = tl.load(KV_SIZES + pid_n)
+            rows_real = (tl.arange(0, BLOCK_N) < size)[:, None]  # [BN, 1]
+            share_k = _pooled_share(DPOOL, 1, b, h, pid_n, offs_d, size,
+                                    stride_pt, stride_pb, stride_ph, stride_pn)  # fmt: skip
+            share_v = _pooled_share(DPOOL, 2, b, h, pid_n, offs_d, size,
+                                    stride_pt, stride_pb, stride_ph, stride_pn)  # fmt: skip
+            dk = dk + tl.where(rows_real, share_k[None, :], 0.0)
+            dv = dv + tl.where(rows_real, share_v[None, :], 0.0)
 
     dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
@@ -187,14 +212,18 @@ def _block_sparse_attn_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqs, stride_dqd,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
+    DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,  # ADD_POOLED: fp32 [3, B, H, NQ, D]
     H, Sq,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
-):
+    ADD_POOLED: tl.constexpr,
+):  # fmt: skip
     """With USE_TMA, K and V are tensor descriptors (blocks [1, 1, BLOCK_N, D]) read by TMA;
     padding keys are then read too, so the caller vouches that they are finite: their
-    probabilities are zeroed, and 0 x finite keeps dS finite."""
+    probabilities are zeroed, and 0 x finite keeps dS finite. With ADD_POOLED (VSA), the real
+    rows of query block i also get ``dpooled[0, i] / size_i`` (sizes: KV_SIZES[i], the same
+    tile as key block i)."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
     pid = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -251,6 +280,12 @@ def _block_sparse_attn_bwd_dq_kernel(
         else:
             dq = tl.dot(ds.to(k.dtype), k, dq)  # [SUB_M, D]
     dq = dq * scale
+    if ADD_POOLED:
+        size = tl.load(KV_SIZES + q_block)
+        rows_real = ((pid % NSUB) * SUB_M + tl.arange(0, SUB_M) < size)[:, None]  # [SUB_M, 1]
+        share = _pooled_share(DPOOL, 0, b, h, q_block, offs_d, size,
+                              stride_pt, stride_pb, stride_ph, stride_pn)  # fmt: skip
+        dq = dq + tl.where(rows_real, share[None, :], 0.0)
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
 
@@ -262,6 +297,11 @@ class CoarseGrad(NamedTuple):
     o_coarse: torch.Tensor  # [B, H, NQ, D], unit-stride D
     gate: torch.Tensor | None  # [B, H, Sq, D], unit-stride D; None: o = o_fine + o_coarse
     q_block_sizes: torch.Tensor | None  # int32 [NQ]: rows past it in a block carry no gradient
+    # VSA's coarse branch, when its backward is fused here: d o_coarse -> dpooled fp32
+    # [3, B, H, NQ, D] (the gradients of the q, k, v block means that o_coarse came from).
+    # The kernels then add each block's share to the real rows of dq, dk, dv, and the
+    # returned d o_coarse is only informative. Needs key block i == query block i (i < NQ).
+    coarse_attn_grad: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def block_sparse_attn_bwd(
@@ -300,7 +340,8 @@ def block_sparse_attn_bwd_combined(
 ) -> tuple[torch.Tensor, ...]:
     """The backward of ``o = o_fine + gate * o_coarse`` (``block_sparse_attn_fwd_combined``):
     returns ``(dq, dk, dv, d_o_coarse fp32, d_gate or None)``. The combine's gradients come
-    out of the preprocess kernel's one read of ``do``."""
+    out of the preprocess kernel's one read of ``do``; with ``coarse.coarse_attn_grad``, the
+    coarse branch's gradient through the block means lands in dq, dk, dv as well."""
     return _backward(do, q, k, v, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block_q,
                      block_kv, scale, None, None, padding_finite, coarse)  # fmt: skip
 
@@ -341,6 +382,11 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
         BLOCK_M=block_q, HEAD_DIM=D, **flags,
     )
 
+    dpool = None
+    if coarse is not None and coarse.coarse_attn_grad is not None:
+        dpool = coarse.coarse_attn_grad(d_coarse).float()  # [3, B, H, NQ, D]
+    pool_args = (dpool, *dpool.stride()[:4]) if dpool is not None else (lse, 0, 0, 0, 0)
+
     q_offsets, q_indices = transpose_block_lists(kv_indices, kv_counts, num_kv_blocks)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -360,9 +406,10 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
         q_offsets, q_indices, sizes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         *_broadcast_strides(q_offsets)[:2], *_broadcast_strides(q_indices)[:2],
-        H, Sq, scale * LOG2E, scale,
+        *pool_args,
+        H, Sq, num_q_blocks, scale * LOG2E, scale,
         BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma,
+        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma, ADD_POOLED=dpool is not None,
         **cfg.launch_kwargs(),
     )
 
@@ -377,9 +424,10 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
         kv_indices, kv_counts, sizes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
+        *pool_args,
         H, Sq, scale * LOG2E, scale,
         BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma,
+        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma, ADD_POOLED=dpool is not None,
         **cfg.launch_kwargs(),
     )
     return dq, dk, dv, d_coarse, d_gate

@@ -793,7 +793,8 @@ def _coarse_stage_torch(q_t, k_t, v_t, tile_sizes, topk: int, scale: float):
     return oc, kv_indices, kv_counts, pooled
 
 
-def _tile_mean_pool_bwd_torch(dpooled, tile_sizes, padded_len: int, dtype: torch.dtype):
+def tile_mean_pool_bwd_torch(dpooled, tile_sizes, padded_len: int, dtype: torch.dtype):
+    """:func:`tile_mean_pool_bwd` in PyTorch: ``[3, B, H, Nt, D]`` -> three ``[B, H, P, D]``."""
     _, B, H, num_tiles, D = dpooled.shape
     tile_volume = padded_len // num_tiles
     real = torch.arange(tile_volume, device=dpooled.device) < tile_sizes.view(-1, 1)  # [Nt, V]
@@ -858,7 +859,7 @@ def _vsa_coarse_stage_bwd_op(
     dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale, grad_dtype)
     if backend == "triton":
         return tile_mean_pool_bwd(dpooled, tile_sizes, padded_len, dtype)
-    return _tile_mean_pool_bwd_torch(dpooled, tile_sizes, padded_len, dtype)
+    return tile_mean_pool_bwd_torch(dpooled, tile_sizes, padded_len, dtype)
 
 
 @_vsa_coarse_stage_bwd_op.register_fake
@@ -897,7 +898,9 @@ def vsa_coarse_stage(
     grid: VideoGrid,
     topk: int,
     scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    return_pooled: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """The coarse stage of VSA: tile means, coarse attention and top-k selection.
 
     ::
@@ -918,7 +921,8 @@ def vsa_coarse_stage(
     ``kv_indices`` int32 ``[B, H, Nt, topk]``, ascending in each row, ties broken towards the
     smaller tile index; ``kv_counts`` int32 ``[B, H, Nt]``, all ``topk``. Both feed
     ``block_sparse_attn(..., block_size=grid.tile_volume, kv_block_sizes=grid.tile_sizes_on(...))``
-    directly.
+    directly. ``return_pooled`` adds the tile means ``[3, B, H, Nt, D]`` (qc, kc, vc; not
+    differentiable), which VSA's fine stage takes to fuse this stage's backward into its own.
     """
     _validate(q_t, k_t, v_t, grid, topk, scale)
     device = check_same_device(q_t=q_t, k_t=k_t, v_t=v_t)
@@ -935,9 +939,11 @@ def vsa_coarse_stage(
         if q_t.dtype not in TRITON_DTYPES:
             raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q_t.dtype}")
     tile_sizes = grid.tile_sizes_on(device)
-    oc, kv_indices, kv_counts, _ = torch.ops.vidsparse.vsa_coarse_stage_fwd(
+    oc, kv_indices, kv_counts, pooled = torch.ops.vidsparse.vsa_coarse_stage_fwd(
         q_t, k_t, v_t, tile_sizes, topk, scale, backend
     )
+    if return_pooled:
+        return oc, kv_indices, kv_counts, pooled
     return oc, kv_indices, kv_counts
 
 

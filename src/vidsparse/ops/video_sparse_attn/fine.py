@@ -25,6 +25,7 @@ from vidsparse.ops.block_sparse_attn.reference import (
     block_sparse_attn_bwd_ref,
     block_sparse_attn_ref,
 )
+from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, tile_mean_pool_bwd_torch
 from vidsparse.utils.backend import resolve_backend
 
 
@@ -40,12 +41,19 @@ def vsa_fine_combined(
     q_block_sizes: torch.Tensor | None,
     block: int,
     scale: float,
+    pooled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``o_fine + gate * o_coarse`` over tile-order queries ``q_t [B, H, Nt*V, D]``.
 
     Lists must be valid (they come from the selection kernel); ``o_coarse [B, H, Nt, D]``
     (fp32); ``gate_t`` like ``q_t`` or None (then ``o_fine + o_coarse``); padding keys must be
     finite (zeros from tiling, or a tiled input's padding rows), their scores are masked.
+
+    ``pooled`` (``[3, B, H, Nt, D]``, the coarse stage's tile means of q_t and the first Nt key
+    tiles of k_seq, v_seq, from which ``o_coarse`` was computed) fuses the coarse branch's
+    backward into this op's: the gradient through ``o_coarse`` reaches q_t, k_seq and v_seq
+    here, inside the engine's kernels, and ``o_coarse`` itself gets none (the coarse stage's
+    own backward then never runs). Without it, ``o_coarse`` gets its gradient as usual.
     """
     store_fine = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t)
@@ -60,6 +68,7 @@ def vsa_fine_combined(
         o_coarse,
         None if gate_t is None else gate_t.contiguous(),
         q_block_sizes,
+        pooled,
         block,
         scale,
         store_fine,
@@ -79,12 +88,14 @@ def _vsa_fine_fwd_op(
     o_coarse: torch.Tensor,
     gate_t: torch.Tensor | None,
     q_block_sizes: torch.Tensor | None,
+    pooled: torch.Tensor | None,
     block: int,
     scale: float,
     store_fine: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(o, o_fine, lse)``; ``o_fine`` is empty unless ``store_fine``."""
+    """Returns ``(o, o_fine, lse)``; ``o_fine`` is empty unless ``store_fine``. ``pooled`` is
+    only kept for the backward."""
     if backend != "triton":
         return _combined_torch(
             q_t, k_seq, v_seq, kv_indices, kv_counts, kv_block_sizes, o_coarse, gate_t,
@@ -126,27 +137,28 @@ def _combined_torch(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, g
 
 
 @_vsa_fine_fwd_op.register_fake
-def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, block, scale,
-      store_fine, backend):  # fmt: skip
+def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled, block,
+      scale, store_fine, backend):  # fmt: skip
     B, H, S, D = q_t.shape
     o_fine = q_t.new_empty((B, H, S, D)) if store_fine else q_t.new_empty(0)
     return torch.empty_like(q_t), o_fine, q_t.new_empty((B, H, S), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
-    (q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, block, scale,
-     store_fine, backend) = inputs  # fmt: skip
+    (q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled, block,
+     scale, store_fine, backend) = inputs  # fmt: skip
     _, o_fine, lse = output
     ctx.save_for_backward(
-        q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes
-    )
+        q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
+        pooled,
+    )  # fmt: skip
     ctx.meta = (block, scale, store_fine, backend)
     ctx.mark_non_differentiable(o_fine, lse)
 
 
 def _backward(ctx, do, _do_fine, _dlse):
-    (q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
-     q_sizes) = ctx.saved_tensors  # fmt: skip
+    (q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
+     pooled) = ctx.saved_tensors  # fmt: skip
     block, scale, store_fine, backend = ctx.meta
     if not store_fine:
         raise RuntimeError(
@@ -154,10 +166,12 @@ def _backward(ctx, do, _do_fine, _dlse):
         )
     dq, dk, dv, d_coarse, d_gate = torch.ops.vidsparse.vsa_fine_bwd(
         do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
-        q_sizes, block, scale, backend,
+        q_sizes, pooled, block, scale, backend,
     )  # fmt: skip
-    return (dq, dk, dv, None, None, None, d_coarse.to(o_coarse.dtype),
-            None if gate_t is None else d_gate, None, None, None, None, None)  # fmt: skip
+    # With pooled, the coarse branch's gradient is already in dq, dk, dv (see vsa_fine_combined).
+    d_oc = None if pooled is not None else d_coarse.to(o_coarse.dtype)
+    return (dq, dk, dv, None, None, None, d_oc, None if gate_t is None else d_gate, None, None,
+            None, None, None, None)  # fmt: skip
 
 
 @torch.library.custom_op("vidsparse::vsa_fine_bwd", mutates_args=())
@@ -174,6 +188,7 @@ def _vsa_fine_bwd_op(
     o_coarse: torch.Tensor,
     gate_t: torch.Tensor | None,
     q_block_sizes: torch.Tensor | None,
+    pooled: torch.Tensor | None,
     block: int,
     scale: float,
     backend: str,
@@ -181,23 +196,33 @@ def _vsa_fine_bwd_op(
     """Returns ``(dq, dk, dv, d_o_coarse fp32, d_gate)`` (``d_gate`` empty without a gate).
 
     Triton: the engine's backward, with the combine's gradients formed in its preprocess kernel
-    from the one read of ``do`` (padding rows carry no gradient: they are constant 0)."""
+    from the one read of ``do`` (padding rows carry no gradient: they are constant 0). With
+    ``pooled``, the coarse attention's backward runs between the preprocess and the two
+    gradient kernels, which add each tile mean's gradient share to the tile's real rows."""
+    pooled_grad = None
+    if pooled is not None:
+        # bf16 inputs: bf16 gradient matmuls (coarse.py explains); otherwise pooled's precision
+        low = torch.bfloat16 if q_t.dtype == torch.bfloat16 else None
+
+        def pooled_grad(d_coarse):
+            return coarse_attn_bwd(d_coarse, pooled[0], pooled[1], pooled[2], scale, low)
+
     if backend != "triton":
         return _combined_bwd_torch(
             do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, kv_block_sizes, o_coarse,
-            gate_t, q_block_sizes, block, scale,
+            gate_t, q_block_sizes, block, scale, pooled_grad,
         )  # fmt: skip
     from vidsparse.ops.block_sparse_attn.bwd import CoarseGrad, block_sparse_attn_bwd_combined
 
     dq, dk, dv, d_coarse, d_gate = block_sparse_attn_bwd_combined(
         do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block, block,
-        scale, CoarseGrad(o_coarse, gate_t, q_block_sizes), padding_finite=True,
+        scale, CoarseGrad(o_coarse, gate_t, q_block_sizes, pooled_grad), padding_finite=True,
     )  # fmt: skip
     return dq, dk, dv, d_coarse, (d_gate if d_gate is not None else do.new_empty(0))
 
 
 def _combined_bwd_torch(do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, sizes, o_coarse,
-                        gate_t, q_sizes, block, scale):  # fmt: skip
+                        gate_t, q_sizes, block, scale, pooled_grad):  # fmt: skip
     """The same on the engine's PyTorch reference; the combine's sums in fp32 (fp64 for fp64)."""
     B, H, S, D = q_t.shape
     acc = torch.promote_types(do.dtype, torch.float32)
@@ -211,15 +236,22 @@ def _combined_bwd_torch(do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, si
     )  # fmt: skip
     do5 = do.to(acc).view(B, H, num_tiles, block, D)
     if gate_t is None:
-        return dq, dk, dv, do5.sum(-2), do.new_empty(0)
-    d_coarse = (do5 * gate_t.to(acc).view(B, H, num_tiles, block, D)).sum(-2)
-    d_gate = (do5 * o_coarse.to(acc).unsqueeze(-2)).to(gate_t.dtype).view(B, H, S, D)
+        d_coarse, d_gate = do5.sum(-2), do.new_empty(0)
+    else:
+        d_coarse = (do5 * gate_t.to(acc).view(B, H, num_tiles, block, D)).sum(-2)
+        d_gate = (do5 * o_coarse.to(acc).unsqueeze(-2)).to(gate_t.dtype).view(B, H, S, D)
+    if pooled_grad is not None:  # the tile-mean pooling's backward, added to the fine grads
+        shares = tile_mean_pool_bwd_torch(pooled_grad(d_coarse), sizes[:num_tiles], S, acc)
+        dq = (dq.to(acc) + shares[0]).to(dq.dtype)
+        dk, dv = (g.clone() for g in (dk, dv))
+        for g, share in zip((dk, dv), shares[1:]):
+            g[:, :, :S] = (g[:, :, :S].to(acc) + share).to(g.dtype)
     return dq, dk, dv, d_coarse, d_gate
 
 
 @_vsa_fine_bwd_op.register_fake
 def _(do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
-      q_sizes, block, scale, backend):  # fmt: skip
+      q_sizes, pooled, block, scale, backend):  # fmt: skip
     B, H, S, D = q_t.shape
     acc = torch.promote_types(do.dtype, torch.float32)  # fp32 as the kernel; fp64 on torch
     d_coarse = q_t.new_empty((B, H, S // block, D), dtype=acc)

@@ -123,7 +123,9 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     Nt, V = grid.num_tiles, grid.tile_volume
     video_len = grid.padded_len if tiled else grid.num_tokens
     q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))  # [B, H, P, D]
-    o_coarse, kv_indices, kv_counts = vsa_coarse_stage(q_t, k_t, v_t, grid, topk, scale)
+    o_coarse, kv_indices, kv_counts, pooled = vsa_coarse_stage(
+        q_t, k_t, v_t, grid, topk, scale, return_pooled=True
+    )
     if text_tokens:
         # operator.index: plain ints (Dynamo specializes them), never SymInts, as plan keys
         plan = _cached_text_plan(_grid_key(grid), text_tokens, operator.index(H), q.device)
@@ -154,6 +156,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         sizes[:Nt] if tiled else None,  # tiled output: padding rows zero; untiling drops them
         V,
         scale,
+        pooled=pooled,  # the coarse branch's backward runs inside the fine stage's
     )  # [B, H, P, D]
     if not tiled:
         o = grid.untile(o, dim=-2)
