@@ -78,6 +78,29 @@ def test_vsa_triton_interpreter_without_gate(triton_backend, tiled):
         assert_rel_l2(name, g, r, 1e-4)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+def test_vsa_backward_runs_the_coarse_attention_backward_once(triton_backend, monkeypatch):
+    """The coarse branch's backward is fused into the fine stage's: the coarse stage's own
+    backward must not run as well (it would redo the work and add zeros)."""
+    import vidsparse.ops.video_sparse_attn.coarse as coarse
+    import vidsparse.ops.video_sparse_attn.fine as fine
+
+    calls, original = [], coarse.coarse_attn_bwd
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(coarse, "coarse_attn_bwd", counting)
+    monkeypatch.setattr(fine, "coarse_attn_bwd", counting)
+    grid = vidsparse.VideoGrid((5, 6, 7))
+    x = [torch.randn(1, 2, grid.padded_len, 16, requires_grad=True) for _ in range(4)]
+    o = vidsparse.video_sparse_attn(*x[:3], grid, topk=3, gate=x[3], tiled=True)
+    torch.autograd.grad(o, x, torch.randn_like(o))
+    assert len(calls) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("tiled", [False, True])

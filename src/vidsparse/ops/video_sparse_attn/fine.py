@@ -58,6 +58,11 @@ def vsa_fine_combined(
     store_fine = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t)
     )
+    if pooled is not None:
+        # The gradient through o_coarse is formed in this op's backward: cut the coarse stage's
+        # own backward out of the graph (a None gradient would be materialised as zeros and
+        # still run it).
+        o_coarse = o_coarse.detach()
     o, _, _ = torch.ops.vidsparse.vsa_fine_fwd(
         q_t,
         k_seq,
