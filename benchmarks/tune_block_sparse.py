@@ -53,14 +53,7 @@ def main(argv=None):
         action="store_true",
         help="only the backward kernels with and without TMA loads (engine and VSA shapes)",
     )
-    ap.add_argument(
-        "--full-block-branch",
-        action="store_true",
-        help="only the masked TMA forward with and without skipping the mask on full blocks",
-    )
     args = ap.parse_args(argv)
-    if args.full_block_branch:
-        return sweep_full_block_branch(args.out)
     if args.bwd_tma:
         return sweep_backward_tma(args.out)
     if args.masked:
@@ -178,51 +171,6 @@ def main(argv=None):
         gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
     )
     with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-
-
-def sweep_full_block_branch(out):
-    """The masked TMA forward (padding vouched finite) as the library runs it, against the same
-    with a branch per key block that skips the score masking where the block has no padding.
-    VSA 480p (64-token tiles, top-78, 12 heads) and PSA-like Wan 14B 720p 1x16x8 tiles (128
-    tokens, 40 heads, a third of the blocks listed)."""
-    from dataclasses import replace
-
-    from vidsparse.layout import VideoGrid
-    from vidsparse.ops.block_sparse_attn.configs import forward_config
-    from vidsparse.utils.device import target_of
-
-    D, rows = 128, []
-    cases = [("vsa480p_64", VideoGrid((21, 30, 52)), 12, 78),
-             ("psa720p_1x16x8", VideoGrid((21, 45, 80), tile=(1, 16, 8)), 40, None)]  # fmt: skip
-    for label, grid, H, count in cases:
-        n, S, block = grid.num_tiles, grid.padded_len, grid.tile_volume
-        count = count or n // 3
-        q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        sizes = grid.tile_sizes_on("cuda").to(torch.int32)
-        idx, cnt = random_block_lists(1, H, n, n, count=count, device="cuda")
-        lib = forward_config(target_of(q.device), block, block, D, q.dtype, masked=True)
-        ref = None
-        for name, cfg in (("library", lib), ("branch", replace(lib, unmasked_full_blocks=True))):
-
-            def run(cfg=cfg):
-                return block_sparse_attn_fwd(
-                    q, k, v, idx, cnt, sizes, block, block, D**-0.5, cfg, padding_finite=True
-                )[0]
-
-            o = run().float()
-            ref = o if ref is None else ref
-            err = ((o - ref).norm() / ref.norm()).item()
-            ms = bench(run)
-            tf = 4 * H * S * count * block * D / (ms * 1e-3) / 1e12
-            rows.append(
-                dict(case=label, variant=name, cfg=repr(cfg), ms=ms, tflops=tf, rel_err=err)
-            )
-            print(f"{label} {name}: {ms:.3f} ms {tf:.0f} TFLOP/s err {err:.1e}", flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
-    )
-    with open(out, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 

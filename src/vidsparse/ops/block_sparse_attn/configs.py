@@ -29,9 +29,6 @@ class KernelConfig:
     use_tma: bool = False
     # Let Triton split the loop into producer / consumer warps (Hopper; TMA kernel only).
     warp_specialize: bool = False
-    # Forward TMA kernel with key-block sizes: branch per block so that blocks without
-    # padding skip the score masking.
-    unmasked_full_blocks: bool = False
     # Backward with use_tma: the step for the pointer-load kernel, taken when the inputs do not
     # allow TMA (pointer loads hold more registers: the TMA step can spill there).
     pointer_sub_m: int | None = None

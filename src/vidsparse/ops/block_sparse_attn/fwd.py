@@ -186,10 +186,9 @@ def _block_sparse_attn_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
-    STORE_FINE: tl.constexpr, UNMASKED_FULL_BLOCKS: tl.constexpr = False,
+    STORE_FINE: tl.constexpr,
 ):
-    """Hopper variant: tiles move by the bulk-copy engine (TMA). With UNMASKED_FULL_BLOCKS,
-    key blocks without padding skip the score masking (a runtime branch per block)."""
+    """Hopper variant: tiles move by the bulk-copy engine (TMA)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -206,16 +205,8 @@ def _block_sparse_attn_fwd_tma_kernel(
         kv_block = tl.load(idx_row + j * stride_ik)
         k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
                                     BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
-        if UNMASKED_FULL_BLOCKS:
-            if tl.load(KV_SIZES + kv_block) < BLOCK_N:
-                m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                                                     True, False)
-            else:
-                m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                                                     False, False)
-        else:
-            m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                                                 HAS_KV_SIZES, False)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                                             HAS_KV_SIZES, False)
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -379,7 +370,6 @@ def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, paddin
         BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D,
         HAS_KV_SIZES=has_sizes, ZERO_PAD_V=has_sizes and not padding_finite,
         WARP_SPECIALIZE=cfg.warp_specialize,
-        UNMASKED_FULL_BLOCKS=has_sizes and cfg.unmasked_full_blocks,
         **flags,
         **cfg.launch_kwargs(),
     )
