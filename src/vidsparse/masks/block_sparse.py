@@ -270,20 +270,22 @@ def transpose_block_lists(
 
     # Key j*NQ + i for entry (row i -> key block j); unread entries get the sentinel NK*NQ so
     # that they sort last. Keys are unique per (b, h) because indices are distinct per row.
+    # int32 keys whenever they fit: the GPU radix sort then makes half the passes of int64.
     sentinel = num_kv_blocks * nq
-    q_rows = torch.arange(nq, device=device).view(nq, 1)  # [NQ, 1]
-    keys = kv_indices.long() * nq + q_rows  # [Bi, H, NQ, K]
+    key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
+    q_rows = torch.arange(nq, device=device, dtype=key_dtype).view(nq, 1)  # [NQ, 1]
+    keys = kv_indices.to(key_dtype) * nq + q_rows  # [Bi, H, NQ, K]
     keys = torch.where(_valid_slots(kv_counts, k), keys, sentinel)
     keys = keys.reshape(bi * h, nq * k)
     keys = keys.sort(dim=-1, stable=True).values  # [Bi*H, NQ*K]
 
     # Column j starts at the first key >= j*NQ; a binary search per boundary needs no atomics.
-    bounds = (torch.arange(num_kv_blocks + 1, device=device) * nq).expand(bi * h, -1).contiguous()
-    q_offsets = torch.searchsorted(keys, bounds)  # [Bi*H, NK+1]
+    bounds = torch.arange(num_kv_blocks + 1, device=device, dtype=key_dtype) * nq
+    q_offsets = torch.searchsorted(keys, bounds.expand(bi * h, -1).contiguous(), out_int32=True)
 
     q_indices = torch.where(keys < sentinel, keys % max(nq, 1), 0)
     return (
-        q_offsets.to(torch.int32).reshape(bi, h, num_kv_blocks + 1),
+        q_offsets.reshape(bi, h, num_kv_blocks + 1),
         q_indices.to(torch.int32).reshape(bi, h, nq * k),
     )
 
