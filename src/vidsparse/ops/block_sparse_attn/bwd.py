@@ -85,6 +85,32 @@ def _block_sparse_attn_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _key_block(K, V, b, h, block, real, offs_d,
+               stride_kb, stride_kh, stride_ks, stride_kd,
+               stride_vb, stride_vh, stride_vs, stride_vd,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HAS_KV_SIZES: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """K and V rows of one key block, ``[BN, D]`` each: by TMA when K and V are descriptors
+    (padding rows read too: the caller vouched them finite), else by pointers with padding
+    rows (``real`` False) never read."""
+    if USE_TMA:
+        row0 = (block * BLOCK_N).to(tl.int32)
+        k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+    else:
+        rows = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        k_ptrs = K + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if HAS_KV_SIZES:
+            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
 def _pooled_share(DPOOL, which, b, h, block, offs_d, size,
                   stride_pt, stride_pb, stride_ph, stride_pn):  # fmt: skip
     """Each real row's share of a block mean's gradient, ``dpooled[which, b, h, block] / size``
@@ -126,20 +152,13 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     offs_d = tl.arange(0, HEAD_DIM)
     offs_sub = tl.arange(0, SUB_M)
+    real = tl.arange(0, BLOCK_N) < BLOCK_N  # [BN]
     if HAS_KV_SIZES:
-        real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)  # [BN]
-    if USE_TMA:
-        k = K.load([pid_bh // H, pid_bh % H, pid_n * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = V.load([pid_bh // H, pid_bh % H, pid_n * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
-    else:
-        k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        if HAS_KV_SIZES:  # padding keys are never read
-            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
-            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)
+    k, v = _key_block(K, V, b, h, pid_n, real, offs_d,
+                      stride_kb, stride_kh, stride_ks, stride_kd,
+                      stride_vb, stride_vh, stride_vs, stride_vd,
+                      BLOCK_N, HEAD_DIM, HAS_KV_SIZES, USE_TMA)  # [BN, D] each; fmt: skip
 
     if not USE_TMA:
         q_base = Q + b * stride_qb + h * stride_qh
@@ -240,31 +259,19 @@ def _block_sparse_attn_bwd_dq_kernel(
     lse2 = tl.load(LSE2 + row)  # [SUB_M]
     delta = tl.load(DELTA + row)
 
-    if not USE_TMA:
-        k_base = K + b * stride_kb + h * stride_kh
-        v_base = V + b * stride_vb + h * stride_vh
     idx_row = KV_IDX + b * stride_ib + h * stride_ih + q_block * stride_iq
     count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + q_block * stride_cq)
 
     dq = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
     for j in range(0, count):
         kv_block = tl.load(idx_row + j * stride_ik)
+        real = offs_n < BLOCK_N  # [BN]
         if HAS_KV_SIZES:
-            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
-        if USE_TMA:
-            row0 = kv_block * BLOCK_N
-            k = K.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
-            v = V.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-        else:
-            offs_kv = kv_block.to(tl.int64) * BLOCK_N + offs_n
-            k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
-            v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
-            if HAS_KV_SIZES:  # padding keys are never read
-                k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
-                v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
-            else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
+            real = offs_n < tl.load(KV_SIZES + kv_block)
+        k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
+                          stride_kb, stride_kh, stride_ks, stride_kd,
+                          stride_vb, stride_vh, stride_vs, stride_vd,
+                          BLOCK_N, HEAD_DIM, HAS_KV_SIZES, USE_TMA)  # [BN, D] each; fmt: skip
         if IEEE_DOT:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
