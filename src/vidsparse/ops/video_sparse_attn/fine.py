@@ -12,7 +12,11 @@ stored ``o_fine``; its preprocess kernel, which reads ``do`` anyway, also forms
 
     d o_coarse[b, h, i] = sum_r do[b, h, i, r] * gate[b, h, i, r]      d gate = do * o_coarse
 
-and gives padding rows (constant 0 in ``o``) no gradient.
+and gives padding rows (constant 0 in ``o``) no gradient. Given the coarse stage's tile means
+(``pooled``), the coarse attention's backward runs here too, between the preprocess and the
+two gradient kernels, which add each tile mean's gradient share (``d mean_i / size_i``) to the
+tile's real rows: the pooling's backward costs no pass of its own and the two branches'
+gradients need no sum.
 
 Registered as custom ops so ``torch.compile`` keeps the call whole.
 """
