@@ -360,20 +360,19 @@ def sweep_masked_forward(out):
     work = 4 * H * S * 78 * 64 * D
     sweep("vsa480p_64", q, k, v, idx, cnt, sizes, 64, variants((4,), (2, 3)), work)
     oc = torch.randn(1, H, n, D, device="cuda", dtype=torch.float32)
-    for store in (False, True):
-        sweep(
-            f"vsa480p_64_combined_store{int(store)}",
-            q,
-            k,
-            v,
-            idx,
-            cnt,
-            sizes,
-            64,
-            variants((4,), (2,)),
-            work,
-            CoarseCombine(oc, g, sizes, store),
-        )
+    sweep(
+        "vsa480p_64_combined",
+        q,
+        k,
+        v,
+        idx,
+        cnt,
+        sizes,
+        64,
+        variants((4,), (2,)),
+        work,
+        CoarseCombine(oc, g, sizes),
+    )
     # PSA, 1x8x16 tiles
     grid = VideoGrid((21, 30, 52), tile=(1, 8, 16))
     S, n = grid.padded_len, grid.num_tiles

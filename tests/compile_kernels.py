@@ -180,7 +180,7 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         # 128-token tiles the epilogue spills 2-7 registers on gfx942/gfx950 (not recorded).
         if has_kv_sizes and block_q == block_kv == 64:
             oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
-            combine = CoarseCombine(oc, bhsd(), kv_sizes, True)
+            combine = CoarseCombine(oc, bhsd(), kv_sizes)
             block_sparse_attn_fwd_combined(
                 q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale, combine,
                 padding_finite=True,

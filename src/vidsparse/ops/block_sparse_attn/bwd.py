@@ -47,9 +47,10 @@ def _block_sparse_attn_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
 ):  # fmt: skip
-    """``delta = rowsum(o * do)`` and the base-2 lse; with COMBINE (VSA), ``O`` is o_fine and
-    the gradients of ``o = o_fine + gate * o_coarse`` are formed from the same ``do`` read:
-    ``d o_coarse[block] = sum_rows do * gate`` and ``d gate = do * o_coarse[block]``. With
+    """``delta = rowsum(o * do)`` and the base-2 lse. With COMBINE (VSA), ``O`` is the combined
+    output ``o = o_fine + gate * o_coarse[block]``: ``o_fine`` is recomputed from it (no copy of
+    it is kept by the forward), and the combine's gradients come from the same read of ``do``:
+    ``d o_coarse[block] = sum_rows do * gate``, ``d gate = do * o_coarse[block]``. With
     ZERO_PAD_ROWS, padding rows (constant 0 in the forward's output) get lse2 = +inf and
     delta = 0, so no gradient flows through them, whatever ``do`` holds there."""
     pid_m = tl.program_id(0)
@@ -59,9 +60,19 @@ def _block_sparse_attn_bwd_preprocess_kernel(
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, HEAD_DIM)
     o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
+    o = o.to(tl.float32)  # [BM, D]
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
     do = do.to(tl.float32)  # [BM, D]
-    delta = tl.sum(o.to(tl.float32) * do, axis=1)  # [BM]
+    if COMBINE:
+        oc = tl.load(OC + b * stride_ocb + h * stride_och + pid_m.to(tl.int64) * stride_ocm + offs_d)
+        oc = oc.to(tl.float32)  # [D]
+        if HAS_GATE:
+            g_offs = b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gs + offs_d[None, :]
+            gate = tl.load(GATE + g_offs).to(tl.float32)  # [BM, D]
+            o = o - gate * oc[None, :]  # o_fine
+        else:
+            o = o - oc[None, :]
+    delta = tl.sum(o * do, axis=1)  # [BM]
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse = tl.load(LSE + row)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
@@ -74,11 +85,9 @@ def _block_sparse_attn_bwd_preprocess_kernel(
     tl.store(LSE2 + row, lse2)
     if COMBINE:
         if HAS_GATE:
-            g_offs = b * stride_gb + h * stride_gh + offs_m[:, None] * stride_gs + offs_d[None, :]
-            d_coarse = tl.sum(do * tl.load(GATE + g_offs).to(tl.float32), axis=0)  # [D]
-            oc = tl.load(OC + b * stride_ocb + h * stride_och + pid_m.to(tl.int64) * stride_ocm + offs_d)
+            d_coarse = tl.sum(do * gate, axis=0)  # [D]
             dg_offs = b * stride_dgb + h * stride_dgh + offs_m[:, None] * stride_dgs + offs_d[None, :]
-            tl.store(DGATE + dg_offs, (do * oc.to(tl.float32)[None, :]).to(DGATE.dtype.element_ty))
+            tl.store(DGATE + dg_offs, (do * oc[None, :]).to(DGATE.dtype.element_ty))
         else:
             d_coarse = tl.sum(do, axis=0)  # [D]
         tl.store(DOC + b * stride_dcb + h * stride_dch + pid_m.to(tl.int64) * stride_dcm + offs_d, d_coarse)
@@ -298,8 +307,8 @@ def _block_sparse_attn_bwd_dq_kernel(
 
 
 class CoarseGrad(NamedTuple):
-    """Inputs of VSA's fused backward preprocess: the forward's ``CoarseCombine`` without
-    ``store_fine`` (the backward runs on the stored ``o_fine``)."""
+    """Inputs of VSA's fused backward: the forward's ``CoarseCombine``. The backward takes the
+    combined output ``o`` and recomputes ``o_fine = o - gate * o_coarse`` where it needs it."""
 
     o_coarse: torch.Tensor  # [B, H, NQ, D], unit-stride D
     gate: torch.Tensor | None  # [B, H, Sq, D], unit-stride D; None: o = o_fine + o_coarse
@@ -342,14 +351,15 @@ def block_sparse_attn_bwd(
 
 
 def block_sparse_attn_bwd_combined(
-    do, q, k, v, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+    do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
     coarse: CoarseGrad, *, padding_finite: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """The backward of ``o = o_fine + gate * o_coarse`` (``block_sparse_attn_fwd_combined``):
-    returns ``(dq, dk, dv, d_o_coarse fp32, d_gate or None)``. The combine's gradients come
+    """The backward of ``o = o_fine + gate * o_coarse`` (``block_sparse_attn_fwd_combined``),
+    given that forward's ``o`` and ``lse``: returns ``(dq, dk, dv, d_o_coarse fp32, d_gate or
+    None)``. ``o_fine`` is recomputed in the preprocess kernel; the combine's gradients come
     out of the preprocess kernel's one read of ``do``; with ``coarse.coarse_attn_grad``, the
     coarse branch's gradient through the block means lands in dq, dk, dv as well."""
-    return _backward(do, q, k, v, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block_q,
+    return _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q,
                      block_kv, scale, None, None, padding_finite, coarse)  # fmt: skip
 
 

@@ -111,14 +111,12 @@ def _block_sparse_attn_fwd_kernel(
     stride_cb, stride_ch, stride_cq,
     OC, stride_ocb, stride_och, stride_ocm,  # COMBINE: o_coarse [B, H, NQ, D], fp32
     GATE, stride_gb, stride_gh, stride_gs,  # COMBINE with HAS_GATE: gate like q, unit-stride D
-    Q_SIZES, OF, stride_fb, stride_fh, stride_fs,  # COMBINE: real rows per query block [NQ];
-                                                   # o_fine, unit-stride D (STORE_FINE)
+    Q_SIZES,  # COMBINE with ZERO_PAD_ROWS: real rows per query block [NQ]
     H, Sq,
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
     COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
-    STORE_FINE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -161,9 +159,6 @@ def _block_sparse_attn_fwd_kernel(
     acc, lse = _finish_rows(acc, m_i, l_i)
     o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     if COMBINE:
-        if STORE_FINE:  # the backward needs the fine output itself
-            f_ptrs = OF + b * stride_fb + h * stride_fh + offs_m[:, None] * stride_fs + offs_d[None, :]
-            tl.store(f_ptrs, acc.to(O.dtype.element_ty))
         acc = _combine_coarse(acc, b, h, pid_m, offs_m, offs_d,
                               OC, stride_ocb, stride_och, stride_ocm,
                               GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
@@ -180,13 +175,12 @@ def _block_sparse_attn_fwd_tma_kernel(
     stride_cb, stride_ch, stride_cq,
     OC, stride_ocb, stride_och, stride_ocm,  # as in the pointer kernel
     GATE, stride_gb, stride_gh, stride_gs,
-    Q_SIZES, OF, stride_fb, stride_fh, stride_fs,  # o_fine: unit-stride D
+    Q_SIZES,
     H, Sq,
     qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
-    STORE_FINE: tl.constexpr,
 ):
     """Hopper variant: tiles move by the bulk-copy engine (TMA)."""
     pid_m = tl.program_id(0)
@@ -214,9 +208,6 @@ def _block_sparse_attn_fwd_tma_kernel(
         offs_d = tl.arange(0, HEAD_DIM)
         b64 = b.to(tl.int64)
         h64 = h.to(tl.int64)
-        if STORE_FINE:  # the backward needs the fine output itself
-            f_ptrs = OF + b64 * stride_fb + h64 * stride_fh + offs_m[:, None] * stride_fs + offs_d[None, :]
-            tl.store(f_ptrs, acc.to(desc_o.dtype))
         acc = _combine_coarse(acc, b64, h64, pid_m, offs_m, offs_d,
                               OC, stride_ocb, stride_och, stride_ocm,
                               GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
@@ -231,7 +222,6 @@ class CoarseCombine(NamedTuple):
     o_coarse: torch.Tensor  # [B, H, NQ, D], unit-stride D: one coarse row per query block
     gate: torch.Tensor | None  # [B, H, Sq, D], unit-stride D; None adds o_coarse as is
     q_block_sizes: torch.Tensor | None  # int32 [NQ]: rows past it in a block are set to 0
-    store_fine: bool  # also return o_fine (the backward needs it)
 
 
 def block_sparse_attn_fwd(
@@ -254,16 +244,16 @@ def block_sparse_attn_fwd(
     guarantees that padding keys (past ``kv_block_sizes``) hold finite values, so the TMA
     kernel may skip zeroing their values (their scores are masked either way).
     """
-    o, _, lse = _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
-                         scale, config, padding_finite, None)
-    return o, lse
+    return _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+                    config, padding_finite, None)
 
 
 def block_sparse_attn_fwd_combined(
     q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
     combine: CoarseCombine, config: KernelConfig | None = None, *, padding_finite: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The forward with VSA's epilogue fused; returns ``(o, o_fine or None, lse)``."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward with VSA's epilogue fused; returns ``(o, lse)``. ``lse`` is o_fine's (the
+    backward recomputes ``o_fine = o - gate * o_coarse``, see ``bwd.CoarseGrad``)."""
     return _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
                     config, padding_finite, combine)
 
@@ -273,14 +263,13 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
     B, H, Sq, D = q.shape
     num_q_blocks = Sq // block_q
     o = torch.empty_like(q)
-    o_fine = q.new_empty(q.shape) if combine is not None and combine.store_fine else None
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     cfg = config or forward_config(
         target_of(q.device), block_q, block_kv, D, q.dtype, masked=kv_block_sizes is not None
     )
     grid = (num_q_blocks, B * H)
     sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
-    epilogue = _epilogue_args(combine, o, o_fine, kv_counts)
+    epilogue = _epilogue_args(combine, kv_counts)
     # fp32 takes the pointer kernel: it alone runs IEEE-exact fp32 dots.
     # Padding keys of unknown content take the pointer kernel: masked loads never read them,
     # where TMA would have to zero their values in registers (slower than pointer loads).
@@ -288,7 +277,7 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
     if cfg.use_tma and tma_ok and q.dtype != torch.float32 and _tma_compatible(q, k, v, o):
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, kv_block_sizes is not None,
                     padding_finite, block_q, block_kv, scale, cfg, grid, epilogue)
-        return o, o_fine, lse
+        return o, lse
     args, flags = epilogue
     _block_sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse,
@@ -303,30 +292,21 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
         **flags,
         **cfg.launch_kwargs(),
     )
-    return o, o_fine, lse
+    return o, lse
 
 
-def _epilogue_args(combine: CoarseCombine | None, o, o_fine, dummy) -> tuple[tuple, dict]:
+def _epilogue_args(combine: CoarseCombine | None, dummy) -> tuple[tuple, dict]:
     """Kernel arguments of the combine epilogue, the same for both kernels: pointers and
-    strides (dummies when off), ``OC, 3 strides, GATE, 3 strides, Q_SIZES, OF, 3 o_fine
-    strides``, and the constexpr flags."""
+    strides (dummies when off), ``OC, 3 strides, GATE, 3 strides, Q_SIZES``, and the
+    constexpr flags."""
     if combine is None:
-        flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False, STORE_FINE=False)
-        return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy, dummy, 0, 0, 0), flags
+        flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False)
+        return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy), flags
     oc, gate = combine.o_coarse, combine.gate
     gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *gate.stride()[:3])
-    fine = o_fine if o_fine is not None else o
-    args = (
-        oc, *oc.stride()[:3], *gate_args,
-        dummy if combine.q_block_sizes is None else combine.q_block_sizes,
-        fine, *fine.stride()[:3],
-    )
-    flags = dict(
-        COMBINE=True,
-        HAS_GATE=gate is not None,
-        ZERO_PAD_ROWS=combine.q_block_sizes is not None,
-        STORE_FINE=o_fine is not None,
-    )
+    sizes = dummy if combine.q_block_sizes is None else combine.q_block_sizes
+    args = (oc, *oc.stride()[:3], *gate_args, sizes)
+    flags = dict(COMBINE=True, HAS_GATE=gate is not None, ZERO_PAD_ROWS=sizes is not dummy)
     return args, flags
 
 

@@ -7,8 +7,9 @@
 
 ``o_fine`` is block-sparse attention over the key tiles listed for tile ``i`` (the engine's
 forward kernel); the sum is formed in fp32 in the kernel before the one store of ``o``, so the
-combine costs no pass over memory of its own. The backward is the engine's backward on the
-stored ``o_fine``; its preprocess kernel, which reads ``do`` anyway, also forms
+combine costs no pass over memory of its own, and ``o_fine`` is not kept: the backward is the
+engine's backward with ``o_fine = o - gate * o_coarse`` recomputed in its preprocess kernel,
+which reads ``do`` anyway and also forms
 
     d o_coarse[b, h, i] = sum_r do[b, h, i, r] * gate[b, h, i, r]      d gate = do * o_coarse
 
@@ -59,15 +60,12 @@ def vsa_fine_combined(
     here, inside the engine's kernels, and ``o_coarse`` itself gets none (the coarse stage's
     own backward then never runs). Without it, ``o_coarse`` gets its gradient as usual.
     """
-    store_fine = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t)
-    )
     if pooled is not None:
         # The gradient through o_coarse is formed in this op's backward: cut the coarse stage's
         # own backward out of the graph (a None gradient would be materialised as zeros and
         # still run it).
         o_coarse = o_coarse.detach()
-    o, _, _ = torch.ops.vidsparse.vsa_fine_fwd(
+    o, _ = torch.ops.vidsparse.vsa_fine_fwd(
         q_t,
         k_seq,
         v_seq,
@@ -80,7 +78,6 @@ def vsa_fine_combined(
         pooled,
         block,
         scale,
-        store_fine,
         resolve_backend(q_t.device),
     )
     return o
@@ -100,20 +97,19 @@ def _vsa_fine_fwd_op(
     pooled: torch.Tensor | None,
     block: int,
     scale: float,
-    store_fine: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(o, o_fine, lse)``; ``o_fine`` is empty unless ``store_fine``. ``pooled`` is
-    only kept for the backward."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(o, lse)`` (``lse`` of the fine attention). ``pooled`` is only kept for the
+    backward, which recomputes ``o_fine`` from ``o``: no copy of it is stored."""
     if backend != "triton":
         return _combined_torch(
             q_t, k_seq, v_seq, kv_indices, kv_counts, kv_block_sizes, o_coarse, gate_t,
-            q_block_sizes, block, scale, store_fine,
+            q_block_sizes, block, scale,
         )  # fmt: skip
     from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
 
-    combine = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, store_fine)
-    o, o_fine, lse = block_sparse_attn_fwd_combined(
+    combine = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes)
+    return block_sparse_attn_fwd_combined(
         q_t,
         k_seq,
         v_seq,
@@ -126,11 +122,10 @@ def _vsa_fine_fwd_op(
         combine,
         padding_finite=True,
     )
-    return o, (o_fine if o_fine is not None else q_t.new_empty(0)), lse
 
 
 def _combined_torch(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
-                    block, scale, store_fine):  # fmt: skip
+                    block, scale):  # fmt: skip
     """The same on the engine's PyTorch reference (CPU, ``VIDSPARSE_BACKEND=torch``)."""
     o_fine, lse = block_sparse_attn_ref(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
@@ -141,46 +136,39 @@ def _combined_torch(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, g
     if q_sizes is not None:
         real_rows = torch.arange(block, device=o.device) < q_sizes.view(-1, 1)  # [Nt, V]
         o = o.masked_fill(~real_rows.view(1, 1, -1, 1), 0)
-    o_fine = o_fine.to(q_t.dtype) if store_fine else q_t.new_empty(0)
-    return torch.empty_like(q_t).copy_(o), o_fine, lse.float()  # strides as the Triton path
+    return torch.empty_like(q_t).copy_(o), lse.float()  # strides as the Triton path
 
 
 @_vsa_fine_fwd_op.register_fake
 def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled, block,
-      scale, store_fine, backend):  # fmt: skip
-    B, H, S, D = q_t.shape
-    o_fine = q_t.new_empty((B, H, S, D)) if store_fine else q_t.new_empty(0)
-    return torch.empty_like(q_t), o_fine, q_t.new_empty((B, H, S), dtype=torch.float32)
+      scale, backend):  # fmt: skip
+    B, H, S, _ = q_t.shape
+    return torch.empty_like(q_t), q_t.new_empty((B, H, S), dtype=torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
     (q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled, block,
-     scale, store_fine, backend) = inputs  # fmt: skip
-    _, o_fine, lse = output
+     scale, backend) = inputs  # fmt: skip
+    o, lse = output
     ctx.save_for_backward(
-        q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
-        pooled,
-    )  # fmt: skip
-    ctx.meta = (block, scale, store_fine, backend)
-    ctx.mark_non_differentiable(o_fine, lse)
+        q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled
+    )
+    ctx.meta = (block, scale, backend)
+    ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, do, _do_fine, _dlse):
-    (q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
+def _backward(ctx, do, _dlse):
+    (q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
      pooled) = ctx.saved_tensors  # fmt: skip
-    block, scale, store_fine, backend = ctx.meta
-    if not store_fine:
-        raise RuntimeError(
-            "vsa_fine_fwd ran without keeping o_fine (no input required grad at the forward)"
-        )
+    block, scale, backend = ctx.meta
     dq, dk, dv, d_coarse, d_gate = torch.ops.vidsparse.vsa_fine_bwd(
-        do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
+        do, q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
         q_sizes, pooled, block, scale, backend,
     )  # fmt: skip
     # With pooled, the coarse branch's gradient is already in dq, dk, dv (see vsa_fine_combined).
     d_oc = None if pooled is not None else d_coarse.to(o_coarse.dtype)
     return (dq, dk, dv, None, None, None, d_oc, None if gate_t is None else d_gate, None, None,
-            None, None, None, None)  # fmt: skip
+            None, None, None)  # fmt: skip
 
 
 @torch.library.custom_op("vidsparse::vsa_fine_bwd", mutates_args=())
@@ -189,7 +177,7 @@ def _vsa_fine_bwd_op(
     q_t: torch.Tensor,
     k_seq: torch.Tensor,
     v_seq: torch.Tensor,
-    o_fine: torch.Tensor,
+    o: torch.Tensor,
     lse: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
@@ -202,7 +190,8 @@ def _vsa_fine_bwd_op(
     scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(dq, dk, dv, d_o_coarse fp32, d_gate)`` (``d_gate`` empty without a gate).
+    """Returns ``(dq, dk, dv, d_o_coarse fp32, d_gate)`` (``d_gate`` empty without a gate),
+    given the forward's combined output ``o`` and fine ``lse``.
 
     Triton: the engine's backward, with the combine's gradients formed in its preprocess kernel
     from the one read of ``do`` (padding rows carry no gradient: they are constant 0). With
@@ -218,24 +207,26 @@ def _vsa_fine_bwd_op(
 
     if backend != "triton":
         return _combined_bwd_torch(
-            do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, kv_block_sizes, o_coarse,
+            do, q_t, k_seq, v_seq, o, kv_indices, kv_counts, kv_block_sizes, o_coarse,
             gate_t, q_block_sizes, block, scale, pooled_grad,
         )  # fmt: skip
     from vidsparse.ops.block_sparse_attn.bwd import CoarseGrad, block_sparse_attn_bwd_combined
 
     dq, dk, dv, d_coarse, d_gate = block_sparse_attn_bwd_combined(
-        do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, kv_block_sizes, block, block,
+        do, q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, kv_block_sizes, block, block,
         scale, CoarseGrad(o_coarse, gate_t, q_block_sizes, pooled_grad), padding_finite=True,
     )  # fmt: skip
     return dq, dk, dv, d_coarse, (d_gate if d_gate is not None else do.new_empty(0))
 
 
-def _combined_bwd_torch(do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, sizes, o_coarse,
+def _combined_bwd_torch(do, q_t, k_seq, v_seq, o, kv_indices, kv_counts, sizes, o_coarse,
                         gate_t, q_sizes, block, scale, pooled_grad):  # fmt: skip
     """The same on the engine's PyTorch reference; the combine's sums in fp32 (fp64 for fp64)."""
     B, H, S, D = q_t.shape
     acc = torch.promote_types(do.dtype, torch.float32)
     num_tiles = S // block
+    coarse = o_coarse.to(acc).repeat_interleave(block, dim=2)  # [B, H, S, D]
+    o_fine = o.to(acc) - (coarse if gate_t is None else gate_t.to(acc) * coarse)
     if q_sizes is not None:  # padding rows of o are constant zero: no gradient flows back
         real_rows = torch.arange(block, device=do.device) < q_sizes.view(-1, 1)  # [Nt, V]
         do = do.masked_fill(~real_rows.view(1, 1, S, 1), 0)
@@ -259,7 +250,7 @@ def _combined_bwd_torch(do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, si
 
 
 @_vsa_fine_bwd_op.register_fake
-def _(do, q_t, k_seq, v_seq, o_fine, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
+def _(do, q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
       q_sizes, pooled, block, scale, backend):  # fmt: skip
     B, H, S, D = q_t.shape
     acc = torch.promote_types(do.dtype, torch.float32)  # fp32 as the kernel; fp64 on torch
