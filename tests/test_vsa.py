@@ -101,6 +101,26 @@ def test_vsa_backward_runs_the_coarse_attention_backward_once(triton_backend, mo
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("scale", [1.0, 16.0])
+def test_recomputed_o_fine_costs_delta_no_more_than_storing_it_in_bf16(scale):
+    """The backward recomputes ``o_fine = o - gate * o_coarse`` from the bf16 output instead of
+    storing o_fine in bf16: ``delta = rowsum(o_fine * do)`` must come out about as accurate."""
+    gen = torch.Generator().manual_seed(0)
+    n, D = 4096, 128
+    o_fine = (torch.randn(n, D, generator=gen, dtype=torch.float64) * scale * 0.3
+              + torch.randn(n, D, generator=gen, dtype=torch.float64) * scale / 8)  # fmt: skip
+    oc = torch.randn(n, D, generator=gen, dtype=torch.float64) * scale / 8
+    gate = torch.randn(n, D, generator=gen, dtype=torch.float64).bfloat16().double()
+    do = torch.randn(n, D, generator=gen, dtype=torch.float64)
+    o_bf16 = (o_fine + gate * oc).bfloat16().double()
+    exact = (o_fine * do).sum(-1)
+    stored = (o_fine.bfloat16().double() * do).sum(-1)
+    recomputed = ((o_bf16 - gate * oc.float().double()) * do).sum(-1)
+    err_stored = (stored - exact).abs().mean()
+    err_recomputed = (recomputed - exact).abs().mean()
+    assert err_recomputed <= 1.5 * err_stored
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("tiled", [False, True])
