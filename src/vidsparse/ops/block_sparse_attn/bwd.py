@@ -4,7 +4,8 @@ Recomputes the attention probabilities from the forward's log-sum-exp, FlashAtte
 in three launches and without atomics (so gradients are bit-identical across runs):
 
 1. ``_block_sparse_attn_bwd_preprocess_kernel``: ``delta = rowsum(o * do)`` and the base-2 lse,
-   with ``-inf`` (empty rows) turned into ``+inf`` so their probabilities recompute to 0.
+   with ``-inf`` (empty rows) turned into ``+inf`` so their probabilities recompute to 0; for
+   VSA (``CoarseGrad``) also ``o_fine`` recomputed from ``o`` and the combine's gradients.
 2. ``_block_sparse_attn_bwd_dkdv_kernel``: one program per key block, walking the *transposed*
    lists (the query blocks that attend to it) to accumulate dK and dV.
 3. ``_block_sparse_attn_bwd_dq_kernel``: one program per query (sub-)block, walking its own
@@ -23,10 +24,12 @@ import triton
 import triton.language as tl
 
 from vidsparse.masks.block_sparse import transpose_block_lists
-from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config, fit_sub_m
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config
 from vidsparse.ops.block_sparse_attn.fwd import (
     LOG2E,
+    CoarseCombine,
     _broadcast_strides,
+    _epilogue_args,
     _tensor_descriptor,
     _tma_compatible,
 )
@@ -52,7 +55,8 @@ def _block_sparse_attn_bwd_preprocess_kernel(
     it is kept by the forward), and the combine's gradients come from the same read of ``do``:
     ``d o_coarse[block] = sum_rows do * gate``, ``d gate = do * o_coarse[block]``. With
     ZERO_PAD_ROWS, padding rows (constant 0 in the forward's output) get lse2 = +inf and
-    delta = 0, so no gradient flows through them, whatever ``do`` holds there."""
+    delta = 0, so no gradient flows through them for any finite ``do`` there (the gradient
+    kernels still read those rows of ``do``)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -213,9 +217,9 @@ def _block_sparse_attn_bwd_dkdv_kernel(
             dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BN, D]
     dk = dk * scale
     if ADD_POOLED:  # noqa: SIM102 - a constexpr test, then a runtime one (Triton)
-        if pid_n < NQ:
+        if pid_n < NQ:  # a video tile (HAS_KV_SIZES: ``real`` holds its real rows)
             size = tl.load(KV_SIZES + pid_n)
-            rows_real = (tl.arange(0, BLOCK_N) < size)[:, None]  # [BN, 1]
+            rows_real = real[:, None]  # [BN, 1]
             share_k = _pooled_share(DPOOL, 1, b, h, pid_n, offs_d, size,
                                     stride_pt, stride_pb, stride_ph, stride_pn)  # fmt: skip
             share_v = _pooled_share(DPOOL, 2, b, h, pid_n, offs_d, size,
@@ -359,26 +363,24 @@ def block_sparse_attn_bwd_combined(
     None)``. ``o_fine`` is recomputed in the preprocess kernel; the combine's gradients come
     out of the preprocess kernel's one read of ``do``; with ``coarse.coarse_attn_grad``, the
     coarse branch's gradient through the block means lands in dq, dk, dv as well."""
+    if coarse.coarse_attn_grad is not None and kv_block_sizes is None:
+        raise ValueError("coarse_attn_grad needs kv_block_sizes (the tiles' real rows)")
     return _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q,
                      block_kv, scale, None, None, padding_finite, coarse)  # fmt: skip
 
 
 def _preprocess_epilogue_args(coarse: CoarseGrad | None, do, num_q_blocks, dummy):
-    """``(args, flags, d_coarse, d_gate)`` of the preprocess kernel's VSA epilogue."""
+    """``(args, flags, d_coarse, d_gate)`` of the preprocess kernel's VSA epilogue: the
+    forward's combine arguments (``fwd._epilogue_args``), then the two gradients' outputs."""
+    combine = None if coarse is None else CoarseCombine(*coarse[:3])
+    args, flags = _epilogue_args(combine, dummy)
     if coarse is None:
-        flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False)
-        return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy, dummy, 0, 0, 0, dummy, 0, 0, 0), flags, None, None
+        return (*args, dummy, 0, 0, 0, dummy, 0, 0, 0), flags, None, None
     B, H, _, D = do.shape
-    oc, gate = coarse.o_coarse, coarse.gate
     d_coarse = torch.empty((B, H, num_q_blocks, D), device=do.device, dtype=torch.float32)
-    d_gate = torch.empty_like(gate) if gate is not None else None
-    gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *gate.stride()[:3])
-    dgate_args = (dummy, 0, 0, 0) if gate is None else (d_gate, *d_gate.stride()[:3])
-    sizes = coarse.q_block_sizes
-    args = (oc, *oc.stride()[:3], *gate_args, dummy if sizes is None else sizes,
-            d_coarse, *d_coarse.stride()[:3], *dgate_args)  # fmt: skip
-    flags = dict(COMBINE=True, HAS_GATE=gate is not None, ZERO_PAD_ROWS=sizes is not None)
-    return args, flags, d_coarse, d_gate
+    d_gate = None if coarse.gate is None else torch.empty_like(coarse.gate)
+    dgate_args = (dummy, 0, 0, 0) if d_gate is None else (d_gate, *d_gate.stride()[:3])
+    return (*args, d_coarse, *d_coarse.stride()[:3], *dgate_args), flags, d_coarse, d_gate
 
 
 def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
@@ -412,7 +414,7 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
     tma_keys_ok = not ieee and (not has_sizes or padding_finite) and _tma_compatible(k, v)
     tma = cfg.use_tma and tma_keys_ok and _tma_compatible(q, do)
     if cfg.use_tma and not tma:
-        cfg = fit_sub_m(cfg.without_tma(), block_q)
+        cfg = cfg.without_tma(block_q)
     if tma:
         q_in, do_in = (_tensor_descriptor(x, cfg.sub_m) for x in (q, do))
         k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v))
@@ -434,7 +436,7 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
     cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
     tma = cfg.use_tma and tma_keys_ok
     if cfg.use_tma and not tma:
-        cfg = fit_sub_m(cfg.without_tma(), block_q)
+        cfg = cfg.without_tma(block_q)
     k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v)) if tma else (k, v)
     _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
         q, k_in, v_in, do, dq, lse2, delta,

@@ -25,7 +25,8 @@ class KernelConfig:
     extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     # Backward only: rows of a query block processed per step (must divide block_q).
     sub_m: int | None = None
-    # Forward on NVIDIA Hopper: move tiles with tensor descriptors (TMA) when the inputs allow.
+    # NVIDIA Hopper, forward and backward: move tiles with tensor descriptors (TMA) when the
+    # inputs allow.
     use_tma: bool = False
     # Let Triton split the loop into producer / consumer warps (Hopper; TMA kernel only).
     warp_specialize: bool = False
@@ -36,9 +37,12 @@ class KernelConfig:
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
 
-    def without_tma(self) -> KernelConfig:
-        """The config of the pointer-load kernel, for inputs that cannot be read by TMA."""
-        return replace(self, use_tma=False, sub_m=self.pointer_sub_m or self.sub_m)
+    def without_tma(self, block_q: int) -> KernelConfig:
+        """The config of the pointer-load kernel, for inputs that cannot be read by TMA; its
+        step divides ``block_q``."""
+        return fit_sub_m(
+            replace(self, use_tma=False, sub_m=self.pointer_sub_m or self.sub_m), block_q
+        )
 
 
 def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None):

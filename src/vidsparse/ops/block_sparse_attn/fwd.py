@@ -51,19 +51,15 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
 
 @triton.jit
 def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr):
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr):
     """K, V tiles of one listed block by TMA, and the mask of its real keys [BN].
 
-    TMA cannot mask rows, so padding keys are read. Their scores are always masked; their
-    values are zeroed only with ZERO_PAD_V, which costs a trip of V through registers: callers
-    that know the padding holds finite values (0 x finite = 0) skip it."""
+    TMA cannot mask rows, so padding keys are read: their scores are masked, and their values
+    (finite, as the caller vouched with ``padding_finite``) meet probability 0."""
     k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
     v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
     if HAS_KV_SIZES:
         real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
-        if ZERO_PAD_V:
-            v = tl.where(real[:, None], v, 0.0)
     else:
         real = offs_n < BLOCK_N
     return k, v, real
@@ -179,7 +175,7 @@ def _block_sparse_attn_fwd_tma_kernel(
     H, Sq,
     qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, ZERO_PAD_V: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     COMBINE: tl.constexpr, HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
 ):
     """Hopper variant: tiles move by the bulk-copy engine (TMA)."""
@@ -198,7 +194,7 @@ def _block_sparse_attn_fwd_tma_kernel(
     for j in tl.range(0, count, warp_specialize=WARP_SPECIALIZE):
         kv_block = tl.load(idx_row + j * stride_ik)
         k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
-                                    BLOCK_N, HEAD_DIM, HAS_KV_SIZES, ZERO_PAD_V)
+                                    BLOCK_N, HEAD_DIM, HAS_KV_SIZES)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
                                              HAS_KV_SIZES, False)
 
@@ -241,8 +237,9 @@ def block_sparse_attn_fwd(
     """Launch the forward kernel on validated inputs; returns ``(o, lse)``.
 
     ``config`` overrides the table in configs.py (for tuning). ``padding_finite``: the caller
-    guarantees that padding keys (past ``kv_block_sizes``) hold finite values, so the TMA
-    kernel may skip zeroing their values (their scores are masked either way).
+    guarantees that padding keys (past ``kv_block_sizes``) hold finite values, which lets
+    inputs with key-block sizes take the TMA kernel (it reads padding keys; their scores are
+    masked); without it they take the pointer kernel, which never reads them.
     """
     return _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
                     config, padding_finite, None)
@@ -276,7 +273,7 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
     tma_ok = kv_block_sizes is None or padding_finite
     if cfg.use_tma and tma_ok and q.dtype != torch.float32 and _tma_compatible(q, k, v, o):
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, kv_block_sizes is not None,
-                    padding_finite, block_q, block_kv, scale, cfg, grid, epilogue)
+                    block_q, block_kv, scale, cfg, grid, epilogue)
         return o, lse
     args, flags = epilogue
     _block_sparse_attn_fwd_kernel[grid](
@@ -335,8 +332,8 @@ def _tensor_descriptor(x: torch.Tensor, rows: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
 
 
-def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, padding_finite,
-                block_q, block_kv, scale, cfg, grid, epilogue):
+def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, block_q, block_kv,
+                scale, cfg, grid, epilogue):
     D = q.shape[-1]
     desc = _tensor_descriptor
     args, flags = epilogue
@@ -348,7 +345,7 @@ def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, paddin
         q.shape[1], q.shape[2],
         scale * LOG2E,
         BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, ZERO_PAD_V=has_sizes and not padding_finite,
+        HAS_KV_SIZES=has_sizes,
         WARP_SPECIALIZE=cfg.warp_specialize,
         **flags,
         **cfg.launch_kwargs(),

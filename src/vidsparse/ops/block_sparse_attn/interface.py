@@ -89,7 +89,8 @@ def block_sparse_attn_prevalidated(
     """``(o, lse)`` for callers inside vidsparse that built the lists themselves (VSA's top-k,
     PSA's stripe lists): no argument checks, so no GPU sync reading the lists back. The caller
     guarantees what ``block_sparse_attn`` would have checked, and with ``padding_finite`` that
-    padding keys hold finite values (their values then need no zeroing in the kernel)."""
+    padding keys hold finite values (so the TMA kernels may read them; see
+    ``fwd.block_sparse_attn_fwd``)."""
     backend = resolve_backend(q.device)
     return torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
