@@ -28,7 +28,7 @@ Methods (rows), all on the same model object and inputs:
   ``sparsity`` = 1 - topk / tiles (78 of 624 at 480p).
 - ``psa`` at targets 0.60 and 0.75: ``apply_sparse_attention(model, "psa", plan=...)`` with a
   synthetic one-step plan: for every (layer, head) a stripe spec of the default PSA candidate
-  family (``CandidateFamily``) on the model's block grid (``--psa-tile``, default 2x8x8 = 128
+  family (``CandidateFamily``) on the model's block grid (``--psa-tile``, default 1x16x8 = 128
   tokens a block), drawn at random among the candidates within 0.1 of the target
   (``--psa-tolerance``; the family has only 4-6 distinct masks near 0.6-0.75 on these block
   grids); a draw that would move the running mean more than 0.005 off the target is redrawn

@@ -8,7 +8,7 @@ LOG="${OUT:-out/gpu}"
 mkdir -p "$LOG"
 parts=(
   "tests/test_block_sparse_attn.py"
-  "tests/test_vsa.py tests/test_vsa_coarse.py tests/test_vsa_text.py"
+  "tests/test_vsa*.py"
   "$(ls tests/test_*.py | grep -v -e test_block_sparse_attn.py -e test_vsa | tr '\n' ' ')"
 )
 pids=()

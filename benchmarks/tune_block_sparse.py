@@ -37,16 +37,10 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=32768)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--out", default="tune.json")
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument(
         "--masked",
         action="store_true",
-        help="only the forward variants on padded tiles (VSA and PSA shapes, key pairs)",
-    )
-    ap.add_argument(
-        "--masked-bwd",
-        action="store_true",
-        help="only the backward kernels on VSA's padded 64x64 tiles (Wan 480p, top-78)",
+        help="only the forward variants on padded tiles (VSA and PSA shapes)",
     )
     ap.add_argument(
         "--bwd-tma",
@@ -58,8 +52,6 @@ def main(argv=None):
         return sweep_backward_tma(args.out)
     if args.masked:
         return sweep_masked_forward(args.out)
-    if args.masked_bwd:
-        return sweep_masked_backward(args.out)
     B, H, S, D = 1, args.heads, args.seq, 128
     dev = "cuda"
     q, k, v, do = (torch.randn(B, H, S, D, device=dev, dtype=torch.bfloat16) for _ in range(4))
@@ -216,7 +208,7 @@ def sweep_backward_tma(out):
             )  # fmt: skip
 
         ref = run(library)
-        pointer = {which: cfg.without_tma() for which, cfg in library.items()}
+        pointer = {which: cfg.without_tma(block) for which, cfg in library.items()}
         for name, cfgs in (("library", library), ("library_pointer_loads", pointer)):
             ms = bench(lambda: run(cfgs))
             rows.append(dict(case=label, kernel=name, cfg=repr(cfgs), ms=ms))
@@ -247,51 +239,6 @@ def sweep_backward_tma(out):
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
-def sweep_masked_backward(out):
-    """dK/dV and dQ configs on VSA's fine-stage backward: Wan 1.3B 480p tiled (624 tiles of
-    64 tokens, partial tiles masked by kv_block_sizes), 12 heads, top-78 random lists. Each
-    kernel is swept with the other at the library's config; times are of the whole backward."""
-    from vidsparse.layout import VideoGrid
-    from vidsparse.ops.block_sparse_attn.configs import backward_config
-    from vidsparse.utils.device import target_of
-
-    grid = VideoGrid((21, 30, 52))
-    H, D, S, n = 12, 128, grid.padded_len, grid.num_tiles
-    q, k, v, do = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    sizes = grid.tile_sizes_on("cuda").to(torch.int32)
-    idx, cnt = random_block_lists(1, H, n, n, count=78, device="cuda")
-    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, 64, 64, D**-0.5)
-    target = target_of(q.device)
-    library = {
-        which: backward_config(target, f"bwd_{which}", 64, 64, D, masked=True)
-        for which in ("dkdv", "dq")
-    }
-    rows = []
-    for which in ("dkdv", "dq"):
-        for w, st, m in itertools.product((4, 8), (1, 2, 3), (16, 32, 64)):
-            cfg = KernelConfig(w, st, sub_m=m)
-            kw = dict(library)
-            kw[which] = cfg
-            try:
-                ms = bench(
-                    lambda: block_sparse_attn_bwd(
-                        do, q, k, v, o, lse, idx, cnt, sizes, 64, 64, D**-0.5,
-                        dkdv_config=kw["dkdv"], dq_config=kw["dq"],
-                    )
-                )  # fmt: skip
-            except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
-                print(f"masked bwd {which} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            mark = " (library)" if cfg == library[which] else ""
-            rows.append(dict(kernel=f"bwd_{which}_masked_vsa480p", cfg=repr(cfg), ms=ms))
-            print(f"masked bwd {which} w={w} s={st} sub={m}{mark}: {ms:.3f} ms", flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
-    )
-    with open(out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-
-
 def sweep_masked_forward(out):
     """Forward variants on padded tiles (keys masked by kv_block_sizes) at the methods' shapes.
 
@@ -299,9 +246,10 @@ def sweep_masked_forward(out):
       top-78 random lists (sparsity 0.875); also with VSA's fused gate epilogue.
     - PSA: the same grid in tiles of 1x8x16 = 128 tokens, 12 heads, density 1/4.
 
-    Variants: pointer vs TMA loads, zeroing padding values or not (``padding_finite``), warps
-    and stages. (A loop taking two listed key blocks per step was measured here and lost:
-    2.57 vs 1.89 ms at 64x64, and over the shared-memory limit at 128x128; see NOTES.md.)
+    Variants: pointer loads vs TMA loads (which read padding keys, so only with
+    ``padding_finite``), warps and stages. (TMA with the padding values zeroed in registers,
+    and a loop taking two listed key blocks per step, were measured here before and lost;
+    both are gone from the kernels: see NOTES.md.)
     """
     from vidsparse.layout import VideoGrid
     from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
@@ -347,8 +295,7 @@ def sweep_masked_forward(out):
 
     def variants(warps, stages):
         out = [(KernelConfig(w, s), False) for w in warps for s in stages]
-        for w, s, finite in itertools.product(warps, stages, (False, True)):
-            out.append((KernelConfig(w, s, use_tma=True), finite))
+        out += [(KernelConfig(w, s, use_tma=True), True) for w in warps for s in stages]
         return out
 
     # VSA fine stage, nominal work over padded blocks
