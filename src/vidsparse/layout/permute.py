@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vidsparse.layout.permute_ops import padded_len_of
 from vidsparse.utils import ceil_div
 
 __all__ = [
@@ -198,8 +199,8 @@ def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int):
     B, heads, S, D = dims
     T, H, W = shape
     tT, tH, tW = tile
-    Nt, Nh, Nw = ceil_div(T, tT), ceil_div(H, tH), ceil_div(W, tW)
-    P = Nt * Nh * Nw * tT * tH * tW
+    Nh, Nw = ceil_div(H, tH), ceil_div(W, tW)
+    P = padded_len_of(shape, tile)
     assert S == T * H * W, (S, shape)
     out = torch.empty((B, heads, P, D), dtype=x.dtype, device=x.device)
     block_s = block_rows(D, x.element_size())
@@ -243,7 +244,7 @@ def _untile(x, shape, tile, out, stride_ob, stride_oh, stride_os, *, chunk_len, 
     tT, tH, tW = tile
     Nh, Nw = ceil_div(H, tH), ceil_div(W, tW)
     S = T * H * W
-    assert ceil_div(T, tT) * Nh * Nw * tT * tH * tW == P, (P, shape, tile)
+    assert padded_len_of(shape, tile) == P, (P, shape, tile)
     block_s = block_rows(D, x.element_size())
     num_blocks = ceil_div(S, block_s)
     with _launch_device(x):

@@ -12,7 +12,8 @@ Both all-to-alls are differentiable: an equal-split all-to-all is a permutation 
 is its own inverse, so its backward is the same all-to-all applied to the gradient.
 
 Communication is ``torch.distributed.all_to_all_single`` on one contiguous buffer (q, k, v and a
-gate are packed together, so a layer costs one collective in and one out). NCCL and gloo (CPU)
+gate are packed together, so a layer costs one collective in and one out, or ``head_chunks``
+of each when the exchange is pipelined; an lse output adds one more). NCCL and gloo (CPU)
 both implement it; ``comm="all_gather"`` selects an ``all_gather`` exchange instead, for a
 backend that lacks it (``P`` times the traffic and memory; correct, not fast).
 
@@ -396,8 +397,9 @@ class TiledExchange:
     The receive buffer ``[P, B, h, S/P, D]`` (the natural sequence in rank chunks) goes straight
     to tile order ``[B, h, padded_len, D]``, and the op's tile-order output straight into the
     send buffer, one pass each (``vidsparse.layout.permute``): the reassembly copy and the op's
-    own tiling (and untiling) copies are gone. ``attn_fn(heads, q_t, k_t, v_t, *extra_t)``
-    takes and returns tile order.
+    own tiling (and untiling) copies are gone (PSA in tile order still blanks its output's
+    padding rows in a copy of its own, which the untiling then skips).
+    ``attn_fn(heads, q_t, k_t, v_t, *extra_t)`` takes and returns tile order.
     """
 
     grid: VideoGrid
@@ -659,16 +661,19 @@ def ulysses_block_sparse_attn(
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_grid_length(grid, tiled: bool, S_local: int, world: int) -> None:
+def _check_grid_length(grid, tiled: bool, S_local: int, world: int, text_tokens: int = 0) -> None:
+    """Full length ``(padded_len if tiled else num_tokens) + text_tokens``, split evenly."""
     if not isinstance(grid, VideoGrid):
         raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
-    expected = grid.padded_len if tiled else grid.num_tokens
-    what = "grid.padded_len" if tiled else "grid.num_tokens"
+    expected = (grid.padded_len if tiled else grid.num_tokens) + text_tokens
+    what = ("grid.padded_len" if tiled else "grid.num_tokens") + (
+        " + text_tokens" if text_tokens else ""
+    )
     if expected % world:
         hint = (
             " Pass tile-ordered inputs (grid.tile(x), tiled=True): padded_len is a multiple of "
             "the tile volume, so any world size dividing it works."
-            if not tiled
+            if not tiled and not text_tokens
             else ""
         )
         raise ValueError(
@@ -678,7 +683,7 @@ def _check_grid_length(grid, tiled: bool, S_local: int, world: int) -> None:
     if S_local * world != expected:
         raise ValueError(
             f"each rank must hold {what} / world size = {expected // world} tokens of {grid} "
-            f"(tiled={tiled}), got a local sequence of {S_local}"
+            f"(tiled={tiled}, text_tokens={text_tokens}), got a local sequence of {S_local}"
         )
 
 
@@ -758,25 +763,14 @@ def _slice_specs(specs, H: int, heads: slice) -> tuple:
 
 
 def _check_stripe_length(grid, stripe_kwargs: dict, S_local: int, world: int) -> None:
-    """Full length ``(padded_len if tiled else num_tokens) + text_tokens``, split evenly."""
-    if not isinstance(grid, VideoGrid):
-        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
+    """``_check_grid_length`` with stripe_attn's ``tiled`` and ``text_tokens`` options."""
     tiled = stripe_kwargs.get("tiled", False)
     text = stripe_kwargs.get("text_tokens", 0)
-    if not isinstance(tiled, bool) or isinstance(text, bool) or not isinstance(text, int):
+    if isinstance(grid, VideoGrid) and (
+        not isinstance(tiled, bool) or isinstance(text, bool) or not isinstance(text, int)
+    ):
         return  # malformed: stripe_attn names the problem (same on every rank)
-    expected = (grid.padded_len if tiled else grid.num_tokens) + text
-    if expected % world:
-        raise ValueError(
-            f"the full sequence ({'padded_len' if tiled else 'num_tokens'} + text_tokens = "
-            f"{expected}) is not divisible by the world size {world}: Ulysses needs equal "
-            "sequence shards (tile order, tiled=True, changes the video part's length)"
-        )
-    if S_local * world != expected:
-        raise ValueError(
-            f"each rank must hold {expected} / {world} = {expected // world} tokens "
-            f"(tiled={tiled}, text_tokens={text}), got a local sequence of {S_local}"
-        )
+    _check_grid_length(grid, tiled, S_local, world, text_tokens=text)
 
 
 def ulysses_stripe_attn(

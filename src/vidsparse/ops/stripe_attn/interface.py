@@ -172,6 +172,7 @@ def stripe_attn_density(
 
 def clear_stripe_attn_cache() -> None:
     """Drop the cached engine lists (``vidsparse.masks.clear_stripe_cache`` drops the masks)."""
+    _engine_plan_of_keys.cache_clear()
     _engine_plan.cache_clear()
 
 
@@ -215,6 +216,14 @@ def _cached_engine_plan(
     only on the Python values of the arguments, which Dynamo guards on: another grid, spec,
     text length or device traces a new graph.
     """
+    return _engine_plan_of_keys(spec_fields, grid_key, spatial_unit, sink_frames, text_tokens,
+                                device)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=_CACHE_SIZE)
+def _engine_plan_of_keys(spec_fields, grid_key, spatial_unit, sink_frames, text_tokens, device):
+    """Cached on the plain keys, so that a call rebuilds no ``StripeSpec`` (each validated) and
+    no ``VideoGrid`` before the lookup (195 us vs 1 us per call at 40 heads, timed on a CPU)."""
     specs = tuple(StripeSpec(*fields) for fields in spec_fields)
     grid = VideoGrid(*grid_key)  # equal to the caller's grid, so the same cache entry
     return _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device)
