@@ -182,7 +182,12 @@ def test_engine_lists_are_cached_and_stripe_wide(torch_backend, monkeypatch):
         launches.append((q.shape[2], tuple(kv_indices.shape)))
         return engine(q, k, v, kv_indices, kv_counts, **kw)
 
+    import vidsparse.ops.block_sparse_attn.interface as engine_interface
+
+    # the video launch calls the name stripe_attn imported; the text launch (shared with VSA,
+    # ops/_text_tokens.py) looks it up in the engine's module
     monkeypatch.setattr(stripe_interface, "block_sparse_attn_prevalidated", counting_engine)
+    monkeypatch.setattr(engine_interface, "block_sparse_attn_prevalidated", counting_engine)
     q, k, v = _qkv(grid, 2, tiled=False, text_tokens=37, dtype=torch.float32)
     stripe_attn(q, k, v, grid, specs, text_tokens=37)
     # Launch 1: 18 video query blocks, rows as wide as the busiest stripe row (3) + 3 text

@@ -29,6 +29,7 @@ __all__ = [
     "dense_rows",
     "video_tiles",
     "key_sequence",
+    "attend_text_queries",
 ]
 
 
@@ -114,3 +115,21 @@ def key_sequence(x, grid: VideoGrid, tiled: bool, video_len: int, text_pad: int,
     if text_pad:
         parts.append(x.new_zeros(*x.shape[:2], text_pad, x.shape[-1]))
     return torch.cat(parts, dim=-2)
+
+
+def attend_text_queries(q, k_seq, v_seq, text_indices, text_counts, kv_block_sizes, *,
+                        video_len: int, text_tokens: int, volume: int, scale: float):  # fmt: skip
+    """The text queries' launch (dense rows over the whole key sequence): q's rows past
+    ``video_len`` padded to whole blocks of ``volume``; returns ``(o, lse)`` of the
+    ``text_tokens`` real rows. The lists come from a cached plan (valid by construction: no
+    checks, no GPU sync) and the padding keys are finite (zeros, or a tiled input's
+    documented-finite padding rows), so the engine may read them by TMA."""
+    from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_prevalidated
+
+    text_pad = ceil_div(text_tokens, volume) * volume - text_tokens
+    q_text = torch.nn.functional.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
+    o, lse = block_sparse_attn_prevalidated(
+        q_text, k_seq, v_seq, text_indices, text_counts, block_q=volume, block_kv=volume,
+        kv_block_sizes=kv_block_sizes, scale=scale, padding_finite=True,
+    )  # fmt: skip
+    return o[:, :, :text_tokens], lse[:, :, :text_tokens]

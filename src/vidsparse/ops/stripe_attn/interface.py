@@ -46,12 +46,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_block_lists, stripe_block_mask
 from vidsparse.ops._text_tokens import (
     append_columns,
+    attend_text_queries,
     check_count,
     check_sequence_length,
     dense_rows,
@@ -292,11 +292,11 @@ def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
     o, lse = _video_output(o, lse, grid, tiled)  # [B, H, video_len, D], [B, H, video_len]
     if not plan.text_blocks:
         return o, lse
-    q_text = F.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
-    o_text, lse_text = attend(q_text, plan.text_indices, plan.text_counts)
-    o = torch.cat([o, o_text[:, :, :text_tokens]], dim=-2)
-    lse = torch.cat([lse, lse_text[:, :, :text_tokens]], dim=-1)
-    return o, lse
+    o_text, lse_text = attend_text_queries(
+        q, k_seq, v_seq, plan.text_indices, plan.text_counts, plan.kv_block_sizes,
+        video_len=video_len, text_tokens=text_tokens, volume=grid.tile_volume, scale=scale,
+    )  # fmt: skip
+    return torch.cat([o, o_text], dim=-2), torch.cat([lse, lse_text], dim=-1)
 
 
 def _video_output(o, lse, grid: VideoGrid, tiled: bool):

@@ -30,11 +30,11 @@ import operator
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
 from vidsparse.ops._text_tokens import (
     append_columns,
+    attend_text_queries,
     check_count,
     check_sequence_length,
     dense_rows,
@@ -44,7 +44,6 @@ from vidsparse.ops._text_tokens import (
 )
 from vidsparse.ops.block_sparse_attn.interface import (
     TRITON_HEAD_DIMS,
-    block_sparse_attn_prevalidated,
 )
 from vidsparse.ops.video_sparse_attn.reference import resolve_topk, video_sparse_attn_ref
 from vidsparse.utils import ceil_div
@@ -162,21 +161,11 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         o = grid.untile(o, dim=-2)
     if not text_tokens:
         return o
-    q_text = F.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
-    # The text queries' lists come from the cached plan: valid by construction, so the
-    # engine's argument checks (and their GPU sync) are skipped.
-    o_text, _ = block_sparse_attn_prevalidated(
-        q_text,
-        k_seq,
-        v_seq,
-        plan.text_indices,
-        plan.text_counts,
-        block_q=V,
-        block_kv=V,
-        kv_block_sizes=sizes,
-        scale=scale,
-    )
-    return torch.cat([o, o_text[:, :, :text_tokens]], dim=-2)
+    o_text, _ = attend_text_queries(
+        q, k_seq, v_seq, plan.text_indices, plan.text_counts, sizes,
+        video_len=video_len, text_tokens=text_tokens, volume=V, scale=scale,
+    )  # fmt: skip
+    return torch.cat([o, o_text], dim=-2)
 
 
 class _TextPlan(NamedTuple):
