@@ -146,7 +146,9 @@ class VideoSparseAttention(nn.Module):
     def gate(self, hidden_states: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         """The gate in q's layout ``[B, H, S, D]`` and dtype; zeros without ``hidden_states``."""
         if hidden_states is None:
-            return q.new_zeros(()).expand_as(q)  # broadcast view, no q-sized allocation
+            # A broadcast view here, but the fine stage needs a unit-stride gate and copies it
+            # to q's size; the zero coarse term still costs its epilogue and backward.
+            return q.new_zeros(()).expand_as(q)
         self._check_hidden_states(hidden_states, q)
         B, S, _ = hidden_states.shape
         gate = self.gate_proj(hidden_states)  # [B, S, H * D]

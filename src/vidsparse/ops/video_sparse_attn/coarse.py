@@ -77,6 +77,7 @@ from vidsparse.ops.video_sparse_attn.coarse_configs import (
     PoolConfig,
     coarse_attn_config,
     pool_config,
+    pow2_at_least,
 )
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor
@@ -613,10 +614,6 @@ def _pooled_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 def _selected_quantile_z(topk: int, num_tiles: int) -> float:
     """Where the top-k boundary would sit, in standard deviations above the mean, if a row's
     scores were normal: only steers the first pivots."""
@@ -646,7 +643,7 @@ def tile_mean_pool_fwd(
         q_t, k_t, v_t, pooled, tile_sizes,
         *q_t.stride(), *k_t.stride(), *v_t.stride(), *pooled.stride(),
         H, num_tiles,
-        TILE_VOLUME=tile_volume, TILE_SLOTS=_pow2_at_least(tile_volume), HEAD_DIM=D,
+        TILE_VOLUME=tile_volume, TILE_SLOTS=pow2_at_least(tile_volume), HEAD_DIM=D,
         TILES_PER_PROGRAM=cfg.tiles_per_program,
         **cfg.launch_kwargs(),
     )  # fmt: skip
@@ -674,7 +671,7 @@ def tile_mean_pool_bwd(
         dpooled, *grads, tile_sizes,
         *dpooled.stride(), *grads[0].stride(), *grads[1].stride(), *grads[2].stride(),
         H, num_tiles,
-        TILE_VOLUME=tile_volume, TILE_SLOTS=_pow2_at_least(tile_volume), HEAD_DIM=D,
+        TILE_VOLUME=tile_volume, TILE_SLOTS=pow2_at_least(tile_volume), HEAD_DIM=D,
         TILES_PER_PROGRAM=cfg.tiles_per_program,
         **cfg.launch_kwargs(),
     )  # fmt: skip
@@ -722,6 +719,14 @@ def coarse_attn_topk_fwd(
     if record_passes:
         return oc, kv_indices, kv_counts, passes
     return oc, kv_indices, kv_counts
+
+
+def coarse_grad_dtype(input_dtype: torch.dtype) -> torch.dtype | None:
+    """``grad_dtype`` of :func:`coarse_attn_bwd` for inputs of ``input_dtype``: bf16 for bf16,
+    as the fine stage's kernels form their gradients; fp16 inputs keep fp32 there (d o_coarse
+    sums a tile's rows of do and can leave fp16's range under loss scaling); fp32 / fp64 keep
+    their precision (None)."""
+    return torch.bfloat16 if input_dtype == torch.bfloat16 else None
 
 
 @torch.no_grad()
@@ -852,11 +857,7 @@ def _vsa_coarse_stage_bwd_op(
     scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # bf16 inputs: the gradient matmuls in bf16 too, as the fine stage's kernels form theirs.
-    # fp16 inputs keep fp32 there: d o_coarse sums a tile's rows of do and can leave fp16's
-    # range under loss scaling. fp32 / fp64 inputs keep their precision throughout.
-    grad_dtype = torch.bfloat16 if dtype == torch.bfloat16 else None
-    dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale, grad_dtype)
+    dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale, coarse_grad_dtype(dtype))
     if backend == "triton":
         return tile_mean_pool_bwd(dpooled, tile_sizes, padded_len, dtype)
     return tile_mean_pool_bwd_torch(dpooled, tile_sizes, padded_len, dtype)
@@ -919,7 +920,8 @@ def vsa_coarse_stage(
     Returns ``(oc, kv_indices, kv_counts)``: ``oc`` fp32 (fp64 for fp64 inputs), differentiable
     in q_t, k_t, v_t (each real token of tile i gets ``d qc_i / size_i``, padding gets 0);
     ``kv_indices`` int32 ``[B, H, Nt, topk]``, ascending in each row, ties broken towards the
-    smaller tile index; ``kv_counts`` int32 ``[B, H, Nt]``, all ``topk``. Both feed
+    smaller tile index; ``kv_counts`` int32 ``[B, H, Nt]``, ``topk`` (fewer only in rows whose
+    scores hold NaN). Both feed
     ``block_sparse_attn(..., block_size=grid.tile_volume, kv_block_sizes=grid.tile_sizes_on(...))``
     directly. ``return_pooled`` adds the tile means ``[3, B, H, Nt, D]`` (qc, kc, vc; not
     differentiable), which VSA's fine stage takes to fuse this stage's backward into its own.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from vidsparse.utils.device import Target
 
-__all__ = ["PoolConfig", "CoarseAttnConfig", "pool_config", "coarse_attn_config"]
+__all__ = ["PoolConfig", "CoarseAttnConfig", "pool_config", "coarse_attn_config", "pow2_at_least"]
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def _lookup(target: Target, kernel: str, head_dim: int, default):
     return default
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
 
@@ -132,5 +132,5 @@ def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseA
     """Config of the coarse attention + top-k kernel, with blocks shrunk to fit ``num_tiles``
     (never below 16, the smallest ``tl.dot`` operand)."""
     cfg = _lookup(target, "attn_topk", head_dim, CoarseAttnConfig())
-    fit = max(16, _pow2_at_least(num_tiles))
+    fit = max(16, pow2_at_least(num_tiles))
     return replace(cfg, block_m=min(cfg.block_m, fit), block_n=min(cfg.block_n, fit))

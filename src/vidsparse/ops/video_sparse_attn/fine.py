@@ -30,7 +30,11 @@ from vidsparse.ops.block_sparse_attn.reference import (
     block_sparse_attn_bwd_ref,
     block_sparse_attn_ref,
 )
-from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, tile_mean_pool_bwd_torch
+from vidsparse.ops.video_sparse_attn.coarse import (
+    coarse_attn_bwd,
+    coarse_grad_dtype,
+    tile_mean_pool_bwd_torch,
+)
 from vidsparse.utils.backend import resolve_backend
 
 
@@ -199,8 +203,7 @@ def _vsa_fine_bwd_op(
     gradient kernels, which add each tile mean's gradient share to the tile's real rows."""
     pooled_grad = None
     if pooled is not None:
-        # bf16 inputs: bf16 gradient matmuls (coarse.py explains); otherwise pooled's precision
-        low = torch.bfloat16 if q_t.dtype == torch.bfloat16 else None
+        low = coarse_grad_dtype(q_t.dtype)
 
         def pooled_grad(d_coarse):
             return coarse_attn_bwd(d_coarse, pooled[0], pooled[1], pooled[2], scale, low)
