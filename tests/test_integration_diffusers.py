@@ -640,3 +640,17 @@ def test_capture_refuses_a_folder_with_calibration_files(wan, tmp_path):
     with pytest.raises(ValueError, match="already holds .pt files"):
         capture_calibration(wan, tmp_path)
     assert not hasattr(wan, "_vidsparse_state")
+
+
+def test_key_mask_lengths_read_once_per_mask_and_again_after_inplace_change():
+    """Every layer of a HunyuanVideo forward gets the same mask tensor: its per-sample lengths
+    are read back once, and again when the mask changes in place."""
+    from vidsparse.integrations.diffusers import _VSA
+
+    method = _VSA(sparsity=0.5)
+    mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)
+    assert method._real_lengths(mask) == [10, 10]
+    assert method._real_lengths(mask) is method._real_lengths(mask)  # cached
+    mask[1, ..., 6:] = False
+    assert method._real_lengths(mask) == [10, 6]
+    assert method._real_lengths(mask.clone()) == [10, 6]

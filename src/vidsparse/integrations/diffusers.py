@@ -119,11 +119,12 @@ def apply_sparse_attention(
             and run the method over the whole sequence through Ulysses all-to-alls; the latent
             grid still comes from the full input. Not with text tokens (HunyuanVideo) yet.
 
-    Raises ``TypeError`` for an unsupported model class (listing the supported ones),
-    ``ValueError`` for bad options, a plan for another head count or layer set, a model already
-    patched, or a stock processor that was replaced by something we do not know.
+    Raises ``TypeError`` for an unsupported model class (listing the supported ones), an
+    unknown option name or an option of the wrong type (``gate``, ``plan``, ``specs``),
+    ``ValueError`` for bad option values, a plan for another head count or layer set, a model
+    already patched, or a stock processor that was replaced by something we do not know.
     """
-    _apply(transformer, lambda adapter: _make_method(method, adapter, options), ulysses)
+    _apply(transformer, lambda adapter: _make_method(method, options), ulysses)
 
 
 def _apply(
@@ -302,7 +303,6 @@ def _sdpa(q, k, v, call: _Call) -> torch.Tensor:
 
 class _Method(abc.ABC):
     name = "?"
-    supports_text_tokens = True
 
     # Hooks a method may override; the defaults accept everything.
     def check_model(self, num_layers: int, heads: int) -> None:  # noqa: B027
@@ -340,6 +340,7 @@ class _SparseMethod(_Method):
     def __init__(self, tile):
         self.tile = _check_tile(tile)
         self._grids: dict[tuple[int, int, int], VideoGrid] = {}
+        self._mask_lengths: tuple = (None, -1, [])  # (mask, its version, real tokens per sample)
 
     def grid(self, shape) -> VideoGrid:
         grid = self._grids.get(shape)
@@ -348,9 +349,20 @@ class _SparseMethod(_Method):
         return grid
 
     def attend(self, q, k, v, call):
-        if call.mask is None:
+        if call.mask is None or all(n == q.shape[2] for n in self._real_lengths(call.mask)):
             return self.sparse(q, k, v, call, call.text_tokens)
         return self._attend_unpadded(q, k, v, call)
+
+    def _real_lengths(self, mask) -> list[int]:
+        """Real tokens per sample of the ``[B, 1, 1, S]`` key mask, read back to the host once
+        per mask: HunyuanVideo hands the same mask tensor to every layer of a forward, so this
+        is one GPU sync per forward instead of one per layer (keyed on the tensor and its
+        in-place version counter)."""
+        seen, version, lengths = self._mask_lengths
+        if mask is not seen or mask._version != version:
+            lengths = [int(n) for n in mask.reshape(mask.shape[0], -1).sum(dim=1).tolist()]
+            self._mask_lengths = (mask, mask._version, lengths)
+        return lengths
 
     def _attend_unpadded(self, q, k, v, call):
         # The sparse kernels take no key mask, so each sample runs on its real text tokens
@@ -359,10 +371,8 @@ class _SparseMethod(_Method):
         # HunyuanVideo builds the mask as a prefix (video, real text, then padding), so a
         # sample's real tokens are its first n.
         video = q.shape[2] - call.text_tokens
-        real = call.mask.reshape(q.shape[0], -1).sum(dim=1).tolist()  # one host sync per call
         out = torch.zeros_like(q)
-        for b, n_real in enumerate(real):
-            n = int(n_real)
+        for b, n in enumerate(self._real_lengths(call.mask)):
             qb, kb, vb = (x[b : b + 1, :, :n] for x in (q, k, v))
             call_b = dataclasses.replace(call, hidden_states=call.hidden_states[b : b + 1])
             out[b : b + 1, :, :n] = self.sparse(qb, kb, vb, call_b, n - video)
@@ -531,7 +541,7 @@ class _PSA(_SparseMethod):
             v,
             self.grid(call.shape),
             specs,  # all heads: each rank takes its own
-            spatial_unit="block" if self.plan is not None else self.spatial_unit,
+            spatial_unit=self.spatial_unit,  # "block" whenever a plan is given (__init__)
             sink_frames=self.sink_frames,
         )
 
@@ -547,7 +557,7 @@ class _PSA(_SparseMethod):
             v,
             self.grid(call.shape),
             self.specs_at(call.step, call.layer),
-            spatial_unit="block" if self.plan is not None else self.spatial_unit,
+            spatial_unit=self.spatial_unit,
             sink_frames=self.sink_frames,
             text_tokens=text_tokens,
         )
@@ -710,7 +720,7 @@ def _check_ulysses(ulysses, adapter: _ModelAdapter) -> None:
         )
 
 
-def _make_method(method: str, adapter: _ModelAdapter, options: dict) -> _Method:
+def _make_method(method: str, options: dict) -> _Method:
     classes = {"dense": _Dense, "vsa": _VSA, "psa": _PSA}
     if method not in classes:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -718,13 +728,7 @@ def _make_method(method: str, adapter: _ModelAdapter, options: dict) -> _Method:
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise TypeError(f"method={method!r} takes options {allowed}, got unknown {unknown}")
-    impl = classes[method](**options)
-    if adapter.has_text_tokens and not impl.supports_text_tokens:
-        raise ValueError(
-            f"method={method!r} is not supported on {adapter.name} yet (its joint attention "
-            "holds text tokens); use 'psa' or 'dense'"
-        )
-    return impl
+    return classes[method](**options)
 
 
 def _check_tile(tile) -> tuple[int, int, int]:
@@ -886,8 +890,8 @@ def _hunyuan_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb):
 
 
 def _key_mask(attention_mask, batch: int, seq: int) -> torch.Tensor | None:
-    """HunyuanVideo's ``[B, 1, 1, S]`` bool key mask, or ``None`` when every key is real (then
-    the sparse path needs no per-sample loop)."""
+    """HunyuanVideo's ``[B, 1, 1, S]`` bool key mask (checked), or ``None`` when there is none;
+    a mask with every key real takes the sparse path without the per-sample loop too."""
     if attention_mask is None:
         return None
     if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (batch, 1, 1, seq):
