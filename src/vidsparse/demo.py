@@ -464,7 +464,7 @@ def _query_tile(grid, frames) -> tuple[int, tuple[int, int, int]]:
     nt, nh, nw = grid.tiles
     middle = slice((nt // 2) * nh * nw, (nt // 2 + 1) * nh * nw)
     tile = middle.start + int(per_tile[middle].argmax())
-    return tile, (tile // (nh * nw), (tile // nw) % nh, tile % nw)
+    return tile, tuple(grid.tile_coords()[tile].tolist())
 
 
 def _tile_tokens(grid, tile: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from vidsparse.layout.grid import VideoGrid
-from vidsparse.masks.stripe import StripeSpec, stripe_block_mask
+from vidsparse.masks.stripe import StripeSpec, stripe_block_mask, stripe_sparsity
 
 __all__ = [
     "PlotsUnavailable",
@@ -214,12 +214,12 @@ def plot_attention_vs_mask(
     masks = stripe_block_mask([specs[h] for h in heads], grid.tiles, spatial_unit).cpu()
     fig = Figure(figsize=(6.4, 3.0 * len(heads)), layout="constrained")
     axes = fig.subplots(len(heads), 2, squeeze=False)
+    sparsities = stripe_sparsity(masks).tolist()
     for row, h in enumerate(heads):
         kept = _mass_kept(attn[row], masks[row], grid)
         image = _draw_attention(axes[row][0], attn[row], f"head {h}: dense attention (log10)")
         fig.colorbar(image, ax=axes[row][0], shrink=0.8)
-        sparsity = 1.0 - float(masks[row].float().mean())
-        label = f"head {h}: {_spec_label(specs[h], sparsity)}, mass kept {kept:.2f}"
+        label = f"head {h}: {_spec_label(specs[h], sparsities[row])}, mass kept {kept:.2f}"
         _draw_mask(axes[row][1], masks[row], label)
     fig.suptitle(
         (title or f"dense attention vs stripe mask, blocks {grid.tiles}") + " (black: attended)",
@@ -257,9 +257,9 @@ def plot_plan_masks(
     for row, layer in enumerate(layers):
         specs = plan.specs_for(step, layer)[:cols]
         masks = stripe_block_mask(specs, plan.grid.tiles, "block").cpu()
+        sparsities = stripe_sparsity(masks).tolist()
         for h in range(cols):
-            sparsity = 1.0 - float(masks[h].float().mean())
-            label = f"layer {layer} head {h}\n{_spec_label(specs[h], sparsity)}"
+            label = f"layer {layer} head {h}\n{_spec_label(specs[h], sparsities[h])}"
             _draw_mask(axes[row][h], masks[h], label)
     fig.suptitle(
         f"PSA plan {plan.model or '(unnamed model)'}: step {step}, blocks {plan.grid.tiles}"
