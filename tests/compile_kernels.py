@@ -9,14 +9,15 @@ decision at import; it also runs by hand::
     PYTHONPATH=src python tests/compile_kernels.py [--targets cuda:90,hip:gfx942] [--jobs 2]
 
 What is compiled is exactly what the library would launch: the launchers
-(``block_sparse_attn_fwd`` / ``block_sparse_attn_bwd``) run on meta tensors with their kernels
+(``block_sparse_attn_fwd`` / ``_bwd``, VSA's ``*_combined`` ones, and the layout's
+``tile_rows`` / ``untile_rows``) run on meta tensors with their kernels
 swapped for recorders and the device target pinned, so the config (``configs.py``), the
 arguments, the constexprs and the launch options come from the library's own code, and each
 argument is specialised the way Triton's JIT specialises it at launch (unit strides become
 constexprs, 16-divisible ints and pointers get divisibility hints, AMD pointers the 32-bit
-range hint). The TMA forward is recorded when the config asks for it (it never sees key-block
-sizes); the generic forward is recorded for every case, since the library falls back to it
-when inputs are not TMA-compatible.
+range hint). The TMA kernels are recorded when the config asks for them (with key-block sizes
+only where the caller vouches the padding finite, as VSA and PSA do); the pointer kernels are
+recorded for every case, since the library falls back to them when inputs do not allow TMA.
 
 Prints one JSON line per compiled (target, kernel, specialisation) on stdout, one line per
 unavailable target (``{"target": ..., "skipped": reason}``), and a table on stderr.
@@ -316,12 +317,11 @@ def _recording_permute(sink: list):
 def record_permute_launches(tile, head_dim, dtype):
     """``[(kernel, args, kwargs)]`` of one tile and one untile, on meta tensors."""
     from vidsparse.layout.permute import tile_rows, untile_rows
+    from vidsparse.layout.permute_ops import padded_len_of
 
     meta = torch.device("meta")
     num_tokens = PERMUTE_GRID[0] * PERMUTE_GRID[1] * PERMUTE_GRID[2]
-    padded = 1
-    for n, t in zip(PERMUTE_GRID, tile):
-        padded *= -(-n // t) * t
+    padded = padded_len_of(PERMUTE_GRID, tile)
     sink: list = []
     with _recording_permute(sink):
         for seq, launcher in ((num_tokens, tile_rows), (padded, untile_rows)):
