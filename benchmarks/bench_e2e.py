@@ -109,6 +109,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from benchmarks.harness import Column  # noqa: E402
+from vidsparse.testing import rel_l2  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # models and inputs
@@ -571,11 +572,6 @@ def attention_share(model, step: Callable[[], Any], device: torch.device, reps: 
         "instr_step_ms": step_ms / reps,
         "attn_calls_per_step": calls,
     }
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.float(), ref.float()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 # ---------------------------------------------------------------------------------------------
