@@ -29,11 +29,14 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
     else:
         qk = tl.dot(q, tl.trans(k))  # [BM, BN] fp32
     if MASK_KEYS:
-        qk = tl.where(real[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # Mask the raw dots, then scale inside the exponent's FMA as below (-inf * scale stays
+        # -inf): one select per score on top of the unmasked path, not a multiply, select and
+        # subtract.
+        qk = tl.where(real[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         # A block of pure padding leaves the max at -inf: subtract 0 instead to avoid NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(qk - m_sub[:, None])  # [BM, BN]
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # [BM, BN]
     else:
         # scale > 0, so max(qk) * scale == max(qk * scale); the scaling fuses into one FMA.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
