@@ -131,6 +131,29 @@ def timer_label(device: torch.device) -> str:
     return f"{CPU_TIMER_LABEL} (time.perf_counter median; timings meaningless)"
 
 
+def time_graph_ms(fn: Callable[[], Any], *, device: torch.device) -> tuple[float, str]:
+    """``(milliseconds, how)``: on the GPU, the median of ``do_bench`` over replays of ``fn``
+    captured in a CUDA graph, i.e. the GPU time of its kernels without the host's launch
+    overhead (a sub-millisecond stage timed alone can be bound by the host, where a whole
+    model's stream keeps the GPU fed); ``how`` is ``"cuda-graph"``. Where capture fails (or
+    on the CPU), :func:`time_ms` of ``fn`` itself and ``how`` says so."""
+    if device.type != "cuda":
+        return time_ms(fn, device=device), "eager"
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm up off the default stream, as capture requires
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as exc:  # noqa: BLE001 - timed eagerly instead, and labelled
+        return time_ms(fn, device=device), f"eager (capture failed: {error_message(exc, 80)})"
+    return time_ms(graph.replay, device=device), "cuda-graph"
+
+
 def time_ms(
     fn: Callable[[], Any],
     *,

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("diffusers", minversion="0.36")
 
@@ -115,3 +116,27 @@ def test_missing_diffusers_is_one_line(monkeypatch):
     message = str(info.value)
     assert "\n" not in message
     assert "diffusers" in message and "--no-deps --target" in message and "PYTHONPATH" in message
+
+
+@pytest.mark.parametrize("model", ["wan1.3b", "wan14b"])
+@pytest.mark.parametrize("target", [0.6, 0.75])
+def test_synthetic_plan_lands_on_the_target_at_full_size(model, target):
+    # At 480p in 1x16x8 blocks the family has nothing between 0.499 and 0.663: the plan mixes
+    # the nearest patterns on both sides instead of settling at 0.66 for a 0.6 target.
+    import random
+
+    work = bench_e2e.make_workload(bench_e2e.parse_args(["--device", "cpu", "--model", model]))
+    plan, achieved, patterns = bench_e2e.synthetic_plan(
+        work, target, random.Random(0), bench_e2e.PSA_TOLERANCE
+    )
+    assert abs(achieved - target) <= 2 * bench_e2e.PSA_SLACK
+    assert len(patterns) >= 2  # heads mix patterns
+    assert sum(patterns.values()) == work.layers * work.heads
+
+
+def test_compile_option_skips_the_share_and_names_the_file():
+    args = bench_e2e.parse_args(["--device", "cpu", "--compile", "blocks"])
+    assert args.compile == "blocks" and args.share_reps == 0
+    work = bench_e2e.make_workload(args)
+    out = bench_e2e.default_out(torch.device("cpu"), work, args.compile)
+    assert out.name.startswith("e2e_compiled")

@@ -69,5 +69,7 @@ def test_bench_vsa_split_on_ours_fwd(data):
     for row in split:
         assert row["coarse_ms"] > 0 and row["fine_ms"] > 0, row
         assert row["coarse_share"] == row["coarse_ms"] / row["ms"]
+        assert len(row["coarse_ms_all"]) == len(row["fine_ms_all"]) == 3
+        assert row["split_timer"] == "eager"  # CUDA graphs on the GPU only
     others = [r for r in rows if r not in split]
     assert all("coarse_ms" not in r for r in others)
