@@ -259,16 +259,33 @@ def test_sparsity_schedule_drives_the_gate_modules(wan, patched):
 
 # The reference VSA path calls lru_cache'd grid helpers; dynamo traces through them (warning).
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-@pytest.mark.parametrize("method, options", [("dense", {}), ("vsa", {"sparsity": 0.5})])
+@pytest.mark.parametrize(
+    "method, options",
+    [("dense", {}), ("vsa", {"sparsity": 0.5}), ("psa", {"specs": same_place()})],
+)
 def test_compiles_without_graph_break(method, options):
     # fullgraph=True fails on any graph break; the eager backend keeps it fast on the CPU.
-    # (PSA still breaks the graph where stripe_attn builds its block lists: see the report.)
     model = tiny_wan()
     apply_sparse_attention(model, method, **options)
     expected = run(model, wan_inputs())
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     torch.testing.assert_close(run(compiled, wan_inputs()), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_regional_compile_with_per_layer_psa_specs(monkeypatch):
+    # As the docs say: PSA compiles one graph per layer (its specs are constants), so every
+    # layer must run its own specs, none another layer's graph.
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4 * LAYERS)
+    model = tiny_wan()
+    apply_sparse_attention(model, "psa", specs=[same_place(), all_dense()])
+    expected = run(model, wan_inputs())
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    torch.testing.assert_close(run(model, wan_inputs()), expected, atol=1e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,6 +119,12 @@ def apply_sparse_attention(
             and run the method over the whole sequence through Ulysses all-to-alls; the latent
             grid still comes from the full input. Not with text tokens (HunyuanVideo) yet.
 
+    Under ``torch.compile`` (e.g. ``transformer.compile_repeated_blocks(fullgraph=True)``
+    after this call) the processors trace without a graph break. VSA and dense compile one
+    graph for all blocks; PSA one per (layer, step bucket), since each layer's specs are Python
+    constants: set ``torch._dynamo.config.recompile_limit`` to at least that many, or the
+    layers past torch's limit (8 by default) run eagerly.
+
     Raises ``TypeError`` for an unsupported model class (listing the supported ones), an
     unknown option name or an option of the wrong type (``gate``, ``plan``, ``specs``),
     ``ValueError`` for bad option values, a plan for another head count or layer set, a model
