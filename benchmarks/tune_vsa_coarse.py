@@ -74,6 +74,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="tune_coarse.json")
     ap.add_argument("--pool", action="store_true", help="only the pooling kernel")
+    ap.add_argument(
+        "--selection",
+        action="store_true",
+        help="selection knobs at the library's block shape: pivots per pass, bracket capacity,"
+        " pipeline stages (records the passes each config runs)",
+    )
     args = ap.parse_args(argv)
     rows = []
     if args.pool:
@@ -88,14 +94,24 @@ def main(argv=None):
         base = coarse_attn_config(target_of(qc.device), 128, tiles)
         _, ref_idx, _ = coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, base)
         ref_sets = ref_idx.sort(-1).values
-        configs = [base] + [
-            replace(base, block_m=m, block_n=n, num_warps=w, num_pivots=p)
-            for m, n, w, p in itertools.product((16, 32), (64, 128), (4, 8), (8,))
-        ]
+        if args.selection:
+            configs = [base] + [
+                replace(base, num_pivots=p, bracket_capacity=c, num_stages=s)
+                for p, c, s in ((4, 128, 2), (16, 128, 2), (4, 256, 2), (8, 256, 2),
+                                (16, 256, 2), (8, 128, 1), (8, 128, 3))
+            ]  # fmt: skip
+        else:
+            configs = [base] + [
+                replace(base, block_m=m, block_n=n, num_warps=w, num_pivots=p)
+                for m, n, w, p in itertools.product((16, 32), (64, 128), (4, 8), (8,))
+            ]
         for cfg in configs:
             try:
-                _, idx, _ = coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, cfg)
+                _, idx, _, passes = coarse_attn_topk_fwd(
+                    qc, kc, vc, topk, 128**-0.5, cfg, record_passes=True
+                )
                 same = bool(torch.equal(idx.sort(-1).values, ref_sets))
+                passes = passes.float()
                 ms = triton.testing.do_bench(
                     lambda: coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, cfg),
                     warmup=10,
@@ -105,10 +121,22 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
                 print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
-            rows.append(dict(shape=name, cfg=repr(cfg), ms=ms, same_selection=same))
+            passes_mean, passes_max = passes.mean().item(), passes.max().item()
+            rows.append(
+                dict(
+                    shape=name,
+                    cfg=repr(cfg),
+                    ms=ms,
+                    same_selection=same,
+                    passes_mean=passes_mean,
+                    passes_max=passes_max,
+                )
+            )
             print(
                 f"{name} m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} p={cfg.num_pivots}"
-                f"{' (library)' if cfg is base else ''}: {ms * 1e3:.1f} us same={same}",
+                f" cap={cfg.bracket_capacity} s={cfg.num_stages}"
+                f"{' (library)' if cfg is base else ''}: {ms * 1e3:.1f} us same={same}"
+                f" passes {passes_mean:.2f} (max {passes_max:.0f})",
                 flush=True,
             )
     _write(args.out, rows)

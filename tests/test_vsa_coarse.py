@@ -57,6 +57,22 @@ SELECTION_CONFIGS = {
 }
 
 
+def test_hopper_selection_config_follows_the_grid_size():
+    # 4 pivots a pass up to SMALL_GRID_TILES tiles (measured faster at 480p), 8 above (720p).
+    from vidsparse.ops.video_sparse_attn.coarse_configs import SMALL_GRID_TILES, coarse_attn_config
+    from vidsparse.utils.device import Target
+
+    hopper = Target("cuda", 90)
+    small = coarse_attn_config(hopper, 128, 624)
+    big = coarse_attn_config(hopper, 128, 1440)
+    assert small.num_pivots == 4 and big.num_pivots == 8
+    assert coarse_attn_config(hopper, 128, SMALL_GRID_TILES).num_pivots == 4
+    assert coarse_attn_config(hopper, 128, SMALL_GRID_TILES + 1).num_pivots == 8
+    # targets without a small-grid entry keep their one config at every size
+    generic = Target("cuda", 80)
+    assert coarse_attn_config(generic, 128, 624) == coarse_attn_config(generic, 128, 1440)
+
+
 def _tiled_qkv(grid, B, H, D, dtype, device, scale=1.0, garbage=float("nan")):
     """q, k, v in tile order with ``garbage`` in every padding slot (it must be ignored)."""
     pad = ~grid.real_token_mask(device)  # [P]
@@ -345,6 +361,9 @@ def _record_launches(coarse, target, head_dim):
         sizes = torch.empty(num_tiles, dtype=torch.int32, device=meta)
         pooled = coarse.tile_mean_pool_fwd(x, x, x, sizes)
         coarse.coarse_attn_topk_fwd(pooled[0], pooled[1], pooled[2], topk, head_dim**-0.5)
+        # a grid above SMALL_GRID_TILES, whose config may differ (Wan 14B 720p: 1,440 tiles)
+        big = torch.empty(B, H, 1440, head_dim, dtype=torch.float32, device=meta)
+        coarse.coarse_attn_topk_fwd(big, big, big, 180, head_dim**-0.5)
         coarse.tile_mean_pool_bwd(pooled, sizes, num_tiles * volume, torch.bfloat16)
     finally:
         for attr, value in saved.items():

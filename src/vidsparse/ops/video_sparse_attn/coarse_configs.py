@@ -12,8 +12,10 @@ Two kernels are configured (see ``coarse.py``):
   cores where the target has it (NVIDIA, CDNA3), exact ``ieee`` on CDNA4 (no TF32 there) and in
   the interpreter.
 
-Keys are ``(kernel, head_dim)``; ``"*"`` matches any head_dim. The Hopper ``attn_topk``
-entry was tuned on the H200 (``benchmarks/tune_vsa_coarse.py``); the others are sized from the
+Keys are ``(kernel, head_dim)``; ``"*"`` matches any head_dim. An ``attn_topk_small`` entry,
+where a table has one, takes over from ``attn_topk`` on grids of at most ``SMALL_GRID_TILES``
+tiles. The Hopper ``attn_topk`` entries were tuned on the H200
+(``benchmarks/tune_vsa_coarse.py``); the others are sized from the
 register budget (qc ``[block_m, D]`` fp32 and the oc accumulator stay in registers) and
 checked to compile without spills for ``cuda:90`` and ``hip:gfx942`` by
 ``tests/test_vsa_coarse.py`` (which lists the one measured exception).
@@ -73,7 +75,17 @@ HOPPER = {
     ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, num_pivots=8,
                                          bracket_capacity=128, input_precision="tf32",
                                          num_warps=4, num_stages=2),
+    # Grids of at most SMALL_GRID_TILES tiles: 4 pivots a pass. Each pass counts half as many
+    # thresholds and 480p still settles in 2 passes: 0.289 -> 0.270 ms for the whole coarse
+    # stage in bench_vsa at 480p (both sparsities). At 720p (1,440 tiles) 4 pivots took 3 passes
+    # on bench_vsa's data and were slower at sparsity 0.875 (3.59 -> 3.83 ms), faster at 0.9
+    # (3.43 -> 3.09), so large grids keep 8 (results/tuning/tune_vsa_pivots_6ae197d.json).
+    ("attn_topk_small", "*"): CoarseAttnConfig(block_m=32, block_n=64, num_pivots=4,
+                                               bracket_capacity=128, input_precision="tf32",
+                                               num_warps=4, num_stages=2),
 }  # fmt: skip
+# The "attn_topk_small" entries apply up to this many tiles (Wan 480p has 624, 720p 1,440).
+SMALL_GRID_TILES = 1024
 NVIDIA_GENERIC = {
     ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
     ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, input_precision="tf32",
@@ -131,6 +143,9 @@ def pool_config(target: Target, head_dim: int) -> PoolConfig:
 def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseAttnConfig:
     """Config of the coarse attention + top-k kernel, with blocks shrunk to fit ``num_tiles``
     (never below 16, the smallest ``tl.dot`` operand)."""
-    cfg = _lookup(target, "attn_topk", head_dim, CoarseAttnConfig())
+    cfg = None
+    if num_tiles <= SMALL_GRID_TILES:
+        cfg = _lookup(target, "attn_topk_small", head_dim, None)
+    cfg = cfg or _lookup(target, "attn_topk", head_dim, CoarseAttnConfig())
     fit = max(16, pow2_at_least(num_tiles))
     return replace(cfg, block_m=min(cfg.block_m, fit), block_n=min(cfg.block_n, fit))
