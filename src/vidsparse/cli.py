@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from vidsparse.utils.files import atomic_write
+
 EXAMPLES = """examples:
   vidsparse demo                      # dense vs VSA vs PSA on the default workload (out/demo)
   vidsparse demo --out /tmp/r --json  # machine-readable summary on stdout
@@ -438,9 +440,8 @@ def _run_demo(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(report, indent=2))
-    tmp.replace(path)
+    text = json.dumps(report, indent=2)
+    atomic_write(path, lambda f: f.write(text.encode("utf-8")))
     if args.json:
         print(json.dumps(report))
     else:

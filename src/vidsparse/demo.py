@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import vidsparse
 from vidsparse.data import CLIP_ATTRIBUTION, load_clip
 from vidsparse.masks.stripe import StripeSpec
-from vidsparse.plots import plot_attention_vs_mask
+from vidsparse.plots import plot_attention_vs_mask, save_png
 from vidsparse.search import Candidate, CandidateFamily, StripeObjective, select_candidates
 from vidsparse.testing import rel_l2
 
@@ -609,7 +609,7 @@ def write_figures(
         "clip_frame.png": _clip_frame_figure(frames, grid, query_t, box),
     }
     for name, fig in figures.items():
-        fig.savefig(out_dir / name, dpi=110)
+        save_png(fig, out_dir / name, dpi=110)  # written whole or not at all
     names = list(figures)
     if psa is not None:
         plot_attention_vs_mask(

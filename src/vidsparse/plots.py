@@ -56,14 +56,14 @@ def _figure_class():
     return Figure
 
 
-def _save_png(fig, out_png: str | os.PathLike) -> str:
-    from vidsparse.search.plan import atomic_write  # a PNG is never left half-written
+def save_png(fig, out_png: str | os.PathLike, dpi: int = 100) -> str:
+    from vidsparse.utils.files import atomic_write  # a PNG is never left half-written
 
     path = os.fspath(out_png)
     folder = os.path.dirname(path)
     if folder:
         os.makedirs(folder, exist_ok=True)
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
     return path
 
 
@@ -225,7 +225,7 @@ def plot_attention_vs_mask(
         (title or f"dense attention vs stripe mask, blocks {grid.tiles}") + " (black: attended)",
         fontsize=9,
     )
-    return _save_png(fig, out_png)
+    return save_png(fig, out_png)
 
 
 def _plan_step(plan, step: int | None) -> int:
@@ -266,4 +266,4 @@ def plot_plan_masks(
         " (black: attended)",
         fontsize=9,
     )
-    return _save_png(fig, out_png)
+    return save_png(fig, out_png)

@@ -35,13 +35,10 @@ on any error the previous file is left as it was and no temporary file remains.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import tempfile
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +46,7 @@ from typing import Any
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec
 from vidsparse.search.candidates import Candidate
+from vidsparse.utils.files import atomic_write
 
 __all__ = [
     "PLAN_FORMAT",
@@ -586,28 +584,6 @@ class _PlanReader:
 # ---------------------------------------------------------------------------------------------
 # files
 # ---------------------------------------------------------------------------------------------
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
-    """Write a file through ``write(binary_file)`` atomically.
-
-    The data goes to a temporary file in the target's folder (so ``os.replace`` is a rename on
-    one file system), is flushed to disk, then replaces the target in one step. If anything
-    fails, the temporary file is removed and the target is untouched.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        # Also on KeyboardInterrupt: never leave a half-written temporary behind.
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def save_plan(plan: Plan, path: str | os.PathLike) -> None:

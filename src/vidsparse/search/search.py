@@ -48,8 +48,9 @@ from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.stripe import StripeSpec
 from vidsparse.search.candidates import Candidate, CandidateFamily, CandidateSet
 from vidsparse.search.objective import DEFAULT_CHUNK_BYTES, LossStats, StripeObjective
-from vidsparse.search.plan import HeadChoice, Plan, PlanBucket, atomic_write
+from vidsparse.search.plan import HeadChoice, Plan, PlanBucket
 from vidsparse.utils.checks import check_positive_ints
+from vidsparse.utils.files import atomic_write
 
 __all__ = [
     "CALIBRATION_FORMAT",
