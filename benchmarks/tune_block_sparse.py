@@ -11,17 +11,23 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
+from pathlib import Path
 
-import torch
-import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+_REPO = Path(__file__).resolve().parent.parent
+for _p in (_REPO / "src", _REPO):  # run as a script: make `benchmarks` and vidsparse importable
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from vidsparse.masks.block_sparse import random_block_lists
-from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
-from vidsparse.ops.block_sparse_attn.configs import KernelConfig
-from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+import torch  # noqa: E402
+import triton  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
+from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
+from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd  # noqa: E402
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig  # noqa: E402
+from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd  # noqa: E402
 
 
 def bench(fn) -> float:
@@ -159,11 +165,7 @@ def main(argv=None):
                 dict(kernel=f"bwd_{which}_best", block=[bq, bk], cfg=repr(best[1]), ms=best[0])
             )
             print(f"BEST bwd {which} {bq}x{bk}: {best[1]} {best[0]:.3f} ms", flush=True)
-    meta = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
-    )
-    with open(args.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    _write(args.out, rows)
 
 
 def sweep_backward_tma(out):
@@ -232,11 +234,7 @@ def sweep_backward_tma(out):
                 rows.append(dict(case=label, kernel=which, cfg=repr(cfg), ms=ms, rel_err=err))
                 print(f"{label} {which} tma w={w} s={st} sub={m}: {ms:.3f} ms err {err:.1e}",
                       flush=True)  # fmt: skip
-    meta = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
-    )
-    with open(out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    _write(out, rows)
 
 
 def sweep_masked_forward(out):
@@ -339,11 +337,13 @@ def sweep_masked_forward(out):
         variants((8,), (2, 3)),
         4 * H * S * count * 128 * D,
     )
-    meta = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
-    )
-    with open(out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    _write(out, rows)
+
+
+def _write(out, rows):
+    """The sweep's rows with the run's metadata (GPU, versions, commit, command)."""
+    meta = harness.collect_metadata(torch.device("cuda"), benchmark="tune_block_sparse")
+    harness.write_results(out, meta, rows)
 
 
 if __name__ == "__main__":

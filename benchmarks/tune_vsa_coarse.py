@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -25,6 +24,7 @@ for _p in (_REPO / "src", _REPO):
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from benchmarks import harness  # noqa: E402
 from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_topk_fwd  # noqa: E402
 from vidsparse.ops.video_sparse_attn.coarse_configs import coarse_attn_config  # noqa: E402
 from vidsparse.utils.device import target_of  # noqa: E402
@@ -143,11 +143,9 @@ def main(argv=None):
 
 
 def _write(out, rows):
-    meta = dict(
-        gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__
-    )
-    with open(out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    """The sweep's rows with the run's metadata (GPU, versions, commit, command)."""
+    meta = harness.collect_metadata(torch.device("cuda"), benchmark="tune_vsa_coarse")
+    harness.write_results(out, meta, rows)
 
 
 if __name__ == "__main__":
