@@ -35,14 +35,14 @@ Methods (rows), all on the same model object and inputs:
   a draw that would move the running mean more than 0.005 off the target is redrawn from the
   side of the target that brings it back. ``sparsity`` is the achieved mean over all
   (layer, head) of skipped (query block, key block) pairs of the padded block grid.
+  ``--psa-plan FILE`` adds a row for a searched plan file (run at its first sparse step).
 
 ``--compile blocks`` runs every method with each transformer block ``torch.compile``'d
 (diffusers' ``compile_repeated_blocks``, fullgraph, inductor), as a deployment would: the
 stock processor and ours alike, so only the attention differs. The first step includes the
-compilation (``first_step_s``); PSA compiles one graph per layer (its specs are Python
-constants). The attention share is not measured then (its timers wrap Python functions inside
-the compiled blocks). Results go to ``e2e_compiled_<gpu>.json`` by default.
-  ``--psa-plan FILE`` adds a row for a searched plan file (run at its first sparse step).
+compilation (``first_step_s``). The attention share is not measured then (its timers wrap
+Python functions inside the compiled blocks). Results go to ``e2e_compiled_<gpu>.json`` by
+default.
 
 Measurements per method (GPU: CUDA events; CPU: ``perf_counter``, labelled cpu-dry-run):
 
@@ -734,9 +734,9 @@ def compile_blocks(model, layers: int) -> None:
     regional compilation: blocks share one compiled graph while their code sees the same
     Python constants). A graph break anywhere in a block is an error.
 
-    Every method recompiles the blocks once (its processors are new objects). A PSA plan gives
-    each layer its own specs, which are Python constants, so PSA compiles one graph per layer
-    (and per step bucket): the recompile limits are raised so that no layer falls back to eager.
+    Every method recompiles the blocks once (its processors are new objects). PSA shares one
+    graph across layers (its lists are module buffers); the recompile limits are raised anyway,
+    so that a method that compiled one graph per layer would still never fall back to eager.
     """
     import torch._dynamo
 

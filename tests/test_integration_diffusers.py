@@ -273,19 +273,65 @@ def test_compiles_without_graph_break(method, options):
     torch.testing.assert_close(run(compiled, wan_inputs()), expected, atol=1e-5, rtol=0)
 
 
+def tiny_wan_layers(num_layers: int) -> WanTransformer3DModel:
+    config = {k: v for k, v in tiny_wan().config.items() if not k.startswith("_")}
+    torch.manual_seed(0)
+    return WanTransformer3DModel(**{**config, "num_layers": num_layers}).eval()
+
+
+def spatial_band(width: int, n: int = HEADS) -> list[StripeSpec]:
+    # Wider bands attend more key blocks: every width gives the lists another shape.
+    spec = StripeSpec(t_width=1, t_offset=0, t_stride=1, s_width=width, s_offset=0, s_stride=None)
+    return [spec] * n
+
+
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-def test_regional_compile_with_per_layer_psa_specs(monkeypatch):
-    # As the docs say: PSA compiles one graph per layer (its specs are constants), so every
-    # layer must run its own specs, none another layer's graph.
+def test_regional_compile_shares_graphs_across_psa_layers():
+    # Each layer's lists reach the compiled block as buffers, not as specs (constants), padded
+    # to one width: four layers with four patterns compile one graph, and every layer still
+    # runs its own pattern.
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4 * LAYERS)
-    model = tiny_wan()
-    apply_sparse_attention(model, "psa", specs=[same_place(), all_dense()])
+    graphs = []
+
+    def counting_backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = tiny_wan_layers(4)
+    apply_sparse_attention(model, "psa", specs=[spatial_band(w) for w in (1, 2, 3, 4)])
     expected = run(model, wan_inputs())
+    state = model._vidsparse_state
+    widths = {attn._vidsparse_psa_indices.shape[-1] for attn, _ in state.originals}
+    patterns = {attn._vidsparse_psa_counts.sum().item() for attn, _ in state.originals}
+    assert state.method.lists_ready and len(widths) == 1 and len(patterns) == 4
     torch._dynamo.reset()
-    model.compile_repeated_blocks(fullgraph=True, backend="eager")
+    model.compile_repeated_blocks(fullgraph=True, backend=counting_backend)
     torch.testing.assert_close(run(model, wan_inputs()), expected, atol=1e-5, rtol=0)
+    assert len(graphs) == 1
+
+
+def test_psa_lists_path_equals_specs_path(wan, patched, monkeypatch):
+    # The buffers hold exactly what stripe_attn builds from the specs.
+    model = patched("psa", specs=[same_place(), spatial_band(2)])
+    via_lists = run(model, wan_inputs())
+    assert model._vidsparse_state.method.lists_ready
+    monkeypatch.setattr(
+        type(model._vidsparse_state.method),
+        "before_forward",
+        lambda self, state, device: setattr(self, "lists_ready", False),
+    )
+    torch.testing.assert_close(run(model, wan_inputs()), via_lists, atol=0, rtol=0)
+
+
+def test_psa_list_buffers_are_not_saved_and_go_with_remove(wan, patched):
+    model = patched("psa", specs=same_place())
+    run(model, wan_inputs())
+    names = [n for n, _ in model.named_buffers(remove_duplicate=False) if "_vidsparse_psa" in n]
+    assert len(names) == 3 * LAYERS
+    assert not any("_vidsparse_psa" in key for key in model.state_dict())
+    remove_sparse_attention(model)
+    assert not any("_vidsparse_psa" in n for n, _ in model.named_buffers())
 
 
 # ---------------------------------------------------------------------------------------------

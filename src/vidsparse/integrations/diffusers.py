@@ -66,7 +66,11 @@ from torch import nn
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec
 from vidsparse.nn.vsa import VideoSparseAttention, check_sparsity
-from vidsparse.ops.stripe_attn.interface import stripe_attn
+from vidsparse.ops.stripe_attn.interface import (
+    stripe_attn,
+    stripe_attn_from_lists,
+    stripe_engine_lists,
+)
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
 from vidsparse.search.plan import Plan, load_plan
 from vidsparse.search.search import CalibrationSample, save_calibration_sample
@@ -87,6 +91,8 @@ __all__ = [
 SUPPORTED_MODELS = ("WanTransformer3DModel", "HunyuanVideoTransformer3DModel")
 METHODS = ("dense", "vsa", "psa")
 GATE_MODULE_NAME = "vsa"  # blocks.<i>.attn1.vsa.gate_proj.weight in Wan's state dict
+# PSA: non-persistent buffers of each attention module holding its engine lists (not saved)
+_LIST_BUFFERS = ("_vidsparse_psa_indices", "_vidsparse_psa_counts", "_vidsparse_psa_sizes")
 _STATE_ATTR = "_vidsparse_state"
 _DEFAULT_TILE = (4, 4, 4)
 
@@ -119,11 +125,13 @@ def apply_sparse_attention(
             and run the method over the whole sequence through Ulysses all-to-alls; the latent
             grid still comes from the full input. Not with text tokens (HunyuanVideo) yet.
 
-    Under ``torch.compile`` (e.g. ``transformer.compile_repeated_blocks(fullgraph=True)``
-    after this call) the processors trace without a graph break. VSA and dense compile one
-    graph for all blocks; PSA one per (layer, step bucket), since each layer's specs are Python
-    constants: set ``torch._dynamo.config.recompile_limit`` to at least that many, or the
-    layers past torch's limit (8 by default) run eagerly.
+    Under ``torch.compile`` the processors trace without a graph break. With regional
+    compilation (``transformer.compile_repeated_blocks(fullgraph=True)`` after this call) every
+    method compiles one graph for all blocks (PSA: one per step bucket; its lists reach the
+    blocks as buffers, see ``_PSA.before_forward``). Compiling the whole transformer makes
+    PSA's per-layer specs constants, one graph per (layer, step bucket): set
+    ``torch._dynamo.config.recompile_limit`` to at least that many there, or the layers past
+    torch's limit (8 by default) run eagerly.
 
     Raises ``TypeError`` for an unsupported model class (listing the supported ones), an
     unknown option name or an option of the wrong type (``gate``, ``plan``, ``specs``),
@@ -270,6 +278,7 @@ def _grid_capture_hook(state: _SparseState):
         shape = (frames // p_t, height // p_h, width // p_w)
         state.method.check_grid(shape)
         state.shape = shape
+        state.method.before_forward(state, hidden_states.device)
         return None
 
     return hook
@@ -322,6 +331,10 @@ class _Method(abc.ABC):
 
     def add_modules(self, attn, *, dim, heads, head_dim) -> list[tuple[nn.Module, str]]:
         return []
+
+    def before_forward(self, state: _SparseState, device: torch.device) -> None:  # noqa: B027
+        """Called by the transformer's pre-hook, once per forward, after the grid is known."""
+        return None
 
     @abc.abstractmethod
     def attend(self, q, k, v, call: _Call) -> torch.Tensor:
@@ -502,6 +515,10 @@ class _PSA(_SparseMethod):
         self.spatial_unit, self.sink_frames = spatial_unit, sink_frames
         self.layer_specs: list[tuple[StripeSpec, ...]] = []
         self._plan_specs: dict[tuple[int, int], tuple[StripeSpec, ...]] = {}
+        # Set by before_forward: each layer's engine lists are in its attention module's
+        # buffers (_LIST_BUFFERS) for this forward's step and grid.
+        self.lists_ready = False
+        self._lists_key: tuple | None = None
 
     def check_model(self, num_layers, heads):
         if self.plan is not None:
@@ -524,6 +541,61 @@ class _PSA(_SparseMethod):
                 f"the PSA plan was searched for {self.plan.num_steps} denoising steps but the "
                 f"pipeline runs {num_steps}: its step buckets would not line up"
             )
+
+    def add_modules(self, attn, *, dim, heads, head_dim):
+        for name in _LIST_BUFFERS:
+            if hasattr(attn, name):
+                raise ValueError(f"{type(attn).__name__} already has an attribute {name!r}")
+            attn.register_buffer(name, None, persistent=False)  # filled by before_forward
+        return [(attn, name) for name in _LIST_BUFFERS]
+
+    def before_forward(self, state, device):
+        """Put each layer's engine lists for this step into its attention module's buffers.
+
+        Under ``torch.compile`` buffers are graph inputs, so blocks whose layers have
+        different specs share one compiled graph, where specs (Python constants) would give
+        each layer its own. Buffer shapes are static to Dynamo, so every layer's lists are
+        padded to the widest layer's width (the engine reads only ``kv_counts`` entries of a
+        row). They are built once per (step bucket, grid, device), outside ``stripe_attn``'s
+        cache, and the buffers hold one step bucket's lists at a time. Only done eagerly:
+        when this hook is itself traced (the whole transformer compiled), or under sequence
+        parallelism, the processors take the specs path instead."""
+        if state.ulysses is not None or torch.compiler.is_compiling():
+            self.lists_ready = False
+            return
+        key = (self._bucket_start(state.step), state.shape, device)
+        if key != self._lists_key:
+            self._install_lists(state, device)
+            self._lists_key = key
+        self.lists_ready = True
+
+    def _install_lists(self, state, device) -> None:
+        grid = self.grid(state.shape)
+        step = state.step
+        layers = [(attn, self.specs_at(step, attn.processor.layer)) for attn, _ in state.originals]
+        lists = {
+            id(attn): stripe_engine_lists(
+                specs, grid, self.spatial_unit, self.sink_frames, device, cached=False
+            )
+            for attn, specs in layers
+            if specs is not None
+        }
+        width = max((indices.shape[-1] for indices, _, _ in lists.values()), default=0)
+        for attn, _ in layers:
+            indices, counts, sizes = lists.get(id(attn), (None, None, None))
+            if indices is not None and indices.shape[-1] < width:
+                padded = indices.new_zeros((*indices.shape[:-1], width))
+                padded[..., : indices.shape[-1]] = indices
+                indices = padded
+            for name, tensor in zip(_LIST_BUFFERS, (indices, counts, sizes)):
+                setattr(attn, name, tensor)
+
+    def _bucket_start(self, step: int) -> int | None:
+        """What the specs of a step depend on: the plan's bucket (``None``: a dense step)."""
+        if self.plan is None:
+            return 0
+        bucket = self.plan.bucket_for(step)
+        return None if bucket is None else bucket.start
 
     def specs_at(self, step: int, layer: int) -> tuple[StripeSpec, ...] | None:
         """Per-head specs, or ``None`` where the plan runs the step dense."""
@@ -552,11 +624,16 @@ class _PSA(_SparseMethod):
         )
 
     def attend(self, q, k, v, call):
-        if self.specs_at(call.step, call.layer) is None:
+        if self._bucket_start(call.step) is None:  # a dense step of the plan (any layer)
             return _sdpa(q, k, v, call)
         return super().attend(q, k, v, call)
 
     def sparse(self, q, k, v, call, text_tokens):
+        indices = getattr(call.attn, _LIST_BUFFERS[0], None)
+        if self.lists_ready and text_tokens == 0 and indices is not None:
+            # This layer's lists as tensors (before_forward), not its specs: see there.
+            counts, sizes = (getattr(call.attn, name) for name in _LIST_BUFFERS[1:])
+            return stripe_attn_from_lists(q, k, v, self.grid(call.shape), indices, counts, sizes)
         return stripe_attn(
             q,
             k,

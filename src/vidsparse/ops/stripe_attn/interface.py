@@ -68,7 +68,13 @@ from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_video_qkv
 
-__all__ = ["stripe_attn", "stripe_attn_density", "clear_stripe_attn_cache"]
+__all__ = [
+    "stripe_attn",
+    "stripe_attn_density",
+    "stripe_engine_lists",
+    "stripe_attn_from_lists",
+    "clear_stripe_attn_cache",
+]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Engine lists per (specs, grid, ...): one entry per (layer, step bucket) of a plan, so it must
@@ -144,6 +150,80 @@ def stripe_attn(
     )
     o, lse = _run_engine(q, k, v, grid, plan, tiled, text_tokens, scale)
     return (o, lse) if return_lse else o
+
+
+def stripe_engine_lists(
+    specs: Sequence[StripeSpec],
+    grid: VideoGrid,
+    spatial_unit: str = "block",
+    sink_frames: int = 0,
+    device: torch.device | str | None = None,
+    *,
+    cached: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The engine lists ``stripe_attn`` launches for ``specs`` (no text tokens):
+    ``kv_indices`` int32 ``[1, H, Nt, K]``, ``kv_counts`` int32 ``[1, H, Nt]`` and the key
+    blocks' real sizes int32 ``[Nt]`` (``None`` when every block is full). With ``cached``
+    (default) they come from ``stripe_attn``'s cache and are read-only; ``cached=False``
+    builds them without adding an entry to that cache (for a caller that holds them itself;
+    the masks module's own small cache of recent patterns still applies).
+
+    With :func:`stripe_attn_from_lists` they let a model hand each layer's pattern to the
+    attention as tensors instead of specs, so that under ``torch.compile`` layers with
+    different specs share one graph (specs are Python constants: one graph each)."""
+    if not isinstance(grid, VideoGrid):
+        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
+    specs = _check_specs(specs, heads=len(specs) if isinstance(specs, Sequence) else 0)
+    if spatial_unit not in SPATIAL_UNITS:
+        raise ValueError(f"spatial_unit must be one of {SPATIAL_UNITS}, got {spatial_unit!r}")
+    check_count("sink_frames", sink_frames)
+    device = torch.device("cpu" if device is None else device)
+    if cached:
+        plan = _engine_plan_of_keys(
+            tuple(_spec_fields(spec) for spec in specs), _grid_key(grid), spatial_unit,
+            sink_frames, 0, device,
+        )  # fmt: skip
+    else:
+        plan = _build_engine_plan(specs, grid, spatial_unit, sink_frames, 0, device)
+    return plan.video_indices, plan.video_counts, plan.kv_block_sizes
+
+
+def stripe_attn_from_lists(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    grid: VideoGrid,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``stripe_attn(q, k, v, grid, specs)`` (natural order, no text tokens) on the lists
+    :func:`stripe_engine_lists` gave for those specs. Only their shapes and dtypes are checked
+    (their values were checked when they were built); lists from anywhere else are not
+    supported."""
+    check_video_qkv(grid, q, k, v, _DTYPES)
+    device = check_same_device(q=q, k=k, v=v, kv_indices=kv_indices, kv_counts=kv_counts)
+    _check_scale(scale)
+    check_sequence_length(q.shape[2], grid, False, 0)
+    heads, tiles = q.shape[1], grid.num_tiles
+    if kv_indices.dtype != torch.int32 or kv_counts.dtype != torch.int32:
+        raise TypeError("kv_indices and kv_counts must be int32 (from stripe_engine_lists)")
+    if kv_indices.ndim != 4 or tuple(kv_indices.shape[:3]) != (1, heads, tiles):
+        raise ValueError(
+            f"kv_indices must be [1, {heads}, {tiles}, K] for this grid and head count, got"
+            f" {tuple(kv_indices.shape)}"
+        )
+    if tuple(kv_counts.shape) != (1, heads, tiles):
+        raise ValueError(f"kv_counts must be [1, {heads}, {tiles}], got {tuple(kv_counts.shape)}")
+    if kv_block_sizes is not None and tuple(kv_block_sizes.shape) != (tiles,):
+        raise ValueError(f"kv_block_sizes must be [{tiles}], got {tuple(kv_block_sizes.shape)}")
+    if resolve_backend(device) == "triton":
+        _check_triton_supported(q, grid)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    plan = _EnginePlan(kv_indices, kv_counts, None, None, kv_block_sizes, 0)
+    return _run_engine(q, k, v, grid, plan, False, 0, scale)[0]
 
 
 def stripe_attn_density(
@@ -229,8 +309,7 @@ def _engine_plan_of_keys(spec_fields, grid_key, spatial_unit, sink_frames, text_
     return _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device)
 
 
-@functools.lru_cache(maxsize=_CACHE_SIZE)
-def _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) -> _EnginePlan:
+def _build_engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) -> _EnginePlan:
     video_indices, video_counts = stripe_block_lists(
         specs, grid.tiles, spatial_unit, device=device, sink_frames=sink_frames
     )  # [1, H, Nt, K], [1, H, Nt]
@@ -252,6 +331,9 @@ def _engine_plan(specs, grid, spatial_unit, sink_frames, text_tokens, device) ->
         None if _all_key_blocks_full(grid, text_tokens) else sizes.to(torch.int32).contiguous(),
         ntb,
     )
+
+
+_engine_plan = functools.lru_cache(maxsize=_CACHE_SIZE)(_build_engine_plan)
 
 
 def _all_key_blocks_full(grid: VideoGrid, text_tokens: int) -> bool:
