@@ -324,6 +324,23 @@ def test_psa_lists_path_equals_specs_path(wan, patched, monkeypatch):
     torch.testing.assert_close(run(model, wan_inputs()), via_lists, atol=0, rtol=0)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny model runs on the CPU: interpreter")
+def test_psa_lists_path_on_the_triton_kernels(triton_backend, monkeypatch):
+    # The engine's own kernels (Triton interpreter) behind the lists path: the same output as
+    # the specs path, bit for bit, and as the PyTorch reference to fp32 rounding.
+    model = tiny_wan()
+    apply_sparse_attention(model, "psa", specs=[same_place(), spatial_band(2)])
+    via_lists = run(model, wan_inputs())
+    method = model._vidsparse_state.method
+    assert method.lists_ready
+    with monkeypatch.context() as m:
+        m.setattr(type(method), "before_forward", lambda self, state, device: None)
+        method.lists_ready = False
+        torch.testing.assert_close(run(model, wan_inputs()), via_lists, atol=0, rtol=0)
+    monkeypatch.setenv("VIDSPARSE_BACKEND", "torch")
+    torch.testing.assert_close(run(model, wan_inputs()), via_lists, atol=ATOL, rtol=0)
+
+
 def test_psa_list_buffers_are_not_saved_and_go_with_remove(wan, patched):
     model = patched("psa", specs=same_place())
     run(model, wan_inputs())
