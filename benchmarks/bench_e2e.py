@@ -466,26 +466,7 @@ def make_methods(args, work: Workload) -> list[Method]:
                 },
             )
         )
-    cache = _stripe_list_cache_size()
-    for m in methods:
-        if m.kind == "psa" and cache is not None and work.layers > cache:
-            # A plan gives every layer its own specs, so stripe_attn caches one list set per
-            # layer; with more layers than entries the LRU misses on every call and rebuilds
-            # the masks and lists inside the timed step.
-            m.info["warning"] = (
-                f"{work.layers} layers of per-layer specs exceed stripe_attn's list cache "
-                f"({cache} entries): the lists are rebuilt on every call"
-            )
     return methods
-
-
-def _stripe_list_cache_size() -> int | None:
-    try:
-        from vidsparse.ops.stripe_attn import interface
-
-        return interface._engine_plan.cache_info().maxsize
-    except (ImportError, AttributeError):
-        return None
 
 
 # ---------------------------------------------------------------------------------------------

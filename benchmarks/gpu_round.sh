@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|vsa|vsa480|psa [...]   (default: tests demo)
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|vsa|vsa480|psa|e2e|e2e-compiled|coarse [...]
+#   (default: tests demo)
 # Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
 # time limit still leaves its log behind. Pass the commit being measured in
 # VIDSPARSE_GIT_COMMIT (the device copy of the tree has no .git).
@@ -34,6 +35,11 @@ for what in "$@"; do
       --sparsities 0.875 --out "$OUT/vsa480_h200.json" ;;
     vsa) step vsa 540 python3 benchmarks/bench_vsa.py --out "$OUT/vsa_h200.json" ;;
     psa) step psa 540 python3 benchmarks/bench_psa.py --out "$OUT/psa_h200.json" ;;
+    e2e) step e2e 200 python3 benchmarks/bench_e2e.py --out "$OUT/e2e_h200.json" ;;
+    e2e-compiled) step e2e_compiled 400 python3 benchmarks/bench_e2e.py --compile blocks \
+      --out "$OUT/e2e_compiled_h200.json" ;;
+    coarse) step tune_coarse 250 python3 benchmarks/tune_vsa_coarse.py --selection \
+      --out "$OUT/tune_coarse_selection.json" ;;
     *) echo "unknown step: $what" >&2; exit 2 ;;
   esac
 done
