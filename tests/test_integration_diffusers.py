@@ -285,11 +285,9 @@ def spatial_band(width: int, n: int = HEADS) -> list[StripeSpec]:
     return [spec] * n
 
 
-@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-def test_regional_compile_shares_graphs_across_psa_layers():
-    # Each layer's lists reach the compiled block as buffers, not as specs (constants), padded
-    # to one width: four layers with four patterns compile one graph, and every layer still
-    # runs its own pattern.
+def compile_blocks_counting_graphs(model) -> list:
+    """Regional compilation (fullgraph) of ``model``'s blocks; the list fills with every graph
+    Dynamo compiles (the backend runs them as traced)."""
     import torch._dynamo
 
     graphs = []
@@ -298,6 +296,27 @@ def test_regional_compile_shares_graphs_across_psa_layers():
         graphs.append(gm)
         return gm.forward
 
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend=counting_backend)
+    return graphs
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.parametrize("method, options", [("dense", {}), ("vsa", {"sparsity": 0.5})])
+def test_regional_compile_one_graph_for_all_layers(method, options):
+    model = tiny_wan_layers(4)
+    apply_sparse_attention(model, method, **options)
+    expected = run(model, wan_inputs())
+    graphs = compile_blocks_counting_graphs(model)
+    torch.testing.assert_close(run(model, wan_inputs()), expected, atol=1e-5, rtol=0)
+    assert len(graphs) == 1
+
+
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_regional_compile_shares_graphs_across_psa_layers():
+    # Each layer's lists reach the compiled block as buffers, not as specs (constants), padded
+    # to one width: four layers with four patterns compile one graph, and every layer still
+    # runs its own pattern.
     model = tiny_wan_layers(4)
     apply_sparse_attention(model, "psa", specs=[spatial_band(w) for w in (1, 2, 3, 4)])
     expected = run(model, wan_inputs())
@@ -305,8 +324,7 @@ def test_regional_compile_shares_graphs_across_psa_layers():
     widths = {attn._vidsparse_psa_indices.shape[-1] for attn, _ in state.originals}
     patterns = {attn._vidsparse_psa_counts.sum().item() for attn, _ in state.originals}
     assert state.method.lists_ready and len(widths) == 1 and len(patterns) == 4
-    torch._dynamo.reset()
-    model.compile_repeated_blocks(fullgraph=True, backend=counting_backend)
+    graphs = compile_blocks_counting_graphs(model)
     torch.testing.assert_close(run(model, wan_inputs()), expected, atol=1e-5, rtol=0)
     assert len(graphs) == 1
 
