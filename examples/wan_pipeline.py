@@ -69,6 +69,8 @@ def main() -> None:
         callback = denoising_step_callback(pipe.transformer)  # vidsparse: plan step = pipe step
     else:
         apply_sparse_attention(pipe.transformer, "dense", **ulysses)  # vidsparse
+    if args.compile:  # after apply_sparse_attention: one graph for all blocks (README)
+        pipe.transformer.compile_repeated_blocks(fullgraph=not ulysses)
 
     frames = pipe(
         prompt=args.prompt,
@@ -97,6 +99,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--prompt", default="A cat walks on the grass, realistic")
     parser.add_argument("--output", default="wan_sparse.mp4")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile every transformer block"
+    )
     args = parser.parse_args()
     if args.method == "psa" and not args.plan:
         parser.error("--method psa needs --plan")
