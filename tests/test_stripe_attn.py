@@ -203,6 +203,28 @@ def test_engine_lists_are_cached_and_stripe_wide(torch_backend, monkeypatch):
     assert len(launches) == 1, "all heads run in one launch without text"
 
 
+def test_from_lists_equals_stripe_attn_and_checks_the_lists(torch_backend):
+    from vidsparse.ops.stripe_attn.interface import stripe_attn_from_lists, stripe_engine_lists
+
+    grid = VideoGrid((3, 6, 10), tile=(1, 4, 4))
+    specs = [*MIXED, EMPTY]
+    q, k, v = _qkv(grid, len(specs), tiled=False, text_tokens=0, dtype=torch.float64, B=2)
+    for cached in (True, False):
+        indices, counts, sizes = stripe_engine_lists(specs, grid, cached=cached)
+        o = stripe_attn_from_lists(q, k, v, grid, indices, counts, sizes)
+        torch.testing.assert_close(o, stripe_attn(q, k, v, grid, specs), rtol=0, atol=0)
+    # wider lists (padding entries past kv_counts are never read) give the same output
+    padded = torch.cat([indices, torch.zeros_like(indices)], dim=-1)
+    o = stripe_attn_from_lists(q, k, v, grid, padded, counts, sizes)
+    torch.testing.assert_close(o, stripe_attn(q, k, v, grid, specs), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="int32"):
+        stripe_attn_from_lists(q, k, v, grid, indices.long(), counts, sizes)
+    with pytest.raises(ValueError, match="kv_indices must be"):
+        stripe_attn_from_lists(q[:, :2], k[:, :2], v[:, :2], grid, indices, counts, sizes)
+    with pytest.raises(ValueError, match="kv_block_sizes must be"):
+        stripe_attn_from_lists(q, k, v, grid, indices, counts, sizes[:-1])
+
+
 def test_engine_lists_match_block_map():
     grid = VideoGrid((3, 6, 10), tile=(1, 4, 4))
     specs = tuple(MIXED)
