@@ -529,6 +529,10 @@ def test_hunyuan_sparse_psa_runs(hunyuan, hunyuan_stock_out):
     apply_sparse_attention(hunyuan, "psa", specs=same_place())
     try:
         out = run(hunyuan, hunyuan_inputs())
+        # Text tokens in every call: the specs path, no per-layer lists built for nothing.
+        state = hunyuan._vidsparse_state
+        assert not state.method.lists_ready
+        assert all(attn._vidsparse_psa_indices is None for attn, _ in state.originals)
     finally:
         remove_sparse_attention(hunyuan)
     assert torch.isfinite(out).all()

@@ -557,10 +557,15 @@ class _PSA(_SparseMethod):
         each layer its own. Buffer shapes are static to Dynamo, so every layer's lists are
         padded to the widest layer's width (the engine reads only ``kv_counts`` entries of a
         row). They are built once per (step bucket, grid, device), outside ``stripe_attn``'s
-        cache, and the buffers hold one step bucket's lists at a time. Only done eagerly:
-        when this hook is itself traced (the whole transformer compiled), or under sequence
-        parallelism, the processors take the specs path instead."""
-        if state.ulysses is not None or torch.compiler.is_compiling():
+        cache, and the buffers hold one step bucket's lists at a time. Only done eagerly and
+        for models without text tokens in the self-attention (Wan): when this hook is itself
+        traced (the whole transformer compiled), under sequence parallelism, or with text
+        tokens (HunyuanVideo), the processors take the specs path instead."""
+        if (
+            state.ulysses is not None
+            or state.adapter.has_text_tokens
+            or torch.compiler.is_compiling()
+        ):
             self.lists_ready = False
             return
         key = (self._bucket_start(state.step), state.shape, device)
