@@ -70,10 +70,37 @@ def sweep_pool(rows):
 POOL_SHAPES = {"wan1.3b-480p": ((21, 30, 52), 12), "wan14b-720p": ((21, 45, 80), 40)}
 
 
+def pooled_random_tokens(name: str):
+    """``(qc, kc, vc)`` fp32 ``[1, H, Nt, 128]``: the pooling kernel's tile means of random
+    bf16 tokens on shape ``name``'s grid, seeded as ``bench_vsa.make_inputs``."""
+    from vidsparse import VideoGrid
+    from vidsparse.ops.video_sparse_attn.coarse import tile_mean_pool_fwd
+
+    shape, heads = POOL_SHAPES[name]
+    grid = VideoGrid(shape)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tiled = [
+        grid.tile(
+            torch.randn(1, heads, grid.num_tokens, 128, device="cuda", dtype=torch.bfloat16,
+                        generator=gen),
+            dim=-2,
+        ).contiguous()
+        for _ in range(3)
+    ]  # fmt: skip
+    pooled = tile_mean_pool_fwd(*tiled, grid.tile_sizes_on("cuda"))
+    return pooled[0], pooled[1], pooled[2]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="tune_coarse.json")
     ap.add_argument("--pool", action="store_true", help="only the pooling kernel")
+    ap.add_argument(
+        "--pooled",
+        action="store_true",
+        help="tile means of random tokens on the real grid, as bench_vsa's inputs give (partial"
+        " tiles average fewer tokens, so their means spread wider), instead of i.i.d. means",
+    )
     ap.add_argument(
         "--selection",
         action="store_true",
@@ -86,18 +113,22 @@ def main(argv=None):
         sweep_pool(rows)
         return _write(args.out, rows)
     for name, (tiles, heads, topk) in SHAPES.items():
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        # means of 64 random unit-variance tokens: std 1/8
-        qc, kc, vc = (
-            torch.randn(1, heads, tiles, 128, device="cuda", generator=gen) / 8 for _ in range(3)
-        )
+        if args.pooled:
+            qc, kc, vc = pooled_random_tokens(name)
+        else:
+            gen = torch.Generator(device="cuda").manual_seed(0)
+            # means of 64 random unit-variance tokens: std 1/8
+            qc, kc, vc = (
+                torch.randn(1, heads, tiles, 128, device="cuda", generator=gen) / 8
+                for _ in range(3)
+            )
         base = coarse_attn_config(target_of(qc.device), 128, tiles)
         _, ref_idx, _ = coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, base)
         ref_sets = ref_idx.sort(-1).values
         if args.selection:
             configs = [base] + [
                 replace(base, num_pivots=p, bracket_capacity=c, num_stages=s)
-                for p, c, s in ((4, 128, 2), (16, 128, 2), (4, 256, 2), (8, 256, 2),
+                for p, c, s in ((2, 128, 2), (4, 128, 2), (16, 128, 2), (4, 256, 2), (8, 256, 2),
                                 (16, 256, 2), (8, 128, 1), (8, 128, 3))
             ]  # fmt: skip
         else:
