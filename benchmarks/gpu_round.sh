@@ -38,7 +38,7 @@ for what in "$@"; do
     e2e) step e2e 200 python3 benchmarks/bench_e2e.py --out "$OUT/e2e_h200.json" ;;
     e2e-compiled) step e2e_compiled 400 python3 benchmarks/bench_e2e.py --compile blocks \
       --out "$OUT/e2e_compiled_h200.json" ;;
-    coarse) step tune_coarse 250 python3 benchmarks/tune_vsa_coarse.py --selection \
+    coarse) step tune_coarse 250 python3 benchmarks/tune_vsa_coarse.py --selection --pooled \
       --out "$OUT/tune_coarse_selection.json" ;;
     *) echo "unknown step: $what" >&2; exit 2 ;;
   esac
