@@ -710,22 +710,13 @@ def default_out(device: torch.device, work: Workload, compile_mode: str = "none"
 COMPILE_MODES = ("none", "blocks")
 
 
-def compile_blocks(model, layers: int) -> None:
+def compile_blocks(model) -> None:
     """``torch.compile(fullgraph=True)`` of every transformer block, in place (diffusers'
     regional compilation: blocks share one compiled graph while their code sees the same
-    Python constants). A graph break anywhere in a block is an error.
-
-    Every method recompiles the blocks once (its processors are new objects). PSA shares one
-    graph across layers (its lists are module buffers); the recompile limits are raised anyway,
-    so that a method that compiled one graph per layer would still never fall back to eager.
-    """
-    import torch._dynamo
-
-    limit = 8 * max(layers, 1)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
-    torch._dynamo.config.accumulated_recompile_limit = max(
-        torch._dynamo.config.accumulated_recompile_limit, 4 * limit
-    )
+    Python constants). A graph break anywhere in a block is an error. Every method recompiles
+    the blocks once (its processors are new objects); torch's recompile limit stays as users
+    have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
+    the excess layers eagerly)."""
     model.compile_repeated_blocks(fullgraph=True)
 
 
@@ -809,7 +800,7 @@ def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
     model = build_model(work, device, dtype, args.seed)
     build_s = time.perf_counter() - start
     if args.compile == "blocks":
-        compile_blocks(model, work.layers)
+        compile_blocks(model)
     inputs = make_inputs(work, device, dtype, args.seed)
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     sdpa = check_cudnn(work, device, dtype)

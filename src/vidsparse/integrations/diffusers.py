@@ -576,18 +576,19 @@ class _PSA(_SparseMethod):
 
     def _install_lists(self, state, device) -> None:
         grid = self.grid(state.shape)
-        step = state.step
-        layers = [(attn, self.specs_at(step, attn.processor.layer)) for attn, _ in state.originals]
-        lists = {
-            id(attn): stripe_engine_lists(
-                specs, grid, self.spatial_unit, self.sink_frames, device, cached=False
+        modules = [attn for attn, _ in state.originals]
+        lists = []  # per layer: (indices, counts, sizes), or Nones on a dense step
+        for attn in modules:
+            specs = self.specs_at(state.step, attn.processor.layer)
+            lists.append(
+                (None, None, None)
+                if specs is None
+                else stripe_engine_lists(
+                    specs, grid, self.spatial_unit, self.sink_frames, device, cached=False
+                )
             )
-            for attn, specs in layers
-            if specs is not None
-        }
-        width = max((indices.shape[-1] for indices, _, _ in lists.values()), default=0)
-        for attn, _ in layers:
-            indices, counts, sizes = lists.get(id(attn), (None, None, None))
+        width = max((i.shape[-1] for i, _, _ in lists if i is not None), default=0)
+        for attn, (indices, counts, sizes) in zip(modules, lists):
             if indices is not None and indices.shape[-1] < width:
                 padded = indices.new_zeros((*indices.shape[:-1], width))
                 padded[..., : indices.shape[-1]] = indices

@@ -32,6 +32,7 @@ from vidsparse.ops.block_sparse_attn.fwd import (
     _epilogue_args,
     _tensor_descriptor,
     _tma_compatible,
+    _tma_reads_keys,
 )
 from vidsparse.utils.device import target_of
 
@@ -410,11 +411,10 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D, has_sizes)
-    # TMA reads whole key blocks, padding included: only where the caller vouches it finite.
-    tma_keys_ok = not ieee and (not has_sizes or padding_finite) and _tma_compatible(k, v)
-    tma = cfg.use_tma and tma_keys_ok and _tma_compatible(q, do)
-    if cfg.use_tma and not tma:
-        cfg = cfg.without_tma(block_q)
+    keys_by_tma = _tma_reads_keys(q.dtype, kv_block_sizes, padding_finite) and _tma_compatible(
+        k, v
+    )
+    cfg, tma = cfg.for_inputs(keys_by_tma and _tma_compatible(q, do), block_q)
     if tma:
         q_in, do_in = (_tensor_descriptor(x, cfg.sub_m) for x in (q, do))
         k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v))
@@ -434,9 +434,7 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
 
     dq = torch.empty_like(q)
     cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
-    tma = cfg.use_tma and tma_keys_ok
-    if cfg.use_tma and not tma:
-        cfg = cfg.without_tma(block_q)
+    cfg, tma = cfg.for_inputs(keys_by_tma, block_q)
     k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v)) if tma else (k, v)
     _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
         q, k_in, v_in, do, dq, lse2, delta,

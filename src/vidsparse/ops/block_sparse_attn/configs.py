@@ -37,12 +37,16 @@ class KernelConfig:
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
 
-    def without_tma(self, block_q: int) -> KernelConfig:
-        """The config of the pointer-load kernel, for inputs that cannot be read by TMA; its
-        step divides ``block_q``."""
-        return fit_sub_m(
-            replace(self, use_tma=False, sub_m=self.pointer_sub_m or self.sub_m), block_q
-        )
+    def for_inputs(self, tma_possible: bool, block_q: int) -> tuple[KernelConfig, bool]:
+        """``(config, use TMA)`` for inputs that TMA can (``tma_possible``) or cannot read:
+        where this config asks for TMA but the inputs do not allow it, the pointer-load
+        kernel's config, whose step divides ``block_q``."""
+        if not self.use_tma:
+            return self, False
+        if tma_possible:
+            return self, True
+        pointer = replace(self, use_tma=False, sub_m=self.pointer_sub_m or self.sub_m)
+        return fit_sub_m(pointer, block_q), False
 
 
 def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None):

@@ -270,11 +270,11 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
     grid = (num_q_blocks, B * H)
     sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
     epilogue = _epilogue_args(combine, kv_counts)
-    # fp32 takes the pointer kernel: it alone runs IEEE-exact fp32 dots.
-    # Padding keys of unknown content take the pointer kernel: masked loads never read them,
-    # where TMA would have to zero their values in registers (slower than pointer loads).
-    tma_ok = kv_block_sizes is None or padding_finite
-    if cfg.use_tma and tma_ok and q.dtype != torch.float32 and _tma_compatible(q, k, v, o):
+    tma_possible = _tma_reads_keys(q.dtype, kv_block_sizes, padding_finite) and _tma_compatible(
+        q, k, v, o
+    )
+    cfg, use_tma = cfg.for_inputs(tma_possible, block_q)
+    if use_tma:
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, kv_block_sizes is not None,
                     block_q, block_kv, scale, cfg, grid, epilogue)
         return o, lse
@@ -308,6 +308,14 @@ def _epilogue_args(combine: CoarseCombine | None, dummy) -> tuple[tuple, dict]:
     args = (oc, *oc.stride()[:3], *gate_args, sizes)
     flags = dict(COMBINE=True, HAS_GATE=gate is not None, ZERO_PAD_ROWS=sizes is not dummy)
     return args, flags
+
+
+def _tma_reads_keys(dtype: torch.dtype, kv_block_sizes, padding_finite: bool) -> bool:
+    """May the kernels read K and V by TMA (forward and backward)? Not for fp32, which only
+    the pointer kernels run with IEEE-exact dots; and TMA reads whole key blocks, so padding
+    keys only where the caller vouches them finite (``padding_finite``): pointer loads never
+    read them, where TMA would have to zero their values in registers (slower)."""
+    return dtype != torch.float32 and (kv_block_sizes is None or padding_finite)
 
 
 def _broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:

@@ -135,12 +135,22 @@ def _combined_torch(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, g
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
         kv_block_sizes=sizes, scale=scale,
     )  # fmt: skip
-    coarse = o_coarse.float().repeat_interleave(block, dim=2)  # [B, H, S, D]
-    o = o_fine.float() + (coarse if gate_t is None else gate_t.float() * coarse)
+    o = o_fine.float() + _coarse_term(o_coarse, gate_t, block, torch.float32)
     if q_sizes is not None:
-        real_rows = torch.arange(block, device=o.device) < q_sizes.view(-1, 1)  # [Nt, V]
-        o = o.masked_fill(~real_rows.view(1, 1, -1, 1), 0)
+        o = o.masked_fill(_padding_rows(q_sizes, block), 0)
     return torch.empty_like(q_t).copy_(o), lse.float()  # strides as the Triton path
+
+
+def _coarse_term(o_coarse, gate_t, block: int, dtype) -> torch.Tensor:
+    """``gate * o_coarse`` broadcast over each block's rows ([B, H, S, D], in ``dtype``)."""
+    coarse = o_coarse.to(dtype).repeat_interleave(block, dim=2)
+    return coarse if gate_t is None else gate_t.to(dtype) * coarse
+
+
+def _padding_rows(q_sizes: torch.Tensor, block: int) -> torch.Tensor:
+    """Bool ``[1, 1, S, 1]``: the rows past each block's real size."""
+    real = torch.arange(block, device=q_sizes.device) < q_sizes.view(-1, 1)  # [NQ, V]
+    return ~real.view(1, 1, -1, 1)
 
 
 @_vsa_fine_fwd_op.register_fake
@@ -228,11 +238,9 @@ def _combined_bwd_torch(do, q_t, k_seq, v_seq, o, kv_indices, kv_counts, sizes, 
     B, H, S, D = q_t.shape
     acc = torch.promote_types(do.dtype, torch.float32)
     num_tiles = S // block
-    coarse = o_coarse.to(acc).repeat_interleave(block, dim=2)  # [B, H, S, D]
-    o_fine = o.to(acc) - (coarse if gate_t is None else gate_t.to(acc) * coarse)
+    o_fine = o.to(acc) - _coarse_term(o_coarse, gate_t, block, acc)
     if q_sizes is not None:  # padding rows of o are constant zero: no gradient flows back
-        real_rows = torch.arange(block, device=do.device) < q_sizes.view(-1, 1)  # [Nt, V]
-        do = do.masked_fill(~real_rows.view(1, 1, S, 1), 0)
+        do = do.masked_fill(_padding_rows(q_sizes, block), 0)
     dq, dk, dv = block_sparse_attn_bwd_ref(
         do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, block_q=block, block_kv=block,
         kv_block_sizes=sizes, scale=scale,
