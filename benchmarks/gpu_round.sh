@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|vsa|vsa480|psa|e2e|e2e-compiled|coarse [...]
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|e2e|e2e-compiled|coarse [...]
 #   (default: tests demo)
 # Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
 # time limit still leaves its log behind. Pass the commit being measured in
@@ -31,6 +31,8 @@ for what in "$@"; do
       --out "$OUT/block_sparse_h200.json" ;;
     masked) step tune_masked 300 python3 benchmarks/tune_block_sparse.py --masked \
       --out "$OUT/tune_masked.json" ;;
+    full-first) step tune_full_first 200 python3 benchmarks/tune_block_sparse.py --full-first \
+      --out "$OUT/tune_full_first.json" ;;
     vsa480) step vsa480 200 python3 benchmarks/bench_vsa.py --shapes wan1.3b-480p \
       --sparsities 0.875 --out "$OUT/vsa480_h200.json" ;;
     vsa) step vsa 540 python3 benchmarks/bench_vsa.py --out "$OUT/vsa_h200.json" ;;

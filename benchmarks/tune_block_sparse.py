@@ -53,7 +53,14 @@ def main(argv=None):
         action="store_true",
         help="only the backward kernels with and without TMA loads (engine and VSA shapes)",
     )
+    ap.add_argument(
+        "--full-first",
+        action="store_true",
+        help="only the masked forward with and without the full-blocks-first walk (VSA, PSA)",
+    )
     args = ap.parse_args(argv)
+    if args.full_first:
+        return compare_full_first(args.out)
     if args.bwd_tma:
         return sweep_backward_tma(args.out)
     if args.masked:
@@ -337,6 +344,75 @@ def sweep_masked_forward(out):
         variants((8,), (2, 3)),
         4 * H * S * count * 128 * D,
     )
+    _write(out, rows)
+
+
+def compare_full_first(out):
+    """The masked forward (library configs, TMA, padding vouched finite) walking each list's
+    full key blocks first and unmasked (``full_first=True``, lists.py) against masking every
+    block (``False``), and the same lists without key-block sizes (nothing masked: the bound).
+    Three alternating ``do_bench`` medians each. Cases: VSA's fine stage with the gate epilogue
+    at Wan 1.3B 480p (top-78 of 624 tiles, 12 heads) and Wan 14B 720p (top-180 of 1,440, 40
+    heads); PSA-like 1x16x8 blocks at density 0.4 (480p, 12 heads) and 0.35 (720p, 40 heads)."""
+    from vidsparse.layout import VideoGrid
+    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
+
+    D = 128
+    rows = []
+    cases = [  # label, grid, tile, heads, listed blocks per row, VSA epilogue
+        ("vsa480p_64_combined", (21, 30, 52), (4, 4, 4), 12, 78, True),
+        ("vsa720p_64_combined", (21, 45, 80), (4, 4, 4), 40, 180, True),
+        ("psa480p_1x16x8_d0.4", (21, 30, 52), (1, 16, 8), 12, None, False),
+        ("psa720p_1x16x8_d0.35", (21, 45, 80), (1, 16, 8), 40, None, False),
+    ]
+    for label, shape, tile, H, count, vsa in cases:
+        grid = VideoGrid(shape, tile=tile)
+        S, n, block = grid.padded_len, grid.num_tiles, grid.tile_volume
+        count = count or round((0.4 if "480p" in label else 0.35) * n)
+        q, k, v, g = (
+            torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+        )
+        sizes = grid.tile_sizes_on("cuda").to(torch.int32)
+        idx, cnt = random_block_lists(1, H, n, n, count=count, device="cuda")
+        combine = CoarseCombine(torch.randn(1, H, n, D, device="cuda"), g, sizes) if vsa else None
+
+        def run(full_first, block_sizes):
+            if combine is None:
+                return block_sparse_attn_fwd(
+                    q,
+                    k,
+                    v,
+                    idx,
+                    cnt,
+                    block_sizes,
+                    block,
+                    block,
+                    D**-0.5,
+                    padding_finite=True,
+                    full_first=full_first,
+                )
+            return block_sparse_attn_fwd_combined(q, k, v, idx, cnt, block_sizes, block, block,
+                                                  D**-0.5, combine, padding_finite=True,
+                                                  full_first=full_first)  # fmt: skip
+
+        ref = run(False, sizes)[0].float()
+        err = ((run(True, sizes)[0].float() - ref).norm() / ref.norm()).item()
+        variants = {"mask_every_block": (False, sizes), "full_first": (True, sizes),
+                    "no_sizes_bound": (True, None)}  # fmt: skip
+        times = {name: [] for name in variants}
+        for _ in range(3):
+            for name, (ff, bs) in variants.items():
+                times[name].append(bench(lambda ff=ff, bs=bs: run(ff, bs)))
+        full = int((sizes == block).sum())
+        for name, ms_all in times.items():
+            ms = sorted(ms_all)[1]
+            rows.append(dict(case=label, variant=name, ms=ms, ms_all=ms_all, tiles=n,
+                             full_tiles=full, listed=count, heads=H,
+                             rel_diff_full_first=err))  # fmt: skip
+            print(f"{label} {name}: {ms:.3f} ms {ms_all}", flush=True)
+        print(
+            f"{label}: full tiles {full}/{n}, full_first vs mask-all rel diff {err:.1e}", flush=True
+        )
     _write(out, rows)
 
 

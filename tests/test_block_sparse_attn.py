@@ -420,3 +420,56 @@ def test_reference_ignores_nan_in_padding_and_unread_blocks(torch_backend):
     grads = torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
     assert not torch.isnan(o).any()
     assert not any(torch.isnan(g[:, :, ~pad]).any() for g in grads)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_full_blocks_first_partitions_each_list_stably(index_dtype):
+    """The forward's list reorder (lists.py) against its Python reference: full key blocks
+    first, then the partial ones, each in list order; counts of full ones; strided int64 lists
+    with K not a power of two, more rows than one program takes, empty rows."""
+    from vidsparse.ops.block_sparse_attn.lists import full_blocks_first, full_blocks_first_ref
+
+    bk, nk = 8, 23
+    idx, cnt = make_lists(2, 3, 40, nk, density=0.3, device="cpu", empty_rows=2)  # K = 7
+    idx = torch.cat([idx, torch.full_like(idx, -1)], -1)[..., : idx.shape[-1]]  # strided view
+    idx = idx.to(index_dtype)
+    sizes = torch.randint(0, bk + 1, (nk,), dtype=torch.int32)
+    sizes[::3] = bk
+    got, got_full = full_blocks_first(idx, cnt, sizes, bk)
+    ref, ref_full = full_blocks_first_ref(idx, cnt, sizes, bk)
+    assert torch.equal(got_full, ref_full)
+    live = torch.arange(idx.shape[-1]) < cnt[..., None]
+    assert torch.equal(got[live], ref[live])
+    assert 0 < int(ref_full.sum()) < int(cnt.sum())  # both groups occur
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_full_first_walk_equals_masking_every_block(use_tma):
+    """The forward's two walks (full blocks unmasked, then partial ones masked) give what
+    masking every listed block gives, up to the summation order; padding keys get no weight
+    (NaN for pointer loads, which never read them; large finite values for TMA, which reads
+    them and is only taken where the caller vouches them finite)."""
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    B, H, S, D, bs = 1, 2, 96, 16, 16
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float16, device="cpu")
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.7, device="cpu", empty_rows=1)
+    sizes = torch.tensor([16, 9, 16, 0, 16, 5], dtype=torch.int32)
+    pad = (torch.arange(S) % bs) >= sizes.long().repeat_interleave(bs)
+    k[:, :, pad] = 1e4 if use_tma else float("nan")
+    v[:, :, pad] = 1e4 if use_tma else float("nan")
+    cfg = KernelConfig(4, 1, use_tma=use_tma)
+    args = (q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, cfg)
+    o, lse = block_sparse_attn_fwd(*args, padding_finite=use_tma, full_first=True)
+    o_all, lse_all = block_sparse_attn_fwd(*args, padding_finite=use_tma, full_first=False)
+    ref_o, _ = masked_dense_attention(
+        q, k.nan_to_num(0), v.nan_to_num(0), idx, cnt, bs, bs, sizes
+    )
+    assert_rel_l2("o", o, ref_o, 2e-3)  # fp16 inputs
+    torch.testing.assert_close(o.float(), o_all.float(), rtol=0, atol=2e-3)
+    torch.testing.assert_close(lse, lse_all, rtol=0, atol=1e-5)

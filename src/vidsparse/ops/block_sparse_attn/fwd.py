@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig, forward_config
+from vidsparse.ops.block_sparse_attn.lists import full_blocks_first
 from vidsparse.utils.device import target_of
 
 LOG2E = 1.4426950408889634
@@ -69,6 +70,56 @@ def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
 
 
 @triton.jit
+def _num_full_blocks(KV_FULL, b, h, pid_m, stride_fb, stride_fh, stride_fq, count,
+                     HAS_KV_SIZES: tl.constexpr):
+    """How many leading entries of the list are full key blocks: all of them without
+    key-block sizes, else ``KV_FULL`` (the lists were reordered by ``lists.full_blocks_first``)."""
+    if HAS_KV_SIZES:
+        return tl.load(KV_FULL + b * stride_fb + h * stride_fh + pid_m.to(tl.int64) * stride_fq)
+    return count
+
+
+@triton.jit
+def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi,
+                  m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                  stride_ks, stride_kd, stride_vs, stride_vd,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """List entries ``[lo, hi)`` by pointer loads; ``MASKED``: blocks may end in padding."""
+    for j in range(lo, hi):
+        kv_block = tl.load(idx_row + j * stride_ik).to(tl.int64)
+        offs_kv = kv_block * BLOCK_N + offs_n  # [BN]
+        k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if MASKED:
+            # Padding keys are neither read nor weighted: whatever they hold cannot leak in.
+            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
+            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+        else:
+            real = offs_n < BLOCK_N
+            k = tl.load(k_ptrs)  # [BN, D]
+            v = tl.load(v_ptrs)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                                             MASKED, IEEE_DOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
+              m_i, l_i, acc, qk_scale, offs_n,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+              WARP_SPECIALIZE: tl.constexpr):
+    """List entries ``[lo, hi)`` by TMA; ``MASKED``: blocks may end in padding."""
+    for j in tl.range(lo, hi, warp_specialize=WARP_SPECIALIZE):
+        kv_block = tl.load(idx_row + j * stride_ik)
+        k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
+                                    BLOCK_N, HEAD_DIM, MASKED)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                                             MASKED, False)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _combine_coarse(o, b, h, pid_m, offs_m, offs_d,
                     OC, stride_ocb, stride_och, stride_ocm,
                     GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
@@ -93,7 +144,9 @@ def _finish_rows(acc, m_i, l_i):
     """Normalise; rows that saw no live key get o = 0 and lse = -inf (never NaN)."""
     live = l_i > 0.0
     l_safe = tl.where(live, l_i, 1.0)
-    acc = acc / l_safe[:, None]
+    # One reciprocal per row and a multiply per element: ``acc / l`` is an IEEE division per
+    # element (~6 instructions with its range fix-ups), for a difference of an ulp of fp32.
+    acc = acc * (1.0 / l_safe)[:, None]
     lse = tl.where(live, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     return acc, lse
 
@@ -102,6 +155,7 @@ def _finish_rows(acc, m_i, l_i):
 def _block_sparse_attn_fwd_kernel(
     Q, K, V, O, LSE,  # q [B, H, Sq, D]; k, v [B, H, Skv, D]; o like q; lse fp32 [B, H, Sq]
     KV_IDX, KV_CNT, KV_SIZES,  # int32 [Bi, H, NQ, K], [Bi, H, NQ], [NK] (unused unless HAS_KV_SIZES)
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -138,22 +192,17 @@ def _block_sparse_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
 
-    for j in range(0, count):
-        kv_block = tl.load(idx_row + j * stride_ik).to(tl.int64)
-        offs_kv = kv_block * BLOCK_N + offs_n  # [BN]
-        k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        if HAS_KV_SIZES:
-            # Padding keys are neither read nor weighted: whatever they hold cannot leak in.
-            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
-            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
-            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
-        else:
-            real = offs_n < BLOCK_N
-            k = tl.load(k_ptrs)  # [BN, D]
-            v = tl.load(v_ptrs)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                                             HAS_KV_SIZES, IEEE_DOT)
+    num_full = _num_full_blocks(KV_FULL, b, h, pid_m, stride_fb, stride_fh, stride_fq, count,
+                                HAS_KV_SIZES)
+    m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, 0, num_full,
+                                  m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                  stride_ks, stride_kd, stride_vs, stride_vd,
+                                  BLOCK_N, False, IEEE_DOT)  # fmt: skip
+    if HAS_KV_SIZES:
+        m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, num_full,
+                                      count, m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                      stride_ks, stride_kd, stride_vs, stride_vd,
+                                      BLOCK_N, True, IEEE_DOT)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
@@ -170,6 +219,7 @@ def _block_sparse_attn_fwd_kernel(
 def _block_sparse_attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
     KV_IDX, KV_CNT, KV_SIZES,
+    KV_FULL, stride_fb, stride_fh, stride_fq,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
     OC, stride_ocb, stride_och, stride_ocm,  # as in the pointer kernel
@@ -194,12 +244,15 @@ def _block_sparse_attn_fwd_tma_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
     offs_n = tl.arange(0, BLOCK_N)
-    for j in tl.range(0, count, warp_specialize=WARP_SPECIALIZE):
-        kv_block = tl.load(idx_row + j * stride_ik)
-        k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
-                                    BLOCK_N, HEAD_DIM, HAS_KV_SIZES)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                                             HAS_KV_SIZES, False)
+    num_full = _num_full_blocks(KV_FULL, b.to(tl.int64), h.to(tl.int64), pid_m,
+                                stride_fb, stride_fh, stride_fq, count, HAS_KV_SIZES)
+    m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, 0, num_full,
+                              b, h, m_i, l_i, acc, qk_scale, offs_n,
+                              BLOCK_N, HEAD_DIM, False, WARP_SPECIALIZE)  # fmt: skip
+    if HAS_KV_SIZES:
+        m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, num_full,
+                                  count, b, h, m_i, l_i, acc, qk_scale, offs_n,
+                                  BLOCK_N, HEAD_DIM, True, WARP_SPECIALIZE)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -236,30 +289,34 @@ def block_sparse_attn_fwd(
     config: KernelConfig | None = None,
     *,
     padding_finite: bool = False,
+    full_first: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on validated inputs; returns ``(o, lse)``.
 
     ``config`` overrides the table in configs.py (for tuning). ``padding_finite``: the caller
     guarantees that padding keys (past ``kv_block_sizes``) hold finite values, which lets
     inputs with key-block sizes take the TMA kernel (it reads padding keys; their scores are
-    masked); without it they take the pointer kernel, which never reads them.
+    masked); without it they take the pointer kernel, which never reads them. ``full_first``
+    (tuning only): walk each list's full key blocks before the partial ones, unmasked
+    (``lists.py``); False masks every block, as the kernel did before.
     """
     return _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-                    config, padding_finite, None)
+                    config, padding_finite, None, full_first)
 
 
 def block_sparse_attn_fwd_combined(
     q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
     combine: CoarseCombine, config: KernelConfig | None = None, *, padding_finite: bool = False,
+    full_first: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward with VSA's epilogue fused; returns ``(o, lse)``. ``lse`` is o_fine's (the
     backward recomputes ``o_fine = o - gate * o_coarse``, see ``bwd.CoarseGrad``)."""
     return _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-                    config, padding_finite, combine)
+                    config, padding_finite, combine, full_first)
 
 
 def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, config,
-             padding_finite, combine):
+             padding_finite, combine, full_first=True):
     B, H, Sq, D = q.shape
     num_q_blocks = Sq // block_q
     o = torch.empty_like(q)
@@ -269,19 +326,21 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
     )
     grid = (num_q_blocks, B * H)
     sizes = kv_block_sizes if kv_block_sizes is not None else kv_counts  # dummy pointer when unused
+    kv_indices, full = _lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv,
+                                         full_first)  # fmt: skip
     epilogue = _epilogue_args(combine, kv_counts)
     tma_possible = _tma_reads_keys(q.dtype, kv_block_sizes, padding_finite) and _tma_compatible(
         q, k, v, o
     )
     cfg, use_tma = cfg.for_inputs(tma_possible, block_q)
     if use_tma:
-        _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, kv_block_sizes is not None,
-                    block_q, block_kv, scale, cfg, grid, epilogue)
+        _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, full,
+                    kv_block_sizes is not None, block_q, block_kv, scale, cfg, grid, epilogue)
         return o, lse
     args, flags = epilogue
     _block_sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse,
-        kv_indices, kv_counts, sizes,
+        kv_indices, kv_counts, sizes, full, *_broadcast_strides(full),
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
         *args,
@@ -293,6 +352,19 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
         **cfg.launch_kwargs(),
     )
     return o, lse
+
+
+def _lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv, full_first: bool):
+    """``(lists, full counts)`` for the kernels' two walks (``_num_full_blocks``): without
+    key-block sizes the lists as given (every block full; ``kv_counts`` stands in as a dummy),
+    else reordered full blocks first (``lists.full_blocks_first``); ``full_first=False`` keeps
+    the given order and counts no full block, so every block takes the masked walk (the
+    kernel before the split, kept for tuning comparisons)."""
+    if kv_block_sizes is None:
+        return kv_indices, kv_counts
+    if not full_first:
+        return kv_indices, torch.zeros_like(kv_counts, dtype=torch.int32)
+    return full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
 
 
 def _epilogue_args(combine: CoarseCombine | None, dummy) -> tuple[tuple, dict]:
@@ -343,14 +415,14 @@ def _tensor_descriptor(x: torch.Tensor, rows: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
 
 
-def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, has_sizes, block_q, block_kv,
-                scale, cfg, grid, epilogue):
+def _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, full, has_sizes, block_q,
+                block_kv, scale, cfg, grid, epilogue):
     D = q.shape[-1]
     desc = _tensor_descriptor
     args, flags = epilogue
     _block_sparse_attn_fwd_tma_kernel[grid](
         desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
-        kv_indices, kv_counts, sizes,
+        kv_indices, kv_counts, sizes, full, *_broadcast_strides(full),
         *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
         *args,
         q.shape[1], q.shape[2],
