@@ -123,12 +123,13 @@ def _recording(target, tma_compatible: bool, sink: list):
     """Pin the target, stub the TMA check and record every kernel launch of the launchers."""
     from triton.runtime.jit import JITFunction
 
-    from vidsparse.ops.block_sparse_attn import bwd, fwd
+    from vidsparse.ops.block_sparse_attn import bwd, fwd, lists
 
     patches = []
-    for module in (fwd, bwd):
-        patches.append((module, "_tma_compatible", lambda *tensors: tma_compatible))
-        patches.append((module, "target_of", lambda device: target))
+    for module in (fwd, bwd, lists):
+        if module is not lists:
+            patches.append((module, "_tma_compatible", lambda *tensors: tma_compatible))
+            patches.append((module, "target_of", lambda device: target))
         for attr in dir(module):
             obj = getattr(module, attr)
             if attr.endswith("_kernel") and isinstance(obj, JITFunction):
