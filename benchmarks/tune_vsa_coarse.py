@@ -105,7 +105,7 @@ def main(argv=None):
         "--selection",
         action="store_true",
         help="selection knobs at the library's block shape: pivots per pass, bracket capacity,"
-        " pipeline stages (records the passes each config runs)",
+        " packed or per-pivot counts (records the passes each config runs)",
     )
     args = ap.parse_args(argv)
     rows = []
@@ -126,10 +126,13 @@ def main(argv=None):
         _, ref_idx, _ = coarse_attn_topk_fwd(qc, kc, vc, topk, 128**-0.5, base)
         ref_sets = ref_idx.sort(-1).values
         if args.selection:
+            # packed: all pivots of a pass counted with one or two row reductions (4 or 8
+            # pivots), against one reduction per pivot
             configs = [base] + [
-                replace(base, num_pivots=p, bracket_capacity=c, num_stages=s)
-                for p, c, s in ((2, 128, 2), (4, 128, 2), (16, 128, 2), (4, 256, 2), (8, 256, 2),
-                                (16, 256, 2), (8, 128, 1), (8, 128, 3))
+                replace(base, num_pivots=p, bracket_capacity=c, packed_counts=packed)
+                for p, c, packed in ((8, 128, True), (8, 128, False), (4, 128, True),
+                                     (4, 128, False), (2, 128, False), (16, 128, False),
+                                     (4, 256, True), (8, 256, True))
             ]  # fmt: skip
         else:
             configs = [base] + [
@@ -165,7 +168,7 @@ def main(argv=None):
             )
             print(
                 f"{name} m={cfg.block_m} n={cfg.block_n} w={cfg.num_warps} p={cfg.num_pivots}"
-                f" cap={cfg.bracket_capacity} s={cfg.num_stages}"
+                f" cap={cfg.bracket_capacity} s={cfg.num_stages} packed={cfg.packed_counts}"
                 f"{' (library)' if cfg is base else ''}: {ms * 1e3:.1f} us same={same}"
                 f" passes {passes_mean:.2f} (max {passes_max:.0f})",
                 flush=True,

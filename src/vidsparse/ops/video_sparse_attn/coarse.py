@@ -362,15 +362,87 @@ def _pivots(lo, hi, guess_lo, guess_hi, NUM_PIVOTS: tl.constexpr):
 
 
 @triton.jit
+def _column(x, j: tl.constexpr, C: tl.constexpr):
+    """Column ``j`` of a ``[BM, C]`` tensor, ``[BM]``."""
+    return tl.sum(tl.where(tl.arange(0, C)[None, :] == j, x, 0), axis=1)
+
+
+@triton.jit
+def _rank_among_sorted(keys, sorted_pivots, NUM_PIVOTS: tl.constexpr):
+    """Per key, how many of its row's pivots it reaches (``#{j: pivot_j <= key}``, 0..C), by a
+    branch-free binary search over the row's ascending pivots: log2(C) + 1 compares a key
+    where counting each pivot takes C. ``keys`` [BM, BN] int32, pivots [BM, C]; C is 4 or 8."""
+    C: tl.constexpr = NUM_PIVOTS
+    tl.static_assert(C == 4 or C == 8, "packed pivot counts take 4 or 8 pivots")
+    if C == 8:
+        p0 = _column(sorted_pivots, 0, C)[:, None]  # [BM, 1]
+        p1 = _column(sorted_pivots, 1, C)[:, None]
+        p2 = _column(sorted_pivots, 2, C)[:, None]
+        p3 = _column(sorted_pivots, 3, C)[:, None]
+        p4 = _column(sorted_pivots, 4, C)[:, None]
+        p5 = _column(sorted_pivots, 5, C)[:, None]
+        p6 = _column(sorted_pivots, 6, C)[:, None]
+        p7 = _column(sorted_pivots, 7, C)[:, None]
+        b2 = keys >= p3  # in the upper half of p0..p6
+        b1 = keys >= tl.where(b2, p5, p1)
+        b0 = keys >= tl.where(b2, tl.where(b1, p6, p4), tl.where(b1, p2, p0))
+        rank = b2.to(tl.int32) * 4 + b1.to(tl.int32) * 2 + b0.to(tl.int32)  # among p0..p6
+        rank += (keys >= p7).to(tl.int32)  # key >= p7 implies rank 7 (sorted)
+    else:
+        p0 = _column(sorted_pivots, 0, C)[:, None]
+        p1 = _column(sorted_pivots, 1, C)[:, None]
+        p2 = _column(sorted_pivots, 2, C)[:, None]
+        p3 = _column(sorted_pivots, 3, C)[:, None]
+        b1 = keys >= p1
+        b0 = keys >= tl.where(b1, p2, p0)
+        rank = b1.to(tl.int32) * 2 + b0.to(tl.int32)  # among p0..p2
+        rank += (keys >= p3).to(tl.int32)
+    return rank
+
+
+@triton.jit
+def _rank_histogram(rank, first: tl.constexpr):
+    """Row sums of a byte per rank: ranks ``first..first+3`` counted in bytes 0..3 of an int32
+    (at most BN < 256 keys a byte). ``[BM]`` int32."""
+    in_word = (rank >= first) & (rank < first + 4)
+    one_hot = tl.where(in_word, 1 << (8 * (rank - first)), 0)  # [BM, BN] int32
+    return tl.sum(one_hot, axis=1)
+
+
+@triton.jit
+def _count_at_or_above_sorted(keys, sorted_pivots, NUM_PIVOTS: tl.constexpr):
+    """``[BM, C]``: per row, the keys >= each of its ascending pivots, with one or two row
+    reductions for all pivots instead of one per pivot: each key adds 1 to the byte of its rank
+    (ranks 1-4 in one int32, 5-8 in another), the row sums are a histogram of ranks, and the
+    count at pivot j is the number of keys of rank > j."""
+    C: tl.constexpr = NUM_PIVOTS
+    tl.static_assert(keys.shape[1] < 256, "a byte per rank holds at most 255 keys")
+    rank = _rank_among_sorted(keys, sorted_pivots, NUM_PIVOTS)  # [BM, BN] in 0..C
+    offs_c = tl.arange(0, C)  # [C]: pivot j <-> rank j + 1
+    low = _rank_histogram(rank, 1)  # [BM]: ranks 1..4
+    if C == 8:
+        high = _rank_histogram(rank, 5)  # ranks 5..8
+        words = tl.where(offs_c[None, :] < 4, low[:, None], high[:, None])  # [BM, C]
+    else:
+        words = low[:, None] + offs_c[None, :] * 0
+    per_rank = (words >> (8 * (offs_c[None, :] % 4))) & 0xFF  # [BM, C] keys of rank j + 1
+    # at or above pivot j = keys of rank j+1..C = total - (inclusive prefix through j) + own
+    total = tl.sum(per_rank, axis=1)  # [BM]
+    return total[:, None] - tl.cumsum(per_rank, axis=1) + per_rank
+
+
+@triton.jit
 def _selection_pass(
     qc, k_base, pivots, lo, hi, collect, scratch_rows, count_pivots, num_tiles, scale,
     stride_kn, stride_kd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_PIVOTS: tl.constexpr, BRACKET_CAPACITY: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PACKED_COUNTS: tl.constexpr,
 ):  # fmt: skip
     """One pass over the key tiles. Per row: the number of keys >= each pivot (when
-    ``count_pivots``), and the smallest and largest key inside ``[lo, hi)``; rows that
-    ``collect`` also write their keys inside ``[lo, hi)``, in tile order, to their scratch row."""
+    ``count_pivots``; with ``PACKED_COUNTS`` the pivots must be sorted ascending per row), and
+    the smallest and largest key inside ``[lo, hi)``; rows that ``collect`` also write their
+    keys inside ``[lo, hi)``, in tile order, to their scratch row."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_c = tl.arange(0, NUM_PIVOTS)
     counts = tl.zeros([BLOCK_M, NUM_PIVOTS], dtype=tl.int32)  # [BM, C]
@@ -387,11 +459,14 @@ def _selection_pass(
         inside_min = tl.minimum(inside_min, tl.min(tl.where(inside, keys, 2147483647), 1))
         inside_max = tl.maximum(inside_max, tl.max(tl.where(inside, keys, -2147483648), 1))
         if count_pivots:
-            for j in tl.static_range(NUM_PIVOTS):
-                is_j = offs_c[None, :] == j  # [1, C]
-                pivot = tl.sum(tl.where(is_j, pivots, 0), axis=1)  # [BM]
-                at_or_above = tl.sum((keys >= pivot[:, None]).to(tl.int32), axis=1)  # [BM]
-                counts += tl.where(is_j, at_or_above[:, None], 0)
+            if PACKED_COUNTS:
+                counts += _count_at_or_above_sorted(keys, pivots, NUM_PIVOTS)
+            else:
+                for j in tl.static_range(NUM_PIVOTS):
+                    is_j = offs_c[None, :] == j  # [1, C]
+                    pivot = tl.sum(tl.where(is_j, pivots, 0), axis=1)  # [BM]
+                    at_or_above = tl.sum((keys >= pivot[:, None]).to(tl.int32), axis=1)  # [BM]
+                    counts += tl.where(is_j, at_or_above[:, None], 0)
         if any_collect:
             gathered = inside & collect[:, None]  # [BM, BN]
             slot = collected[:, None] + tl.cumsum(gathered.to(tl.int32), axis=1) - 1
@@ -462,6 +537,7 @@ def _bracket_topk(
     num_tiles, topk, scale, quantile_z, stride_kn, stride_kd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_PIVOTS: tl.constexpr, BRACKET_CAPACITY: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PACKED_COUNTS: tl.constexpr,
 ):  # fmt: skip
     """Selection passes until each row's bracket ``[lo, hi)`` pins its top-k: returns ``lo,
     hi`` (int64 keys), ``count(hi)`` and the number of passes run. Every key in ``[lo, hi)``
@@ -487,10 +563,13 @@ def _bracket_topk(
         collect = open_rows & (count_lo - count_hi <= BRACKET_CAPACITY)
         narrowing = open_rows & ~collect
         pivots = _pivots(lo, hi, guess_lo, guess_hi, NUM_PIVOTS)  # [BM, C]
+        if PACKED_COUNTS:
+            pivots = tl.sort(pivots, dim=1)  # the bracket update below takes them in any order
         counts, inside_min, inside_max = _selection_pass(
             qc, k_base, pivots, lo, hi, collect, scratch_rows,
             tl.sum(narrowing.to(tl.int32), axis=0) > 0, num_tiles, scale, stride_kn, stride_kd,
             BLOCK_M, BLOCK_N, HEAD_DIM, NUM_PIVOTS, BRACKET_CAPACITY, INPUT_PRECISION,
+            PACKED_COUNTS,
         )  # fmt: skip
         # Snap the bracket to the keys actually inside it (no key lies between, so the counts
         # stand): a bracket holding one tied score closes at once, and the next pivots are
@@ -563,7 +642,7 @@ def _coarse_attn_topk_fwd_kernel(
     quantile_z,  # normal quantile of 1 - topk / num_tiles, fp32: where the first pivots go
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_PIVOTS: tl.constexpr, BRACKET_CAPACITY: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    RECORD_PASSES: tl.constexpr,
+    PACKED_COUNTS: tl.constexpr, RECORD_PASSES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -593,6 +672,7 @@ def _coarse_attn_topk_fwd_kernel(
         qc, k_base, scratch_rows, row_real, dot_min, dot_max, dot_sum, dot_sq_sum,
         num_tiles, topk, scale, quantile_z, stride_kn, stride_kd,
         BLOCK_M, BLOCK_N, HEAD_DIM, NUM_PIVOTS, BRACKET_CAPACITY, INPUT_PRECISION,
+        PACKED_COUNTS,
     )  # fmt: skip
 
     # Write pass: the top-k lists, ascending.
@@ -713,6 +793,7 @@ def coarse_attn_topk_fwd(
         float(scale), float(scale) * LOG2E, _selected_quantile_z(topk, num_tiles),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, NUM_PIVOTS=cfg.num_pivots,
         BRACKET_CAPACITY=cfg.bracket_capacity, INPUT_PRECISION=cfg.input_precision,
+        PACKED_COUNTS=cfg.packed_counts and cfg.num_pivots in (4, 8) and cfg.block_n < 256,
         RECORD_PASSES=record_passes,
         **cfg.launch_kwargs(),
     )  # fmt: skip

@@ -51,6 +51,10 @@ class CoarseAttnConfig:
     # is settled exactly (power of two; scratch is B*H*Nt*capacity int32).
     bracket_capacity: int = 128
     input_precision: str = "tf32"
+    # Count all pivots of a pass with one row reduction (ranks by binary search over the sorted
+    # pivots, a byte-per-rank histogram in an int64) instead of one reduction per pivot. Taken
+    # with 4 or 8 pivots and block_n < 256; False keeps the per-pivot counting (for tuning).
+    packed_counts: bool = True
     num_warps: int = 4
     num_stages: int = 2
     extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
@@ -96,14 +100,17 @@ NVIDIA_GENERIC = {
 # (~200 VGPRs on gfx942). A D-chunked score dot would allow larger blocks (not done yet).
 AMD_CDNA3 = {  # gfx942 (MI300): XF32 dots
     ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4, extra=_amd(waves_per_eu=2)),
+    # Per-pivot counting: the packed counts spill 16 B here (untimed on AMD, so spill-free wins).
     ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=64, input_precision="tf32",
-                                         num_warps=4, num_stages=1, extra=_amd(waves_per_eu=2)),
+                                         packed_counts=False, num_warps=4, num_stages=1,
+                                         extra=_amd(waves_per_eu=2)),
 }  # fmt: skip
 # gfx950 (MI350) has no TF32; "bf16x3" spills at D=128 (256 VGPRs), so exact fp32 FMA dots.
 AMD_CDNA4 = {
     ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4, extra=_amd(waves_per_eu=2)),
     ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=64, input_precision="ieee",
-                                         num_warps=4, num_stages=1, extra=_amd(waves_per_eu=2)),
+                                         packed_counts=False, num_warps=4, num_stages=1,
+                                         extra=_amd(waves_per_eu=2)),
 }  # fmt: skip
 INTERPRETER = {
     ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
