@@ -30,6 +30,8 @@ from vidsparse.ops.block_sparse_attn.fwd import (
     CoarseCombine,
     _broadcast_strides,
     _epilogue_args,
+    _lists_full_first,
+    _num_full_blocks,
     _tensor_descriptor,
     _tma_compatible,
     _tma_reads_keys,
@@ -235,9 +237,43 @@ def _block_sparse_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
+             offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+             stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+             IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """dQ over list entries ``[lo, hi)``; ``MASKED``: the blocks may end in padding keys."""
+    for j in range(lo, hi):
+        kv_block = tl.load(idx_row + j * stride_ik)
+        real = offs_n < BLOCK_N  # [BN]
+        if MASKED:
+            real = offs_n < tl.load(KV_SIZES + kv_block)
+        k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
+                          stride_kb, stride_kh, stride_ks, stride_kd,
+                          stride_vb, stride_vh, stride_vs, stride_vd,
+                          BLOCK_N, HEAD_DIM, MASKED, USE_TMA)  # [BN, D] each; fmt: skip
+        if IEEE_DOT:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))  # [SUB_M, BN]
+            dp = tl.dot(do, tl.trans(v))  # [SUB_M, BN]
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(real[None, :], p, 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE_DOT:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)  # [SUB_M, D]
+    return dq
+
+
+@triton.jit
 def _block_sparse_attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE2, DELTA,
     KV_IDX, KV_CNT, KV_SIZES,
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -277,29 +313,19 @@ def _block_sparse_attn_bwd_dq_kernel(
     count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + q_block * stride_cq)
 
     dq = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
-    for j in range(0, count):
-        kv_block = tl.load(idx_row + j * stride_ik)
-        real = offs_n < BLOCK_N  # [BN]
-        if HAS_KV_SIZES:
-            real = offs_n < tl.load(KV_SIZES + kv_block)
-        k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
-                          stride_kb, stride_kh, stride_ks, stride_kd,
-                          stride_vb, stride_vh, stride_vs, stride_vd,
-                          BLOCK_N, HEAD_DIM, HAS_KV_SIZES, USE_TMA)  # [BN, D] each; fmt: skip
-        if IEEE_DOT:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))  # [SUB_M, BN]
-            dp = tl.dot(do, tl.trans(v))  # [SUB_M, BN]
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-        if HAS_KV_SIZES:
-            p = tl.where(real[None, :], p, 0.0)
-        ds = p * (dp - delta[:, None])
-        if IEEE_DOT:
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
-        else:
-            dq = tl.dot(ds.to(k.dtype), k, dq)  # [SUB_M, D]
+    # With key-block sizes the lists come full blocks first (lists.full_blocks_first): those
+    # are walked without the padding mask, the partial ones after them with it.
+    num_full = _num_full_blocks(KV_FULL, b, h, q_block, stride_fb, stride_fh, stride_fq, count,
+                                HAS_KV_SIZES)  # fmt: skip
+    dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, 0, num_full, b, h,
+                  offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+                  stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
+                  BLOCK_N, HEAD_DIM, False, IEEE_DOT, USE_TMA)  # fmt: skip
+    if HAS_KV_SIZES:
+        dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, num_full,
+                      count, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+                      stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
+                      BLOCK_N, HEAD_DIM, True, IEEE_DOT, USE_TMA)  # fmt: skip
     dq = dq * scale
     if ADD_POOLED:
         size = tl.load(KV_SIZES + q_block)
@@ -436,11 +462,12 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
     cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
     cfg, tma = cfg.for_inputs(keys_by_tma, block_q)
     k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v)) if tma else (k, v)
+    dq_lists, full = _lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv, True)
     _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
         q, k_in, v_in, do, dq, lse2, delta,
-        kv_indices, kv_counts, sizes,
+        dq_lists, kv_counts, sizes, full, *_broadcast_strides(full),
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
+        *_broadcast_strides(dq_lists), *_broadcast_strides(kv_counts),
         *pool_args,
         H, Sq, scale * LOG2E, scale,
         BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
