@@ -9,7 +9,7 @@ in three launches and without atomics (so gradients are bit-identical across run
 2. ``_block_sparse_attn_bwd_dkdv_kernel``: one program per key block, walking the *transposed*
    lists (the query blocks that attend to it) to accumulate dK and dV.
 3. ``_block_sparse_attn_bwd_dq_kernel``: one program per query (sub-)block, walking its own
-   list to accumulate dQ.
+   list to accumulate dQ (with key-block sizes, full blocks first and unmasked, as the forward).
 
 The softmax scale stays an fp32 multiplier on fp32 scores: K is never pre-scaled in bf16.
 """
