@@ -467,9 +467,7 @@ def test_full_first_walk_equals_masking_every_block(use_tma):
     args = (q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, cfg)
     o, lse = block_sparse_attn_fwd(*args, padding_finite=use_tma, full_first=True)
     o_all, lse_all = block_sparse_attn_fwd(*args, padding_finite=use_tma, full_first=False)
-    ref_o, _ = masked_dense_attention(
-        q, k.nan_to_num(0), v.nan_to_num(0), idx, cnt, bs, bs, sizes
-    )
+    ref_o, _ = masked_dense_attention(q, k.nan_to_num(0), v.nan_to_num(0), idx, cnt, bs, bs, sizes)
     assert_rel_l2("o", o, ref_o, 2e-3)  # fp16 inputs
     torch.testing.assert_close(o.float(), o_all.float(), rtol=0, atol=2e-3)
     torch.testing.assert_close(lse, lse_all, rtol=0, atol=1e-5)

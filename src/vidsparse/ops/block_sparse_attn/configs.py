@@ -30,6 +30,10 @@ class KernelConfig:
     use_tma: bool = False
     # Let Triton split the loop into producer / consumer warps (Hopper; TMA kernel only).
     warp_specialize: bool = False
+    # Forward on Hopper: the Gluon kernel (fwd_gluon.py: a TMA loader warp and two ping-ponged
+    # consumer warpgroups) where the inputs fit it (fwd_gluon.gluon_fits); else this config's
+    # Triton kernel.
+    gluon: bool = False
     # Backward with use_tma: the step for the pointer-load kernel, taken when the inputs do not
     # allow TMA (pointer loads hold more registers: the TMA step can spill there).
     pointer_sub_m: int | None = None
@@ -62,13 +66,15 @@ def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None)
 # measured config spilled registers (tests/test_compile_targets.py), the next spill-free one
 # is used: dK/dV at 128x128 and every masked dK/dV step 32 query rows instead of 64.
 HOPPER = {
-    ("fwd", 128, 128, "*"): KernelConfig(8, 3, use_tma=True),
+    # 128x128: the Gluon kernel, 598 vs 456 TFLOP/s at density 1/8 and 650 vs 461 dense
+    # (benchmarks/results/tuning/try_gluon_fwd_h200.json); Triton's TMA kernel where it cannot go.
+    ("fwd", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
     ("fwd", 128, 64, "*"): KernelConfig(8, 2, use_tma=True),  # 4 warps: 1.15x faster, spills
     ("fwd", 64, 64, "*"): KernelConfig(4, 2, use_tma=True),
     # Masked keys: TMA when the caller vouches the padding is finite (VSA, PSA), else the
     # pointer kernel with these warps/stages (fwd.py). VSA 480p 64x64: 2.99 ms TMA vs 3.39
     # pointer; PSA-like 128x128 (1x8x16 tiles): 6.43 vs 7.12 ms (tune_block_sparse --masked).
-    ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3, use_tma=True),
+    ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
     ("fwd_masked", 128, 64, "*"): KernelConfig(8, 2),
     ("fwd_masked", 64, 64, "*"): KernelConfig(4, 2, use_tma=True),
     # Backward: TMA loads of the loop's tiles (query rows for dK/dV, key blocks for dQ) free

@@ -333,6 +333,9 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
         q, k, v, o
     )
     cfg, use_tma = cfg.for_inputs(tma_possible, block_q)
+    if use_tma and cfg.gluon and combine is None and _gluon_fits(q, k, v, block_q, block_kv):
+        return _launch_gluon(q, k, v, kv_indices, kv_counts, kv_block_sizes, full, block_q,
+                             block_kv, scale)  # fmt: skip
     if use_tma:
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, full,
                     kv_block_sizes is not None, block_q, block_kv, scale, cfg, grid, epilogue)
@@ -365,6 +368,29 @@ def _lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv, full_firs
     if not full_first:
         return kv_indices, torch.zeros_like(kv_counts, dtype=torch.int32)
     return full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
+
+
+def _gluon_fits(q, k, v, block_q, block_kv) -> bool:
+    from vidsparse.ops.block_sparse_attn.fwd_gluon import gluon_fits
+
+    return gluon_fits(q, k, v, block_q, block_kv)
+
+
+def _launch_gluon(q, k, v, kv_indices, kv_counts, kv_block_sizes, full, block_q, block_kv,
+                  scale):  # fmt: skip
+    """The Gluon kernel (fwd_gluon.py): int32 lists with a unit stride on K (the reordered
+    lists already are); full-block counts only with key-block sizes."""
+    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
+
+    if kv_indices.dtype != torch.int32 or kv_indices.stride(-1) != 1:
+        kv_indices = kv_indices.to(torch.int32).contiguous()
+    if kv_counts.dtype != torch.int32:
+        kv_counts = kv_counts.to(torch.int32)
+    has_sizes = kv_block_sizes is not None
+    return block_sparse_attn_fwd_gluon(
+        q, k, v, kv_indices, kv_counts, block_q, block_kv, scale,
+        kv_block_sizes=kv_block_sizes if has_sizes else None, full_counts=full if has_sizes else None,
+    )  # fmt: skip
 
 
 def _epilogue_args(combine: CoarseCombine | None, dummy) -> tuple[tuple, dict]:

@@ -1,0 +1,117 @@
+"""The Gluon forward (Hopper, ``ops/block_sparse_attn/fwd_gluon.py``).
+
+CPU CI cannot run it (no interpreter for Gluon's warp specialisation), but it can compile it for
+sm_90: every variant the library takes must build without register spills and without a write
+to the registers of an in-flight P V wgmma (``benchmarks/try_gluon_fwd.py``'s SASS check; ptxas
+does not keep them reserved, and such a write gives NaNs whenever the wgmma runs late). On a
+GPU: against the fp32 reference, through the launcher that picks it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bsa_helpers import make_lists, make_qkv, masked_dense_attention
+from test_block_sparse_attn import _lowprec_baseline
+from vidsparse.testing import assert_error_relative
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_COMPILE = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from benchmarks.try_gluon_fwd import compile_sm90
+for masked in (False, True):
+    for dtype in (torch.bfloat16, torch.float16):
+        rep = compile_sm90({{}}, masked=masked, dtype=dtype)
+        print(json.dumps(dict(masked=masked, dtype=str(dtype), **rep)))
+"""
+
+
+def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE.format(root=str(ROOT))],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == 4
+    for r in reports:
+        label = f"masked={r['masked']} {r['dtype']}"
+        assert r["spill_bytes"] == 0, (label, r)
+        assert r["sass_a_operand_hazards"] == 0, (label, r)
+        assert not r["ptxas_warnings"], (label, r)  # e.g. wgmma serialised (C7510-C7515)
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward is Hopper's")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
+def test_gpu_gluon_forward_matches_reference(monkeypatch, dtype, padded, scale):
+    """Through ``fwd.block_sparse_attn_fwd`` (which must pick the Gluon kernel): Sq != Skv,
+    lists broadcast over the batch, an empty row and a one-block row; with key-block sizes,
+    padding keys hold large finite values (read by TMA, masked) and blocks of every size."""
+    from vidsparse.ops.block_sparse_attn import fwd, fwd_gluon
+
+    calls = []
+    real = fwd_gluon.block_sparse_attn_fwd_gluon
+    monkeypatch.setattr(fwd_gluon, "block_sparse_attn_fwd_gluon",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    B, H, Sq, Skv, D, bs = 2, 3, 6 * 128, 9 * 128, 128, 128
+    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device="cuda", scale=scale)
+    idx, cnt = make_lists(1, H, Sq // bs, Skv // bs, density=0.5, device="cuda", empty_rows=1)
+    sizes = None
+    if padded:
+        sizes = torch.tensor([128, 77, 128, 0, 1, 128, 64, 128, 127], dtype=torch.int32,
+                             device="cuda")  # fmt: skip
+        pad = (torch.arange(Skv, device="cuda") % bs) >= sizes.long().repeat_interleave(bs)
+        k[:, :, pad] = 300.0
+        v[:, :, pad] = -300.0
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
+                                       padding_finite=True)  # fmt: skip
+    assert calls, "the Gluon kernel was not taken"
+    ref_o, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bs, bs, sizes)
+    low_o = _lowprec_baseline(q, k, v, idx, cnt, bs, bs, sizes)
+    assert_error_relative("o", o, ref_o, low_o, atol=2e-3)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)
+    assert (o[:, :, :bs] == 0).all()  # the empty row
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward is Hopper's")
+def test_gpu_gluon_forward_equals_triton_kernel_bitwise_free_of_nan():
+    """Same lists, Gluon vs the Triton TMA kernel (config without ``gluon``): both online
+    softmaxes in the same order and precision, so the outputs agree to bf16 rounding, twice."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import fwd
+    from vidsparse.ops.block_sparse_attn.configs import forward_config
+    from vidsparse.utils.device import target_of
+
+    B, H, S, D, bs = 1, 4, 16 * 128, 128, 128
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
+    idx, cnt = make_lists(B, H, S // bs, S // bs, density=0.6, device="cuda", empty_rows=0)
+    cfg = forward_config(target_of(q.device), bs, bs, D, q.dtype)
+    assert cfg.gluon
+    runs = [fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, D**-0.5) for _ in range(2)]
+    triton_o, _ = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, D**-0.5,
+                                            replace(cfg, gluon=False))  # fmt: skip
+    assert not torch.isnan(runs[0][0]).any()
+    assert torch.equal(runs[0][0], runs[1][0])  # deterministic
+    torch.testing.assert_close(runs[0][0].float(), triton_o.float(), rtol=0, atol=1e-2)
