@@ -65,9 +65,18 @@ CHILD_TIMEOUT_S = 150
 # ---------------------------------------------------------------------------------------------
 
 
-def compile_sm90(options: dict, *, masked: bool = False, dtype=torch.bfloat16) -> dict:
+def compile_sm90(
+    options: dict,
+    *,
+    masked: bool = False,
+    dtype=torch.bfloat16,
+    block: int = BLOCK,
+    combine: bool = False,
+) -> dict:
     """Compile the Gluon kernel for cuda:90 on meta tensors; returns ptxas's resource report.
-    ``masked``: the variant with key-block sizes (padding keys masked, full blocks first)."""
+    ``masked``: the variant with key-block sizes (padding keys masked, full blocks first);
+    ``block``: 128 (one query block per program) or 64 (two, VSA's tiles); ``combine``: VSA's
+    gate epilogue (gate and real-row sizes)."""
     import inspect
 
     import triton
@@ -77,20 +86,25 @@ def compile_sm90(options: dict, *, masked: bool = False, dtype=torch.bfloat16) -
     from triton.runtime.jit import native_specialize_impl
 
     from vidsparse.ops.block_sparse_attn import fwd_gluon as fg
+    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     meta = torch.device("meta")
     q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D]
     lse = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S]
-    nq = S // BLOCK
+    nq = S // block
     idx = torch.empty(1, H, nq, nq // 8, dtype=torch.int32, device=meta)  # [1, H, NQ, K]
     cnt = torch.empty(1, H, nq, dtype=torch.int32, device=meta)  # [1, H, NQ]
     sizes = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None  # [NK]
     full = cnt.clone() if masked else None  # [1, H, NQ]
-    _, args, kwargs = fg.kernel_args(q, q, q, q, lse, idx, cnt, BLOCK, BLOCK, D**-0.5,
-                                     sizes, full, **options)  # fmt: skip
-    kernel = fg._block_sparse_attn_fwd_gluon_kernel
+    coarse = None
+    if combine:  # o_coarse [B, H, NQ, D] fp32, gate like q, real rows per block [NQ]
+        oc = torch.empty(B, H, nq, D, dtype=torch.float32, device=meta)
+        coarse = CoarseCombine(oc, torch.empty_like(q), torch.empty(nq, dtype=torch.int32,
+                                                                    device=meta))  # fmt: skip
+    kernel, _, args, kwargs = fg.kernel_args(q, q, q, q, lse, idx, cnt, block, block, D**-0.5,
+                                             sizes, full, coarse, **options)  # fmt: skip
     call_kwargs = {k: v for k, v in kwargs.items() if k in kernel.arg_names}
     launch_options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
     bound = inspect.signature(kernel.fn).bind(*args, **call_kwargs)
@@ -462,14 +476,17 @@ def main() -> None:
         return
 
     if args.compile_only:
-        cases = [(name, VARIANTS[name], False, torch.bfloat16) for name in names]
-        # the library's schedule also with key-block sizes (PSA) and in fp16
-        cases += [("default_masked", {}, True, torch.bfloat16),
-                  ("default_fp16", {}, False, torch.float16),
-                  ("default_masked_fp16", {}, True, torch.float16)]  # fmt: skip
-        for name, options, masked, dtype in cases:
+        cases = [(name, VARIANTS[name], False, torch.bfloat16, BLOCK, False) for name in names]
+        # the library's schedule also with key-block sizes (PSA), in fp16, and on 64-row tiles
+        # with VSA's gate epilogue
+        cases += [("default_masked", {}, True, torch.bfloat16, BLOCK, False),
+                  ("default_masked_fp16", {}, True, torch.float16, BLOCK, False),
+                  ("tiles64", {}, False, torch.bfloat16, 64, False),
+                  ("tiles64_masked_combine", {}, True, torch.bfloat16, 64, True)]  # fmt: skip
+        for name, options, masked, dtype, block, combine in cases:
             try:
-                rep = compile_sm90(options, masked=masked, dtype=dtype)
+                rep = compile_sm90(options, masked=masked, dtype=dtype, block=block,
+                                   combine=combine)  # fmt: skip
             except Exception as e:
                 rep = {"error": f"{type(e).__name__}: {e}"[:2000]}
             print(name, json.dumps(rep), flush=True)

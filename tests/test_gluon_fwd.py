@@ -28,10 +28,12 @@ _COMPILE = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
 from benchmarks.try_gluon_fwd import compile_sm90
-for masked in (False, True):
-    for dtype in (torch.bfloat16, torch.float16):
-        rep = compile_sm90({{}}, masked=masked, dtype=dtype)
-        print(json.dumps(dict(masked=masked, dtype=str(dtype), **rep)))
+for block, combine in ((128, False), (64, False), (64, True)):
+    for masked in (False, True):
+        for dtype in (torch.bfloat16, torch.float16):
+            rep = compile_sm90({{}}, masked=masked, dtype=dtype, block=block, combine=combine)
+            print(json.dumps(dict(block=block, combine=combine, masked=masked, dtype=str(dtype),
+                                  **rep)))
 """
 
 
@@ -44,9 +46,9 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 4
+    assert len(reports) == 12
     for r in reports:
-        label = f"masked={r['masked']} {r['dtype']}"
+        label = f"block={r['block']} combine={r['combine']} masked={r['masked']} {r['dtype']}"
         assert r["spill_bytes"] == 0, (label, r)
         assert r["sass_a_operand_hazards"] == 0, (label, r)
         assert not r["ptxas_warnings"], (label, r)  # e.g. wgmma serialised (C7510-C7515)
@@ -61,22 +63,24 @@ def _hopper() -> bool:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
-def test_gpu_gluon_forward_matches_reference(monkeypatch, dtype, padded, scale):
-    """Through ``fwd.block_sparse_attn_fwd`` (which must pick the Gluon kernel): Sq != Skv,
-    lists broadcast over the batch, an empty row and a one-block row; with key-block sizes,
-    padding keys hold large finite values (read by TMA, masked) and blocks of every size."""
+@pytest.mark.parametrize("bs", [128, 64])
+def test_gpu_gluon_forward_matches_reference(monkeypatch, dtype, padded, scale, bs):
+    """Through ``fwd.block_sparse_attn_fwd`` (which must pick the Gluon kernel): Sq != Skv
+    (an odd number of query blocks: the 64-row kernel's last program has one), lists broadcast
+    over the batch, an empty row and a one-block row; with key-block sizes, padding keys hold
+    large finite values (read by TMA, masked) and blocks of every size."""
     from vidsparse.ops.block_sparse_attn import fwd, fwd_gluon
 
     calls = []
     real = fwd_gluon.block_sparse_attn_fwd_gluon
     monkeypatch.setattr(fwd_gluon, "block_sparse_attn_fwd_gluon",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
-    B, H, Sq, Skv, D, bs = 2, 3, 6 * 128, 9 * 128, 128, 128
+    B, H, Sq, Skv, D = 2, 3, 7 * bs, 9 * bs, 128
     q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device="cuda", scale=scale)
     idx, cnt = make_lists(1, H, Sq // bs, Skv // bs, density=0.5, device="cuda", empty_rows=1)
     sizes = None
     if padded:
-        sizes = torch.tensor([128, 77, 128, 0, 1, 128, 64, 128, 127], dtype=torch.int32,
+        sizes = torch.tensor([bs, 37, bs, 0, 1, bs, 32, bs, bs - 1], dtype=torch.int32,
                              device="cuda")  # fmt: skip
         pad = (torch.arange(Skv, device="cuda") % bs) >= sizes.long().repeat_interleave(bs)
         k[:, :, pad] = 300.0
@@ -115,3 +119,35 @@ def test_gpu_gluon_forward_equals_triton_kernel_bitwise_free_of_nan():
     assert not torch.isnan(runs[0][0]).any()
     assert torch.equal(runs[0][0], runs[1][0])  # deterministic
     torch.testing.assert_close(runs[0][0].float(), triton_o.float(), rtol=0, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="the Gluon forward is Hopper's")
+@pytest.mark.parametrize("gate", [True, False])
+def test_gpu_gluon_vsa_epilogue_matches_reference(gate):
+    """VSA's fine stage on 64-token tiles: ``o = o_fine + gate * o_coarse[tile]`` with the
+    padding rows of each query tile zeroed, and lse o_fine's; odd tile count, partial tiles."""
+    from vidsparse.ops.block_sparse_attn import fwd
+
+    B, H, bs, nt, D = 1, 3, 64, 9, 128
+    S = nt * bs
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
+    sizes = torch.tensor([64, 64, 16, 64, 40, 64, 64, 1, 64], dtype=torch.int32, device="cuda")
+    pad = (torch.arange(S, device="cuda") % bs) >= sizes.long().repeat_interleave(bs)
+    k[:, :, pad] = 0.0  # VSA's tiling pads with zeros
+    v[:, :, pad] = 0.0
+    idx, cnt = make_lists(1, H, nt, nt, density=0.5, device="cuda", empty_rows=1)
+    oc = torch.randn(B, H, nt, D, device="cuda")
+    g = torch.rand(B, H, S, D, device="cuda").to(torch.bfloat16) if gate else None
+    combine = fwd.CoarseCombine(oc, g, sizes)
+    o, lse = fwd.block_sparse_attn_fwd_combined(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
+                                                combine, padding_finite=True)  # fmt: skip
+    ref_fine, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bs, bs, sizes)
+    oc_rows = oc.double().repeat_interleave(bs, dim=2)  # [B, H, S, D]
+    ref = ref_fine + (g.double() if gate else 1.0) * oc_rows
+    ref[:, :, pad] = 0.0
+    err = ((o.double() - ref).norm() / ref.norm()).item()
+    assert err < 1e-2, err  # bf16 output of an O(1) sum
+    assert (o[:, :, pad] == 0).all()
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)

@@ -70,13 +70,14 @@ HOPPER = {
     # (benchmarks/results/tuning/try_gluon_fwd_h200.json); Triton's TMA kernel where it cannot go.
     ("fwd", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
     ("fwd", 128, 64, "*"): KernelConfig(8, 2, use_tma=True),  # 4 warps: 1.15x faster, spills
-    ("fwd", 64, 64, "*"): KernelConfig(4, 2, use_tma=True),
+    # 64x64 (VSA's tiles): the Gluon kernel with two query tiles a program, one per consumer.
+    ("fwd", 64, 64, "*"): KernelConfig(4, 2, use_tma=True, gluon=True),
     # Masked keys: TMA when the caller vouches the padding is finite (VSA, PSA), else the
     # pointer kernel with these warps/stages (fwd.py). VSA 480p 64x64: 2.99 ms TMA vs 3.39
     # pointer; PSA-like 128x128 (1x8x16 tiles): 6.43 vs 7.12 ms (tune_block_sparse --masked).
     ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
     ("fwd_masked", 128, 64, "*"): KernelConfig(8, 2),
-    ("fwd_masked", 64, 64, "*"): KernelConfig(4, 2, use_tma=True),
+    ("fwd_masked", 64, 64, "*"): KernelConfig(4, 2, use_tma=True, gluon=True),
     # Backward: TMA loads of the loop's tiles (query rows for dK/dV, key blocks for dQ) free
     # the registers that spilled 64-row dK/dV steps with pointer loads, and are faster: whole
     # backward at density 1/8, 128x128 6.74 -> 5.63 ms (dK/dV) / 6.50 (dQ); 64x64 5.77 ->

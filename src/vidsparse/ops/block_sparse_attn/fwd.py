@@ -333,9 +333,9 @@ def _forward(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, 
         q, k, v, o
     )
     cfg, use_tma = cfg.for_inputs(tma_possible, block_q)
-    if use_tma and cfg.gluon and combine is None and _gluon_fits(q, k, v, block_q, block_kv):
+    if use_tma and cfg.gluon and _gluon_fits(q, k, v, block_q, block_kv):
         return _launch_gluon(q, k, v, kv_indices, kv_counts, kv_block_sizes, full, block_q,
-                             block_kv, scale)  # fmt: skip
+                             block_kv, scale, combine)  # fmt: skip
     if use_tma:
         _launch_tma(q, k, v, o, lse, kv_indices, kv_counts, sizes, full,
                     kv_block_sizes is not None, block_q, block_kv, scale, cfg, grid, epilogue)
@@ -377,7 +377,7 @@ def _gluon_fits(q, k, v, block_q, block_kv) -> bool:
 
 
 def _launch_gluon(q, k, v, kv_indices, kv_counts, kv_block_sizes, full, block_q, block_kv,
-                  scale):  # fmt: skip
+                  scale, combine):  # fmt: skip
     """The Gluon kernel (fwd_gluon.py): int32 lists with a unit stride on K (the reordered
     lists already are); full-block counts only with key-block sizes."""
     from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
@@ -390,6 +390,7 @@ def _launch_gluon(q, k, v, kv_indices, kv_counts, kv_block_sizes, full, block_q,
     return block_sparse_attn_fwd_gluon(
         q, k, v, kv_indices, kv_counts, block_q, block_kv, scale,
         kv_block_sizes=kv_block_sizes if has_sizes else None, full_counts=full if has_sizes else None,
+        combine=combine,
     )  # fmt: skip
 
 

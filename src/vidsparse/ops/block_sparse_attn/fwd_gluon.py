@@ -79,20 +79,23 @@ def _loader(
     kv_row0,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    Q_TILES: gl.constexpr,
 ):
     """Q once, then K_j and V_j of every listed block j into ring slot ``j % STAGES``.
 
-    q_smem [2, 64, D] (one half per consumer); k_smem, v_smem [STAGES, BLOCK_N, D].
-    ``q_row``: first global row of this query block in the [B*H*S, D] view; ``kv_row0``: first
-    row of this (b, h)'s keys in that view."""
-    # Both halves of Q land on one barrier: the consumers wait for it once.
-    mbarrier.expect(q_bar, 2 * desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row, 0], q_bar, q_smem.index(0))
-    tma.async_copy_global_to_shared(desc_q, [q_row + ROWS_PER_CONSUMER, 0], q_bar, q_smem.index(1))
+    q_smem [Q_TILES, 64, D] (two halves of a 128-row block, one per consumer; or one 64-row
+    query tile); k_smem, v_smem [STAGES, BLOCK_N, D]. ``q_row``: first global row of the query
+    rows in the [B*H*S, D] view; ``kv_row0``: first row of this (b, h)'s keys in that view."""
+    # All of Q lands on one barrier: the consumers wait for it once.
+    mbarrier.expect(q_bar, Q_TILES * desc_q.block_type.nbytes)
+    for i in gl.static_range(Q_TILES):
+        tma.async_copy_global_to_shared(
+            desc_q, [q_row + i * ROWS_PER_CONSUMER, 0], q_bar, q_smem.index(i)
+        )
 
     for j in range(count):
         slot = j % STAGES
-        # Use u = j // STAGES of this slot must wait for both consumers to release use u - 1,
+        # Use u = j // STAGES of this slot must wait for its consumers to release use u - 1,
         # i.e. for the completion of empty-barrier phase u - 1 (parity (u - 1) & 1). For u = 0
         # parity 1 refers to the phase "before" the first one and passes at once.
         empty_parity = ((j // STAGES) & 1) ^ 1
@@ -317,6 +320,26 @@ def _loop_p_in_smem(
 
 
 @gluon.jit
+def _combine_coarse(o, OC_ROW, GATE_ROWS, stride_gs, Q_SIZE, o_layout: gl.constexpr,
+                    M: gl.constexpr, HEAD_DIM: gl.constexpr, HAS_GATE: gl.constexpr,
+                    ZERO_PAD_ROWS: gl.constexpr):  # fmt: skip
+    """VSA's epilogue on o [64, D] fp32: ``o + gate * o_coarse`` (one coarse row for the
+    block, unit-stride D; the gate's rows ``stride_gs`` apart), rows past ``Q_SIZE`` zeroed."""
+    rows = gl.arange(0, M, layout=gl.SliceLayout(1, o_layout))  # [64]
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))  # [D]
+    oc = gl.expand_dims(gl.load(OC_ROW + dims).to(gl.float32), 0)  # [1, D]
+    if HAS_GATE:
+        row_offs = gl.expand_dims(rows.to(gl.int64) * stride_gs, 1)  # [64, 1]
+        gate = gl.load(GATE_ROWS + row_offs + gl.expand_dims(dims, 0))  # [64, D]
+        o = o + gate.to(gl.float32) * oc
+    else:
+        o = o + oc
+    if ZERO_PAD_ROWS:
+        o = gl.where(gl.expand_dims(rows < Q_SIZE, 1), o, 0.0)
+    return o
+
+
+@gluon.jit
 def _consumer(
     desc_o,
     q_smem,
@@ -337,17 +360,29 @@ def _consumer(
     KV_SIZES,
     q_row,
     qk_scale,
+    valid,
+    OC_ROW,
+    GATE_ROWS,
+    stride_gs,
+    Q_SIZE,
     ME: gl.constexpr,
+    Q_INDEX: gl.constexpr,
     BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     STAGES: gl.constexpr,
     PINGPONG: gl.constexpr,
     P_IN_SMEM: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr,
+    COMBINE: gl.constexpr,
+    HAS_GATE: gl.constexpr,
+    ZERO_PAD_ROWS: gl.constexpr,
 ):
-    """Rows ``[64 * ME, 64 * ME + 64)`` of the query block: the online softmax over every
-    listed key block (with ``HAS_KV_SIZES`` the first ``num_full`` unmasked, the rest masked),
-    then o (q's dtype, by TMA through this half's Q buffer) and lse (fp32)."""
+    """64 query rows, ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 * Q_INDEX``): the
+    online softmax over every listed key block (with ``HAS_KV_SIZES`` the first ``num_full``
+    unmasked, the rest masked), then o (q's dtype, by TMA through its Q buffer) and lse (fp32),
+    stored only if ``valid``. ``ME`` names the consumer for the ping-pong turns. ``COMBINE``:
+    VSA's epilogue, as ``fwd._combine_coarse``: ``o += gate * o_coarse`` (``OC_ROW`` the
+    block's coarse row [D], ``GATE_ROWS`` its gate rows), rows at or past ``Q_SIZE`` zeroed."""
     M: gl.constexpr = ROWS_PER_CONSUMER
     # wgmma accumulator layouts for this 4-warp partition: 16 rows per warp, N = 128 per
     # instruction (the largest N that divides both BLOCK_N and HEAD_DIM).
@@ -363,7 +398,7 @@ def _consumer(
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BN] key slots
 
-    q = q_smem.index(ME)  # [64, D] shared (NVMMA-swizzled), A operand of Q K^T
+    q = q_smem.index(Q_INDEX)  # [64, D] shared (NVMMA-swizzled), A operand of Q K^T
 
     m_i = gl.full([M], float("-inf"), gl.float32, layout=row_layout)  # running max (base 2)
     l_i = gl.zeros([M], gl.float32, layout=row_layout)  # running sum of exp2
@@ -480,13 +515,17 @@ def _consumer(
     inv_l = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, o_layout))  # [64]
     o = acc * gl.expand_dims(inv_l, 1)  # [64, D] fp32
     lse = gl.where(live, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))  # [64], natural log
-    offs = q_row + ME * M + gl.arange(0, M, layout=row_layout)  # [64] global rows
-    gl.store(LSE + offs, lse)
-    # Q is dead (every Q K^T has completed): its half of the buffer stages o for a TMA store.
-    q.store(o.to(q.dtype))
-    fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
-    tma.async_copy_shared_to_global(desc_o, [q_row + ME * M, 0], q)
-    tma.store_wait(pendings=0)
+    if COMBINE:
+        o = _combine_coarse(o, OC_ROW, GATE_ROWS, stride_gs, Q_SIZE, o_layout, M, HEAD_DIM,
+                            HAS_GATE, ZERO_PAD_ROWS)  # fmt: skip
+    if valid:
+        offs = q_row + Q_INDEX * M + gl.arange(0, M, layout=row_layout)  # [64] global rows
+        gl.store(LSE + offs, lse)
+        # Q is dead (every Q K^T has completed): its buffer stages o for a TMA store.
+        q.store(o.to(q.dtype))
+        fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+        tma.async_copy_shared_to_global(desc_o, [q_row + Q_INDEX * M, 0], q)
+        tma.store_wait(pendings=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,40 +534,72 @@ def _consumer(
 
 
 @gluon.jit
+def _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block, valid,
+             stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq,
+             stride_fb, stride_fh, stride_fq, HAS_KV_SIZES: gl.constexpr):  # fmt: skip
+    """``(list pointer, count, leading full blocks)`` of query block ``block`` of (b, h); an
+    invalid block (past the last one) lists nothing."""
+    b = b.to(gl.int64)
+    h = h.to(gl.int64)
+    block = block.to(gl.int64)
+    idx_row = KV_IDX + b * stride_ib + h * stride_ih + block * stride_iq
+    count = gl.load(KV_CNT + b * stride_cb + h * stride_ch + block * stride_cq, mask=valid,
+                    other=0)  # fmt: skip
+    num_full = count
+    if HAS_KV_SIZES:
+        num_full = gl.load(KV_FULL + b * stride_fb + h * stride_fh + block * stride_fq,
+                           mask=valid, other=0)  # fmt: skip
+    return idx_row, count, num_full
+
+
+@gluon.jit
+def _coarse_rows(OC, stride_ocb, stride_och, stride_ocm, GATE, stride_gb, stride_gh, stride_gs,
+                 Q_SIZES, b, h, block, valid, BLOCK_ROWS: gl.constexpr,
+                 ZERO_PAD_ROWS: gl.constexpr):  # fmt: skip
+    """VSA's epilogue inputs for query block ``block``: its coarse row, its first gate row and
+    its real rows (``Q_SIZES[block]``, or all)."""
+    b = b.to(gl.int64)
+    h = h.to(gl.int64)
+    block = block.to(gl.int64)
+    oc_row = OC + b * stride_ocb + h * stride_och + block * stride_ocm
+    gate_rows = GATE + b * stride_gb + h * stride_gh + block * BLOCK_ROWS * stride_gs
+    size = BLOCK_ROWS
+    if ZERO_PAD_ROWS:
+        size = gl.load(Q_SIZES + block, mask=valid, other=0)
+    return oc_row, gate_rows, size
+
+
+@gluon.jit
+def _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
+
+
+@gluon.jit
 def _block_sparse_attn_fwd_gluon_kernel(
-    desc_q,
-    desc_k,
-    desc_v,
-    desc_o,  # TMA over [B*H*S, D]: q/o blocks [64, D], k/v [BN, D]
+    desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o blocks [64, D], k/v [BN, D]
     LSE,  # fp32 [B, H, Sq]
-    KV_IDX,
-    KV_CNT,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]
-    KV_SIZES,
-    KV_FULL,  # HAS_KV_SIZES: int32 [NK] real keys per block; [Bi, H, NQ] full blocks
-    stride_ib,
-    stride_ih,
-    stride_iq,
-    stride_ik,  # stride_ib == 0 when lists broadcast over batch
-    stride_cb,
-    stride_ch,
-    stride_cq,
-    stride_fb,
-    stride_fh,
-    stride_fq,
-    H,
-    Sq,
-    Skv,
+    KV_IDX, KV_CNT,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]
+    KV_SIZES, KV_FULL,  # HAS_KV_SIZES: int32 [NK] real keys per block; [Bi, H, NQ] full blocks
+    stride_ib, stride_ih, stride_iq, stride_ik,  # stride_ib == 0 when lists broadcast over batch
+    stride_cb, stride_ch, stride_cq,
+    stride_fb, stride_fh, stride_fq,
+    OC, stride_ocb, stride_och, stride_ocm,  # COMBINE: o_coarse [B, H, NQ, D], as fwd.py
+    GATE, stride_gb, stride_gh, stride_gs,  # COMBINE with HAS_GATE: gate like q, unit-stride D
+    Q_SIZES,  # COMBINE with ZERO_PAD_ROWS: real rows per query block [NQ]
+    H, Sq, Skv, NQ,
     qk_scale,  # softmax scale * log2(e), fp32
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr,
-    STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    P_IN_SMEM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
-    LOADER_REGS: gl.constexpr,
-):
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, COMBINE: gl.constexpr, HAS_GATE: gl.constexpr,
+    ZERO_PAD_ROWS: gl.constexpr,
+    STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """A 128-row query block per program: one list, one K/V ring, its two 64-row halves on
+    the two consumer warpgroups (ping-pong)."""
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -536,44 +607,30 @@ def _block_sparse_attn_fwd_gluon_kernel(
     h = pid_bh % H
     q_row = pid_bh * Sq + pid_m * BLOCK_M  # first row of this query block in [B*H*Sq, D]
     kv_row0 = pid_bh * Skv  # first key row of this (b, h) in [B*H*Skv, D]
-    idx_row = (
-        KV_IDX
-        + b.to(gl.int64) * stride_ib
-        + h.to(gl.int64) * stride_ih
-        + pid_m.to(gl.int64) * stride_iq
-    )  # this query block's list
-    count = gl.load(
-        KV_CNT
-        + b.to(gl.int64) * stride_cb
-        + h.to(gl.int64) * stride_ch
-        + pid_m.to(gl.int64) * stride_cq
-    )  # how many blocks it lists
-    num_full = count  # leading full blocks (all, without key-block sizes)
-    if HAS_KV_SIZES:
-        num_full = gl.load(
-            KV_FULL
-            + b.to(gl.int64) * stride_fb
-            + h.to(gl.int64) * stride_fh
-            + pid_m.to(gl.int64) * stride_fq
-        )
+    valid = pid_m < NQ  # always: the grid has NQ programs along dim 0
+    idx_row, count, num_full = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, pid_m, valid,
+                                        stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
+                                        stride_cq, stride_fb, stride_fh, stride_fq,
+                                        HAS_KV_SIZES)  # fmt: skip
+    oc_row, gate_rows, q_size = _coarse_rows(OC, stride_ocb, stride_och, stride_ocm, GATE,
+                                             stride_gb, stride_gh, stride_gs, Q_SIZES, b, h,
+                                             pid_m, valid, BLOCK_M, ZERO_PAD_ROWS)  # fmt: skip
 
     # Shared memory: Q (also o's staging buffer) 32 KB, K and V rings 2 * STAGES * 32 KB.
     q_smem = gl.allocate_shared_memory(
         desc_q.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM], desc_q.layout
-    )  # [2, 64, D]
+    )  # [2, 64, D]; fmt: skip
     k_smem = gl.allocate_shared_memory(
         desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout
-    )  # [STAGES, BN, D]
+    )  # [STAGES, BN, D]; fmt: skip
     v_smem = gl.allocate_shared_memory(
         desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout
-    )  # [STAGES, BN, D]
-    if P_IN_SMEM:  # P staging, per consumer: [buffer, 64, BN] bf16, 2 x 32 KB in all
-        p_smem0 = gl.allocate_shared_memory(
-            desc_k.dtype, [2, ROWS_PER_CONSUMER, BLOCK_N], desc_k.layout
-        )
-        p_smem1 = gl.allocate_shared_memory(
-            desc_k.dtype, [2, ROWS_PER_CONSUMER, BLOCK_N], desc_k.layout
-        )
+    )  # [STAGES, BN, D]; fmt: skip
+    if P_IN_SMEM:  # P staging, per consumer: [buffer, 64, BN], 2 x 32 KB in all
+        p_smem0 = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, BLOCK_N],
+                                            desc_k.layout)  # fmt: skip
+        p_smem1 = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, BLOCK_N],
+                                            desc_k.layout)  # fmt: skip
     else:  # unused placeholders (the consumers never touch them)
         p_smem0 = gl.allocate_shared_memory(desc_k.dtype, [2, 8, 64], desc_k.layout)
         p_smem1 = gl.allocate_shared_memory(desc_k.dtype, [2, 8, 64], desc_k.layout)
@@ -586,11 +643,7 @@ def _block_sparse_attn_fwd_gluon_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar, count=1)  # the loader's expect is the one arrival; TMA bytes complete it
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+    _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES, 2)
     mbarrier.init(turn_bars.index(0), count=1)
     mbarrier.init(turn_bars.index(1), count=1)
     # Consumer 0 takes the first turn: complete phase 0 of its turn barrier up front.
@@ -600,95 +653,134 @@ def _block_sparse_attn_fwd_gluon_kernel(
     # (Tuples are spelled out: concatenating them in a jit function unwraps the constexprs.)
     gl.warp_specialize(
         [
-            (
-                _consumer,
-                (
-                    desc_o,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    p_smem0,
-                    q_bar,
-                    k_ready,
-                    v_ready,
-                    k_empty,
-                    v_empty,
-                    turn_bars,
-                    LSE,
-                    count,
-                    num_full,
-                    idx_row,
-                    stride_ik,
-                    KV_SIZES,
-                    q_row,
-                    qk_scale,
-                    gl.constexpr(0),
-                    BLOCK_N,
-                    HEAD_DIM,
-                    STAGES,
-                    PINGPONG,
-                    P_IN_SMEM,
-                    HAS_KV_SIZES,
-                ),
-            ),  # default partition: rows 0-63
-            (
-                _consumer,
-                (
-                    desc_o,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    p_smem1,
-                    q_bar,
-                    k_ready,
-                    v_ready,
-                    k_empty,
-                    v_empty,
-                    turn_bars,
-                    LSE,
-                    count,
-                    num_full,
-                    idx_row,
-                    stride_ik,
-                    KV_SIZES,
-                    q_row,
-                    qk_scale,
-                    gl.constexpr(1),
-                    BLOCK_N,
-                    HEAD_DIM,
-                    STAGES,
-                    PINGPONG,
-                    P_IN_SMEM,
-                    HAS_KV_SIZES,
-                ),
-            ),  # rows 64-127
-            (
-                _loader,
-                (
-                    desc_q,
-                    desc_k,
-                    desc_v,
-                    q_smem,
-                    k_smem,
-                    v_smem,
-                    q_bar,
-                    k_ready,
-                    v_ready,
-                    k_empty,
-                    v_empty,
-                    idx_row,
-                    stride_ik,
-                    count,
-                    q_row,
-                    kv_row0,
-                    BLOCK_N,
-                    STAGES,
-                ),
-            ),
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, p_smem0, q_bar, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, LSE, count, num_full, idx_row, stride_ik,
+                         KV_SIZES, q_row, qk_scale, valid, oc_row, gate_rows, stride_gs, q_size,
+                         gl.constexpr(0), gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, PINGPONG,
+                         P_IN_SMEM, HAS_KV_SIZES, COMBINE, HAS_GATE,
+                         ZERO_PAD_ROWS)),  # default partition: rows 0-63
+            (_consumer, (desc_o, q_smem, k_smem, v_smem, p_smem1, q_bar, k_ready, v_ready,
+                         k_empty, v_empty, turn_bars, LSE, count, num_full, idx_row, stride_ik,
+                         KV_SIZES, q_row, qk_scale, valid, oc_row,
+                         gate_rows + ROWS_PER_CONSUMER * stride_gs, stride_gs,
+                         q_size - ROWS_PER_CONSUMER, gl.constexpr(1), gl.constexpr(1), BLOCK_N,
+                         HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES, COMBINE,
+                         HAS_GATE, ZERO_PAD_ROWS)),  # rows 64-127
+            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                       k_empty, v_empty, idx_row, stride_ik, count, q_row, kv_row0,
+                       BLOCK_N, STAGES, gl.constexpr(2))),
         ],
         [4, 1],  # warps: second consumer warpgroup, loader warp
         [CONSUMER_REGS, LOADER_REGS],  # setmaxnreg: the loader gives its registers away
-    )
+    )  # fmt: skip
+
+
+@gluon.jit
+def _block_sparse_attn_fwd_gluon_tiles_kernel(
+    desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o and k/v blocks [64, D]
+    LSE,
+    KV_IDX, KV_CNT, KV_SIZES, KV_FULL,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    stride_fb, stride_fh, stride_fq,
+    OC, stride_ocb, stride_och, stride_ocm,
+    GATE, stride_gb, stride_gh, stride_gs,
+    Q_SIZES,
+    H, Sq, Skv, NQ,
+    qk_scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, COMBINE: gl.constexpr, HAS_GATE: gl.constexpr,
+    ZERO_PAD_ROWS: gl.constexpr,
+    STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """Two 64-row query blocks per program (VSA's tiles: 2 * pid and 2 * pid + 1), each with
+    its own list, K/V ring and loader warp, one per consumer warpgroup. The consumers do not
+    take turns (their lists may differ in length); the scheduler interleaves them."""
+    gl.static_assert(BLOCK_M == ROWS_PER_CONSUMER, "one consumer warpgroup per 64-row block")
+    gl.static_assert(not P_IN_SMEM, "P in shared memory: 128-row blocks only")
+    pid = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    kv_row0 = pid_bh * Skv
+    block0 = 2 * pid
+    block1 = 2 * pid + 1
+    valid0 = block0 < NQ
+    valid1 = block1 < NQ  # false in the last program when NQ is odd
+    idx_row0, count0, num_full0 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block0, valid0,
+                                           stride_ib, stride_ih, stride_iq, stride_cb,
+                                           stride_ch, stride_cq, stride_fb, stride_fh,
+                                           stride_fq, HAS_KV_SIZES)  # fmt: skip
+    idx_row1, count1, num_full1 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block1, valid1,
+                                           stride_ib, stride_ih, stride_iq, stride_cb,
+                                           stride_ch, stride_cq, stride_fb, stride_fh,
+                                           stride_fq, HAS_KV_SIZES)  # fmt: skip
+    oc_row0, gate_rows0, q_size0 = _coarse_rows(OC, stride_ocb, stride_och, stride_ocm, GATE,
+                                                stride_gb, stride_gh, stride_gs, Q_SIZES, b, h,
+                                                block0, valid0, BLOCK_M,
+                                                ZERO_PAD_ROWS)  # fmt: skip
+    oc_row1, gate_rows1, q_size1 = _coarse_rows(OC, stride_ocb, stride_och, stride_ocm, GATE,
+                                                stride_gb, stride_gh, stride_gs, Q_SIZES, b, h,
+                                                block1, valid1, BLOCK_M,
+                                                ZERO_PAD_ROWS)  # fmt: skip
+    # Global rows of the two query blocks. Past the last block (NQ odd) the loader still reads
+    # a Q tile (rows of the next head, or zeros past the tensor: TMA bounds) so the consumer's
+    # wait completes; nothing is stored there.
+    q_row0 = pid_bh * Sq + block0 * BLOCK_M
+    q_row1 = pid_bh * Sq + block1 * BLOCK_M
+
+    # Shared memory per consumer: Q 16 KB, K and V rings 2 * STAGES * 16 KB.
+    q_smem0 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
+    q_smem1 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
+    k_smem0 = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem0 = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    k_smem1 = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem1 = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    p_unused = gl.allocate_shared_memory(desc_k.dtype, [2, 8, 64], desc_k.layout)
+
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar0 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_bar1 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    k_ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    turn_unused = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    mbarrier.init(q_bar0, count=1)
+    mbarrier.init(q_bar1, count=1)
+    _init_ring(k_ready0, v_ready0, k_empty0, v_empty0, STAGES, 1)
+    _init_ring(k_ready1, v_ready1, k_empty1, v_empty1, STAGES, 1)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_consumer, (desc_o, q_smem0, k_smem0, v_smem0, p_unused, q_bar0, k_ready0,
+                         v_ready0, k_empty0, v_empty0, turn_unused, LSE, count0, num_full0,
+                         idx_row0, stride_ik, KV_SIZES, q_row0, qk_scale, valid0, oc_row0,
+                         gate_rows0, stride_gs, q_size0, gl.constexpr(0), gl.constexpr(0),
+                         BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False), gl.constexpr(False),
+                         HAS_KV_SIZES, COMBINE, HAS_GATE, ZERO_PAD_ROWS)),
+            (_consumer, (desc_o, q_smem1, k_smem1, v_smem1, p_unused, q_bar1, k_ready1,
+                         v_ready1, k_empty1, v_empty1, turn_unused, LSE, count1, num_full1,
+                         idx_row1, stride_ik, KV_SIZES, q_row1, qk_scale, valid1, oc_row1,
+                         gate_rows1, stride_gs, q_size1, gl.constexpr(1), gl.constexpr(0),
+                         BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False), gl.constexpr(False),
+                         HAS_KV_SIZES, COMBINE, HAS_GATE, ZERO_PAD_ROWS)),
+            (_loader, (desc_q, desc_k, desc_v, q_smem0, k_smem0, v_smem0, q_bar0, k_ready0,
+                       v_ready0, k_empty0, v_empty0, idx_row0, stride_ik, count0, q_row0,
+                       kv_row0, BLOCK_N, STAGES, gl.constexpr(1))),
+            (_loader, (desc_q, desc_k, desc_v, q_smem1, k_smem1, v_smem1, q_bar1, k_ready1,
+                       v_ready1, k_empty1, v_empty1, idx_row1, stride_ik, count1, q_row1,
+                       kv_row0, BLOCK_N, STAGES, gl.constexpr(1))),
+        ],
+        [4, 1, 1],  # warps: second consumer warpgroup, two loader warps
+        [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -698,7 +790,9 @@ def _block_sparse_attn_fwd_gluon_kernel(
 # Default schedule (measured best on the H200: benchmarks/results/tuning/try_gluon_fwd_h200.json);
 # configs.py turns the kernel on, benchmarks/try_gluon_fwd.py sweeps these.
 DEFAULT_OPTIONS = dict(STAGES=2, PINGPONG=True, P_IN_SMEM=False, CONSUMER_REGS=240, LOADER_REGS=24)
-BLOCK = 128  # query and key block: two consumer warpgroups of 64 rows, 128-key wgmma tiles
+# Query/key block sizes: 128 (one block per program, its halves on the two consumers) or 64
+# (two blocks per program, one per consumer: VSA's 4x4x4 tiles).
+BLOCKS = (64, 128)
 HEAD_DIMS = (128,)  # the one head_dim measured; 64 compiles but is untimed
 DTYPES = (torch.bfloat16, torch.float16)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -713,10 +807,12 @@ def _broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
 
 
 def gluon_fits(q, k, v, block_q: int, block_kv: int) -> bool:
-    """Can this kernel take these inputs? 128x128 blocks, D = 128, bf16/fp16, and q, k, v
-    contiguous with 16-byte aligned bases (the TMA descriptors view them as [B*H*S, D])."""
+    """Can this kernel take these inputs? Square 64 or 128 blocks, D = 128, bf16/fp16, and
+    q, k, v contiguous with 16-byte aligned bases (the TMA descriptors view them as
+    [B*H*S, D])."""
     return (
-        block_q == block_kv == BLOCK
+        block_q == block_kv
+        and block_q in BLOCKS
         and q.shape[-1] in HEAD_DIMS
         and q.dtype in DTYPES
         and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
@@ -724,123 +820,89 @@ def gluon_fits(q, k, v, block_q: int, block_kv: int) -> bool:
 
 
 def _descriptors(q, k, v, o, block_kv):
-    """TMA descriptors over the [B*H*S, D] views: q, o in 64-row halves, k, v in key blocks."""
+    """TMA descriptors over the [B*H*S, D] views: q, o in 64-row pieces, k, v in key blocks."""
     D = q.shape[-1]
     rows = ROWS_PER_CONSUMER.value
     dtype = _GL_DTYPES[q.dtype]
-    half = gl.NVMMASharedLayout.get_default_for([rows, D], dtype)
-    kv = gl.NVMMASharedLayout.get_default_for([block_kv, D], dtype)
+    q_layout = gl.NVMMASharedLayout.get_default_for([rows, D], dtype)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_kv, D], dtype)
 
     def desc(x, rows, layout):
         x2 = x.view(-1, D)  # [B*H*S, D]
         return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], layout)
 
-    return (desc(q, rows, half), desc(k, block_kv, kv), desc(v, block_kv, kv), desc(o, rows, half))
+    return (desc(q, rows, q_layout), desc(k, block_kv, kv_layout), desc(v, block_kv, kv_layout),
+            desc(o, rows, q_layout))  # fmt: skip
 
 
-def kernel_args(
-    q,
-    k,
-    v,
-    o,
-    lse,
-    kv_indices,
-    kv_counts,
-    block_q,
-    block_kv,
-    scale,
-    kv_block_sizes=None,
-    full_counts=None,
-    **options,
-):
-    """``(grid, args, kwargs)`` of one launch (also used to compile for sm_90 without a GPU).
-    With ``kv_block_sizes``, ``kv_indices`` must list each row's full blocks first and
+def _combine_args(combine, dummy) -> tuple[tuple, dict]:
+    """VSA's epilogue arguments (``fwd.CoarseCombine`` or None), as ``fwd._epilogue_args``."""
+    if combine is None:
+        flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False)
+        return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy), flags
+    oc, gate, sizes = combine.o_coarse, combine.gate, combine.q_block_sizes
+    gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *gate.stride()[:3])
+    args = (oc, *oc.stride()[:3], *gate_args, dummy if sizes is None else sizes)
+    flags = dict(COMBINE=True, HAS_GATE=gate is not None, ZERO_PAD_ROWS=sizes is not None)
+    return args, flags
+
+
+def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale,
+                kv_block_sizes=None, full_counts=None, combine=None, **options):  # fmt: skip
+    """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
+    a GPU). With ``kv_block_sizes``, ``kv_indices`` must list each row's full blocks first and
     ``full_counts`` count them (``lists.full_blocks_first``)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
+    nq = Sq // block_q
     opts = {**DEFAULT_OPTIONS, **options}
     has_sizes = kv_block_sizes is not None
     sizes = kv_block_sizes if has_sizes else kv_counts  # dummy pointers when unused
     full = full_counts if has_sizes else kv_counts
-    grid = (Sq // block_q, B * H)
-    args = (
-        *_descriptors(q, k, v, o, block_kv),
-        lse,
-        kv_indices,
-        kv_counts,
-        sizes,
-        full,
-        *_broadcast_strides(kv_indices),
-        *_broadcast_strides(kv_counts),
-        *_broadcast_strides(full),
-        H,
-        Sq,
-        Skv,
-        scale * LOG2E,
-    )
-    kwargs = dict(
-        BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts, num_warps=4
-    )
-    return grid, args, kwargs
+    combine_args, flags = _combine_args(combine, kv_counts)
+    if block_q == 2 * ROWS_PER_CONSUMER.value:
+        kernel, grid = _block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
+    else:
+        kernel, grid = _block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
+    args = (*_descriptors(q, k, v, o, block_kv), lse, kv_indices, kv_counts, sizes, full,
+            *_broadcast_strides(kv_indices), *_broadcast_strides(kv_counts),
+            *_broadcast_strides(full), *combine_args, H, Sq, Skv, nq, scale * LOG2E)  # fmt: skip
+    kwargs = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
+                  **flags, **opts, num_warps=4)  # fmt: skip
+    return kernel, grid, args, kwargs
 
 
-def block_sparse_attn_fwd_gluon(
-    q,
-    k,
-    v,
-    kv_indices,
-    kv_counts,
-    block_q=BLOCK,
-    block_kv=BLOCK,
-    scale=None,
-    *,
-    kv_block_sizes=None,
-    full_counts=None,
-    **options,
-):
+def block_sparse_attn_fwd_gluon(q, k, v, kv_indices, kv_counts, block_q=128, block_kv=128,
+                                scale=None, *, kv_block_sizes=None, full_counts=None,
+                                combine=None, **options):  # fmt: skip
     """Block-sparse attention forward (Gluon, Hopper); returns ``(o, lse)``.
 
-    q bf16/fp16 [B, H, Sq, D], k, v [B, H, Skv, D], contiguous, D = 128, Sq and Skv multiples
-    of 128; kv_indices int32 [Bi, H, NQ, K] with unit stride on K, kv_counts int32
+    q bf16/fp16 [B, H, Sq, D], k, v [B, H, Skv, D], contiguous, D = 128, square 64 or 128
+    blocks; kv_indices int32 [Bi, H, NQ, K] with unit stride on K, kv_counts int32
     [Bi, H, NQ] (Bi = B or 1). With ``kv_block_sizes`` (int32 [NK]; padding keys finite) the
     lists hold each row's full blocks first and ``full_counts`` [Bi, H, NQ] counts them.
-    ``options`` override ``DEFAULT_OPTIONS``. Inputs are the launcher's (``fwd._forward``)
-    to check: this raises only on what would make the kernel misread memory.
+    ``combine``: VSA's epilogue (``fwd.CoarseCombine``; lse stays o_fine's). ``options``
+    override ``DEFAULT_OPTIONS``. Inputs are the launcher's (``fwd._forward``) to check: this
+    raises only on what would make the kernel misread memory.
     """
     B, H, Sq, D = q.shape
     if not gluon_fits(q, k, v, block_q, block_kv):
-        raise ValueError(
-            "block_sparse_attn_fwd_gluon: needs 128x128 blocks, head_dim 128, "
-            "bf16/fp16 and contiguous 16-byte aligned q, k, v"
-        )
-    if (
-        kv_indices.dtype != torch.int32
-        or kv_counts.dtype != torch.int32
-        or kv_indices.stride(-1) != 1
-    ):
-        raise ValueError("block_sparse_attn_fwd_gluon: int32 lists with a unit stride on K")
+        raise ValueError("block_sparse_attn_fwd_gluon: needs square 64 or 128 blocks, head_dim "
+                         "128, bf16/fp16 and contiguous 16-byte aligned q, k, v")  # fmt: skip
+    if kv_indices.dtype != torch.int32 or kv_counts.dtype != torch.int32:
+        raise ValueError("block_sparse_attn_fwd_gluon: int32 lists")
+    if kv_indices.stride(-1) != 1:
+        raise ValueError("block_sparse_attn_fwd_gluon: lists with a unit stride on K")
     if (kv_block_sizes is None) != (full_counts is None):
         raise ValueError("kv_block_sizes and full_counts go together (lists.full_blocks_first)")
     if scale is None:
         scale = D**-0.5
     o = torch.empty_like(q)  # [B, H, Sq, D]
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)  # [B, H, Sq]
-    grid, args, kwargs = kernel_args(
-        q,
-        k,
-        v,
-        o,
-        lse,
-        kv_indices,
-        kv_counts,
-        block_q,
-        block_kv,
-        scale,
-        kv_block_sizes,
-        full_counts,
-        **options,
-    )
-    _block_sparse_attn_fwd_gluon_kernel[grid](*args, **kwargs)
+    kernel, grid, args, kwargs = kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q,
+                                             block_kv, scale, kv_block_sizes, full_counts,
+                                             combine, **options)  # fmt: skip
+    kernel[grid](*args, **kwargs)
     return o, lse
 
 
