@@ -61,26 +61,10 @@ ROWS_PER_CONSUMER = gl.constexpr(64)
 
 @gluon.jit
 def _loader(
-    desc_q,
-    desc_k,
-    desc_v,
-    q_smem,
-    k_smem,
-    v_smem,
-    q_bar,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    idx_row,
-    stride_ik,
-    count,
-    q_row,
-    kv_row0,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
+    desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+    idx_row, stride_ik, count, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_TILES: gl.constexpr,
-):
+):  # fmt: skip
     """Q once, then K_j and V_j of every listed block j into ring slot ``j % STAGES``.
 
     q_smem [Q_TILES, 64, D] (two halves of a 128-row block, one per consumer; or one 64-row
@@ -156,16 +140,9 @@ def _padding_masked(s, limit, cols):
 
 @gluon.jit
 def _issue_qk(
-    q,
-    k_smem,
-    k_ready,
-    turn_bars,
-    j,
-    s_zero,
-    ME: gl.constexpr,
-    STAGES: gl.constexpr,
+    q, k_smem, k_ready, turn_bars, j, s_zero, ME: gl.constexpr, STAGES: gl.constexpr,
     PINGPONG: gl.constexpr,
-):
+):  # fmt: skip
     """Wait for K_j, take the GEMM turn, issue S_j = Q K_j^T [64, BN] asynchronously."""
     slot = j % STAGES
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
@@ -183,34 +160,11 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 @gluon.jit
 def _walk(
-    q,
-    k_smem,
-    v_smem,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    turn_bars,
-    lo,
-    hi,
-    qk_scale,
-    p_op,
-    m_i,
-    l_i,
-    alpha,
-    acc,
-    s_zero,
-    idx_row,
-    stride_ik,
-    KV_SIZES,
-    cols,
-    p_layout: gl.constexpr,
-    o_layout: gl.constexpr,
-    ME: gl.constexpr,
-    STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo, hi, qk_scale, p_op, m_i,
+    l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols, p_layout: gl.constexpr,
+    o_layout: gl.constexpr, ME: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     MASKED: gl.constexpr,
-):
+):  # fmt: skip
     """Blocks ``lo..hi-1``, P fed to the P V wgmma from registers; enters with P_{lo-1} in
     ``p_op`` and leaves P_{hi-1} there (its P V still to issue). ``MASKED``: the blocks may end
     in padding keys (their real count: ``KV_SIZES[block]``).
@@ -259,28 +213,10 @@ def _last_pv(
 
 @gluon.jit
 def _loop_p_in_smem(
-    q,
-    k_smem,
-    v_smem,
-    p_smem,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    turn_bars,
-    count,
-    qk_scale,
-    p,
-    m_i,
-    l_i,
-    alpha,
-    acc,
-    s_zero,
-    o_layout: gl.constexpr,
-    ME: gl.constexpr,
-    STAGES: gl.constexpr,
+    q, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, count, qk_scale, p,
+    m_i, l_i, alpha, acc, s_zero, o_layout: gl.constexpr, ME: gl.constexpr, STAGES: gl.constexpr,
     PINGPONG: gl.constexpr,
-):
+):  # fmt: skip
     """Blocks 1..count-1 and the last P V, with P staged in shared memory (p_smem [2, 64, BN],
     double-buffered: P_j goes to buffer j % 2) and read by the wgmma from there.
 
@@ -341,42 +277,13 @@ def _combine_coarse(o, OC_ROW, GATE_ROWS, stride_gs, Q_SIZE, o_layout: gl.conste
 
 @gluon.jit
 def _consumer(
-    desc_o,
-    q_smem,
-    k_smem,
-    v_smem,
-    p_smem,  # p_smem: this consumer's [2, 64, BN]
-    q_bar,
-    k_ready,
-    v_ready,
-    k_empty,
-    v_empty,
-    turn_bars,
-    LSE,
-    count,
-    num_full,
-    idx_row,
-    stride_ik,
-    KV_SIZES,
-    q_row,
-    qk_scale,
-    valid,
-    OC_ROW,
-    GATE_ROWS,
-    stride_gs,
-    Q_SIZE,
-    ME: gl.constexpr,
-    Q_INDEX: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    P_IN_SMEM: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr,
-    COMBINE: gl.constexpr,
-    HAS_GATE: gl.constexpr,
+    desc_o, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
+    LSE, count, num_full, idx_row, stride_ik, KV_SIZES, q_row, qk_scale, valid, OC_ROW, GATE_ROWS,
+    stride_gs, Q_SIZE, ME: gl.constexpr, Q_INDEX: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, COMBINE: gl.constexpr, HAS_GATE: gl.constexpr,
     ZERO_PAD_ROWS: gl.constexpr,
-):
+):  # fmt: skip
     """64 query rows, ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 * Q_INDEX``): the
     online softmax over every listed key block (with ``HAS_KV_SIZES`` the first ``num_full``
     unmasked, the rest masked), then o (q's dtype, by TMA through its Q buffer) and lse (fp32),
@@ -424,89 +331,25 @@ def _consumer(
         if P_IN_SMEM:
             gl.static_assert(not HAS_KV_SIZES, "P in shared memory: full blocks only")
             acc, m_i, l_i = _loop_p_in_smem(
-                q,
-                k_smem,
-                v_smem,
-                p_smem,
-                k_ready,
-                v_ready,
-                k_empty,
-                v_empty,
-                turn_bars,
-                count,
-                qk_scale,
-                p,
-                m_i,
-                l_i,
-                alpha,
-                acc,
-                s_zero,
-                o_layout,
-                ME,
-                STAGES,
-                PINGPONG,
-            )
+                q, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, count,
+                qk_scale, p, m_i, l_i, alpha, acc, s_zero, o_layout, ME, STAGES, PINGPONG,
+            )  # fmt: skip
         else:
             p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # [64, BN], P_0
+            # full blocks
             p_op, m_i, l_i, alpha, acc = _walk(
-                q,
-                k_smem,
-                v_smem,
-                k_ready,
-                v_ready,
-                k_empty,
-                v_empty,
-                turn_bars,
-                1,
-                num_full,
-                qk_scale,
-                p_op,
-                m_i,
-                l_i,
-                alpha,
-                acc,
-                s_zero,
-                idx_row,
-                stride_ik,
-                KV_SIZES,
-                cols,
-                p_layout,
-                o_layout,
-                ME,
-                STAGES,
-                PINGPONG,
-                False,
-            )  # full blocks
+                q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, 1, num_full,
+                qk_scale, p_op, m_i, l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols,
+                p_layout, o_layout, ME, STAGES, PINGPONG, False,
+            )  # fmt: skip
             if HAS_KV_SIZES:
+                # partial blocks
                 p_op, m_i, l_i, alpha, acc = _walk(
-                    q,
-                    k_smem,
-                    v_smem,
-                    k_ready,
-                    v_ready,
-                    k_empty,
-                    v_empty,
-                    turn_bars,
-                    gl.maximum(num_full, 1),
-                    count,
-                    qk_scale,
-                    p_op,
-                    m_i,
-                    l_i,
-                    alpha,
-                    acc,
-                    s_zero,
-                    idx_row,
-                    stride_ik,
-                    KV_SIZES,
-                    cols,
-                    p_layout,
-                    o_layout,
-                    ME,
-                    STAGES,
-                    PINGPONG,
+                    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars,
+                    gl.maximum(num_full, 1), count, qk_scale, p_op, m_i, l_i, alpha, acc, s_zero,
+                    idx_row, stride_ik, KV_SIZES, cols, p_layout, o_layout, ME, STAGES, PINGPONG,
                     True,
-                )  # partial blocks
+                )  # fmt: skip
             acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, count, o_layout, STAGES)
 
     # ---- epilogue: normalise; rows that saw no block get o = 0, lse = -inf ----
