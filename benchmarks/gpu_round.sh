@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|e2e|e2e-compiled|coarse [...]
-#   (default: tests demo)
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|e2e|e2e-compiled|coarse|parallel [...]
+#   (default: tests demo; parallel needs the 2-GPU machine)
 # Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
 # time limit still leaves its log behind. Pass the commit being measured in
 # VIDSPARSE_GIT_COMMIT (the device copy of the tree has no .git).
@@ -40,6 +40,8 @@ for what in "$@"; do
     e2e) step e2e 200 python3 benchmarks/bench_e2e.py --out "$OUT/e2e_h200.json" ;;
     e2e-compiled) step e2e_compiled 400 python3 benchmarks/bench_e2e.py --compile blocks \
       --out "$OUT/e2e_compiled_h200.json" ;;
+    parallel) step parallel 400 torchrun --nproc-per-node 2 benchmarks/bench_parallel.py \
+      --providers vsa,comm --modes fwd --head-chunks 1,2,4 --out "$OUT/parallel_h200_2gpu.json" ;;
     coarse) step tune_coarse 250 python3 benchmarks/tune_vsa_coarse.py --selection --pooled \
       --out "$OUT/tune_coarse_selection.json" ;;
     *) echo "unknown step: $what" >&2; exit 2 ;;
