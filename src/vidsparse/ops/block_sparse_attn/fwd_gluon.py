@@ -47,7 +47,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = 1.4426950408889634
+from vidsparse.ops.block_sparse_attn.fwd import LOG2E, _broadcast_strides, _epilogue_args
+
 LN2 = gl.constexpr(0.6931471805599453)
 
 # Rows each consumer warpgroup owns: a wgmma tile is 64 rows per warpgroup (4 warps x 16 rows).
@@ -641,14 +642,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def _broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
-    """Strides of a per-(batch, head) index tensor, with 0 for a batch dim of size 1."""
-    strides = list(x.stride())
-    if x.shape[0] == 1:
-        strides[0] = 0
-    return tuple(strides)
-
-
 def gluon_fits(q, k, v, block_q: int, block_kv: int) -> bool:
     """Can this kernel take these inputs? Square 64 or 128 blocks, D = 128, bf16/fp16, and
     q, k, v contiguous with 16-byte aligned bases (the TMA descriptors view them as
@@ -678,18 +671,6 @@ def _descriptors(q, k, v, o, block_kv):
             desc(o, rows, q_layout))  # fmt: skip
 
 
-def _combine_args(combine, dummy) -> tuple[tuple, dict]:
-    """VSA's epilogue arguments (``fwd.CoarseCombine`` or None), as ``fwd._epilogue_args``."""
-    if combine is None:
-        flags = dict(COMBINE=False, HAS_GATE=False, ZERO_PAD_ROWS=False)
-        return (dummy, 0, 0, 0, dummy, 0, 0, 0, dummy), flags
-    oc, gate, sizes = combine.o_coarse, combine.gate, combine.q_block_sizes
-    gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *gate.stride()[:3])
-    args = (oc, *oc.stride()[:3], *gate_args, dummy if sizes is None else sizes)
-    flags = dict(COMBINE=True, HAS_GATE=gate is not None, ZERO_PAD_ROWS=sizes is not None)
-    return args, flags
-
-
 def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale,
                 kv_block_sizes=None, full_counts=None, combine=None, **options):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
@@ -702,7 +683,7 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     has_sizes = kv_block_sizes is not None
     sizes = kv_block_sizes if has_sizes else kv_counts  # dummy pointers when unused
     full = full_counts if has_sizes else kv_counts
-    combine_args, flags = _combine_args(combine, kv_counts)
+    combine_args, flags = _epilogue_args(combine, kv_counts)
     if block_q == 2 * ROWS_PER_CONSUMER.value:
         kernel, grid = _block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
     else:

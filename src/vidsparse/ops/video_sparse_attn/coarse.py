@@ -463,10 +463,9 @@ def _selection_pass(
                 counts += _count_at_or_above_sorted(keys, pivots, NUM_PIVOTS)
             else:
                 for j in tl.static_range(NUM_PIVOTS):
-                    is_j = offs_c[None, :] == j  # [1, C]
-                    pivot = tl.sum(tl.where(is_j, pivots, 0), axis=1)  # [BM]
+                    pivot = _column(pivots, j, NUM_PIVOTS)  # [BM]
                     at_or_above = tl.sum((keys >= pivot[:, None]).to(tl.int32), axis=1)  # [BM]
-                    counts += tl.where(is_j, at_or_above[:, None], 0)
+                    counts += tl.where(offs_c[None, :] == j, at_or_above[:, None], 0)
         if any_collect:
             gathered = inside & collect[:, None]  # [BM, BN]
             slot = collected[:, None] + tl.cumsum(gathered.to(tl.int32), axis=1) - 1
