@@ -2,7 +2,10 @@
 
 One program per (query block, batch*head). It keeps its query block in registers and walks the
 key blocks listed for it (``kv_indices[b, h, i, :kv_counts[b, h, i]]``) with the online-softmax
-recurrence of FlashAttention, in base 2 (``log2(e)`` folded into the scale).
+recurrence of FlashAttention, in base 2 (``log2(e)`` folded into the scale). With key-block sizes
+the lists are first reordered full blocks first (``lists.py``) and walked in two loops: the full
+blocks unmasked, then the partial ones masked. On Hopper, where ``configs.py`` says so and the
+inputs fit, the launcher hands the work to the Gluon kernel of ``fwd_gluon.py`` instead.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The Hopper (sm_90) forward of block-sparse flash attention, written in Gluon.
 
-Same semantics as ``fwd.block_sparse_attn_fwd`` at 128x128 blocks, D = 128, bf16 or fp16,
-contiguous q, k, v; with ``kv_block_sizes`` (padding keys, vouched finite: they are read by
-TMA and their scores masked) the lists come full blocks first (``lists.full_blocks_first``)
-and each consumer walks the full blocks unmasked, then the partial ones masked. ``fwd.py``
+Same semantics as ``fwd.block_sparse_attn_fwd`` at square 128 or 64 blocks, D = 128, bf16 or
+fp16, contiguous q, k, v, VSA's combine epilogue included; with ``kv_block_sizes`` (padding
+keys, vouched finite: they are read by TMA and their scores masked) the lists come full blocks
+first (``lists.full_blocks_first``) and each consumer walks the full blocks unmasked, then the
+partial ones masked. ``fwd.py``
 takes this kernel where ``configs.py`` says so and the inputs fit (``gluon_fits``).
 
 Why Gluon: the plain Triton kernel (``fwd._block_sparse_attn_fwd_tma_kernel``) runs its two
@@ -21,13 +22,16 @@ tensor-core work of the other. Gluon lets us write the FlashAttention-3 schedule
   ``P_IN_SMEM=False`` keeps P in registers (A operand from registers, as FA3); ptxas then
   hoists the P V wait above the softmax, so this overlap is lost (it also does not reserve the
   A registers of an in-flight wgmma, which forces the P conversion after that wait, see
-  ``_loop_p_in_registers``). ``P_IN_SMEM=True`` stages P in shared memory (double-buffered)
+  ``_walk``). ``P_IN_SMEM=True`` stages P in shared memory (double-buffered)
   and keeps the overlap, at the cost of the stores, a fence and a barrier per block;
 - between the consumers, **ping-pong** (``PINGPONG``): a pair of "turn" mbarriers makes the two
   warpgroups take turns issuing their GEMMs, so that one warpgroup's softmax runs while the
   other's GEMMs occupy the tensor cores (FA3 does this with named barriers; Gluon exposes
   mbarriers, which serve the same purpose here since the turn order only shapes the schedule
   and never guards data).
+
+That is the 128x128 kernel. The 64x64 one (VSA's 4x4x4 tiles) gives each consumer its own
+64-row query block, list, K/V ring and loader warp, two blocks a program, without turns.
 
 Online softmax in base 2: ``qk_scale = scale * log2(e)`` is folded into one FMA per score.
 """
