@@ -107,12 +107,21 @@ def main(argv=None):
         help="selection knobs at the library's block shape: pivots per pass, bracket capacity,"
         " packed or per-pivot counts (records the passes each config runs)",
     )
+    ap.add_argument(
+        "--launch",
+        action="store_true",
+        help="launch knobs at the library's selection settings: block_m, block_n, warps, stages",
+    )
+    ap.add_argument(
+        "--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES)
+    )
     args = ap.parse_args(argv)
     rows = []
     if args.pool:
         sweep_pool(rows)
         return _write(args.out, rows)
-    for name, (tiles, heads, topk) in SHAPES.items():
+    for name in args.shapes.split(","):
+        tiles, heads, topk = SHAPES[name]
         if args.pooled:
             qc, kc, vc = pooled_random_tokens(name)
         else:
@@ -134,6 +143,11 @@ def main(argv=None):
                                      (4, 128, False), (2, 128, False), (16, 128, False),
                                      (4, 256, True), (8, 256, True))
             ]  # fmt: skip
+        elif args.launch:
+            configs = [base] + [
+                replace(base, block_m=m, block_n=n, num_warps=w, num_stages=s)
+                for m, n, w, s in itertools.product((16, 32), (32, 64, 128), (2, 4, 8), (1, 2, 3))
+            ]
         else:
             configs = [base] + [
                 replace(base, block_m=m, block_n=n, num_warps=w, num_pivots=p)
