@@ -113,25 +113,27 @@ def _pool_tiles(
     TILE_VOLUME: tl.constexpr, TILE_SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
     TILES_PER_PROGRAM: tl.constexpr,
 ):  # fmt: skip
+    """The program's tiles are consecutive rows of x: one load of all of them (every byte in
+    flight at once, as a memory-bound kernel wants), one reduction per tile."""
+    offs_tile = tl.arange(0, TILES_PER_PROGRAM)  # [T]
     offs_slot = tl.arange(0, TILE_SLOTS)  # [V'] (V' = V rounded up to a power of two)
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    for i in tl.static_range(TILES_PER_PROGRAM):
-        tile = first_tile + i
-        tile_real = tile < num_tiles
-        size = tl.load(SIZES + tile, mask=tile_real, other=0)
-        real = offs_slot < size  # [V']: padding slots are never read
-        rows = tile * TILE_VOLUME + offs_slot  # [V'] int64
-        x = tl.load(
-            X + rows[:, None] * stride_xs + offs_d[None, :] * stride_xd,
-            mask=real[:, None],
-            other=0.0,
-        )  # [V', D]
-        mean = tl.sum(x.to(tl.float32), axis=0) / tl.maximum(size, 1).to(tl.float32)  # [D]
-        tl.store(
-            OUT + tile * stride_on + offs_d * stride_od,
-            mean.to(OUT.dtype.element_ty),
-            mask=tile_real & (offs_d < HEAD_DIM),
-        )
+    tiles = first_tile + offs_tile  # [T] int64
+    tile_real = tiles < num_tiles
+    sizes = tl.load(SIZES + tiles, mask=tile_real, other=0)  # [T]
+    real = offs_slot[None, :] < sizes[:, None]  # [T, V']: padding slots are never read
+    rows = tiles[:, None] * TILE_VOLUME + offs_slot[None, :]  # [T, V']
+    x = tl.load(
+        X + rows[:, :, None] * stride_xs + offs_d[None, None, :] * stride_xd,
+        mask=real[:, :, None],
+        other=0.0,
+    )  # [T, V', D]
+    mean = tl.sum(x.to(tl.float32), axis=1) / tl.maximum(sizes, 1).to(tl.float32)[:, None]
+    tl.store(
+        OUT + tiles[:, None] * stride_on + offs_d[None, :] * stride_od,
+        mean.to(OUT.dtype.element_ty),  # [T, D]
+        mask=tile_real[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
 
 
 @triton.jit

@@ -32,11 +32,16 @@ __all__ = ["PoolConfig", "CoarseAttnConfig", "pool_config", "coarse_attn_config"
 
 @dataclass(frozen=True)
 class PoolConfig:
-    tiles_per_program: int = 2
+    tiles_per_program: int = 2  # a power of two: one [tiles, V, D] load per program
     num_warps: int = 4
     num_stages: int = 1
     # Backend-specific launch options (AMD: waves_per_eu, ...).
     extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        t = self.tiles_per_program
+        if t < 1 or t & (t - 1):
+            raise ValueError(f"tiles_per_program must be a power of two, got {t}")
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
