@@ -165,6 +165,51 @@ def test_every_selection_path_matches_select_topk(config_name):
 
 @interpreter
 @pytest.mark.interpreter
+@pytest.mark.parametrize("outliers", [False, True], ids=["normal_scores", "outlier_keys"])
+def test_speculative_window_settles_in_one_pass_or_falls_back(outliers):
+    """The first pass also collects the window where the score statistics put the boundary:
+    on normal scores every row is settled after that one pass (two without the window); a few
+    outlying keys skew the statistics, the window misses, and narrowing takes over. The
+    selection is the exact top-k either way."""
+    from dataclasses import replace
+
+    cfg = _config(num_pivots=4, bracket_capacity=64)
+    B, H, Nt, D, topk = 1, 1, 256, 16, 32
+    qc, kc, vc = (torch.randn(B, H, Nt, D) for _ in range(3))
+    if outliers:
+        kc[:, :, :8] *= 30
+    ref_indices, _ = select_topk(torch.matmul(qc, kc.transpose(-1, -2)) * D**-0.5, topk)
+    runs = {}
+    for fill in (cfg.speculate_fill, 0.0):
+        _, kv_indices, kv_counts, passes = coarse_attn_topk_fwd(
+            qc, kc, vc, topk, D**-0.5, config=replace(cfg, speculate_fill=fill),
+            record_passes=True,
+        )  # fmt: skip
+        assert torch.equal(kv_indices, ref_indices), f"speculate_fill={fill}"
+        assert (kv_counts == topk).all()
+        runs[fill] = passes
+    if outliers:
+        assert (runs[cfg.speculate_fill] >= 2).all(), "the window should have missed"
+    else:
+        assert (runs[cfg.speculate_fill] == 1).all() and (runs[0.0] == 2).all(), runs
+
+
+def test_speculation_is_on_where_the_window_fits_the_scratch():
+    """Hopper's configs: Wan 480p (624 tiles, 4 pivots) expects ~86 keys of normal scores in
+    the window (capacity 128, fill 0.75: on); Wan 720p (1,440 tiles, 8 pivots) ~119 (off)."""
+    from vidsparse.ops.video_sparse_attn.coarse import _speculate
+    from vidsparse.ops.video_sparse_attn.coarse_configs import coarse_attn_config
+    from vidsparse.utils.device import Target
+
+    hopper = Target("cuda", 90)
+    assert _speculate(coarse_attn_config(hopper, 128, 624), 78, 624)
+    assert _speculate(coarse_attn_config(hopper, 128, 624), 62, 624)
+    assert not _speculate(coarse_attn_config(hopper, 128, 1440), 180, 1440)
+    assert not _speculate(_config(num_pivots=2), 6, 40)  # an odd score half: no middle pair
+
+
+@interpreter
+@pytest.mark.interpreter
 @pytest.mark.parametrize("config_name", ["4_pivots_capacity_8", "default", "capacity_64"])
 def test_ties_go_to_the_smaller_tile_index(config_name):
     """Small-integer means make every score exact, whatever the summation order, so tiles

@@ -434,9 +434,26 @@ def _count_at_or_above_sorted(keys, sorted_pivots, NUM_PIVOTS: tl.constexpr):
 
 
 @triton.jit
+def _middle_score_pivots(pivots, NUM_PIVOTS: tl.constexpr):
+    """The two middle pivots of the score-spaced half (columns ``HALF/2 - 1`` and ``HALF/2``
+    of ``_pivots``' unsorted output): the window around the row's guessed boundary. An odd
+    half has no middle pair (the launcher never speculates then): an empty window."""
+    HALF: tl.constexpr = NUM_PIVOTS // 2
+    LOW: tl.constexpr = HALF // 2 - 1 if HALF % 2 == 0 else 0
+    HIGH: tl.constexpr = HALF // 2 if HALF % 2 == 0 else 0
+    return _column(pivots, LOW, NUM_PIVOTS), _column(pivots, HIGH, NUM_PIVOTS)
+
+
+@triton.jit
+def _count_at_pivot(pivots, counts, value):
+    """Per row, the count of keys >= ``value``, which is one of the row's pivots ([BM])."""
+    return tl.max(tl.where(pivots == value[:, None], counts, -1), axis=1)
+
+
+@triton.jit
 def _selection_pass(
-    qc, k_base, pivots, lo, hi, collect, scratch_rows, count_pivots, num_tiles, scale,
-    stride_kn, stride_kd,
+    qc, k_base, pivots, lo, hi, collect, collect_lo, collect_hi, scratch_rows, count_pivots,
+    num_tiles, scale, stride_kn, stride_kd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_PIVOTS: tl.constexpr, BRACKET_CAPACITY: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     PACKED_COUNTS: tl.constexpr,
@@ -444,7 +461,8 @@ def _selection_pass(
     """One pass over the key tiles. Per row: the number of keys >= each pivot (when
     ``count_pivots``; with ``PACKED_COUNTS`` the pivots must be sorted ascending per row), and
     the smallest and largest key inside ``[lo, hi)``; rows that ``collect`` also write their
-    keys inside ``[lo, hi)``, in tile order, to their scratch row."""
+    keys inside ``[collect_lo, collect_hi)`` (the bracket, or a window guessed to hold the
+    boundary), in tile order, to their scratch row (the first ``BRACKET_CAPACITY`` of them)."""
     offs_d = tl.arange(0, HEAD_DIM)
     offs_c = tl.arange(0, NUM_PIVOTS)
     counts = tl.zeros([BLOCK_M, NUM_PIVOTS], dtype=tl.int32)  # [BM, C]
@@ -469,7 +487,7 @@ def _selection_pass(
                     at_or_above = tl.sum((keys >= pivot[:, None]).to(tl.int32), axis=1)  # [BM]
                     counts += tl.where(offs_c[None, :] == j, at_or_above[:, None], 0)
         if any_collect:
-            gathered = inside & collect[:, None]  # [BM, BN]
+            gathered = _in_bracket(keys, collect_lo, collect_hi) & collect[:, None]  # [BM, BN]
             slot = collected[:, None] + tl.cumsum(gathered.to(tl.int32), axis=1) - 1
             keep = gathered & (slot < BRACKET_CAPACITY)
             tl.store(scratch_rows[:, None] + slot.to(tl.int64), keys, mask=keep)
@@ -538,11 +556,17 @@ def _bracket_topk(
     num_tiles, topk, scale, quantile_z, stride_kn, stride_kd,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_PIVOTS: tl.constexpr, BRACKET_CAPACITY: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    PACKED_COUNTS: tl.constexpr,
+    PACKED_COUNTS: tl.constexpr, SPECULATE: tl.constexpr,
 ):  # fmt: skip
     """Selection passes until each row's bracket ``[lo, hi)`` pins its top-k: returns ``lo,
     hi`` (int64 keys), ``count(hi)`` and the number of passes run. Every key in ``[lo, hi)``
-    ties when a row ends with ``hi - lo == 1``; none is left over when ``count(lo) == topk``."""
+    ties when a row ends with ``hi - lo == 1``; none is left over when ``count(lo) == topk``.
+
+    With ``SPECULATE``, the first pass also collects the keys between the two middle score
+    pivots (the window where the statistics put the boundary, sized by the launcher to hold
+    well under ``BRACKET_CAPACITY`` keys of normal scores). Where the counts then show that
+    the window holds the boundary and fits the scratch row, that window is the row's bracket,
+    already collected: one pass instead of two. Elsewhere the pass narrows as usual."""
     # Every real key is > INT32_MIN + 1 (the key of -inf is -2139095041), none is >= 2**31.
     lo = tl.full([BLOCK_M], -2147483647, dtype=tl.int64)
     hi = tl.full([BLOCK_M], 2147483648, dtype=tl.int64)
@@ -564,10 +588,15 @@ def _bracket_topk(
         collect = open_rows & (count_lo - count_hi <= BRACKET_CAPACITY)
         narrowing = open_rows & ~collect
         pivots = _pivots(lo, hi, guess_lo, guess_hi, NUM_PIVOTS)  # [BM, C]
+        speculate = narrowing & (passes == 0) & SPECULATE
+        window_lo, window_hi = _middle_score_pivots(pivots, NUM_PIVOTS)  # [BM] int32 each
+        gather = collect | speculate
+        gather_lo = tl.where(speculate, window_lo, lo.to(tl.int32))
+        gather_hi = tl.where(speculate, window_hi.to(tl.int64), hi)
         if PACKED_COUNTS:
             pivots = tl.sort(pivots, dim=1)  # the bracket update below takes them in any order
         counts, inside_min, inside_max = _selection_pass(
-            qc, k_base, pivots, lo, hi, collect, scratch_rows,
+            qc, k_base, pivots, lo, hi, gather, gather_lo, gather_hi, scratch_rows,
             tl.sum(narrowing.to(tl.int32), axis=0) > 0, num_tiles, scale, stride_kn, stride_kd,
             BLOCK_M, BLOCK_N, HEAD_DIM, NUM_PIVOTS, BRACKET_CAPACITY, INPUT_PRECISION,
             PACKED_COUNTS,
@@ -580,9 +609,19 @@ def _bracket_topk(
         lo, hi, count_lo, count_hi = _narrow_bracket(
             lo, hi, count_lo, count_hi, pivots, counts, topk, narrowing
         )
-        collected = collected | collect
+        # A window that holds the boundary (count(window_lo) >= topk > count(window_hi)) and
+        # whose keys all fit in the scratch row becomes the bracket, collected this pass.
+        window_count_lo = _count_at_pivot(pivots, counts, window_lo)  # [BM]
+        window_count_hi = _count_at_pivot(pivots, counts, window_hi)
+        caught = speculate & (window_count_lo >= topk) & (window_count_hi < topk)
+        caught = caught & (window_count_lo - window_count_hi <= BRACKET_CAPACITY)
+        lo = tl.where(caught, window_lo.to(tl.int64), lo)
+        hi = tl.where(caught, window_hi.to(tl.int64), hi)
+        count_lo = tl.where(caught, window_count_lo, count_lo)
+        count_hi = tl.where(caught, window_count_hi, count_hi)
+        collected = collected | collect | caught
         guess_lo, guess_hi = lo, hi
-        open_rows = narrowing & (count_lo != topk) & (hi - lo > 1)
+        open_rows = narrowing & ~caught & (count_lo != topk) & (hi - lo > 1)
         num_open = tl.sum(open_rows.to(tl.int32), axis=0)
         passes += 1
     if tl.sum(collected.to(tl.int32), axis=0) > 0:
@@ -643,7 +682,7 @@ def _coarse_attn_topk_fwd_kernel(
     quantile_z,  # normal quantile of 1 - topk / num_tiles, fp32: where the first pivots go
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_PIVOTS: tl.constexpr, BRACKET_CAPACITY: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    PACKED_COUNTS: tl.constexpr, RECORD_PASSES: tl.constexpr,
+    PACKED_COUNTS: tl.constexpr, SPECULATE: tl.constexpr, RECORD_PASSES: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -673,7 +712,7 @@ def _coarse_attn_topk_fwd_kernel(
         qc, k_base, scratch_rows, row_real, dot_min, dot_max, dot_sum, dot_sq_sum,
         num_tiles, topk, scale, quantile_z, stride_kn, stride_kd,
         BLOCK_M, BLOCK_N, HEAD_DIM, NUM_PIVOTS, BRACKET_CAPACITY, INPUT_PRECISION,
-        PACKED_COUNTS,
+        PACKED_COUNTS, SPECULATE,
     )  # fmt: skip
 
     # Write pass: the top-k lists, ascending.
@@ -700,6 +739,20 @@ def _selected_quantile_z(topk: int, num_tiles: int) -> float:
     scores were normal: only steers the first pivots."""
     kept = min(max(topk / num_tiles, 1e-4), 1.0 - 1e-4)
     return NormalDist().inv_cdf(1.0 - kept)
+
+
+def _speculate(cfg: CoarseAttnConfig, topk: int, num_tiles: int) -> bool:
+    """Whether the first selection pass collects the middle score-pivot window (see
+    ``_bracket_topk``): where normal scores would put at most ``speculate_fill`` of the scratch
+    capacity in it, so that it fits for most rows. Wider windows (many tiles, few pivots) would
+    mostly overflow and only add the collecting cost to the first pass."""
+    half = cfg.num_pivots // 2
+    if cfg.speculate_fill <= 0 or half % 2:
+        return False
+    z = _selected_quantile_z(topk, num_tiles)
+    width = 1.0 / (half + 1)  # the window spans z -+ width standard deviations
+    expected = num_tiles * (NormalDist().cdf(z + width) - NormalDist().cdf(z - width))
+    return expected <= cfg.speculate_fill * cfg.bracket_capacity
 
 
 def tile_mean_pool_fwd(
@@ -795,6 +848,7 @@ def coarse_attn_topk_fwd(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, NUM_PIVOTS=cfg.num_pivots,
         BRACKET_CAPACITY=cfg.bracket_capacity, INPUT_PRECISION=cfg.input_precision,
         PACKED_COUNTS=cfg.packed_counts and cfg.num_pivots in (4, 8) and cfg.block_n < 256,
+        SPECULATE=_speculate(cfg, topk, num_tiles),
         RECORD_PASSES=record_passes,
         **cfg.launch_kwargs(),
     )  # fmt: skip

@@ -60,6 +60,10 @@ class CoarseAttnConfig:
     # pivots, a byte-per-rank histogram in an int64) instead of one reduction per pivot. Taken
     # with 4 or 8 pivots and block_n < 256; False keeps the per-pivot counting (for tuning).
     packed_counts: bool = True
+    # The first selection pass also collects the window between the middle score pivots when
+    # normal scores would fill at most this share of the scratch row there (0: never); a row
+    # whose boundary falls in a window that fits is then settled after one pass, not two.
+    speculate_fill: float = 0.75
     num_warps: int = 4
     num_stages: int = 2
     extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
