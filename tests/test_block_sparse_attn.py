@@ -342,6 +342,49 @@ def test_list_values_checked_once_then_again_after_inplace_change(torch_backend)
         vidsparse.block_sparse_attn(q, k, v, fresh_idx, cnt, block_size=16)
 
 
+def test_derived_lists_are_cached_per_source_and_version():
+    """Transposed and full-first lists are derived once per list tensors: the same tensors hit,
+    an in-place change (version bump) derives again, a freed source drops its entry."""
+    import gc
+
+    from vidsparse.masks.block_sparse import transpose_block_lists
+    from vidsparse.ops.block_sparse_attn.lists import (
+        cached_full_blocks_first,
+        cached_transpose,
+        derived_lists,
+        full_blocks_first_ref,
+    )
+
+    idx, cnt = random_block_lists(1, 2, 6, 8, density=0.5)
+    first = cached_transpose(idx, cnt, 8)
+    assert cached_transpose(idx, cnt, 8) is first
+    assert cached_transpose(idx, cnt, 9) is not first  # other parameters: another entry
+    cnt[0, 0, 0] -= 1  # an in-place change of either source (density 0.5: 4 entries a row)
+    again = cached_transpose(idx, cnt, 8)
+    assert again is not first
+    for got, want in zip(again, transpose_block_lists(idx, cnt, 8)):
+        assert torch.equal(got, want)
+    sizes = torch.tensor([4, 2, 4, 4, 0, 4, 1, 4], dtype=torch.int32)
+    reordered, full = cached_full_blocks_first(idx, cnt, sizes, 4)
+    assert cached_full_blocks_first(idx, cnt, sizes, 4)[0] is reordered
+    ref, ref_full = full_blocks_first_ref(idx, cnt, sizes, 4)
+    assert torch.equal(full, ref_full)
+    live = torch.arange(idx.shape[-1]) < cnt[..., None]
+    assert torch.equal(reordered[live], ref[live])
+    before = len(derived_lists._entries)
+    del idx, cnt, first, again, reordered, full
+    gc.collect()
+    assert len(derived_lists._entries) <= before - 3
+
+
+def test_derived_lists_bypass_the_cache_in_inference_mode():
+    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
+
+    with torch.inference_mode():
+        idx, cnt = random_block_lists(1, 1, 4, 4, density=0.5)
+        assert cached_transpose(idx, cnt, 4) is not cached_transpose(idx, cnt, 4)
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("padded", [False, True])

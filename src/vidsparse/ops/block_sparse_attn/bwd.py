@@ -7,7 +7,8 @@ in three launches and without atomics (so gradients are bit-identical across run
    with ``-inf`` (empty rows) turned into ``+inf`` so their probabilities recompute to 0; for
    VSA (``CoarseGrad``) also ``o_fine`` recomputed from ``o`` and the combine's gradients.
 2. ``_block_sparse_attn_bwd_dkdv_kernel``: one program per key block, walking the *transposed*
-   lists (the query blocks that attend to it) to accumulate dK and dV.
+   lists (the query blocks that attend to it) to accumulate dK and dV. The transposed lists,
+   like the full-first reorder, are derived once per list tensors (``lists.derived_lists``).
 3. ``_block_sparse_attn_bwd_dq_kernel``: one program per query (sub-)block, walking its own
    list to accumulate dQ (with key-block sizes, full blocks first and unmasked, as the forward).
 
@@ -23,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vidsparse.masks.block_sparse import transpose_block_lists
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config
 from vidsparse.ops.block_sparse_attn.fwd import (
     LOG2E,
@@ -36,6 +36,7 @@ from vidsparse.ops.block_sparse_attn.fwd import (
     _tma_compatible,
     _tma_reads_keys,
 )
+from vidsparse.ops.block_sparse_attn.lists import cached_transpose
 from vidsparse.utils.device import target_of
 
 
@@ -433,7 +434,7 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
         dpool = coarse.coarse_attn_grad(d_coarse).float()  # [3, B, H, NQ, D]
     pool_args = (dpool, *dpool.stride()[:4]) if dpool is not None else (lse, 0, 0, 0, 0)
 
-    q_offsets, q_indices = transpose_block_lists(kv_indices, kv_counts, num_kv_blocks)
+    q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D, has_sizes)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig, forward_config
-from vidsparse.ops.block_sparse_attn.lists import full_blocks_first
+from vidsparse.ops.block_sparse_attn.lists import cached_full_blocks_first
 from vidsparse.utils.device import target_of
 
 LOG2E = 1.4426950408889634
@@ -370,7 +370,7 @@ def _lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv, full_firs
         return kv_indices, kv_counts
     if not full_first:
         return kv_indices, torch.zeros_like(kv_counts, dtype=torch.int32)
-    return full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
+    return cached_full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
 
 
 def _gluon_fits(q, k, v, block_q, block_kv) -> bool:
