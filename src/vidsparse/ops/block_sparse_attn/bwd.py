@@ -137,7 +137,8 @@ def _pooled_share(DPOOL, which, b, h, block, offs_d, size,
 
 
 @triton.jit
-def _block_sparse_attn_bwd_dkdv_kernel(
+def _dkdv_program(
+    pid_n, pid_bh,  # key block, batch * H + head
     Q, K, V, DO, DK, DV, LSE2, DELTA,
     Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -154,14 +155,15 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     ADD_POOLED: tl.constexpr,
 ):  # fmt: skip
-    """With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks [1, 1, BLOCK_N, D])
-    are tensor descriptors read by TMA; padding keys are then read too, so the caller vouches
-    that they are finite (their probabilities are zeroed, and 0 x finite keeps dS finite).
-    With ADD_POOLED (VSA; key block j < NQ is query block j's tile), the real rows of key
-    block j also get ``dpooled[1 or 2, j] / size_j``: the tile-mean pooling's backward."""
+    """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
+    ``_block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
+    arithmetic. With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks
+    [1, 1, BLOCK_N, D]) are tensor descriptors read by TMA; padding keys are then read too, so
+    the caller vouches that they are finite (their probabilities are zeroed, and 0 x finite
+    keeps dS finite). With ADD_POOLED (VSA; key block j < NQ is query block j's tile), the
+    real rows of key block j also get ``dpooled[1 or 2, j] / size_j``: the tile-mean
+    pooling's backward."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
 
@@ -237,6 +239,41 @@ def _block_sparse_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _block_sparse_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,  # ADD_POOLED: fp32 [3, B, H, NQ, D]
+    H, Sq, NQ,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    ADD_POOLED: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
+    _dkdv_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dkb, stride_dkh, stride_dks, stride_dkd,
+        stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+        stride_offb, stride_offh, stride_qib, stride_qih,
+        DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,
+        H, Sq, NQ, qk_scale, scale,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA, ADD_POOLED,
+    )  # fmt: skip
+
+
+@triton.jit
 def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
              offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
              stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
@@ -270,7 +307,8 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
 
 
 @triton.jit
-def _block_sparse_attn_bwd_dq_kernel(
+def _dq_program(
+    pid, pid_bh,  # query sub-block (of SUB_M rows), batch * H + head
     Q, K, V, DO, DQ, LSE2, DELTA,
     KV_IDX, KV_CNT, KV_SIZES,
     KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
@@ -288,14 +326,14 @@ def _block_sparse_attn_bwd_dq_kernel(
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     ADD_POOLED: tl.constexpr,
 ):  # fmt: skip
-    """With USE_TMA, K and V are tensor descriptors (blocks [1, 1, BLOCK_N, D]) read by TMA;
-    padding keys are then read too, so the caller vouches that they are finite: their
-    probabilities are zeroed, and 0 x finite keeps dS finite. With ADD_POOLED (VSA), the real
-    rows of query block i also get ``dpooled[0, i] / size_i`` (sizes: KV_SIZES[i], the same
-    tile as key block i)."""
+    """dQ of query rows ``[pid * SUB_M, (pid + 1) * SUB_M)`` of ``(batch, head) =
+    divmod(pid_bh, H)``: the body of ``_block_sparse_attn_bwd_dq_kernel``, a function so that
+    the fused kernel runs the same arithmetic. With USE_TMA, K and V are tensor descriptors
+    (blocks [1, 1, BLOCK_N, D]) read by TMA; padding keys are then read too, so the caller
+    vouches that they are finite: their probabilities are zeroed, and 0 x finite keeps dS
+    finite. With ADD_POOLED (VSA), the real rows of query block i also get
+    ``dpooled[0, i] / size_i`` (sizes: KV_SIZES[i], the same tile as key block i)."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     q_block = (pid // NSUB).to(tl.int64)
@@ -335,6 +373,43 @@ def _block_sparse_attn_bwd_dq_kernel(
         dq = dq + tl.where(rows_real, share[None, :], 0.0)
     dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def _block_sparse_attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE2, DELTA,
+    KV_IDX, KV_CNT, KV_SIZES,
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,  # ADD_POOLED: fp32 [3, B, H, NQ, D]
+    H, Sq,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    ADD_POOLED: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(Sq // SUB_M, B * H)``: one ``_dq_program`` per query sub-block."""
+    _dq_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, DO, DQ, LSE2, DELTA, KV_IDX, KV_CNT, KV_SIZES,
+        KV_FULL, stride_fb, stride_fh, stride_fq,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+        stride_ib, stride_ih, stride_iq, stride_ik,
+        stride_cb, stride_ch, stride_cq,
+        DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,
+        H, Sq, qk_scale, scale,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA, ADD_POOLED,
+    )  # fmt: skip
 
 
 class CoarseGrad(NamedTuple):
