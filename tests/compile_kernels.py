@@ -18,6 +18,9 @@ constexprs, 16-divisible ints and pointers get divisibility hints, AMD pointers 
 range hint). The TMA kernels are recorded when the config asks for them (with key-block sizes
 only where the caller vouches the padding finite, as VSA and PSA do); the pointer kernels are
 recorded for every case, since the library falls back to them when inputs do not allow TMA.
+Likewise the backward's two gradient kernels are recorded for every case, and its fused
+kernel (both in one launch) where configs.py fuses them and, on Hopper, at 128x128 for every
+case and for VSA's combined backward at 64x64 (``fused_modes``).
 
 Prints one JSON line per compiled (target, kernel, specialisation) on stdout, one line per
 unavailable target (``{"target": ..., "skipped": reason}``), and a table on stderr.
@@ -69,6 +72,7 @@ KERNEL_NAMES = {
     "_block_sparse_attn_bwd_preprocess_kernel": "bwd_preprocess",
     "_block_sparse_attn_bwd_dkdv_kernel": "bwd_dkdv",
     "_block_sparse_attn_bwd_dq_kernel": "bwd_dq",
+    "_block_sparse_attn_bwd_fused_kernel": "bwd_fused",
 }  # any other ``*_kernel`` a launcher calls is recorded too, under a name derived from its own
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -190,23 +194,44 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
                 q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale, combine,
                 padding_finite=True,
             )  # fmt: skip
-        block_sparse_attn_bwd(
-            do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale
-        )
-        if has_kv_sizes:  # VSA's backward vouches for finite padding too (TMA on Hopper)
+        # The backward as configs.py launches it (fused or not) and as two launches (what runs
+        # wherever the configs do not fuse); on Hopper also as one fused launch (fused_modes).
+        vsa = has_kv_sizes and block_q == block_kv == 64  # VSA's tiles: its combined backward
+        oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
+        dpooled = torch.empty(3, BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
+        plain_modes, vsa_modes = fused_modes(target, block_q, block_kv)
+        for fused in plain_modes:
             block_sparse_attn_bwd(
                 do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
-                padding_finite=True,
+                fused=fused,
             )  # fmt: skip
-        if has_kv_sizes and block_q == block_kv == 64:  # VSA: the combine's gradients fused,
-            # and the coarse branch's (tile means' shares added in the dK/dV and dQ epilogues)
-            oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
-            dpooled = torch.empty(3, BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
+            if has_kv_sizes:  # VSA's backward vouches for finite padding too (TMA on Hopper)
+                block_sparse_attn_bwd(
+                    do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv,
+                    scale, padding_finite=True, fused=fused,
+                )  # fmt: skip
+        for fused in vsa_modes if vsa else ():
+            # the combine's gradients fused, and the coarse branch's (the tile means' shares
+            # added in the dK/dV and dQ epilogues)
             block_sparse_attn_bwd_combined(
                 do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
                 CoarseGrad(oc, bhsd(), kv_sizes, lambda d_coarse: dpooled), padding_finite=True,
+                fused=fused,
             )  # fmt: skip
     return sink
+
+
+def fused_modes(target, block_q, block_kv) -> tuple[tuple, tuple]:
+    """The backward's ``fused`` arguments to record, for ``block_sparse_attn_bwd`` and for
+    VSA's combined backward: the library's choice (None) and two launches (False) everywhere;
+    on Hopper one launch (True) as well, at 128x128 for both (configs.py fuses there; True
+    also reaches the masked-key configs, which launch alike) and at 64x64 for VSA's (its
+    configs launch alike: the fused kernel's ADD_POOLED epilogues)."""
+    if not target.is_hopper:
+        return (None, False), (None, False)
+    if (block_q, block_kv) == (128, 128):
+        return (None, False, True), (None, False, True)
+    return (None, False), (None, False, True)
 
 
 def specialise(kernel, args, kwargs, backend_cls):
@@ -538,7 +563,10 @@ def run_jobs(jobs, workers):
     # Longest first (CUDA and the backward kernels), so the pool finishes together.
     order = sorted(
         range(len(jobs)),
-        key=lambda i: (jobs[i]["target"] != "cuda:90", not jobs[i]["kernel"].startswith("bwd_d")),
+        key=lambda i: (
+            jobs[i]["target"] != "cuda:90",
+            not jobs[i]["kernel"].startswith(("bwd_d", "bwd_fused")),
+        ),
     )
     results = [None] * len(jobs)
     ctx = multiprocessing.get_context("spawn")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -514,3 +516,148 @@ def test_full_first_walk_equals_masking_every_block(use_tma):
     assert_rel_l2("o", o, ref_o, 2e-3)  # fp16 inputs
     torch.testing.assert_close(o.float(), o_all.float(), rtol=0, atol=2e-3)
     torch.testing.assert_close(lse, lse_all, rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- fused backward
+
+FUSED_CASES = {
+    # B, Bi, H, Sq, Skv, D, bq, bk, padded
+    "plain": (1, 1, 2, 64, 64, 16, 16, 16, False),
+    "kv_sizes": (1, 1, 2, 64, 64, 16, 16, 16, True),
+    "sq_ne_skv": (1, 1, 2, 32, 64, 16, 16, 8, True),
+    "batch": (2, 2, 2, 64, 48, 32, 32, 16, False),
+}
+
+
+def _fused_vs_two_launches(dtype, case, config_pairs):
+    """The backward's two launches and its fused one, for each (dK/dV, dQ) config pair:
+    bit-identical gradients. Every list leaves out the last key block (an empty transposed
+    list: its dK, dV are 0) and the first query block is empty (its dQ is 0)."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    B, Bi, H, Sq, Skv, D, bq, bk, padded = case
+    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device="cpu")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(Bi, H, Sq // bq, Skv // bk - 1, density=0.5, device="cpu",
+                          empty_rows=1)  # fmt: skip
+    sizes = None
+    if padded:
+        sizes = torch.randint(0, bk + 1, (Skv // bk,), dtype=torch.int32)
+        sizes[0] = bk
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bq, bk, D**-0.5)
+    for dkdv_cfg, dq_cfg in config_pairs:
+        args = (do, q, k, v, o, lse, idx, cnt, sizes, bq, bk, D**-0.5, dkdv_cfg, dq_cfg)
+        two = block_sparse_attn_bwd(*args, padding_finite=True, fused=False)
+        one = block_sparse_attn_bwd(*args, padding_finite=True, fused=True)
+        for name, a, b in zip(("dq", "dk", "dv"), two, one):
+            assert torch.equal(a, b), f"{name} differs with {dkdv_cfg}, {dq_cfg}"
+        dq, dk, dv = one
+        assert (dq[:, :, :bq] == 0).all()
+        assert (dk[:, :, -bk:] == 0).all() and (dv[:, :, -bk:] == 0).all()
+        assert not any(torch.isnan(g).any() for g in one)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", list(FUSED_CASES.values()), ids=list(FUSED_CASES))
+def test_fused_backward_equals_two_launches(dtype, case):
+    """One launch of both gradient kernels (``fused=True``) against two: the interpreter's
+    configs, then each half with its own step and its own loads (TMA in one half, pointers
+    in the other: fp16 only, fp32 keeps pointer loads)."""
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+
+    bq = case[6]
+    tma, pointer = KernelConfig(4, 1, use_tma=True), KernelConfig(4, 1)
+    pairs = [
+        (None, None),  # the table's (the whole query block a step)
+        (replace(tma, sub_m=bq // 2), replace(pointer, sub_m=bq // 4)),
+        (replace(pointer, sub_m=bq // 4), replace(tma, sub_m=bq // 2)),
+    ]
+    _fused_vs_two_launches(dtype, case, pairs)
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("gate", [True, False])
+def test_fused_vsa_combined_backward_equals_two_launches(gate):
+    """VSA's backward (the combine's gradients in the preprocess kernel, the tile means'
+    shares added in both halves' epilogues): the fused launch against two, bit for bit."""
+    from vidsparse.ops.block_sparse_attn.bwd import CoarseGrad, block_sparse_attn_bwd_combined
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    B, H, S, D, bs = 2, 2, 64, 16, 16
+    nq = S // bs
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float16, device="cpu")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(1, H, nq, nq, density=0.5, device="cpu", empty_rows=1)
+    sizes = torch.tensor([16, 9, 16, 5], dtype=torch.int32)
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, padding_finite=True)
+    o_coarse = torch.randn(B, H, nq, D)
+    gate_t = torch.randn_like(q) if gate else None
+    dpooled = torch.randn(3, B, H, nq, D)
+    coarse = CoarseGrad(o_coarse, gate_t, sizes, lambda d_coarse: dpooled)
+    args = (do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5, coarse)
+    two = block_sparse_attn_bwd_combined(*args, padding_finite=True, fused=False)
+    one = block_sparse_attn_bwd_combined(*args, padding_finite=True, fused=True)
+    for name, a, b in zip(("dq", "dk", "dv", "d_coarse", "d_gate"), two, one):
+        if a is None:
+            assert b is None and not gate, name
+            continue
+        assert torch.equal(a, b), name
+
+
+def test_fused_backward_policy():
+    """Which backward launches fuse (configs.py, ``KernelConfig.fused``): Hopper's 128x128
+    pair, with TMA loads or without; not its masked-key configs nor 64x64 (not flagged);
+    the interpreter's (so CPU CI runs it). ``fused=True`` needs configs that launch alike."""
+    from vidsparse.ops.block_sparse_attn.bwd import fused_launch
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config
+    from vidsparse.utils.device import CPU_INTERPRETER, Target
+
+    def fuses(target, block, masked=False, tma=True, fused=None):
+        cfgs = [backward_config(target, f"bwd_{kernel}", block, block, 128, masked)
+                for kernel in ("dkdv", "dq")]  # fmt: skip
+        return fused_launch(*(cfg.for_inputs(tma, block)[0] for cfg in cfgs), fused)
+
+    hopper = Target("cuda", 90)
+    assert fuses(hopper, 128) and fuses(hopper, 128, tma=False)
+    assert not fuses(hopper, 128, masked=True) and not fuses(hopper, 64)
+    assert fuses(hopper, 128, masked=True, fused=True)  # forced: the masked pair launches alike
+    assert not fuses(hopper, 128, fused=False)
+    assert fuses(CPU_INTERPRETER, 16)
+    assert not fuses(Target("hip", "gfx942"), 128)
+    with pytest.raises(ValueError, match="launch alike"):
+        fused_launch(KernelConfig(8, 2, fused=True), KernelConfig(4, 2, fused=True), True)
+    assert not fused_launch(KernelConfig(8, 2, fused=True), KernelConfig(4, 2, fused=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("tma", [True, False])
+def test_gpu_fused_backward_is_bit_identical(padded, tma):
+    """On the GPU (Hopper: the 128x128 configs fuse by default), one launch against two."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import backward_config
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+    from vidsparse.utils.device import target_of
+
+    B, H, S, D, bs = 2, 4, 2048, 128, 128
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.25, device="cuda", empty_rows=2)
+    sizes = None
+    if padded:
+        sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, padding_finite=tma)
+    # Configs that launch alike (the masked 128x128 entries are not flagged fused, but do).
+    cfgs = [backward_config(target_of(q.device), f"bwd_{kernel}", bs, bs, D, padded)
+            for kernel in ("dkdv", "dq")]  # fmt: skip
+    if cfgs[0].launch_kwargs() != cfgs[1].launch_kwargs():
+        pytest.skip(f"this GPU's configs do not launch alike: {cfgs}")
+    args = (do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5, *cfgs)
+    two = block_sparse_attn_bwd(*args, padding_finite=tma, fused=False)
+    one = block_sparse_attn_bwd(*args, padding_finite=tma, fused=True)
+    for name, a, b in zip(("dq", "dk", "dv"), two, one):
+        assert torch.equal(a, b), name

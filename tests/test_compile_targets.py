@@ -37,7 +37,15 @@ HEAD_DIMS = (64, 128)
 # Spills of HOPPER entries (measured on the H200, so not retuned here blind), reported to their
 # owner; (target, kernel, block_q, block_kv, head_dim, has_kv_sizes). Strict: an entry that no
 # longer spills fails the test until it is removed, and any spill not listed fails it too.
-KNOWN_SPILLS: set = set()  # none: configs.py picks spill-free configs
+KNOWN_SPILLS: set = {
+    # The fused backward (dK/dV and dQ programs in one launch) at Hopper's 128x128 TMA config,
+    # D=128: the dK/dV kernel alone just fits (255 registers, the uniform ones all taken); in
+    # the fused kernel ptxas spills 24 bytes of stores and 24 of loads, all outside the loop
+    # (stored before the dK/dV loop, reloaded once for its epilogue). The variants tried
+    # (2-D or 3-D grids without the id division, dQ branch first, one K/V argument for both
+    # halves) spill 40-64 bytes.
+    ("cuda:90", "bwd_fused", 128, 128, 128, False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +106,8 @@ def test_library_choices_are_covered(compile_run, target):
             cfg = forward_config(TARGETS[target], bq, bk, d, torch.bfloat16, masked=sizes)
             if TARGETS[target].backend == "cuda" and cfg.use_tma:
                 expected.add(("fwd_tma", bq, bk, d, sizes))
+            if TARGETS[target].is_hopper and (bq, bk) == (128, 128):  # the fused backward
+                expected.add(("bwd_fused", bq, bk, d, sizes))
     missing = expected - compiled
     assert not missing, f"not compiled for {target}: {sorted(missing, key=str)}"
 

@@ -1,16 +1,29 @@
 """Backward launchers and kernels of block-sparse flash attention.
 
 Recomputes the attention probabilities from the forward's log-sum-exp, FlashAttention-2 style,
-in three launches and without atomics (so gradients are bit-identical across runs):
+in three launches (or two, fused below) and without atomics (so gradients are bit-identical
+across runs):
 
 1. ``_block_sparse_attn_bwd_preprocess_kernel``: ``delta = rowsum(o * do)`` and the base-2 lse,
    with ``-inf`` (empty rows) turned into ``+inf`` so their probabilities recompute to 0; for
    VSA (``CoarseGrad``) also ``o_fine`` recomputed from ``o`` and the combine's gradients.
-2. ``_block_sparse_attn_bwd_dkdv_kernel``: one program per key block, walking the *transposed*
-   lists (the query blocks that attend to it) to accumulate dK and dV. The transposed lists,
-   like the full-first reorder, are derived once per list tensors (``lists.derived_lists``).
-3. ``_block_sparse_attn_bwd_dq_kernel``: one program per query (sub-)block, walking its own
-   list to accumulate dQ (with key-block sizes, full blocks first and unmasked, as the forward).
+2. ``_block_sparse_attn_bwd_dkdv_kernel``: one program per key block (``_dkdv_program``),
+   walking the *transposed* lists (the query blocks that attend to it) to accumulate dK and dV.
+   The transposed lists, like the full-first reorder, are derived once per list tensors
+   (``lists.derived_lists``).
+3. ``_block_sparse_attn_bwd_dq_kernel``: one program per query (sub-)block (``_dq_program``),
+   walking its own list to accumulate dQ (with key-block sizes, full blocks first and
+   unmasked, as the forward).
+
+2 and 3 can run as one launch, ``_block_sparse_attn_bwd_fused_kernel``: the dK/dV programs
+first (lowest ids), then the dQ programs. Each kernel alone ends in a partial wave of whole-SM
+programs (and dK/dV programs differ in work with their transposed lists' lengths); in one
+launch the dQ programs fill the SMs that the last dK/dV programs leave idle. Each program
+runs the same ``_dkdv_program`` / ``_dq_program`` as in its own kernel, so the gradients are
+bit-identical either way. It is taken where both kernels' configs ask for it
+(``KernelConfig.fused`` in configs.py) and launch alike (one launch has one num_warps,
+num_stages, ...), or as the caller says (``fused=``); the two kernels stay for the rest
+(other architectures, tuning each kernel's config).
 
 The softmax scale stays an fp32 multiplier on fp32 scores: K is never pre-scaled in bf16.
 """
@@ -138,7 +151,8 @@ def _pooled_share(DPOOL, which, b, h, block, offs_d, size,
 
 
 @triton.jit
-def _block_sparse_attn_bwd_dkdv_kernel(
+def _dkdv_program(
+    pid_n, pid_bh,  # key block, batch * H + head
     Q, K, V, DO, DK, DV, LSE2, DELTA,
     Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -155,14 +169,15 @@ def _block_sparse_attn_bwd_dkdv_kernel(
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     ADD_POOLED: tl.constexpr,
 ):  # fmt: skip
-    """With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks [1, 1, BLOCK_N, D])
-    are tensor descriptors read by TMA; padding keys are then read too, so the caller vouches
-    that they are finite (their probabilities are zeroed, and 0 x finite keeps dS finite).
-    With ADD_POOLED (VSA; key block j < NQ is query block j's tile), the real rows of key
-    block j also get ``dpooled[1 or 2, j] / size_j``: the tile-mean pooling's backward."""
+    """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
+    ``_block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
+    arithmetic. With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks
+    [1, 1, BLOCK_N, D]) are tensor descriptors read by TMA; padding keys are then read too, so
+    the caller vouches that they are finite (their probabilities are zeroed, and 0 x finite
+    keeps dS finite). With ADD_POOLED (VSA; key block j < NQ is query block j's tile), the
+    real rows of key block j also get ``dpooled[1 or 2, j] / size_j``: the tile-mean
+    pooling's backward."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
 
@@ -238,6 +253,41 @@ def _block_sparse_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
+def _block_sparse_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,  # ADD_POOLED: fp32 [3, B, H, NQ, D]
+    H, Sq, NQ,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    ADD_POOLED: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
+    _dkdv_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dkb, stride_dkh, stride_dks, stride_dkd,
+        stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+        stride_offb, stride_offh, stride_qib, stride_qih,
+        DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,
+        H, Sq, NQ, qk_scale, scale,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA, ADD_POOLED,
+    )  # fmt: skip
+
+
+@triton.jit
 def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
              offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
              stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
@@ -271,7 +321,8 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
 
 
 @triton.jit
-def _block_sparse_attn_bwd_dq_kernel(
+def _dq_program(
+    pid, pid_bh,  # query sub-block (of SUB_M rows), batch * H + head
     Q, K, V, DO, DQ, LSE2, DELTA,
     KV_IDX, KV_CNT, KV_SIZES,
     KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
@@ -289,14 +340,14 @@ def _block_sparse_attn_bwd_dq_kernel(
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     ADD_POOLED: tl.constexpr,
 ):  # fmt: skip
-    """With USE_TMA, K and V are tensor descriptors (blocks [1, 1, BLOCK_N, D]) read by TMA;
-    padding keys are then read too, so the caller vouches that they are finite: their
-    probabilities are zeroed, and 0 x finite keeps dS finite. With ADD_POOLED (VSA), the real
-    rows of query block i also get ``dpooled[0, i] / size_i`` (sizes: KV_SIZES[i], the same
-    tile as key block i)."""
+    """dQ of query rows ``[pid * SUB_M, (pid + 1) * SUB_M)`` of ``(batch, head) =
+    divmod(pid_bh, H)``: the body of ``_block_sparse_attn_bwd_dq_kernel``, a function so that
+    the fused kernel runs the same arithmetic. With USE_TMA, K and V are tensor descriptors
+    (blocks [1, 1, BLOCK_N, D]) read by TMA; padding keys are then read too, so the caller
+    vouches that they are finite: their probabilities are zeroed, and 0 x finite keeps dS
+    finite. With ADD_POOLED (VSA), the real rows of query block i also get
+    ``dpooled[0, i] / size_i`` (sizes: KV_SIZES[i], the same tile as key block i)."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
-    pid = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     q_block = (pid // NSUB).to(tl.int64)
@@ -338,6 +389,118 @@ def _block_sparse_attn_bwd_dq_kernel(
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
 
 
+@triton.jit
+def _block_sparse_attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE2, DELTA,
+    KV_IDX, KV_CNT, KV_SIZES,
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,  # ADD_POOLED: fp32 [3, B, H, NQ, D]
+    H, Sq,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    ADD_POOLED: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(Sq // SUB_M, B * H)``: one ``_dq_program`` per query sub-block."""
+    _dq_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, DO, DQ, LSE2, DELTA, KV_IDX, KV_CNT, KV_SIZES,
+        KV_FULL, stride_fb, stride_fh, stride_fq,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+        stride_ib, stride_ih, stride_iq, stride_ik,
+        stride_cb, stride_ch, stride_cq,
+        DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,
+        H, Sq, qk_scale, scale,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA, ADD_POOLED,
+    )  # fmt: skip
+
+
+@triton.jit
+def _block_sparse_attn_bwd_fused_kernel(
+    Q_DKDV, K_DKDV, V_DKDV, DO_DKDV,  # the dK/dV half's: descriptors with USE_TMA_DKDV
+    Q_DQ, K_DQ, V_DQ, DO_DQ,  # the dQ half's: Q, DO tensors; K, V descriptors with USE_TMA_DQ
+    DQ, DK, DV, LSE2, DELTA,
+    Q_OFF, Q_IDX,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K]: the transposed lists
+    KV_IDX, KV_CNT, KV_SIZES,  # [Bi, H, NQ, K], [Bi, H, NQ], int32 [NK]
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,  # ADD_POOLED: fp32 [3, B, H, NQ, D]
+    H, Sq, NQ, NK, BH,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SUB_M_DKDV: tl.constexpr, SUB_M_DQ: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr, ADD_POOLED: tl.constexpr,
+):  # fmt: skip
+    """Both gradient kernels in one launch, grid ``(NK * B * H + Sq // SUB_M_DQ * B * H,)``.
+
+    Each kernel alone runs many waves of whole-SM programs, and its last partial wave leaves
+    most SMs idle (the dK/dV programs' transposed lists also differ in length). Here the dK/dV
+    programs take the low ids, so they start first, and the dQ programs fill the SMs while the
+    longest of them finish. Every program runs what it runs in its own kernel
+    (``_dkdv_program`` / ``_dq_program``, with each half's step and loads), so the gradients
+    are bit-identical to the two launches'. The halves read their inputs as their own kernels
+    do: the dK/dV half Q, K, V, DO by TMA or pointers (USE_TMA_DKDV), the dQ half Q and DO by
+    pointers and K, V by TMA or pointers (USE_TMA_DQ); hence two sets of input arguments."""
+    pid = tl.program_id(0)
+    num_dkdv = NK * BH
+    if pid < num_dkdv:
+        _dkdv_program(
+            pid % NK, pid // NK,
+            Q_DKDV, K_DKDV, V_DKDV, DO_DKDV, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+            stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_kb, stride_kh, stride_ks, stride_kd,
+            stride_vb, stride_vh, stride_vs, stride_vd,
+            stride_dob, stride_doh, stride_dos, stride_dod,
+            stride_dkb, stride_dkh, stride_dks, stride_dkd,
+            stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+            stride_offb, stride_offh, stride_qib, stride_qih,
+            DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,
+            H, Sq, NQ, qk_scale, scale,
+            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DKDV,
+            ADD_POOLED,
+        )  # fmt: skip
+    else:
+        num_sub = Sq // SUB_M_DQ  # dQ programs per (batch, head)
+        pid_q = pid - num_dkdv
+        _dq_program(
+            pid_q % num_sub, pid_q // num_sub,
+            Q_DQ, K_DQ, V_DQ, DO_DQ, DQ, LSE2, DELTA, KV_IDX, KV_CNT, KV_SIZES,
+            KV_FULL, stride_fb, stride_fh, stride_fq,
+            stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_kb, stride_kh, stride_ks, stride_kd,
+            stride_vb, stride_vh, stride_vs, stride_vd,
+            stride_dob, stride_doh, stride_dos, stride_dod,
+            stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+            stride_ib, stride_ih, stride_iq, stride_ik,
+            stride_cb, stride_ch, stride_cq,
+            DPOOL, stride_pt, stride_pb, stride_ph, stride_pn,
+            H, Sq, qk_scale, scale,
+            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DQ,
+            ADD_POOLED,
+        )  # fmt: skip
+
+
 class CoarseGrad(NamedTuple):
     """Inputs of VSA's fused backward: the forward's ``CoarseCombine``. The backward takes the
     combined output ``o`` and recomputes ``o_fine = o - gate * o_coarse`` where it needs it."""
@@ -369,32 +532,52 @@ def block_sparse_attn_bwd(
     dq_config: KernelConfig | None = None,
     *,
     padding_finite: bool = False,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the three backward kernels on validated inputs; returns ``(dq, dk, dv)``.
+    """Launch the backward kernels on validated inputs; returns ``(dq, dk, dv)``.
 
     The two configs override the table in configs.py (for tuning); their ``sub_m`` must divide
     ``block_q``. ``padding_finite`` as in the forward: padding keys hold finite values, so the
-    kernels may read them by TMA (their probabilities are zeroed either way).
+    kernels may read them by TMA (their probabilities are zeroed either way). ``fused``: the
+    dK/dV and dQ programs in one launch (True; the configs must launch alike) or two (False);
+    None lets the configs decide (``fused_launch``). Both give bit-identical gradients.
     """
     dq, dk, dv, _, _ = _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes,
                                  block_q, block_kv, scale, dkdv_config, dq_config, padding_finite,
-                                 None)  # fmt: skip
+                                 None, fused)  # fmt: skip
     return dq, dk, dv
 
 
 def block_sparse_attn_bwd_combined(
     do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-    coarse: CoarseGrad, *, padding_finite: bool = False,
+    coarse: CoarseGrad, *, padding_finite: bool = False, fused: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """The backward of ``o = o_fine + gate * o_coarse`` (``block_sparse_attn_fwd_combined``),
     given that forward's ``o`` and ``lse``: returns ``(dq, dk, dv, d_o_coarse fp32, d_gate or
     None)``. ``o_fine`` is recomputed in the preprocess kernel; the combine's gradients come
     out of the preprocess kernel's one read of ``do``; with ``coarse.coarse_attn_grad``, the
-    coarse branch's gradient through the block means lands in dq, dk, dv as well."""
+    coarse branch's gradient through the block means lands in dq, dk, dv as well. ``fused``
+    as in ``block_sparse_attn_bwd``."""
     if coarse.coarse_attn_grad is not None and kv_block_sizes is None:
         raise ValueError("coarse_attn_grad needs kv_block_sizes (the tiles' real rows)")
     return _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q,
-                     block_kv, scale, None, None, padding_finite, coarse)  # fmt: skip
+                     block_kv, scale, None, None, padding_finite, coarse, fused)  # fmt: skip
+
+
+def fused_launch(dkdv: KernelConfig, dq: KernelConfig, fused: bool | None = None) -> bool:
+    """Do the dK/dV and dQ programs of configs ``dkdv`` and ``dq`` (as resolved for the inputs,
+    ``KernelConfig.for_inputs``) run in one launch? ``fused`` None: where both configs ask for
+    it (``KernelConfig.fused``) and launch alike; True: one launch, which needs the same
+    launch options (one launch has one num_warps, num_stages, ...); False: two launches."""
+    alike = dkdv.launch_kwargs() == dq.launch_kwargs()
+    if fused is None:
+        return dkdv.fused and dq.fused and alike
+    if fused and not alike:
+        raise ValueError(
+            "a fused backward launch needs the dK/dV and dQ configs to launch alike, got "
+            f"{dkdv.launch_kwargs()} and {dq.launch_kwargs()}"
+        )
+    return bool(fused)
 
 
 def _preprocess_epilogue_args(coarse: CoarseGrad | None, do, num_q_blocks, dummy):
@@ -412,7 +595,7 @@ def _preprocess_epilogue_args(coarse: CoarseGrad | None, do, num_q_blocks, dummy
 
 
 def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
-              scale, dkdv_config, dq_config, padding_finite, coarse):  # fmt: skip
+              scale, dkdv_config, dq_config, padding_finite, coarse, fused=None):  # fmt: skip
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     num_q_blocks, num_kv_blocks = Sq // block_q, Skv // block_kv
@@ -434,45 +617,60 @@ def _backward(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_
         dpool = coarse.coarse_attn_grad(d_coarse).float()  # [3, B, H, NQ, D]
     pool_args = (dpool, *dpool.stride()[:4]) if dpool is not None else (lse, 0, 0, 0, 0)
 
-    q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
-    cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D, has_sizes)
+    # Each kernel's config as the inputs allow: the dK/dV kernel reads q, do (its loop's tiles)
+    # and k, v by TMA or all by pointers; the dQ kernel reads k, v (its loop's) by TMA or not.
     keys_by_tma = _tma_reads_keys(q.dtype, kv_block_sizes, padding_finite) and _tma_compatible(
         k, v
     )
-    cfg, tma = cfg.for_inputs(keys_by_tma and _tma_compatible(q, do), block_q)
-    if tma:
-        q_in, do_in = (_tensor_descriptor(x, cfg.sub_m) for x in (q, do))
-        k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v))
-    else:
-        q_in, k_in, v_in, do_in = q, k, v, do
+    kv_cfg = dkdv_config or backward_config(target, "bwd_dkdv", block_q, block_kv, D, has_sizes)
+    kv_cfg, kv_tma = kv_cfg.for_inputs(keys_by_tma and _tma_compatible(q, do), block_q)
+    q_cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
+    q_cfg, q_tma = q_cfg.for_inputs(keys_by_tma, block_q)
+    desc = _tensor_descriptor
+    kv_in = (q, k, v, do)  # the dK/dV kernel's q, k, v, do
+    if kv_tma:
+        kv_in = (desc(q, kv_cfg.sub_m), desc(k, block_kv), desc(v, block_kv), desc(do, kv_cfg.sub_m))
+    q_keys = (desc(k, block_kv), desc(v, block_kv)) if q_tma else (k, v)  # the dQ kernel's k, v
+
+    q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
+    dq_lists, full = _lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv, True)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    transposed_strides = (*_broadcast_strides(q_offsets)[:2], *_broadcast_strides(q_indices)[:2])
+    list_strides = (*_broadcast_strides(dq_lists), *_broadcast_strides(kv_counts))
+    common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
+                  IEEE_DOT=ieee, ADD_POOLED=dpool is not None)  # fmt: skip
+
+    if fused_launch(kv_cfg, q_cfg, fused):
+        num_dq_programs = Sq // q_cfg.sub_m * B * H
+        _block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
+            *kv_in, q, *q_keys, do, dq, dk, dv, lse2, delta,
+            q_offsets, q_indices, dq_lists, kv_counts, sizes, full, *_broadcast_strides(full),
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            *dq.stride(), *dk.stride(), *dv.stride(),
+            *transposed_strides, *list_strides, *pool_args,
+            H, Sq, num_q_blocks, num_kv_blocks, B * H, scale * LOG2E, scale,
+            SUB_M_DKDV=kv_cfg.sub_m, SUB_M_DQ=q_cfg.sub_m,
+            USE_TMA_DKDV=kv_tma, USE_TMA_DQ=q_tma, **common,
+            **kv_cfg.launch_kwargs(),
+        )  # fmt: skip
+        return dq, dk, dv, d_coarse, d_gate
+
     _block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
-        q_in, k_in, v_in, do_in, dk, dv, lse2, delta,
+        *kv_in, dk, dv, lse2, delta,
         q_offsets, q_indices, sizes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *_broadcast_strides(q_offsets)[:2], *_broadcast_strides(q_indices)[:2],
-        *pool_args,
+        *transposed_strides, *pool_args,
         H, Sq, num_q_blocks, scale * LOG2E, scale,
-        BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma, ADD_POOLED=dpool is not None,
-        **cfg.launch_kwargs(),
-    )
-
-    dq = torch.empty_like(q)
-    cfg = dq_config or backward_config(target, "bwd_dq", block_q, block_kv, D, has_sizes)
-    cfg, tma = cfg.for_inputs(keys_by_tma, block_q)
-    k_in, v_in = (_tensor_descriptor(x, block_kv) for x in (k, v)) if tma else (k, v)
-    dq_lists, full = _lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv, True)
-    _block_sparse_attn_bwd_dq_kernel[(Sq // cfg.sub_m, B * H)](
-        q, k_in, v_in, do, dq, lse2, delta,
+        SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **common,
+        **kv_cfg.launch_kwargs(),
+    )  # fmt: skip
+    _block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
+        q, *q_keys, do, dq, lse2, delta,
         dq_lists, kv_counts, sizes, full, *_broadcast_strides(full),
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        *_broadcast_strides(dq_lists), *_broadcast_strides(kv_counts),
-        *pool_args,
+        *list_strides, *pool_args,
         H, Sq, scale * LOG2E, scale,
-        BLOCK_M=block_q, BLOCK_N=block_kv, SUB_M=cfg.sub_m, HEAD_DIM=D,
-        HAS_KV_SIZES=has_sizes, IEEE_DOT=ieee, USE_TMA=tma, ADD_POOLED=dpool is not None,
-        **cfg.launch_kwargs(),
-    )
+        SUB_M=q_cfg.sub_m, USE_TMA=q_tma, **common,
+        **q_cfg.launch_kwargs(),
+    )  # fmt: skip
     return dq, dk, dv, d_coarse, d_gate
