@@ -43,7 +43,9 @@ KNOWN_SPILLS: set = {
     # the fused kernel ptxas spills 24 bytes of stores and 24 of loads, all outside the loop
     # (stored before the dK/dV loop, reloaded once for its epilogue). The variants tried
     # (2-D or 3-D grids without the id division, dQ branch first, one K/V argument for both
-    # halves) spill 40-64 bytes.
+    # halves) spill 40-64 bytes. Kept for its measured gain over the two spill-free launches:
+    # whole backward 5.33 -> 5.24 ms at density 1/8, 2.90 -> 2.81 ms at 1/16 (H200,
+    # benchmarks/compare_bwd_launch.py).
     ("cuda:90", "bwd_fused", 128, 128, 128, False),
 }
 

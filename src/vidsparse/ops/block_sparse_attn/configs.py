@@ -90,8 +90,10 @@ HOPPER = {
     # 32-row steps where 64 spills.
     # 128x128: both kernels in one launch (fused: the pair launches alike, 8 warps, 2 stages),
     # since each alone ends in a partial wave (at S=32768, 12 heads: 3072 whole-SM programs,
-    # 23.3 waves on 132 SMs). The fused launch is compile-checked, not yet timed; at D=128
-    # with TMA it spills 24 bytes outside its loops (test_compile_targets.KNOWN_SPILLS).
+    # 23.3 waves on 132 SMs). Whole backward, one launch vs two (compare_bwd_launch.py, H200,
+    # results/tuning/compare_bwd_launch_1ec0e64.json): 5.33 -> 5.24 ms at density 1/8, 2.90 ->
+    # 2.81 ms at 1/16, bit-identical gradients. At D=128 with TMA it spills 24 bytes outside its
+    # loops (test_compile_targets.KNOWN_SPILLS), accepted for that measured gain.
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
         8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True
     ),
