@@ -276,3 +276,54 @@ def test_tile_from_chunks_and_untile_to_chunks(triton_backend, chunks):
     tiled[:, :, ~grid.real_token_mask("cpu")] = float("nan")  # padding is never read back
     out = untile_rows_to_chunks(tiled, grid.shape, grid.tile_shape, chunks)
     torch.testing.assert_close(out, in_chunks, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- copy_rows
+
+
+def _exchange_views(device, dtype):
+    """The views Ulysses copies: a [B, S, H, D] shard split into [P, B, H/P, S, D] head chunks
+    (into one slot of a stacked send buffer), and a received [P, B, h, S, D] buffer written
+    into a [B, S, P, chunks, h, D] output view."""
+    x = torch.randn(2, 37, 6, 16, device=device, dtype=dtype)
+    chunks = x.reshape(2, 37, 2, 3, 16).permute(2, 0, 3, 1, 4)  # [P, B, H/P, S, D]
+    recv = torch.randn(2, 2, 3, 37, 16, device=device, dtype=dtype)
+    out = torch.zeros(2, 37, 2, 2, 3, 16, device=device, dtype=dtype)
+    return [
+        (torch.empty(3, 2, 2, 3, 37, 16, device=device, dtype=dtype)[1], chunks),
+        (out[:, :, :, 1], recv.permute(1, 3, 0, 2, 4)),
+        (torch.empty(37, 6, 16, device=device, dtype=dtype), x[1]),  # fewer dims
+    ]
+
+
+def _check_copy_rows(device, dtype):
+    from vidsparse.layout.permute import copy_rows
+
+    for dst, src in _exchange_views(device, dtype):
+        assert copy_rows(dst, src) is dst
+        assert torch.equal(dst, src)
+
+
+@pytest.mark.interpreter
+def test_copy_rows_equals_copy_for_the_exchange_views():
+    _need_interpreter()
+    _check_copy_rows("cpu", torch.float32)
+
+
+def test_copy_rows_refuses_what_it_cannot_copy():
+    pytest.importorskip("triton")
+    from vidsparse.layout.permute import copy_rows
+
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="one shape"):
+        copy_rows(torch.empty(4, 4), x)
+    with pytest.raises(ValueError, match="unit-stride"):
+        copy_rows(torch.empty(8, 4), x.t())
+    with pytest.raises(ValueError, match="power-of-two"):
+        copy_rows(torch.empty(4, 6), torch.randn(4, 6))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_copy_rows_equals_copy(dtype):
+    _check_copy_rows("cuda", dtype)
