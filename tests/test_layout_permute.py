@@ -327,3 +327,20 @@ def test_copy_rows_refuses_what_it_cannot_copy():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_copy_rows_equals_copy(dtype):
     _check_copy_rows("cuda", dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("own_chunk", [0, 1, 2])
+def test_tile_rows_from_chunks_reads_the_own_chunk_in_place(own_chunk):
+    """Ulysses keeps a rank's own chunk out of the exchange: the kernel reads it from the
+    rank's (strided) input and the other chunks from the receive buffer, in rank order."""
+    _need_interpreter()
+    from vidsparse.layout.permute import tile_rows_from_chunks
+
+    grid = VideoGrid((3, 5, 8), (2, 4, 4))  # 120 tokens in 3 chunks of 40
+    chunks = torch.randn(3, 1, 2, 40, 16)  # [C, B, H, S/C, D]
+    want = tile_rows_from_chunks(chunks, grid.shape, grid.tile_shape)
+    others = torch.cat([chunks[:own_chunk], chunks[own_chunk + 1 :]])
+    own = chunks[own_chunk].transpose(1, 2).contiguous().transpose(1, 2)  # a strided view
+    got = tile_rows_from_chunks(others, grid.shape, grid.tile_shape, own, own_chunk)
+    assert torch.equal(got, want)

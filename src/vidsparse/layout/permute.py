@@ -63,10 +63,12 @@ def _tile_rows_kernel(
     X, OUT,  # x [B, H, S, D] (any strides), out [B, H, P, D] contiguous
     stride_xb, stride_xh, stride_xs, stride_xd,
     chunk_len, stride_xc,  # token n lives at chunk n // chunk_len, row n % chunk_len of it
+    XS, stride_sb, stride_sh, stride_ss, stride_sd,  # HAS_SELF: chunk self_chunk [B, H, S/C, D]
+    self_chunk,  # HAS_SELF: that chunk comes from XS, and X holds the other chunks in order
     heads, num_blocks, padded_len,
     GRID_T, GRID_H, GRID_W, TILES_H, TILES_W,  # grid (T, H, W); tiles along H and W
     TILE_T: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, HAS_SELF: tl.constexpr,
 ):  # fmt: skip
     # One program: BLOCK_S consecutive tile-order slots of one (batch, head). The row block is
     # the fast index of the flat grid, so neighbouring programs read neighbouring tiles.
@@ -108,9 +110,16 @@ def _tile_rows_kernel(
     # Gathered load: one full row per real slot; padding slots are never read, they get 0.
     # The sequence may arrive in chunks (Ulysses' receive buffer: one per rank).
     chunk = token // chunk_len
-    row = chunk.to(tl.int64) * stride_xc + (token - chunk * chunk_len).to(tl.int64) * stride_xs
+    local = (token - chunk * chunk_len).to(tl.int64)  # row inside its chunk
+    if HAS_SELF:  # Ulysses: this rank's own chunk never went through the exchange
+        chunk = chunk - (chunk > self_chunk).to(tl.int32)  # the others, packed in rank order
+    row = chunk.to(tl.int64) * stride_xc + local * stride_xs
     src = X + b * stride_xb + h * stride_xh + row[:, None] + offs_d[None, :] * stride_xd
     # src: [BLOCK_S, D]
+    if HAS_SELF:
+        own = (token // chunk_len == self_chunk)[:, None]  # [BLOCK_S, 1]
+        src_own = XS + b * stride_sb + h * stride_sh + local[:, None] * stride_ss
+        src = tl.where(own, src_own + offs_d[None, :] * stride_sd, src)
     rows = tl.load(src, mask=real[:, None], other=0.0)
 
     # Contiguous store of the [BLOCK_S, D] block of output rows.
@@ -185,17 +194,29 @@ def tile_rows(x: torch.Tensor, shape, tile) -> torch.Tensor:
     return _tile(x, (B, heads, S, D), x.stride(), shape, tile, chunk_len=S, stride_xc=0)
 
 
-def tile_rows_from_chunks(x: torch.Tensor, shape, tile) -> torch.Tensor:
+def tile_rows_from_chunks(
+    x: torch.Tensor, shape, tile, own: torch.Tensor | None = None, own_chunk: int = 0
+) -> torch.Tensor:
     """``x [C, B, H, S/C, D]``, the natural sequence in ``C`` consecutive chunks (as Ulysses
     receives it, one per rank) -> contiguous tile order ``[B, H, padded_len, D]``: the
-    reassembly of the sequence and the tiling in one pass."""
+    reassembly of the sequence and the tiling in one pass. With ``own`` (``[B, H, S/C, D]``,
+    any strides), chunk ``own_chunk`` is read from it and ``x`` holds the other ``C - 1``
+    chunks in order: a rank's own shard need not go through the exchange."""
     C, B, heads, chunk, D = x.shape
     stride_c, *strides = x.stride()
+    if own is not None:
+        C += 1
+        if tuple(own.shape) != (B, heads, chunk, D) or own.dtype != x.dtype:
+            raise ValueError(
+                f"own chunk {tuple(own.shape)} {own.dtype} does not match the received"
+                f" chunks {tuple(x.shape[1:])} {x.dtype}"
+            )
     return _tile(x, (B, heads, chunk * C, D), strides, shape, tile, chunk_len=chunk,
-                 stride_xc=stride_c)  # fmt: skip
+                 stride_xc=stride_c, own=own, own_chunk=own_chunk)  # fmt: skip
 
 
-def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int):
+def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int, own=None,
+          own_chunk: int = 0):  # fmt: skip
     """Launch over ``x`` seen as ``[B, H, S, D]`` with ``strides`` (b, h, s, d) inside a chunk."""
     B, heads, S, D = dims
     T, H, W = shape
@@ -211,9 +232,12 @@ def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int):
             x, out,
             *strides,
             chunk_len, stride_xc,
+            x if own is None else own, *((0,) * 4 if own is None else own.stride()),
+            own_chunk,
             heads, num_blocks, P,
             T, H, W, Nh, Nw,
             TILE_T=tT, TILE_H=tH, TILE_W=tW, HEAD_DIM=D, BLOCK_S=block_s,
+            HAS_SELF=own is not None,
             num_warps=NUM_WARPS,
         )  # fmt: skip
     return out

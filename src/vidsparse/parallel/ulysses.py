@@ -411,10 +411,12 @@ class TiledExchange:
         q_bhsd = q.transpose(1, 2) if layout == "bshd" else q
         return kernel_supports(q_bhsd, 2, self.grid.padded_len)
 
-    def unpack(self, recv: torch.Tensor) -> torch.Tensor:
+    def unpack(self, recv: torch.Tensor, own: torch.Tensor, own_chunk: int) -> torch.Tensor:
+        """``recv [P-1, B, h, S/P, D]`` (the other ranks' chunks) and the rank's own chunk
+        ``own [B, h, S/P, D]`` (a view of its input: it never went through the exchange)."""
         from vidsparse.layout.permute import tile_rows_from_chunks
 
-        return tile_rows_from_chunks(recv, self.grid.shape, self.grid.tile_shape)
+        return tile_rows_from_chunks(recv, self.grid.shape, self.grid.tile_shape, own, own_chunk)
 
     def pack(self, o_t: torch.Tensor, world: int) -> torch.Tensor:
         from vidsparse.layout.permute import untile_rows_to_chunks
@@ -434,10 +436,12 @@ def _inference_exchange_applies(ctx: ShardContext, tensors: dict) -> bool:
     return not (torch.is_grad_enabled() and any(x.requires_grad for x in present))
 
 
-def _post_all_to_all(buf: torch.Tensor, group):
-    """Start an equal-split all-to-all of ``buf`` (dim 0 = ranks); ``(out, work)``."""
+def _post_all_to_all(buf: torch.Tensor, group, splits: list[int] | None = None):
+    """Start an all-to-all of ``buf`` (dim 0 = ranks; with ``splits``, entries per rank, the
+    same both ways); ``(out, work)``."""
     out = torch.empty_like(buf)
-    work = dist.all_to_all_single(out, buf, group=group, async_op=True)
+    work = dist.all_to_all_single(out, buf, output_split_sizes=splits, input_split_sizes=splits,
+                                  group=group, async_op=True)  # fmt: skip
     return out, work
 
 
@@ -457,27 +461,44 @@ def _run_overlapped(
         comm   [in 0][in 1][out 0][in 2][out 1] ...        [out n-1]
         attn         [attn 0]    [attn 1]    [attn 2] ...
     """
-    P, layout = ctx.world_size, ctx.layout
+    P, layout, rank = ctx.world_size, ctx.layout, ctx.rank
     B, S_local, H, D = local_dims(tensors["q"], layout)
     h = H // P // chunks
     first_head = ctx.head_slice(H).start
     present = [x for x in tensors.values() if x is not None]
-    unpack = _full_seq_from_chunks if tiled is None else tiled.unpack
     attend = attn_fn if tiled is None else tiled.attn_fn  # tile order in and out
+    # [P, B, H/P, S/P, D] views: chunk p holds rank p's heads of this rank's shard
+    shards = [_seq_shard_chunks(x, layout, P) for x in present]
+    # The tiled unpack reads the rank's own chunk from its input: only the others travel.
+    own_in_place = tiled is not None
+    splits = [0 if p == rank else 1 for p in range(P)] if own_in_place else None
 
     def send_buffer(c: int) -> torch.Tensor:
-        # [P, n, B, h, S/P, D]: chunk p holds group c of rank p's heads, for every tensor
-        parts = [_seq_shard_chunks(x, layout, P)[:, :, c * h : (c + 1) * h] for x in present]
-        return _stack_rows(parts)
+        # [P, n, B, h, S/P, D] (own_in_place: [P-1, ...], the other ranks in order): chunk p
+        # holds group c of rank p's heads, for every tensor
+        parts = [x[:, :, c * h : (c + 1) * h] for x in shards]
+        if not own_in_place:
+            return _stack_rows(parts)
+        first = parts[0]
+        buf = first.new_empty((P - 1, len(parts), *first.shape[1:]))
+        for i, p in enumerate(p for p in range(P) if p != rank):
+            for j, part in enumerate(parts):
+                _copy_rows_into(buf[i, j], part[p])
+        return buf
 
-    inflight = _post_all_to_all(send_buffer(0), ctx.group)
+    def unpack(c: int, recv: torch.Tensor, j: int) -> torch.Tensor:
+        if not own_in_place:
+            return _full_seq_from_chunks(recv[:, j])
+        return tiled.unpack(recv[:, j], shards[j][rank, :, c * h : (c + 1) * h], rank)
+
+    inflight = _post_all_to_all(send_buffer(0), ctx.group, splits)
     returning, lse_parts = [], []
     for c in range(chunks):
         recv, work = inflight
         if c + 1 < chunks:
-            inflight = _post_all_to_all(send_buffer(c + 1), ctx.group)
+            inflight = _post_all_to_all(send_buffer(c + 1), ctx.group, splits)
         work.wait()
-        full = iter(unpack(recv[:, j]) for j in range(len(present)))
+        full = iter(unpack(c, recv, j) for j in range(len(present)))
         args = [None if x is None else next(full) for x in tensors.values()]
         heads = slice(first_head + c * h, first_head + (c + 1) * h)
         result = attend(heads, *args)  # (o, lse) only without ``tiled`` (TiledExchange: o)
