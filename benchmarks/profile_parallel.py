@@ -64,8 +64,9 @@ def main(argv=None):
     ap.add_argument("--head-chunks", type=int, default=2)
     ap.add_argument("--calls", type=int, default=3)
     ap.add_argument("--trace", default=None, help="Chrome trace path (rank 0)")
+    ap.add_argument("--normal-priority", action="store_true", help="NCCL stream priority")
     args = ap.parse_args(argv)
-    device = init_distributed(cpu=False)
+    device = init_distributed(cpu=False, high_priority=not args.normal_priority)
     case = vsa_case(WAN14B_720P, 0.875, torch.bfloat16, device)
     shards = [local_shard(x) for x in case.full_inputs]
 
