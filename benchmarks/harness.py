@@ -131,6 +131,21 @@ def timer_label(device: torch.device) -> str:
     return f"{CPU_TIMER_LABEL} (time.perf_counter median; timings meaningless)"
 
 
+def cuda_profile(fn: Callable[[], Any], calls: int = 5, warmup: int = 3):
+    """``torch.profiler`` of ``calls`` calls of ``fn`` on the GPU, after ``warmup`` calls (the
+    per-kernel table: ``.key_averages()``; totals are over all ``calls``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
 def time_graph_ms(fn: Callable[[], Any], *, device: torch.device) -> tuple[float, str]:
     """``(milliseconds, how)``: on the GPU, the median of ``do_bench`` over replays of ``fn``
     captured in a CUDA graph, i.e. the GPU time of its kernels without the host's launch

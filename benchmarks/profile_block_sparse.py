@@ -8,12 +8,19 @@ Shows where backward time goes (preprocess, list transpose, dK/dV, dQ) next to t
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile
+_REPO = Path(__file__).resolve().parent.parent
+for _p in (_REPO / "src", _REPO):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-import vidsparse
-from vidsparse.masks.block_sparse import random_block_lists
+import torch  # noqa: E402
+
+import vidsparse  # noqa: E402
+from benchmarks import harness  # noqa: E402
+from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
 
 
 def main(argv=None):
@@ -37,13 +44,7 @@ def main(argv=None):
             o = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=(bq, bk))
             torch.autograd.grad(o, (q, k, v), do)
 
-        for _ in range(3):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                step()
-            torch.cuda.synchronize()
+        prof = harness.cuda_profile(step, 5)
         print(f"\n=== S={S} H={H} block {bq}x{bk} density {d} (5 steps) ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
 

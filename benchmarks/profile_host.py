@@ -32,7 +32,6 @@ for _p in (_REPO / "src", _REPO):
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from benchmarks import harness  # noqa: E402
 from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
@@ -40,12 +39,7 @@ from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
 
 def kernel_ms(fn, calls: int = 5) -> float:
     """GPU kernel time of one call (torch.profiler's device events, summed)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
+    prof = harness.cuda_profile(fn, calls, warmup=1)
     total_us = sum(e.self_device_time_total for e in prof.key_averages())
     return total_us / calls / 1e3
 

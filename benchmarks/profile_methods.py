@@ -20,20 +20,14 @@ for _p in (_REPO / "src", _REPO):
         sys.path.insert(0, str(_p))
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import vidsparse  # noqa: E402
+from benchmarks import harness  # noqa: E402
 from benchmarks.bench_psa import mixed_specs  # noqa: E402
 
 
 def show(title: str, step, repeats: int = 5) -> None:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(repeats):
-            step()
-        torch.cuda.synchronize()
+    prof = harness.cuda_profile(step, repeats)
     print(f"\n=== {title} ({repeats} steps; per-step = total / {repeats}) ===", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 
