@@ -373,10 +373,22 @@ def test_derived_lists_are_cached_per_source_and_version():
     assert torch.equal(full, ref_full)
     live = torch.arange(idx.shape[-1]) < cnt[..., None]
     assert torch.equal(reordered[live], ref[live])
-    before = len(derived_lists._entries)
+    before = len(derived_lists)
     del idx, cnt, first, again, reordered, full
     gc.collect()
-    assert len(derived_lists._entries) <= before - 3
+    assert len(derived_lists) <= before - 3
+
+
+def test_inference_mode_lists_are_checked_every_call(torch_backend):
+    """Inference tensors carry no version counter: their values are validated on every call
+    (an in-place change could not be seen), never cached, and the call works."""
+    q, k, v, idx, cnt = _good_args()
+    with torch.inference_mode():
+        idx, cnt = idx.clone(), cnt.clone()
+        vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16)
+        idx[0, 0, 0, 0] = 99
+        with pytest.raises(ValueError, match="kv_indices"):
+            vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16)
 
 
 def test_derived_lists_bypass_the_cache_in_inference_mode():

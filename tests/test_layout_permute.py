@@ -315,12 +315,10 @@ def test_copy_rows_refuses_what_it_cannot_copy():
     from vidsparse.layout.permute import copy_rows
 
     x = torch.randn(4, 8)
-    with pytest.raises(ValueError, match="one shape"):
-        copy_rows(torch.empty(4, 4), x)
-    with pytest.raises(ValueError, match="unit-stride"):
-        copy_rows(torch.empty(8, 4), x.t())
-    with pytest.raises(ValueError, match="power-of-two"):
-        copy_rows(torch.empty(4, 6), torch.randn(4, 6))
+    for dst, src in ((torch.empty(4, 4), x), (torch.empty(8, 4), x.t()),
+                     (torch.empty(4, 6), torch.randn(4, 6))):  # fmt: skip
+        with pytest.raises(ValueError, match="copy_rows takes"):
+            copy_rows(dst, src)
 
 
 @pytest.mark.gpu

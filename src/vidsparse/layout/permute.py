@@ -37,6 +37,7 @@ from vidsparse.utils import ceil_div
 
 __all__ = [
     "copy_rows",
+    "copy_rows_supports",
     "tile_rows",
     "untile_rows",
     "tile_rows_from_chunks",
@@ -309,15 +310,31 @@ def _copy_rows_kernel(
     tl.store(DST + dst[:, None] + offs_d[None, :], rows, mask=live[:, None])
 
 
+def copy_rows_supports(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether :func:`copy_rows` takes these views: one shape and dtype, at most 5 dims, the
+    last one unit-stride on both sides and a power of two long."""
+    D = src.shape[-1] if src.dim() else 0
+    return (
+        src.shape == dst.shape
+        and src.dtype == dst.dtype
+        and 1 <= src.dim() <= 5
+        and src.stride(-1) == 1
+        and dst.stride(-1) == 1
+        and D > 0
+        and D & (D - 1) == 0
+    )
+
+
 def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``dst.copy_(src)`` for two GPU views of one shape (at most 5 dims, last one unit-stride
-    on both sides, a power of two long, one dtype), as a Triton kernel moving whole rows: the
-    layout changes of Ulysses' exchange (heads <-> sequence) at the memory bandwidth, where
-    PyTorch's generic strided copy runs at about a third of it. Returns ``dst``."""
-    if src.shape != dst.shape or src.dtype != dst.dtype or src.dim() > 5:
+    """``dst.copy_(src)`` for two GPU views :func:`copy_rows_supports` takes, as a Triton
+    kernel moving whole rows: the layout changes of Ulysses' exchange (heads <-> sequence) at
+    the memory bandwidth, where PyTorch's generic strided copy runs at about a third of it.
+    Returns ``dst``."""
+    if not copy_rows_supports(dst, src):
         raise ValueError(
-            "copy_rows takes two views of one shape and dtype (<= 5 dims), got"
-            f" {tuple(src.shape)} {src.dtype} and {tuple(dst.shape)} {dst.dtype}"
+            "copy_rows takes two views of one shape and dtype (<= 5 dims) with unit-stride rows"
+            f" of a power-of-two length, got {tuple(src.shape)} {src.dtype} stride"
+            f" {src.stride()} and {tuple(dst.shape)} {dst.dtype} stride {dst.stride()}"
         )
     if src.numel() == 0:
         return dst
@@ -326,8 +343,6 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     s_strides = (0,) * pad + tuple(src.stride())
     d_strides = (0,) * pad + tuple(dst.stride())
     D = shape[-1]
-    if s_strides[-1] != 1 or d_strides[-1] != 1 or D & (D - 1):
-        raise ValueError("copy_rows needs unit-stride rows of a power-of-two length")
     num_rows = math.prod(shape[:-1])
     block = block_rows(D, src.element_size())
     with _launch_device(src):

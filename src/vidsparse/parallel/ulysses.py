@@ -26,7 +26,6 @@ local shapes first and raises the same error on every rank.
 from __future__ import annotations
 
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.utils.tensor_cache import TensorCache
 
 __all__ = [
     "LAYOUTS",
@@ -541,20 +541,13 @@ def _assemble_head_groups(parts, layout: str, chunks: int) -> torch.Tensor:
 
 def _copy_rows_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, by whole rows on the GPU where ``copy_rows`` takes the views."""
-    D = src.shape[-1]
-    if (
-        dst.is_cuda
-        and src.dim() <= 5
-        and src.stride(-1) == 1
-        and dst.stride(-1) == 1
-        and D & (D - 1) == 0
-        and src.dtype == dst.dtype
-    ):
-        from vidsparse.layout.permute import copy_rows
+    if dst.is_cuda:
+        from vidsparse.layout.permute import copy_rows, copy_rows_supports
 
-        copy_rows(dst, src)
-    else:
-        dst.copy_(src)
+        if copy_rows_supports(dst, src):
+            copy_rows(dst, src)
+            return
+    dst.copy_(src)
 
 
 def _stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -613,33 +606,16 @@ def ulysses_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-class _HeadSliceCache:
-    """Reuses the rank's slice of a block-list tensor across calls.
-
-    The engine validates list values once per tensor object (reading them back costs a GPU
-    sync); a fresh slice every call would defeat that. Keyed by identity and version of the
-    source, like the engine's own cache, so an in-place edit or a freed tensor is never reused.
-    """
-
-    def __init__(self, capacity: int = 64):
-        self._entries: dict[tuple, tuple] = {}
-        self._capacity = capacity
-
-    def get(self, src: torch.Tensor, heads: slice) -> torch.Tensor:
-        key = (id(src), heads.start, heads.stop)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is src and entry[1] == src._version:
-            return entry[2]
-        sliced = src[:, heads].contiguous()
-        if len(self._entries) >= self._capacity:
-            self._entries = {k: e for k, e in self._entries.items() if e[0]() is not None}
-            if len(self._entries) >= self._capacity:
-                self._entries.pop(next(iter(self._entries)))
-        self._entries[key] = (weakref.ref(src), src._version, sliced)
-        return sliced
+# The rank's slice of a block-list tensor, reused across calls: the engine validates list
+# values once per tensor object (reading them back costs a GPU sync), which a fresh slice every
+# call would defeat. Per source tensor and version (TensorCache): never stale.
+_list_slices = TensorCache(capacity=64)
 
 
-_list_slices = _HeadSliceCache()
+def _head_slice(src: torch.Tensor, heads: slice) -> torch.Tensor:
+    return _list_slices.get(
+        "heads", (src,), (heads.start, heads.stop), lambda: src[:, heads].contiguous()
+    )
 
 
 def _block_q(block_size) -> int | None:
@@ -711,7 +687,7 @@ def ulysses_block_sparse_attn(
     _check_block_lists(kv_indices, kv_counts, H, S_local * ctx.world_size, block_q)
 
     def attn_fn(heads, q_h, k_h, v_h):
-        idx, cnt = _list_slices.get(kv_indices, heads), _list_slices.get(kv_counts, heads)
+        idx, cnt = _head_slice(kv_indices, heads), _head_slice(kv_counts, heads)
         return block_sparse_attn(q_h, k_h, v_h, idx, cnt, **engine_kwargs)
 
     return _run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards, head_chunks)

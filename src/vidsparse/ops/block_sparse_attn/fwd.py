@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig, forward_config
-from vidsparse.ops.block_sparse_attn.lists import cached_full_blocks_first
+from vidsparse.ops.block_sparse_attn.lists import cached_full_blocks_first, derived_lists
 from vidsparse.utils.device import target_of
 
 LOG2E = 1.4426950408889634
@@ -386,15 +386,20 @@ def _launch_gluon(q, k, v, kv_indices, kv_counts, kv_block_sizes, full, block_q,
     from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
 
     if kv_indices.dtype != torch.int32 or kv_indices.stride(-1) != 1:
-        kv_indices = kv_indices.to(torch.int32).contiguous()
+        kv_indices = _int32_contiguous(kv_indices)
     if kv_counts.dtype != torch.int32:
-        kv_counts = kv_counts.to(torch.int32)
+        kv_counts = _int32_contiguous(kv_counts)
     has_sizes = kv_block_sizes is not None
     return block_sparse_attn_fwd_gluon(
         q, k, v, kv_indices, kv_counts, block_q, block_kv, scale,
         kv_block_sizes=kv_block_sizes if has_sizes else None, full_counts=full if has_sizes else None,
         combine=combine,
     )  # fmt: skip
+
+
+def _int32_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous int32, converted once per list tensor (``lists.derived_lists``)."""
+    return derived_lists.get("int32", (x,), (), lambda: x.to(torch.int32).contiguous())
 
 
 def _epilogue_args(combine: CoarseCombine | None, dummy) -> tuple[tuple, dict]:

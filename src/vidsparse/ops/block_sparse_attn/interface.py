@@ -8,7 +8,6 @@ opaque, differentiable op instead of breaking the graph around a Triton launch.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 
@@ -19,6 +18,7 @@ from vidsparse.ops.block_sparse_attn.reference import (
 )
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_positive_int, check_same_device, check_tensor
+from vidsparse.utils.tensor_cache import TensorCache
 
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -151,8 +151,9 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
         )
     num_kv_blocks = Skv // block_kv
     # Value checks read the lists back (a GPU sync); do them once per list tensor and version.
-    check_values = not torch.compiler.is_compiling() and not _values_checked.hit(
-        kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv
+    lists, params = (kv_indices, kv_counts, kv_block_sizes), (num_kv_blocks, block_kv)
+    check_values = not torch.compiler.is_compiling() and not _values_checked.contains(
+        "valid", lists, params
     )
     validate_block_lists(
         kv_indices,
@@ -178,58 +179,13 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
                     f" got values in [{lo}, {hi}]"
                 )
     if check_values:
-        _values_checked.add(kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv)
+        _values_checked.put("valid", lists, params, True)
     return device
 
 
-class _CheckedLists:
-    """Remembers index tensors whose values passed validation, keyed by identity and version.
-
-    Block lists are usually built once and reused for many calls (every layer of a step, every
-    step of a plan); reading them back each call would cost a GPU sync per call. A tensor
-    modified in place bumps its version counter and is checked again; a freed tensor drops out
-    (weak references), so a new tensor at a recycled address is never mistaken for a checked one.
-    """
-
-    def __init__(self, capacity: int = 256):
-        self._entries: dict[tuple, tuple] = {}
-        self._capacity = capacity
-
-    @staticmethod
-    def _key(tensors, num_kv_blocks, block_kv):
-        ids = tuple(None if t is None else id(t) for t in tensors)
-        return (*ids, num_kv_blocks, block_kv)
-
-    @staticmethod
-    def _state(tensors):
-        return tuple(None if t is None else (weakref.ref(t), t._version) for t in tensors)
-
-    def hit(self, kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv) -> bool:
-        tensors = (kv_indices, kv_counts, kv_block_sizes)
-        entry = self._entries.get(self._key(tensors, num_kv_blocks, block_kv))
-        if entry is None:
-            return False
-        for t, saved in zip(tensors, entry):
-            if (t is None) != (saved is None):
-                return False
-            if t is not None and (saved[0]() is not t or saved[1] != t._version):
-                return False
-        return True
-
-    def add(self, kv_indices, kv_counts, kv_block_sizes, num_kv_blocks, block_kv) -> None:
-        tensors = (kv_indices, kv_counts, kv_block_sizes)
-        if len(self._entries) >= self._capacity:
-            self._entries = {
-                k: v
-                for k, v in self._entries.items()
-                if all(s is None or s[0]() is not None for s in v)
-            }
-            if len(self._entries) >= self._capacity:
-                self._entries.pop(next(iter(self._entries)))
-        self._entries[self._key(tensors, num_kv_blocks, block_kv)] = self._state(tensors)
-
-
-_values_checked = _CheckedLists()
+# List tensors whose values passed validation (reading them back costs a GPU sync per call;
+# lists are usually built once and reused): checked again after an in-place change.
+_values_checked = TensorCache()
 
 
 def _check_triton_supported(q: torch.Tensor) -> None:

@@ -15,68 +15,23 @@ A stable partition per row, in one small kernel (the lists are O(B*H*NQ*K) int32
 attention that reads them is O(B*H*NQ*K*block_q*block_kv*D)).
 
 Lists derived from the caller's (this reorder, the backward's transposed lists) are cached per
-source tensor (``derived_lists``): block lists are usually built once and used by many calls
+source tensor (``derived_lists``, a ``utils.tensor_cache.TensorCache``, the mechanism the
+validation cache and Ulysses' head slices use too): block lists are usually built once and used by many calls
 (every layer of a step, every step of a plan, a forward and its backward), as FlexAttention's
 ``BlockMask`` keeps its transposed lists from creation on.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable
-
 import torch
 import triton
 import triton.language as tl
 
 from vidsparse.masks.block_sparse import transpose_block_lists
+from vidsparse.utils.tensor_cache import TensorCache
 
-
-class _DerivedListCache:
-    """Tensors derived from block lists, keyed by the sources' identity and version counters.
-
-    An entry lives as long as its sources (a finalizer drops it when the first of them is
-    freed), so a new tensor at a recycled address never hits, and a source modified in place
-    (its version bumps) is derived again. Bypassed while tracing for torch.compile (fake
-    tensors), during CUDA-graph capture (the result would live in the graph's memory pool)
-    and for inference tensors (no version counter).
-    """
-
-    def __init__(self, capacity: int = 128):
-        self._entries: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
-        self._capacity = capacity
-
-    @staticmethod
-    def _bypass(sources) -> bool:
-        if torch.compiler.is_compiling():
-            return True
-        if any(t.is_cuda for t in sources) and torch.cuda.is_current_stream_capturing():
-            return True
-        return any(t.is_inference() for t in sources)
-
-    def get(self, name: str, sources: tuple, params: tuple, make: Callable[[], tuple]) -> tuple:
-        present = tuple(t for t in sources if t is not None)
-        if self._bypass(present):
-            return make()
-        key = (name, *(None if t is None else id(t) for t in sources), *params)
-        versions = tuple(t._version for t in present)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0] == versions:
-            return entry[1]
-        value = make()
-        if key not in self._entries:
-            if len(self._entries) >= self._capacity:
-                self._entries.pop(next(iter(self._entries)))  # the oldest
-            for t in present:
-                weakref.finalize(t, self._entries.pop, key, None)
-        self._entries[key] = (versions, value)
-        return value
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-derived_lists = _DerivedListCache()
+# Lists derived from block lists, per source tensors (see TensorCache).
+derived_lists = TensorCache()
 
 
 def cached_full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv):
