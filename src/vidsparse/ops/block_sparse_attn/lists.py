@@ -16,9 +16,9 @@ attention that reads them is O(B*H*NQ*K*block_q*block_kv*D)).
 
 Lists derived from the caller's (this reorder, the backward's transposed lists) are cached per
 source tensor (``derived_lists``, a ``utils.tensor_cache.TensorCache``, the mechanism the
-validation cache and Ulysses' head slices use too): block lists are usually built once and used by many calls
-(every layer of a step, every step of a plan, a forward and its backward), as FlexAttention's
-``BlockMask`` keeps its transposed lists from creation on.
+validation cache and Ulysses' head slices use too): block lists are usually built once and used
+by many calls (every layer of a step, every step of a plan, a forward and its backward), as
+FlexAttention's ``BlockMask`` keeps its transposed lists from creation on.
 """
 
 from __future__ import annotations
