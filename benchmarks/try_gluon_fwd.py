@@ -25,7 +25,7 @@ TFLOP/s = 4 * B * H * S^2 * D * density / time. Writes ``$OUT/try_gluon_fwd.json
 is set; prints a table last.
 
 ``--compile-only`` compiles every variant for ``cuda:90`` without a GPU (as
-``tests/compile_kernels.py`` does for the Triton kernels) and prints registers, spills, shared
+``tests/compile/compile_kernels.py`` does for the Triton kernels) and prints registers, spills, shared
 memory, ptxas's wgmma-serialisation warnings (C7512 and friends) and a SASS hazard count:
 instructions that write an A-operand register of a register-A ``HGMMA`` (the P V wgmma)
 before a ``WARPGROUP.DEPBAR`` has retired it. ptxas does not keep those registers reserved

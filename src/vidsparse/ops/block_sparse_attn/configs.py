@@ -67,7 +67,7 @@ def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None)
 # they fall back to the plain entry when absent.
 # Hopper: measured on the H200 at B=1, H=12, S=32768, D=128, density 1/8 (tune_block_sparse.py);
 # the D=64 entries follow the D=128 ones and are compile-checked, not tuned. Where the fastest
-# measured config spilled registers (tests/test_compile_targets.py), the next spill-free one
+# measured config spilled registers (tests/compile/test_compile_targets.py), the next spill-free one
 # is used: dK/dV at 128x128 and every masked dK/dV step 32 query rows instead of 64.
 HOPPER = {
     # 128x128: the Gluon kernel, 598 vs 456 TFLOP/s at density 1/8 and 650 vs 461 dense
@@ -114,7 +114,7 @@ NVIDIA_GENERIC = {
 }
 AMD_CDNA = {
     # 8 warps cap a wave at 256 VGPRs; the 128x128x128 tile with key-block sizes spills there
-    # on gfx942 (tests/compile_kernels.py), so it runs 4 warps at occupancy 1 instead.
+    # on gfx942 (tests/compile/compile_kernels.py), so it runs 4 warps at occupancy 1 instead.
     ("fwd", 128, 128, 128): _amd(4, 1, waves_per_eu=1),
     ("fwd", 128, "*", "*"): _amd(8, 1, waves_per_eu=2),
     ("fwd", 64, "*", "*"): _amd(4, 1, waves_per_eu=2),

@@ -18,7 +18,7 @@ tiles. The Hopper ``attn_topk`` entries were tuned on the H200
 (``benchmarks/tune_vsa_coarse.py``); the others are sized from the
 register budget (qc ``[block_m, D]`` fp32 and the oc accumulator stay in registers) and
 checked to compile without spills for ``cuda:90`` and ``hip:gfx942`` by
-``tests/test_vsa_coarse.py`` (which lists the one measured exception).
+``tests/ops/video_sparse_attn/test_vsa_coarse.py`` (which lists the one measured exception).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Every kernel compiles, spill-free, for the GPUs CI does not have: H100/H200 (``cuda:90``),
 MI300 (``hip:gfx942``) and MI350 (``hip:gfx950``).
 
-The compiling happens in ``tests/compile_kernels.py``, in a subprocess: this suite runs with
+The compiling happens in ``tests/compile/compile_kernels.py``, in a subprocess: this suite runs with
 ``TRITON_INTERPRET=1`` on CPU machines, and ``@triton.jit`` decides at import whether to
 interpret. That script records what the library's own launchers would launch (config from
 ``configs.py``, arguments, constexprs, launch options) for block sizes (64, 64), (128, 64),
 (128, 128), head_dim 64 and 128, bf16 (fp16 for one shape), with and without key-block sizes,
 and prints one JSON line per compile. Run it by hand for the table of registers and spills::
 
-    PYTHONPATH=src python tests/compile_kernels.py
+    PYTHONPATH=src python tests/compile/compile_kernels.py
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ pytest.importorskip("triton")
 from vidsparse.ops.block_sparse_attn.configs import forward_config  # noqa: E402
 from vidsparse.utils.device import Target  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "compile_kernels.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "compile" / "compile_kernels.py"
 TARGETS = {"cuda:90": Target("cuda", 90), "hip:gfx942": Target("hip", "gfx942"),
            "hip:gfx950": Target("hip", "gfx950")}  # fmt: skip
 BLOCKS = ((64, 64), (128, 64), (128, 128))

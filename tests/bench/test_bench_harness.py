@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "bench_block_sparse.py"
 
 META_KEYS = {
@@ -183,7 +183,7 @@ def test_mode_callable_times_the_right_thing():
 
 def test_git_commit_given_in_the_environment_wins(monkeypatch):
     """A tree copied to a GPU machine may hold a stale .git: the commit passed in wins."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from benchmarks import harness
 
     monkeypatch.setenv("VIDSPARSE_GIT_COMMIT", "abc1234")

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bsa_helpers import make_lists, make_qkv, masked_dense_attention
-from test_block_sparse_attn import _lowprec_baseline
+from helpers import make_lists, make_qkv, masked_dense_attention
+from test_block_sparse_attn import _lowprec_baseline  # same folder
 from vidsparse.testing import assert_error_relative
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 
 _COMPILE = """
 import json, sys, torch

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import vidsparse
-from bsa_helpers import make_lists, make_qkv, masked_dense_attention
+from helpers import make_lists, make_qkv, masked_dense_attention
 from vidsparse.masks.block_sparse import random_block_lists
 from vidsparse.ops.block_sparse_attn import block_sparse_attn_ref
 from vidsparse.testing import assert_error_relative, assert_rel_l2, poison_

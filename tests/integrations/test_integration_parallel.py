@@ -96,7 +96,7 @@ def _case(method: str) -> float:
 def _worker(rank: int, store: str, out_dir: str) -> None:
     os.environ["VIDSPARSE_BACKEND"] = "torch"
     torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")  # before the group: see tests/test_parallel.py
+    importlib.import_module("torch._dynamo")  # before the group: see tests/parallel/test_parallel.py
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("diffusers", minversion="0.36")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

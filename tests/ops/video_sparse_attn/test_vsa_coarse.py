@@ -5,7 +5,7 @@ compile check (``cuda:90``, ``hip:gfx942``) of the kernels, spill-free.
 
 Run as a script it prints the compile reports (one JSON line per kernel)::
 
-    PYTHONPATH=src python tests/test_vsa_coarse.py --targets cuda:90,hip:gfx942
+    PYTHONPATH=src python tests/ops/video_sparse_attn/test_vsa_coarse.py --targets cuda:90,hip:gfx942
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from vidsparse.ops.video_sparse_attn.coarse_configs import CoarseAttnConfig
 from vidsparse.ops.video_sparse_attn.reference import coarse_attention, select_topk, tile_means
 from vidsparse.testing import assert_error_relative, assert_rel_l2
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 ON_CPU = not torch.cuda.is_available()
 interpreter = pytest.mark.skipif(not ON_CPU, reason="interpreter tests run on CPU CI")
 
@@ -353,7 +353,7 @@ def compile_reports(targets, head_dims=(128,)):
     """Compile the kernels the launchers would launch at Wan 1.3B 480p shapes for ``targets``
     (``tests/compile_kernels.py`` names); one report dict per compile. Must run in a process
     without ``TRITON_INTERPRET`` (``@triton.jit`` decides at import)."""
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "compile"))
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 

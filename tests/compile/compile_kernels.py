@@ -2,11 +2,11 @@
 
 The triton wheel carries the NVIDIA and AMD compilers, so a CPU machine can compile the kernels
 for ``cuda:90`` (H100/H200) and ``hip:gfx942`` / ``hip:gfx950`` (MI300 / MI350) and read what
-each one costs: registers, spills, shared memory. Run by ``tests/test_compile_targets.py`` in a
+each one costs: registers, spills, shared memory. Run by ``tests/compile/test_compile_targets.py`` in a
 subprocess, because the test suite sets ``TRITON_INTERPRET=1`` and ``@triton.jit`` takes that
 decision at import; it also runs by hand::
 
-    PYTHONPATH=src python tests/compile_kernels.py [--targets cuda:90,hip:gfx942] [--jobs 2]
+    PYTHONPATH=src python tests/compile/compile_kernels.py [--targets cuda:90,hip:gfx942] [--jobs 2]
 
 What is compiled is exactly what the library would launch: the launchers
 (``block_sparse_attn_fwd`` / ``_bwd``, VSA's ``*_combined`` ones, and the layout's
