@@ -124,11 +124,11 @@ def attend_text_queries(q, k_seq, v_seq, text_indices, text_counts, kv_block_siz
     ``text_tokens`` real rows. The lists come from a cached plan (valid by construction: no
     checks, no GPU sync) and the padding keys are finite (zeros, or a tiled input's
     documented-finite padding rows), so the engine may read them by TMA."""
-    from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_prevalidated
+    from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 
     text_pad = ceil_div(text_tokens, volume) * volume - text_tokens
     q_text = torch.nn.functional.pad(q[:, :, video_len:], (0, 0, 0, text_pad))  # [B, H, NTb*V, D]
-    o, lse = block_sparse_attn_prevalidated(
+    o, lse = block_sparse_attn_unchecked(
         q_text, k_seq, v_seq, text_indices, text_counts, block_q=volume, block_kv=volume,
         kv_block_sizes=kv_block_sizes, scale=scale, padding_finite=True,
     )  # fmt: skip

@@ -176,7 +176,7 @@ def test_engine_lists_are_cached_and_stripe_wide(torch_backend, monkeypatch):
     specs = [StripeSpec(1, 0, None, 1, 0, None), StripeSpec(1, 0, None, 2, 0, None)]
     stripe_interface.clear_stripe_attn_cache()
     launches = []
-    engine = stripe_interface.block_sparse_attn_prevalidated
+    engine = stripe_interface.block_sparse_attn_unchecked
 
     def counting_engine(q, k, v, kv_indices, kv_counts, **kw):
         launches.append((q.shape[2], tuple(kv_indices.shape)))
@@ -186,8 +186,8 @@ def test_engine_lists_are_cached_and_stripe_wide(torch_backend, monkeypatch):
 
     # the video launch calls the name stripe_attn imported; the text launch (shared with VSA,
     # ops/_text_tokens.py) looks it up in the engine's module
-    monkeypatch.setattr(stripe_interface, "block_sparse_attn_prevalidated", counting_engine)
-    monkeypatch.setattr(engine_interface, "block_sparse_attn_prevalidated", counting_engine)
+    monkeypatch.setattr(stripe_interface, "block_sparse_attn_unchecked", counting_engine)
+    monkeypatch.setattr(engine_interface, "block_sparse_attn_unchecked", counting_engine)
     q, k, v = _qkv(grid, 2, tiled=False, text_tokens=37, dtype=torch.float32)
     stripe_attn(q, k, v, grid, specs, text_tokens=37)
     # Launch 1: 18 video query blocks, rows as wide as the busiest stripe row (3) + 3 text

@@ -73,7 +73,7 @@ def block_sparse_attn(
     return (o, lse) if return_lse else o
 
 
-def block_sparse_attn_prevalidated(
+def block_sparse_attn_unchecked(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
