@@ -264,9 +264,9 @@ def test_video_sparse_attn_fullgraph_triton_interpreter(triton_backend, text_tok
 
 
 def test_host_constant_marks_like_torch():
-    """``_host_constant`` sets what ``torch.compiler.assume_constant_result`` sets (it avoids
+    """``host_constant`` sets what ``torch.compiler.assume_constant_result`` sets (it avoids
     importing torch._dynamo, and Triton with it, when vidsparse is imported)."""
-    from vidsparse.layout.grid import _host_constant
+    from vidsparse.utils.dynamo import host_constant
 
     def ours():
         return 0
@@ -274,7 +274,7 @@ def test_host_constant_marks_like_torch():
     def theirs():
         return 0
 
-    assert vars(_host_constant(ours)) == vars(torch.compiler.assume_constant_result(theirs))
+    assert vars(host_constant(ours)) == vars(torch.compiler.assume_constant_result(theirs))
     assert vars(ours)
 
 

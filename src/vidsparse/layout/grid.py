@@ -37,8 +37,9 @@ import torch
 from vidsparse.layout import permute_ops
 from vidsparse.utils import ceil_div
 from vidsparse.utils.checks import check_positive_ints, check_tensor
+from vidsparse.utils.dynamo import host_constant
 
-__all__ = ["VideoGrid", "TileIndex"]
+__all__ = ["VideoGrid", "TileIndex", "grid_key", "check_video_qkv"]
 
 
 class TileIndex(NamedTuple):
@@ -92,21 +93,9 @@ def _tile_index_cached(
     return TileIndex(*(x.to(device) for x in cpu))
 
 
-def _host_constant(fn):
-    """``torch.compiler.assume_constant_result(fn)``, without importing ``torch._dynamo``
-    (which imports Triton) when vidsparse is imported: that decorator only sets this flag.
-
-    Dynamo does not trace a function so marked: at trace time it calls it on the host with the
-    Python values of its arguments (they must be constants) and puts the tensors it returns
-    into the graph as constants. Only for functions whose result depends on nothing else.
-    """
-    fn._dynamo_marked_constant = True
-    return fn
-
-
-def _grid_key(grid: VideoGrid) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def grid_key(grid: VideoGrid) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(shape, tile_shape)`` of ``grid`` as plain ints, the grid's part of the key of the
-    functions that Dynamo runs on the host (``torch.compiler.assume_constant_result``): they take
+    functions that Dynamo runs on the host (``vidsparse.utils.dynamo.host_constant``): they take
     Python constants, not the grid object (a grid built inside a compiled function is no real
     object at trace time). ``operator.index`` makes Dynamo specialize (guard on) each int, so
     a changed grid retraces instead of turning the ints into SymInts."""
@@ -116,7 +105,7 @@ def _grid_key(grid: VideoGrid) -> tuple[tuple[int, ...], tuple[int, ...]]:
     )
 
 
-@_host_constant
+@host_constant
 def _tile_index(
     shape: tuple[int, int, int], tile: tuple[int, int, int], device: torch.device | str | None
 ) -> TileIndex:
@@ -239,7 +228,7 @@ class VideoGrid:
 
     def index_tensors(self, device: torch.device | str | None = None) -> TileIndex:
         """The cached gather / scatter / valid / tile_sizes tensors on ``device`` (read-only)."""
-        return _tile_index(*_grid_key(self), device)
+        return _tile_index(*grid_key(self), device)
 
     def tile_sizes_on(self, device: torch.device | str | None = None) -> torch.Tensor:
         """int32 ``[num_tiles]`` real tokens per tile, on ``device`` (cached, read-only)."""
@@ -266,7 +255,7 @@ class VideoGrid:
         dim = self._check_dim_size(x, dim, self.num_tokens, "num_tokens")
         if permute_ops.kernel_supports(x, dim, self.padded_len):
             # [B, H, S, D] on the Triton backend: one pass (gather + zero padding) in a kernel.
-            return permute_ops.tile_op(x, *_grid_key(self))
+            return permute_ops.tile_op(x, *grid_key(self))
         index = self.index_tensors(x.device)
         tiled = x.index_select(dim, index.gather_index)
         # Padding slots gathered token 0; zero them out-of-place so autograd sees a plain op.
@@ -284,7 +273,7 @@ class VideoGrid:
         dim = self._check_dim_size(x, dim, self.padded_len, "padded_len")
         if permute_ops.kernel_supports(x, dim, self.padded_len):
             # [B, H, P, D] on the Triton backend: one pass that never reads padding slots.
-            return permute_ops.untile_op(x, *_grid_key(self))
+            return permute_ops.untile_op(x, *grid_key(self))
         return x.index_select(dim, self.index_tensors(x.device).scatter_index)
 
     def _check_dim_size(self, x: torch.Tensor, dim, expected: int, what: str) -> int:
@@ -297,3 +286,19 @@ class VideoGrid:
                 f"got shape {tuple(x.shape)}"
             )
         return dim
+
+
+def check_video_qkv(grid, q, k, v, dtypes) -> None:
+    """The shared checks of the video ops: a VideoGrid, and q, k, v as [B, H, S, D] tensors of
+    one dtype and one shape."""
+    if not isinstance(grid, VideoGrid):
+        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=4, dtypes=dtypes)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(
+            f"q, k, v must have the same shape [B, H, S, D], got {tuple(q.shape)},"
+            f" {tuple(k.shape)}, {tuple(v.shape)}"
+        )

@@ -57,21 +57,3 @@ def check_positive_int(name: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
-
-
-def check_video_qkv(grid, q, k, v, dtypes) -> None:
-    """The shared checks of the video ops: a VideoGrid, and q, k, v as [B, H, S, D] tensors of
-    one dtype and one shape."""
-    from vidsparse.layout.grid import VideoGrid  # layout imports this module
-
-    if not isinstance(grid, VideoGrid):
-        raise TypeError(f"grid must be a vidsparse.VideoGrid, got {type(grid).__name__}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, ndim=4, dtypes=dtypes)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(
-            f"q, k, v must have the same shape [B, H, S, D], got {tuple(q.shape)},"
-            f" {tuple(k.shape)}, {tuple(v.shape)}"
-        )

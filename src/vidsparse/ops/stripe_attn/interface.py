@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import torch
 
-from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
+from vidsparse.layout.grid import VideoGrid, check_video_qkv, grid_key
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_block_lists, stripe_block_mask
 from vidsparse.ops._text_tokens import (
     append_columns,
@@ -66,7 +66,8 @@ from vidsparse.ops.block_sparse_attn.interface import (
 )
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_same_device, check_video_qkv
+from vidsparse.utils.checks import check_same_device
+from vidsparse.utils.dynamo import host_constant
 
 __all__ = [
     "stripe_attn",
@@ -142,7 +143,7 @@ def stripe_attn(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     plan = _cached_engine_plan(
         tuple(_spec_fields(spec) for spec in specs),
-        _grid_key(grid),
+        grid_key(grid),
         spatial_unit,
         sink_frames,
         text_tokens,
@@ -180,7 +181,7 @@ def stripe_engine_lists(
     device = torch.device("cpu" if device is None else device)
     if cached:
         plan = _engine_plan_of_keys(
-            tuple(_spec_fields(spec) for spec in specs), _grid_key(grid), spatial_unit,
+            tuple(_spec_fields(spec) for spec in specs), grid_key(grid), spatial_unit,
             sink_frames, 0, device,
         )  # fmt: skip
     else:
@@ -283,12 +284,12 @@ def _spec_fields(spec: StripeSpec) -> tuple:
     )  # fmt: skip
 
 
-@_host_constant
+@host_constant
 def _cached_engine_plan(
     spec_fields, grid_key, spatial_unit, sink_frames, text_tokens, device
 ) -> _EnginePlan:
     """``_engine_plan`` as ``stripe_attn`` calls it, the specs given by ``_spec_fields`` and
-    the grid by ``_grid_key``.
+    the grid by ``grid_key``.
 
     Under ``torch.compile`` Dynamo runs this on the host at trace time instead of tracing it,
     and the plan's tensors enter the graph as constants. Tracing it would break the graph

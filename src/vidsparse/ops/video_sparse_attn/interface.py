@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from vidsparse.layout.grid import VideoGrid, _grid_key, _host_constant
+from vidsparse.layout.grid import VideoGrid, check_video_qkv, grid_key
 from vidsparse.ops._text_tokens import (
     append_columns,
     attend_text_queries,
@@ -48,7 +48,8 @@ from vidsparse.ops.block_sparse_attn.interface import (
 from vidsparse.ops.video_sparse_attn.reference import resolve_topk, video_sparse_attn_ref
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_same_device, check_tensor, check_video_qkv
+from vidsparse.utils.checks import check_same_device, check_tensor
+from vidsparse.utils.dynamo import host_constant
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -127,7 +128,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     )
     if text_tokens:
         # operator.index: plain ints (Dynamo specializes them), never SymInts, as plan keys
-        plan = _cached_text_plan(_grid_key(grid), text_tokens, operator.index(H), q.device)
+        plan = _cached_text_plan(grid_key(grid), text_tokens, operator.index(H), q.device)
         text_pad = plan.text_blocks * V - text_tokens
         k_seq = key_sequence(k, grid, tiled, video_len, text_pad, video=k_t)  # [B, H, P+NTb*V, D]
         v_seq = key_sequence(v, grid, tiled, video_len, text_pad, video=v_t)
@@ -178,9 +179,9 @@ class _TextPlan(NamedTuple):
     text_blocks: int  # NTb = ceil(N / V)
 
 
-@_host_constant
+@host_constant
 def _cached_text_plan(grid_key, text_tokens: int, heads: int, device) -> _TextPlan:
-    """``_text_plan`` as the Triton path calls it, the grid given by ``_grid_key``. Under
+    """``_text_plan`` as the Triton path calls it, the grid given by ``grid_key``. Under
     ``torch.compile`` Dynamo runs it on the host at trace time (its ``lru_cache`` is not
     traced) and the plan's tensors enter the graph as constants: they depend only on the
     Python values of the arguments, which Dynamo guards on."""
