@@ -16,9 +16,11 @@ order from the grid and tile shapes alone (no index tensor is read: the map is a
 divisions per row, against ``D`` elements moved per row). A row of ``D`` elements is contiguous
 in the input too whenever its last stride is 1, so the gathered loads are full-row loads.
 
-Map (same as ``grid._build_tile_index_cpu``): tile ``(t', h', w')`` covers the box of tokens
-``[t'*tT, min(T, (t'+1)*tT)) x ...``; slot ``j`` of the tile holds the ``j``-th token of that box
-in raster order (``j < box volume``), the remaining slots are padding.
+Map (the one ``VideoGrid`` builds its index tensors from, in ``grid.py``): tile ``(t', h', w')``
+covers the box of tokens ``[t'*tT, min(T, (t'+1)*tT)) x ...``; slot ``j`` of the tile holds the
+``j``-th token of that box in raster order (``j < box volume``), the remaining slots are padding.
+
+Launch configurations (warps, rows per program) are data in ``configs.py``.
 
 Imported lazily (only when a kernel runs): importing vidsparse must not import Triton.
 """
@@ -32,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from vidsparse.layout.permute_ops import padded_len_of
+from vidsparse.layout.configs import MAX_BLOCK_ROWS, MIN_BLOCK_ROWS, row_copy_config
+from vidsparse.layout.sizes import padded_len_of
 from vidsparse.utils import ceil_div
 
 __all__ = [
@@ -44,19 +47,20 @@ __all__ = [
     "untile_rows_to_chunks",
     "block_rows",
     "NUM_WARPS",
+    "MIN_BLOCK_ROWS",
+    "MAX_BLOCK_ROWS",
 ]
 
-NUM_WARPS = 4
-# Bytes each program moves: 16 KB is 32 fp32 registers of data per thread at 4 warps, several
-# 16-byte vectors in flight per thread (what a bandwidth-bound copy needs), no spills.
-_BYTES_PER_PROGRAM = 16 * 1024
-MIN_BLOCK_ROWS, MAX_BLOCK_ROWS = 16, 256
+# The tile kernels' warps (the tunables live in configs.py; the compile-target tests read this).
+NUM_WARPS = row_copy_config("tile").num_warps
 
 
-def block_rows(head_dim: int, element_size: int) -> int:
-    """Output rows per program: ``_BYTES_PER_PROGRAM`` of data, a power of two in [16, 256]."""
-    rows = _BYTES_PER_PROGRAM // (head_dim * element_size)
-    return max(MIN_BLOCK_ROWS, min(MAX_BLOCK_ROWS, triton.next_power_of_2(rows)))
+def block_rows(head_dim: int, element_size: int, kernel: str = "tile") -> int:
+    """Output rows per program of ``kernel``: its ``bytes_per_program`` of data, a power of two
+    in its ``[min_block_rows, max_block_rows]``."""
+    config = row_copy_config(kernel)
+    rows = config.bytes_per_program // (head_dim * element_size)
+    return max(config.min_block_rows, min(config.max_block_rows, triton.next_power_of_2(rows)))
 
 
 @triton.jit
@@ -226,7 +230,7 @@ def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int, own=
     P = padded_len_of(shape, tile)
     assert S == T * H * W, (S, shape)
     out = torch.empty((B, heads, P, D), dtype=x.dtype, device=x.device)
-    block_s = block_rows(D, x.element_size())
+    block_s = block_rows(D, x.element_size(), "tile")
     num_blocks = ceil_div(P, block_s)
     with _launch_device(x):
         _tile_rows_kernel[(B * heads * num_blocks,)](
@@ -239,7 +243,7 @@ def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int, own=
             T, H, W, Nh, Nw,
             TILE_T=tT, TILE_H=tH, TILE_W=tW, HEAD_DIM=D, BLOCK_S=block_s,
             HAS_SELF=own is not None,
-            num_warps=NUM_WARPS,
+            num_warps=row_copy_config("tile").num_warps,
         )  # fmt: skip
     return out
 
@@ -271,7 +275,7 @@ def _untile(x, shape, tile, out, stride_ob, stride_oh, stride_os, *, chunk_len, 
     Nh, Nw = ceil_div(H, tH), ceil_div(W, tW)
     S = T * H * W
     assert padded_len_of(shape, tile) == P, (P, shape, tile)
-    block_s = block_rows(D, x.element_size())
+    block_s = block_rows(D, x.element_size(), "untile")
     num_blocks = ceil_div(S, block_s)
     with _launch_device(x):
         _untile_rows_kernel[(B * heads * num_blocks,)](
@@ -282,7 +286,7 @@ def _untile(x, shape, tile, out, stride_ob, stride_oh, stride_os, *, chunk_len, 
             heads, num_blocks, S,
             H, W, Nh, Nw,
             TILE_T=tT, TILE_H=tH, TILE_W=tW, HEAD_DIM=D, BLOCK_S=block_s,
-            num_warps=NUM_WARPS,
+            num_warps=row_copy_config("untile").num_warps,
         )  # fmt: skip
     return out
 
@@ -344,12 +348,13 @@ def copy_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     d_strides = (0,) * pad + tuple(dst.stride())
     D = shape[-1]
     num_rows = math.prod(shape[:-1])
-    block = block_rows(D, src.element_size())
+    config = row_copy_config("copy_rows")
+    block = block_rows(D, src.element_size(), "copy_rows")
     with _launch_device(src):
         _copy_rows_kernel[(ceil_div(num_rows, block),)](
             src, dst, shape[1], shape[2], shape[3], num_rows,
             *s_strides[:4], *d_strides[:4],
-            HEAD_DIM=D, BLOCK_ROWS=block, num_warps=NUM_WARPS,
+            HEAD_DIM=D, BLOCK_ROWS=block, num_warps=config.num_warps,
         )  # fmt: skip
     return dst
 

@@ -17,24 +17,18 @@ from __future__ import annotations
 
 import torch
 
+from vidsparse.layout.configs import MIN_BLOCK_ROWS
+from vidsparse.layout.sizes import padded_len_of
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend, triton_interpret_enabled
 
-__all__ = ["kernel_supports", "tile_op", "untile_op", "KERNEL_DTYPES"]
+__all__ = ["kernel_supports", "tile_op", "untile_op", "KERNEL_DTYPES", "padded_len_of"]
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 # Row indices are int32 in the kernels, and the flat launch grid has < 2**31 programs
-# (at least 16 rows per program: permute.MIN_BLOCK_ROWS).
+# (at least MIN_BLOCK_ROWS rows per program: configs.py).
 _MAX_ROWS = 2**31 - 1
-
-
-def padded_len_of(shape, tile) -> int:
-    """``num_tiles * tile_volume`` of the grid ``shape`` cut into ``tile`` (as VideoGrid)."""
-    n = 1
-    for size, t in zip(shape, tile):
-        n *= ceil_div(size, t) * t
-    return n
 
 
 def kernel_supports(x: torch.Tensor, dim: int, padded_len: int) -> bool:
@@ -51,7 +45,7 @@ def kernel_supports(x: torch.Tensor, dim: int, padded_len: int) -> bool:
     B, H, S, D = x.shape
     if not MIN_HEAD_DIM <= D <= MAX_HEAD_DIM or D & (D - 1):
         return False
-    if B * H == 0 or B * H * ceil_div(max(S, padded_len), 16) > _MAX_ROWS:
+    if B * H == 0 or B * H * ceil_div(max(S, padded_len), MIN_BLOCK_ROWS) > _MAX_ROWS:
         return False
     if max(S, padded_len) > _MAX_ROWS:
         return False
