@@ -201,21 +201,21 @@ def _stripe_case(layout: str) -> None:
 def _overlapped_case(layout: str, grad: bool) -> None:
     """head_chunks=2: the pipelined exchange (inference) or, with autograd recording, the
     one-shot one; VSA with a gate, the engine with lse, PSA, all against one process."""
-    from vidsparse.parallel import ulysses
+    from vidsparse.parallel import driver
 
     compare = _compare_with_single_process if grad else _compare_forward_only
     calls = []
-    pipelined = ulysses._run_overlapped
+    pipelined = driver.run_overlapped
 
     def counting(*args, **kwargs):
         calls.append(1)
         return pipelined(*args, **kwargs)
 
-    ulysses._run_overlapped = counting
+    driver.run_overlapped = counting
     try:
         _overlapped_scenarios(compare, layout)
     finally:
-        ulysses._run_overlapped = pipelined
+        driver.run_overlapped = pipelined
     # inference takes the pipelined exchange (3 ops); with autograd recording it never does
     assert len(calls) == (0 if grad else 3), f"pipelined path ran {len(calls)} times"
 
