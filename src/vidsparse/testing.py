@@ -1,6 +1,6 @@
 """Helpers for checking kernels against fp32 references (used by the tests and benchmarks).
 
-The error-relative rule (DESIGN.md): a low-precision kernel passes when its error against the
+The error-relative rule: a low-precision kernel passes when its error against the
 fp32 reference is at most ``factor`` times the error that PyTorch itself makes computing the
 same function in the same low precision, plus a small absolute floor. This scales with the
 dtype, the problem size and the input scale, where a fixed ``atol`` does not.

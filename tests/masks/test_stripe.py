@@ -1,4 +1,5 @@
-"""PSA stripe masks against an independent brute-force evaluation of DESIGN.md's formula."""
+"""PSA stripe masks against an independent brute-force evaluation of the stripe predicate
+(the formula of ``vidsparse.masks.stripe``'s docstring)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from vidsparse.masks.stripe import (
 
 
 def _brute_mask(spec: StripeSpec, grid, spatial_unit, sink_frames=0):
-    """DESIGN.md's predicate with Python ints, looping over block coordinates (no torch)."""
+    """The stripe predicate with Python ints, looping over block coordinates (no torch)."""
     tb, hb, wb = grid
     n = tb * hb * wb
     out = [[False] * n for _ in range(n)]

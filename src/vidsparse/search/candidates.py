@@ -12,8 +12,8 @@ code::
       every frame / 2nd / 3rd   (1, 0, 1|2|3)       every block / 3rd / 5th / 6th   ("block")
                                                     every row / 3rd row, same column  ("row")
 
-That is 10 x 10 = 100 candidates by default, over the ranges of the PSA paper (FACTS.md:
-T_offset in {0,+-1,+-2}, T_stride in {1,2,3,inf}, S_offset in {0,+-1}, S_stride in {1,3,5,6,inf}).
+That is 10 x 10 = 100 candidates by default, over the ranges of the PSA paper:
+T_offset in {0,+-1,+-2}, T_stride in {1,2,3,inf}, S_offset in {0,+-1}, S_stride in {1,3,5,6,inf}.
 Offsets go with the bands, where they move the band; periodic stripes are anchored on the
 diagonal (offset 0), which every attention head we know of keeps. ``CandidateFamily.paper()``
 is the full product of the paper's ranges (width 1) in both units, for a wider search.
