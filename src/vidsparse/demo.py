@@ -353,7 +353,7 @@ def run_demo(
 
     ``sparsity``: VSA's; ``psa_target``: the least sparsity of each head's PSA pattern.
     """
-    from vidsparse.ops.video_sparse_attn.reference import resolve_topk
+    from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
     log = log or (lambda *a, **k: None)
     if device == "auto":
@@ -487,7 +487,8 @@ def vsa_selected_tiles(q, k, grid, tile: int, heads: list[int], sparsity: float)
 
     Recomputed with the reference stages (tile means, coarse scores, top-k) for the few heads.
     """
-    from vidsparse.ops.video_sparse_attn.reference import resolve_topk, tile_means
+    from vidsparse.ops.video_sparse_attn.reference import tile_means
+    from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
     qc = tile_means(grid.tile(q[0, heads].float()), grid)[:, tile]  # [h, D]
     kc = tile_means(grid.tile(k[0, heads].float()), grid)  # [h, Nt, D]

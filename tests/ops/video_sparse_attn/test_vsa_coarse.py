@@ -1,11 +1,12 @@
-"""VSA coarse stage (``ops/video_sparse_attn/coarse.py``): tile-mean pooling, coarse attention and
-top-k selection kernels against the PyTorch reference (``tile_means``, ``coarse_attention``,
-``select_topk``), in the interpreter on CPU CI and compiled on a GPU; plus a cross-target
-compile check (``cuda:90``, ``hip:gfx942``) of the kernels, spill-free.
+"""VSA coarse stage (``ops/video_sparse_attn/coarse.py`` and ``kernels/``): tile-mean pooling,
+coarse attention and top-k selection kernels against the PyTorch reference (``tile_means``,
+``coarse_attention``, ``select_topk``), in the interpreter on CPU CI and compiled on a GPU; plus
+a cross-target compile check (``cuda:90``, ``hip:gfx942``) of the kernels, spill-free.
 
 Run as a script it prints the compile reports (one JSON line per kernel)::
 
-    PYTHONPATH=src python tests/ops/video_sparse_attn/test_vsa_coarse.py --targets cuda:90,hip:gfx942
+    PYTHONPATH=src python tests/ops/video_sparse_attn/test_vsa_coarse.py \
+        --targets cuda:90,hip:gfx942
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from vidsparse.ops.video_sparse_attn.coarse import (
     tile_mean_pool_fwd,
     vsa_coarse_stage,
 )
-from vidsparse.ops.video_sparse_attn.coarse_configs import CoarseAttnConfig
+from vidsparse.ops.video_sparse_attn.configs import CoarseAttnConfig
 from vidsparse.ops.video_sparse_attn.reference import coarse_attention, select_topk, tile_means
 from vidsparse.testing import assert_error_relative, assert_rel_l2
 
@@ -59,7 +60,7 @@ SELECTION_CONFIGS = {
 
 def test_hopper_selection_config_follows_the_grid_size():
     # 4 pivots a pass up to SMALL_GRID_TILES tiles (measured faster at 480p), 8 above (720p).
-    from vidsparse.ops.video_sparse_attn.coarse_configs import SMALL_GRID_TILES, coarse_attn_config
+    from vidsparse.ops.video_sparse_attn.configs import SMALL_GRID_TILES, coarse_attn_config
     from vidsparse.utils.device import Target
 
     hopper = Target("cuda", 90)
@@ -91,12 +92,6 @@ def _reference(q_t, k_t, v_t, grid, topk, scale, dtype=torch.float32):
     oc, scores = coarse_attention(qc, kc, vc, scale)
     kv_indices, kv_counts = select_topk(scores, topk)
     return (qc, kc, vc), oc, scores, kv_indices, kv_counts
-
-
-def _expected_selection(scores, topk):
-    """The kernels' rule: largest scores, ties to the smaller tile index, ascending."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :topk]
-    return order.sort(dim=-1).values.to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -197,15 +192,15 @@ def test_speculative_window_settles_in_one_pass_or_falls_back(outliers):
 def test_speculation_is_on_where_the_window_fits_the_scratch():
     """Hopper's configs: Wan 480p (624 tiles, 4 pivots) expects ~86 keys of normal scores in
     the window (capacity 128, fill 0.75: on); Wan 720p (1,440 tiles, 8 pivots) ~119 (off)."""
-    from vidsparse.ops.video_sparse_attn.coarse import _speculate
-    from vidsparse.ops.video_sparse_attn.coarse_configs import coarse_attn_config
+    from vidsparse.ops.video_sparse_attn.coarse import speculates
+    from vidsparse.ops.video_sparse_attn.configs import coarse_attn_config
     from vidsparse.utils.device import Target
 
     hopper = Target("cuda", 90)
-    assert _speculate(coarse_attn_config(hopper, 128, 624), 78, 624)
-    assert _speculate(coarse_attn_config(hopper, 128, 624), 62, 624)
-    assert not _speculate(coarse_attn_config(hopper, 128, 1440), 180, 1440)
-    assert not _speculate(_config(num_pivots=2), 6, 40)  # an odd score half: no middle pair
+    assert speculates(coarse_attn_config(hopper, 128, 624), 78, 624)
+    assert speculates(coarse_attn_config(hopper, 128, 624), 62, 624)
+    assert not speculates(coarse_attn_config(hopper, 128, 1440), 180, 1440)
+    assert not speculates(_config(num_pivots=2), 6, 40)  # an odd score half: no middle pair
 
 
 @interpreter
@@ -227,7 +222,7 @@ def test_ties_go_to_the_smaller_tile_index(config_name):
     scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # exact integers / 4
     for topk in (1, 7, 13, 27):
         _, kv_indices, kv_counts = coarse_attn_topk_fwd(qc, kc, vc, topk, scale, config=cfg)
-        assert torch.equal(kv_indices, _expected_selection(scores, topk)), f"topk={topk}"
+        assert torch.equal(kv_indices, select_topk(scores, topk)[0]), f"topk={topk}"
         first = torch.arange(topk, dtype=torch.int32).expand(B, H, 5, topk)
         assert torch.equal(kv_indices[:, :, :5], first)
         assert (kv_counts == topk).all()
@@ -354,10 +349,10 @@ def compile_reports(targets, head_dims=(128,)):
     (``tests/compile_kernels.py`` names); one report dict per compile. Must run in a process
     without ``TRITON_INTERPRET`` (``@triton.jit`` decides at import)."""
     sys.path.insert(0, str(ROOT / "tests" / "compile"))
+    import compile_kernels as ck
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
 
-    import compile_kernels as ck
     from vidsparse.ops.video_sparse_attn import coarse
     from vidsparse.utils.device import Target
 
@@ -387,9 +382,8 @@ def compile_reports(targets, head_dims=(128,)):
 
 def _record_launches(coarse, target, head_dim):
     """``[(kernel, args, kwargs)]`` of the forward and backward launchers on meta tensors."""
-    from triton.runtime.jit import JITFunction
-
     import compile_kernels as ck
+    from triton.runtime.jit import JITFunction
 
     sink, saved = [], {"target_of": coarse.target_of}
     for attr in dir(coarse):
@@ -430,10 +424,9 @@ def compiled():
 
 
 # Spills accepted because the spilling config was measured faster on the GPU (bytes allowed):
-# Hopper attn_topk with 4 warps spills 40 B yet ran 208 us vs 287 us with 8 spill-free warps at
-# Wan 480p, and 3.81 vs 4.82 ms at Wan 14B 720p, with identical selections
-# (benchmarks/tune_vsa_coarse.py, H200).
-MEASURED_SPILLS = {("cuda:90", "_coarse_attn_topk_fwd_kernel", 128): 64}
+# Hopper attn_topk with 4 warps spills 40 B yet beats 8 spill-free warps, with identical
+# selections (benchmarks/NOTES.md, VSA coarse stage).
+MEASURED_SPILLS = {("cuda:90", "coarse_attn_topk_fwd_kernel", 128): 64}
 
 
 @pytest.mark.parametrize("target", COMPILE_TARGETS)
@@ -443,8 +436,8 @@ def test_kernels_compile_spill_free(compiled, target):
     if skipped:
         pytest.skip(f"{target}: {skipped[0]}")
     kernels = {r["kernel"] for r in reports}
-    assert kernels == {"_tile_mean_pool_fwd_kernel", "_coarse_attn_topk_fwd_kernel",
-                       "_tile_mean_pool_bwd_kernel"}, kernels  # fmt: skip
+    assert kernels == {"tile_mean_pool_fwd_kernel", "coarse_attn_topk_fwd_kernel",
+                       "tile_mean_pool_bwd_kernel"}, kernels  # fmt: skip
     failed = [f"{r['kernel']}: {r['error']}" for r in reports if not r["ok"]]
     assert not failed, "\n\n".join(failed)
     for r in reports:

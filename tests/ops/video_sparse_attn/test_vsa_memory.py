@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import vidsparse
-from vidsparse.ops.video_sparse_attn.reference import resolve_topk
+from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
 HAS_GPU = torch.cuda.is_available()
 

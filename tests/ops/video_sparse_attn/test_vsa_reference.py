@@ -11,11 +11,13 @@ from vidsparse.layout.grid import VideoGrid
 from vidsparse.ops.video_sparse_attn.reference import (
     coarse_attention,
     fine_attention,
-    resolve_topk,
     select_topk,
     tile_means,
+    tile_means_bwd,
+    tile_means_of_sizes,
     video_sparse_attn_ref,
 )
+from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 from vidsparse.testing import assert_no_nan, assert_rel_l2
 
 FP64_BOUND = 1e-12  # relative L2, fp64 against fp64 brute force
@@ -234,6 +236,27 @@ def test_select_topk_function():
     assert kv_counts.tolist() == [[[2, 2]]]
     with pytest.raises(ValueError, match="topk"):
         select_topk(scores, 5)
+
+
+def test_select_topk_breaks_ties_towards_the_smaller_tile_index():
+    """The kernels' rule, so their lists match the reference exactly, ties included."""
+    scores = torch.tensor([[[[1.0, 2.0, 1.0, 2.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]]]])
+    kv_indices, _ = select_topk(scores, 3)
+    assert kv_indices.tolist() == [[[[0, 1, 3], [0, 1, 2]]]]
+
+
+def test_tile_means_of_sizes_and_its_backward_match_autograd():
+    grid = VideoGrid((5, 6, 7), tile=(2, 4, 4))
+    x_t = grid.tile(torch.randn(2, 3, grid.num_tokens, 4, dtype=torch.float64))
+    x_t[:, :, ~grid.real_token_mask()] = float("nan")  # padding slots are never read
+    x_t.requires_grad_()
+    means = tile_means_of_sizes(x_t, grid.tile_sizes)
+    assert_rel_l2("means", means, tile_means(x_t, grid), FP64_BOUND)
+    dmeans = torch.randn(1, *means.shape, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(means, x_t, dmeans[0])
+    (got,) = tile_means_bwd(dmeans, grid.tile_sizes, grid.padded_len, torch.float64)
+    assert_rel_l2("d x_t", got, expected, FP64_BOUND)
+    assert (got[:, :, ~grid.real_token_mask()] == 0).all()
 
 
 @pytest.mark.parametrize("tiled", [False, True])

@@ -42,10 +42,9 @@ from vidsparse.ops._text_tokens import (
     text_block_sizes,
     video_tiles,
 )
-from vidsparse.ops.block_sparse_attn.interface import (
-    TRITON_HEAD_DIMS,
-)
-from vidsparse.ops.video_sparse_attn.reference import resolve_topk, video_sparse_attn_ref
+from vidsparse.ops.video_sparse_attn.configs import SUPPORTED_HEAD_DIMS as TRITON_HEAD_DIMS
+from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
+from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor

@@ -23,17 +23,17 @@ exists, even on a Wan 480p grid (32,760 tokens).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.ops._text_tokens import check_count
+from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
 __all__ = [
-    "resolve_topk",
     "tile_means",
+    "tile_means_of_sizes",
+    "tile_means_bwd",
     "coarse_attention",
     "select_topk",
     "fine_attention",
@@ -44,34 +44,6 @@ __all__ = [
 # Budget, in elements, for the per-chunk temporaries of the fine stage (gathered K and V and the
 # score matrix together). 2**26 fp32 elements is 256 MiB.
 _FINE_CHUNK_ELEMENTS = 2**26
-
-# (1 - sparsity) * num_tiles is often an integer spoiled by rounding (0.3 * 10 =
-# 3.0000000000000004); do not let that round up to one more tile.
-_TOPK_ROUNDING_SLACK = 1e-9
-
-
-def resolve_topk(num_tiles: int, topk: int | None = None, sparsity: float | None = None) -> int:
-    """Number of key tiles each query tile keeps, from exactly one of ``topk`` / ``sparsity``.
-
-    ``topk = clamp(ceil((1 - sparsity) * num_tiles), 1, num_tiles)``; an explicit ``topk``
-    above ``num_tiles`` is clamped to it.
-    """
-    if (topk is None) == (sparsity is None):
-        raise ValueError(
-            f"pass exactly one of topk and sparsity, got topk={topk!r}, sparsity={sparsity!r}"
-        )
-    if topk is not None:
-        if isinstance(topk, bool) or not isinstance(topk, int):
-            raise TypeError(f"topk must be an int, got {topk!r}")
-        if topk < 1:
-            raise ValueError(f"topk must be >= 1, got {topk}")
-        return min(topk, num_tiles)
-    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)):
-        raise TypeError(f"sparsity must be a float in [0, 1], got {sparsity!r}")
-    if not 0.0 <= sparsity <= 1.0:
-        raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
-    kept = math.ceil((1.0 - sparsity) * num_tiles - _TOPK_ROUNDING_SLACK)
-    return max(1, min(kept, num_tiles))
 
 
 def tile_means(x_tiled: torch.Tensor, grid: VideoGrid) -> torch.Tensor:
@@ -84,13 +56,38 @@ def tile_means(x_tiled: torch.Tensor, grid: VideoGrid) -> torch.Tensor:
         x_tiled.ndim >= 2 and x_tiled.shape[-2] == grid.padded_len,
         f"x_tiled must be [..., padded_len={grid.padded_len}, D], got {tuple(x_tiled.shape)}",
     )
-    *lead, _, D = x_tiled.shape
-    Nt, V = grid.num_tiles, grid.tile_volume
-    index = grid.index_tensors(x_tiled.device)
+    return tile_means_of_sizes(x_tiled, grid.index_tensors(x_tiled.device).tile_sizes)
+
+
+def tile_means_of_sizes(x_tiled: torch.Tensor, tile_sizes: torch.Tensor) -> torch.Tensor:
+    """:func:`tile_means` from the tiles' real token counts ``tile_sizes`` int32 ``[Nt]``
+    (a tile's real tokens are its first slots): what a custom op, which takes no grid, calls."""
+    *lead, P, D = x_tiled.shape
+    Nt = tile_sizes.shape[0]
+    V = P // Nt
     x = x_tiled.reshape(*lead, Nt, V, D)  # [..., Nt, V, D]
-    x = x.masked_fill(~index.valid.view(Nt, V, 1), 0)
-    sizes = index.tile_sizes.to(x.dtype).view(Nt, 1)  # [Nt, 1]
+    real = torch.arange(V, device=x.device) < tile_sizes.view(Nt, 1)  # [Nt, V]
+    x = x.masked_fill(~real.view(Nt, V, 1), 0)
+    sizes = tile_sizes.clamp(min=1).to(x.dtype).view(Nt, 1)  # [Nt, 1]
     return x.sum(dim=-2) / sizes  # [..., Nt, D]
+
+
+def tile_means_bwd(
+    dmeans: torch.Tensor, tile_sizes: torch.Tensor, padded_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """Gradient of :func:`tile_means_of_sizes` for each of ``dmeans.unbind(0)``: ``[n, B, H,
+    Nt, D]`` -> ``n`` tensors ``[B, H, padded_len, D]`` in ``dtype``; each real token of tile
+    ``i`` gets ``d mean_i / size_i``, each padding slot 0 (for custom ops without autograd)."""
+    _, B, H, num_tiles, D = dmeans.shape
+    tile_volume = padded_len // num_tiles
+    real = torch.arange(tile_volume, device=dmeans.device) < tile_sizes.view(-1, 1)  # [Nt, V]
+    sizes = tile_sizes.clamp(min=1).to(dmeans.dtype).view(-1, 1, 1)  # [Nt, 1, 1]
+    weights = real[..., None].to(dmeans.dtype) / sizes  # [Nt, V, 1]: 1/size on real slots
+    grads = []  # separate tensors: custom-op outputs must not alias each other
+    for dmean in dmeans.unbind(0):
+        dx = dmean.unsqueeze(-2) * weights  # [B, H, Nt, V, D]
+        grads.append(dx.reshape(B, H, padded_len, D).to(dtype))
+    return tuple(grads)
 
 
 def coarse_attention(
@@ -108,7 +105,8 @@ def coarse_attention(
 
 @torch.no_grad()
 def select_topk(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``topk`` key tiles with the largest coarse score, per query tile.
+    """The ``topk`` key tiles with the largest coarse score, per query tile; ties go to the
+    smaller tile index (the kernels' rule, so they match exactly).
 
     Returns ``kv_indices`` int32 ``[B, H, Nt, topk]`` (ascending within each row, so the fine
     kernel walks keys in memory order) and ``kv_counts`` int32 ``[B, H, Nt]`` (all ``topk``).
@@ -118,8 +116,8 @@ def select_topk(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Te
         f"topk must be in [1, {scores.shape[-1]}] for scores of shape {tuple(scores.shape)}, "
         f"got {topk}",
     )
-    chosen = torch.topk(scores.detach(), topk, dim=-1, sorted=False).indices
-    kv_indices = chosen.sort(dim=-1).values.to(torch.int32)  # [B, H, Nt, topk]
+    order = torch.sort(scores.detach(), dim=-1, descending=True, stable=True).indices
+    kv_indices = order[..., :topk].sort(dim=-1).values.to(torch.int32)  # [B, H, Nt, topk]
     kv_counts = torch.full(scores.shape[:-1], topk, dtype=torch.int32, device=scores.device)
     return kv_indices, kv_counts
 

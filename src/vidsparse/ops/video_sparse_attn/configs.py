@@ -1,0 +1,178 @@
+"""Tunables of the VSA op, per architecture, as data.
+
+- ``pool``: the tile-mean pooling kernels (forward and backward), memory bound.
+- ``attn_topk``: the coarse attention + top-k kernel. ``attn_topk_small``, where a table has
+  one, takes over on grids of at most ``SMALL_GRID_TILES`` tiles.
+
+Keys are ``(kernel, head_dim)``; ``"*"`` matches any head_dim. Every entry compiles without
+spills for ``cuda:90`` and ``hip:gfx942`` (``tests/ops/video_sparse_attn/test_vsa_coarse.py``,
+which lists the one accepted exception). Why each entry is what it is, with its measurements:
+``benchmarks/NOTES.md`` (VSA coarse stage) and ``benchmarks/results/tuning/tune_vsa_*.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from vidsparse.ops.block_sparse_attn.configs import (
+    REFERENCE_DTYPES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+)
+from vidsparse.utils.device import Target
+
+__all__ = [
+    "SUPPORTED_HEAD_DIMS",
+    "SUPPORTED_DTYPES",
+    "REFERENCE_DTYPES",
+    "BWD_CHUNK_ELEMENTS",
+    "SMALL_GRID_TILES",
+    "PoolConfig",
+    "CoarseAttnConfig",
+    "pool_config",
+    "coarse_attn_config",
+    "pow2_at_least",
+]
+
+# What the Triton path takes (SUPPORTED_HEAD_DIMS, SUPPORTED_DTYPES; the torch path also takes
+# REFERENCE_DTYPES): the engine's, imported above, since VSA's fine stage runs on the engine;
+# the coarse kernels take each of them too.
+
+# Budget, in elements, of one [B, H, chunk, Nt] fp32 temporary of the coarse backward: 2**24
+# elements is 64 MiB (Wan 14B 720p, 40 heads x 1440 tiles: 5 chunks of 291 query tiles).
+BWD_CHUNK_ELEMENTS = 2**24
+
+# The "attn_topk_small" entries apply up to this many tiles (Wan 480p has 624, 720p 1,440).
+SMALL_GRID_TILES = 1024
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    tiles_per_program: int = 2  # a power of two: one [tiles, V, D] load per program
+    num_warps: int = 4
+    num_stages: int = 1
+    # Backend-specific launch options (AMD: waves_per_eu, ...).
+    extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        t = self.tiles_per_program
+        if t < 1 or t & (t - 1):
+            raise ValueError(f"tiles_per_program must be a power of two, got {t}")
+
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+
+@dataclass(frozen=True)
+class CoarseAttnConfig:
+    block_m: int = 32  # query tiles per program
+    block_n: int = 64  # key tiles per step
+    num_pivots: int = 8  # thresholds counted per selection pass (half in score, half in key)
+    # A row whose bracket holds at most this many keys has them written to a scratch row and
+    # is settled exactly (power of two; scratch is B*H*Nt*capacity int32).
+    bracket_capacity: int = 128
+    # Of the fp32 dots: TF32 on tensor cores where the target has it, exact "ieee" elsewhere.
+    input_precision: str = "tf32"
+    # Count all pivots of a pass with one row reduction (ranks by binary search over the sorted
+    # pivots, a byte-per-rank histogram in an int64) instead of one reduction per pivot. Taken
+    # with 4 or 8 pivots and block_n < 256; False keeps the per-pivot counting (for tuning).
+    packed_counts: bool = True
+    # The first selection pass also collects the window between the middle score pivots when
+    # normal scores would fill at most this share of the scratch row there (0: never); a row
+    # whose boundary falls in a window that fits is then settled after one pass, not two.
+    speculate_fill: float = 0.75
+    num_warps: int = 4
+    num_stages: int = 2
+    extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+
+def _amd(**extra) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(extra.items()))
+
+
+# (kernel, head_dim) -> config.
+HOPPER = {
+    # One tile per program on 2 warps: the pooling reads at the memory limit this way.
+    ("pool", "*"): PoolConfig(tiles_per_program=1, num_warps=2),
+    # 4 warps spill 40 B at D=128 (qc and the oc accumulator are fp32 [32, D] in registers), yet
+    # were measured faster than 8 spill-free warps, with the same selections.
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, num_pivots=8,
+                                         bracket_capacity=128, input_precision="tf32",
+                                         num_warps=4, num_stages=2),
+    # Small grids: 4 pivots a pass, half the counting, and 480p still settles in 2 passes;
+    # large grids keep 8, as 4 took 3 passes at 720p.
+    ("attn_topk_small", "*"): CoarseAttnConfig(block_m=32, block_n=64, num_pivots=4,
+                                               bracket_capacity=128, input_precision="tf32",
+                                               num_warps=4, num_stages=2),
+}  # fmt: skip
+# Other NVIDIA GPUs (untimed): the spill-free choice, 8 warps.
+NVIDIA_GENERIC = {
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, input_precision="tf32",
+                                         num_warps=8, num_stages=2),
+}  # fmt: skip
+# AMD (untimed, so spill-free wins): for a dot with M = block_m <= 32 the MFMA layout puts all
+# 4 warps along M, so every warp holds the whole fp32 key block; block_m=16 is the largest
+# spill-free choice at D=128 (~200 VGPRs on gfx942). Per-pivot counting: the packed counts
+# spill 16 B there.
+AMD_CDNA3 = {  # gfx942 (MI300): XF32 dots
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4, extra=_amd(waves_per_eu=2)),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=64, input_precision="tf32",
+                                         packed_counts=False, num_warps=4, num_stages=1,
+                                         extra=_amd(waves_per_eu=2)),
+}  # fmt: skip
+# gfx950 (MI350) has no TF32; "bf16x3" spills at D=128 (256 VGPRs), so exact fp32 FMA dots.
+AMD_CDNA4 = {
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4, extra=_amd(waves_per_eu=2)),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=64, input_precision="ieee",
+                                         packed_counts=False, num_warps=4, num_stages=1,
+                                         extra=_amd(waves_per_eu=2)),
+}  # fmt: skip
+# The CPU interpreter: small blocks and scratch keep the tests' grids quick; exact dots.
+INTERPRETER = {
+    ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
+    ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=32, num_pivots=8,
+                                         bracket_capacity=32, input_precision="ieee",
+                                         num_warps=4, num_stages=1),
+}  # fmt: skip
+
+
+def _tables_for(target: Target) -> list[dict]:
+    if target.backend == "cpu":
+        return [INTERPRETER]
+    if target.backend == "hip":
+        return [AMD_CDNA4 if str(target.arch).startswith("gfx95") else AMD_CDNA3]
+    if target.is_hopper:
+        return [HOPPER, NVIDIA_GENERIC]
+    return [NVIDIA_GENERIC]
+
+
+def _lookup(target: Target, kernel: str, head_dim: int, default):
+    for table in _tables_for(target):
+        for key in ((kernel, head_dim), (kernel, "*")):
+            if key in table:
+                return table[key]
+    return default
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def pool_config(target: Target, head_dim: int) -> PoolConfig:
+    """Config of the tile-mean pooling kernels (forward and backward)."""
+    return _lookup(target, "pool", head_dim, PoolConfig())
+
+
+def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseAttnConfig:
+    """Config of the coarse attention + top-k kernel, with blocks shrunk to fit ``num_tiles``
+    (never below 16, the smallest ``tl.dot`` operand)."""
+    cfg = None
+    if num_tiles <= SMALL_GRID_TILES:
+        cfg = _lookup(target, "attn_topk_small", head_dim, None)
+    cfg = cfg or _lookup(target, "attn_topk", head_dim, CoarseAttnConfig())
+    fit = max(16, pow2_at_least(num_tiles))
+    return replace(cfg, block_m=min(cfg.block_m, fit), block_n=min(cfg.block_n, fit))

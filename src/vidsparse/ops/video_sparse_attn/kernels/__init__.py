@@ -1,0 +1,1 @@
+"""``@triton.jit`` code of VSA's coarse stage; the launchers are in ``coarse.py``."""

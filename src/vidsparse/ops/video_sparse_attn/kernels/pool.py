@@ -1,0 +1,146 @@
+"""Tile-mean pooling of VSA's coarse stage: ``q, k, v`` ``[B, H, P, D]`` in tile order ->
+``pooled`` ``[3, B, H, Nt, D]`` (the means of each tile's real tokens), and its gradient.
+
+Padding slots are masked, never read, so whatever they hold cannot leak in; the backward
+writes every slot (``d mean_i / size_i`` on tile ``i``'s real tokens, 0 on padding). One
+launch covers q, k and v: program axis 2 picks the tensor.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["tile_mean_pool_fwd_kernel", "tile_mean_pool_bwd_kernel"]
+
+
+@triton.jit
+def _pool_tiles(
+    X, stride_xs, stride_xd,  # x of one (batch, head): [P, D]
+    OUT, stride_on, stride_od,  # its means: [Nt, D]
+    SIZES, first_tile, num_tiles,
+    TILE_VOLUME: tl.constexpr, TILE_SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+):  # fmt: skip
+    """The program's tiles are consecutive rows of x: one load of all of them (every byte in
+    flight at once, as a memory-bound kernel wants), one reduction per tile."""
+    offs_tile = tl.arange(0, TILES_PER_PROGRAM)  # [T]
+    offs_slot = tl.arange(0, TILE_SLOTS)  # [V'] (V' = V rounded up to a power of two)
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    tiles = first_tile + offs_tile  # [T] int64
+    tile_real = tiles < num_tiles
+    sizes = tl.load(SIZES + tiles, mask=tile_real, other=0)  # [T]
+    real = offs_slot[None, :] < sizes[:, None]  # [T, V']: padding slots are never read
+    rows = tiles[:, None] * TILE_VOLUME + offs_slot[None, :]  # [T, V']
+    x = tl.load(
+        X + rows[:, :, None] * stride_xs + offs_d[None, None, :] * stride_xd,
+        mask=real[:, :, None],
+        other=0.0,
+    )  # [T, V', D]
+    mean = tl.sum(x.to(tl.float32), axis=1) / tl.maximum(sizes, 1).to(tl.float32)[:, None]
+    tl.store(
+        OUT + tiles[:, None] * stride_on + offs_d[None, :] * stride_od,
+        mean.to(OUT.dtype.element_ty),  # [T, D]
+        mask=tile_real[:, None] & (offs_d < HEAD_DIM)[None, :],
+    )
+
+
+@triton.jit
+def tile_mean_pool_fwd_kernel(
+    Q, K, V, POOLED, SIZES,  # q, k, v [B, H, P, D]; pooled [3, B, H, Nt, D]; sizes int32 [Nt]
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_pt, stride_pb, stride_ph, stride_pn, stride_pd,
+    H, num_tiles,
+    TILE_VOLUME: tl.constexpr, TILE_SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+):  # fmt: skip
+    """One launch for q, k and v: program axis 2 picks the tensor."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    which = tl.program_id(2)  # 0: q, 1: k, 2: v
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    first_tile = pid_t.to(tl.int64) * TILES_PER_PROGRAM
+    out = POOLED + which.to(tl.int64) * stride_pt + b * stride_pb + h * stride_ph
+    # One call per branch (not a pointer picked by the branch): the strides may specialise to
+    # different types (a unit stride becomes a constexpr).
+    if which == 0:
+        _pool_tiles(
+            Q + b * stride_qb + h * stride_qh, stride_qs, stride_qd, out, stride_pn, stride_pd,
+            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+        )  # fmt: skip
+    elif which == 1:
+        _pool_tiles(
+            K + b * stride_kb + h * stride_kh, stride_ks, stride_kd, out, stride_pn, stride_pd,
+            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+        )  # fmt: skip
+    else:
+        _pool_tiles(
+            V + b * stride_vb + h * stride_vh, stride_vs, stride_vd, out, stride_pn, stride_pd,
+            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+        )  # fmt: skip
+
+
+@triton.jit
+def _unpool_tiles(
+    DMEAN, stride_gn, stride_gd,  # gradient of one (batch, head)'s means: [Nt, D]
+    DX, stride_xs, stride_xd,  # gradient of its tokens: [P, D]
+    SIZES, first_tile, num_tiles,
+    TILE_VOLUME: tl.constexpr, TILE_SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+):  # fmt: skip
+    offs_slot = tl.arange(0, TILE_SLOTS)  # [V']
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+    in_tile = offs_slot < TILE_VOLUME  # [V']
+    for i in tl.static_range(TILES_PER_PROGRAM):
+        tile = first_tile + i
+        tile_real = tile < num_tiles
+        size = tl.load(SIZES + tile, mask=tile_real, other=0)
+        dmean = tl.load(DMEAN + tile * stride_gn + offs_d * stride_gd, mask=tile_real, other=0.0)
+        share = dmean / tl.maximum(size, 1).to(dmean.dtype)  # [D]: d mean / d token
+        real = offs_slot < size  # [V']
+        dx = tl.where(real[:, None], share[None, :], 0.0)  # [V', D]: padding slots get 0
+        rows = tile * TILE_VOLUME + offs_slot
+        tl.store(
+            DX + rows[:, None] * stride_xs + offs_d[None, :] * stride_xd,
+            dx.to(DX.dtype.element_ty),
+            mask=(in_tile & tile_real)[:, None] & (offs_d < HEAD_DIM)[None, :],
+        )
+
+
+@triton.jit
+def tile_mean_pool_bwd_kernel(
+    DPOOLED, DQ, DK, DV, SIZES,  # dpooled [3, B, H, Nt, D]; dq, dk, dv [B, H, P, D]
+    stride_gt, stride_gb, stride_gh, stride_gn, stride_gd,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    H, num_tiles,
+    TILE_VOLUME: tl.constexpr, TILE_SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr,
+):  # fmt: skip
+    """One launch for dq, dk and dv; writes every slot (padding slots get 0)."""
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    which = tl.program_id(2)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    first_tile = pid_t.to(tl.int64) * TILES_PER_PROGRAM
+    dmean = DPOOLED + which.to(tl.int64) * stride_gt + b * stride_gb + h * stride_gh
+    if which == 0:
+        _unpool_tiles(
+            dmean, stride_gn, stride_gd, DQ + b * stride_qb + h * stride_qh, stride_qs, stride_qd,
+            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+        )  # fmt: skip
+    elif which == 1:
+        _unpool_tiles(
+            dmean, stride_gn, stride_gd, DK + b * stride_kb + h * stride_kh, stride_ks, stride_kd,
+            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+        )  # fmt: skip
+    else:
+        _unpool_tiles(
+            dmean, stride_gn, stride_gd, DV + b * stride_vb + h * stride_vh, stride_vs, stride_vd,
+            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+        )  # fmt: skip
