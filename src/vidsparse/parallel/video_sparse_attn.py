@@ -35,7 +35,7 @@ def ulysses_video_sparse_attn(
     ``head_chunks``: pipelined exchange for inference (see :func:`ulysses_attention`).
     """
     from vidsparse.ops.video_sparse_attn import video_sparse_attn
-    from vidsparse.ops.video_sparse_attn.reference import resolve_topk
+    from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
     ctx = resolve_context(group, layout)
     _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v, gate=gate)
