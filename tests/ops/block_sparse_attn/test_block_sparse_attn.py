@@ -405,7 +405,7 @@ def test_derived_lists_bypass_the_cache_in_inference_mode():
 def test_tma_forward_kernel_in_interpreter(padded):
     """The Hopper TMA forward (picked by configs on sm_90) against the reference; padding keys
     hold NaN to prove they get no weight even though TMA reads whole blocks."""
-    from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     B, H, S, D, bs = 2, 2, 64, 16, 16
@@ -417,8 +417,8 @@ def test_tma_forward_kernel_in_interpreter(padded):
         pad = (torch.arange(S) % bs) >= sizes.long().repeat_interleave(bs)
         k[:, :, pad] = float("nan")
         v[:, :, pad] = float("nan")
-    cfg = KernelConfig(4, 1, use_tma=True)
-    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, cfg)
+    with override(fwd=KernelConfig(4, 1, use_tma=True)):
+        o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5)
     ref_o, ref_lse = masked_dense_attention(
         q.nan_to_num(0), k.nan_to_num(0), v.nan_to_num(0), idx, cnt, bs, bs, sizes
     )
@@ -436,7 +436,7 @@ def test_tma_backward_kernels_in_interpreter(padding):
     Padding keys vouched finite are read by TMA; NaN padding (not vouched) must send the
     kernels back to masked pointer loads, where the NaN cannot leak into any gradient."""
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
-    from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     B, H, S, D, bs = 2, 2, 64, 16, 16
@@ -451,9 +451,9 @@ def test_tma_backward_kernels_in_interpreter(padding):
         k[:, :, pad], v[:, :, pad] = float("nan"), float("nan")
     o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5)
     tma = KernelConfig(4, 1, sub_m=8, use_tma=True, pointer_sub_m=4)
-    grads = block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5,
-                                  dkdv_config=tma, dq_config=tma,
-                                  padding_finite=padding != "nan")  # fmt: skip
+    with override(bwd_dkdv=tma, bwd_dq=tma):
+        grads = block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5,
+                                      padding_finite=padding != "nan")  # fmt: skip
     q64, k64, v64 = (x.double().nan_to_num(0).requires_grad_() for x in (q, k, v))
     ref_o, _ = masked_dense_attention(q64, k64, v64, idx, cnt, bs, bs, sizes)
     ref = torch.autograd.grad(ref_o, (q64, k64, v64), do.double())
@@ -510,7 +510,7 @@ def test_full_first_walk_equals_masking_every_block(use_tma):
     masking every listed block gives, up to the summation order; padding keys get no weight
     (NaN for pointer loads, which never read them; large finite values for TMA, which reads
     them and is only taken where the caller vouches them finite)."""
-    from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     B, H, S, D, bs = 1, 2, 96, 16, 16
@@ -521,9 +521,11 @@ def test_full_first_walk_equals_masking_every_block(use_tma):
     k[:, :, pad] = 1e4 if use_tma else float("nan")
     v[:, :, pad] = 1e4 if use_tma else float("nan")
     cfg = KernelConfig(4, 1, use_tma=use_tma)
-    args = (q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, cfg)
-    o, lse = block_sparse_attn_fwd(*args, padding_finite=use_tma, full_first=True)
-    o_all, lse_all = block_sparse_attn_fwd(*args, padding_finite=use_tma, full_first=False)
+    args = (q, k, v, idx, cnt, sizes, bs, bs, D**-0.5)
+    with override(fwd=cfg, full_first=True):
+        o, lse = block_sparse_attn_fwd(*args, padding_finite=use_tma)
+    with override(fwd=cfg, full_first=False):
+        o_all, lse_all = block_sparse_attn_fwd(*args, padding_finite=use_tma)
     ref_o, _ = masked_dense_attention(q, k.nan_to_num(0), v.nan_to_num(0), idx, cnt, bs, bs, sizes)
     assert_rel_l2("o", o, ref_o, 2e-3)  # fp16 inputs
     torch.testing.assert_close(o.float(), o_all.float(), rtol=0, atol=2e-3)
@@ -546,6 +548,7 @@ def _fused_vs_two_launches(dtype, case, config_pairs):
     bit-identical gradients. Every list leaves out the last key block (an empty transposed
     list: its dK, dV are 0) and the first query block is empty (its dQ is 0)."""
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     B, Bi, H, Sq, Skv, D, bq, bk, padded = case
@@ -559,9 +562,11 @@ def _fused_vs_two_launches(dtype, case, config_pairs):
         sizes[0] = bk
     o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bq, bk, D**-0.5)
     for dkdv_cfg, dq_cfg in config_pairs:
-        args = (do, q, k, v, o, lse, idx, cnt, sizes, bq, bk, D**-0.5, dkdv_cfg, dq_cfg)
-        two = block_sparse_attn_bwd(*args, padding_finite=True, fused=False)
-        one = block_sparse_attn_bwd(*args, padding_finite=True, fused=True)
+        args = (do, q, k, v, o, lse, idx, cnt, sizes, bq, bk, D**-0.5)
+        with override(bwd_dkdv=dkdv_cfg, bwd_dq=dq_cfg, fused=False):
+            two = block_sparse_attn_bwd(*args, padding_finite=True)
+        with override(bwd_dkdv=dkdv_cfg, bwd_dq=dq_cfg, fused=True):
+            one = block_sparse_attn_bwd(*args, padding_finite=True)
         for name, a, b in zip(("dq", "dk", "dv"), two, one):
             assert torch.equal(a, b), f"{name} differs with {dkdv_cfg}, {dq_cfg}"
         dq, dk, dv = one
@@ -590,46 +595,16 @@ def test_fused_backward_equals_two_launches(dtype, case):
     _fused_vs_two_launches(dtype, case, pairs)
 
 
-@pytest.mark.interpreter
-@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
-@pytest.mark.parametrize("gate", [True, False])
-def test_fused_vsa_combined_backward_equals_two_launches(gate):
-    """VSA's backward (the combine's gradients in the preprocess kernel, the tile means'
-    shares added in both halves' epilogues): the fused launch against two, bit for bit."""
-    from vidsparse.ops.block_sparse_attn.bwd import CoarseGrad, block_sparse_attn_bwd_combined
-    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
-
-    B, H, S, D, bs = 2, 2, 64, 16, 16
-    nq = S // bs
-    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float16, device="cpu")
-    do = torch.randn_like(q)
-    idx, cnt = make_lists(1, H, nq, nq, density=0.5, device="cpu", empty_rows=1)
-    sizes = torch.tensor([16, 9, 16, 5], dtype=torch.int32)
-    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, padding_finite=True)
-    o_coarse = torch.randn(B, H, nq, D)
-    gate_t = torch.randn_like(q) if gate else None
-    dpooled = torch.randn(3, B, H, nq, D)
-    coarse = CoarseGrad(o_coarse, gate_t, sizes, lambda d_coarse: dpooled)
-    args = (do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5, coarse)
-    two = block_sparse_attn_bwd_combined(*args, padding_finite=True, fused=False)
-    one = block_sparse_attn_bwd_combined(*args, padding_finite=True, fused=True)
-    for name, a, b in zip(("dq", "dk", "dv", "d_coarse", "d_gate"), two, one):
-        if a is None:
-            assert b is None and not gate, name
-            continue
-        assert torch.equal(a, b), name
-
-
 def test_fused_backward_policy():
     """Which backward launches fuse (configs.py, ``KernelConfig.fused``): Hopper's 128x128
     pair, with TMA loads or without; not its masked-key configs nor 64x64 (not flagged);
     the interpreter's (so CPU CI runs it). ``fused=True`` needs configs that launch alike."""
     from vidsparse.ops.block_sparse_attn.bwd import fused_launch
-    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, backward_config
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, lookup
     from vidsparse.utils.device import CPU_INTERPRETER, Target
 
     def fuses(target, block, masked=False, tma=True, fused=None):
-        cfgs = [backward_config(target, f"bwd_{kernel}", block, block, 128, masked)
+        cfgs = [lookup(target, f"bwd_{kernel}", block, block, 128, masked)
                 for kernel in ("dkdv", "dq")]  # fmt: skip
         return fused_launch(*(cfg.for_inputs(tma, block)[0] for cfg in cfgs), fused)
 
@@ -651,7 +626,7 @@ def test_fused_backward_policy():
 def test_gpu_fused_backward_is_bit_identical(padded, tma):
     """On the GPU (Hopper: the 128x128 configs fuse by default), one launch against two."""
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
-    from vidsparse.ops.block_sparse_attn.configs import backward_config
+    from vidsparse.ops.block_sparse_attn.configs import lookup, override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
     from vidsparse.utils.device import target_of
 
@@ -664,12 +639,14 @@ def test_gpu_fused_backward_is_bit_identical(padded, tma):
         sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
     o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, padding_finite=tma)
     # Configs that launch alike (the masked 128x128 entries are not flagged fused, but do).
-    cfgs = [backward_config(target_of(q.device), f"bwd_{kernel}", bs, bs, D, padded)
+    cfgs = [lookup(target_of(q.device), f"bwd_{kernel}", bs, bs, D, padded)
             for kernel in ("dkdv", "dq")]  # fmt: skip
     if cfgs[0].launch_kwargs() != cfgs[1].launch_kwargs():
         pytest.skip(f"this GPU's configs do not launch alike: {cfgs}")
-    args = (do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5, *cfgs)
-    two = block_sparse_attn_bwd(*args, padding_finite=tma, fused=False)
-    one = block_sparse_attn_bwd(*args, padding_finite=tma, fused=True)
+    args = (do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5)
+    with override(fused=False):
+        two = block_sparse_attn_bwd(*args, padding_finite=tma)
+    with override(fused=True):
+        one = block_sparse_attn_bwd(*args, padding_finite=tma)
     for name, a, b in zip(("dq", "dk", "dv"), two, one):
         assert torch.equal(a, b), name

@@ -1,20 +1,26 @@
-"""Tile configurations per architecture, as data.
+"""Every tunable of the engine, per architecture, as data.
 
-The block sizes are fixed by the caller's index format (the lists name key blocks of
-``block_kv`` tokens for query blocks of ``block_q`` tokens), so what is tuned here is how a
-program runs: warps, pipeline depth and the vendor knobs. Keys are
-``(kernel, block_q, block_kv, head_dim)``; a missing key falls back to the family default.
-Measured on the H200 for Hopper (see benchmarks/results/); AMD values follow the vendor's
-guidance for CDNA3/CDNA4 and are compile-checked in CI, not yet timed.
+The caller's lists fix the block sizes, so a config says how a program runs: warps, pipeline
+depth, TMA, the Gluon kernel, vendor knobs. Tables are keyed by ``(kernel, block_q, block_kv,
+head_dim)`` ("*" matches any); ``lookup`` is the one way in. Why each Hopper row is what it is
+was measured on the H200 (``benchmarks/results/tuning/``, summarised in benchmarks/NOTES.md);
+the AMD rows follow the vendor's guidance and are compile-checked, not timed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from vidsparse.utils.device import Target
+
+# What the Triton kernels take (the checks in interface.py read these); the PyTorch reference
+# takes fp64 too.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REFERENCE_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 
 
 @dataclass(frozen=True)
@@ -25,30 +31,25 @@ class KernelConfig:
     extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
     # Backward only: rows of a query block processed per step (must divide block_q).
     sub_m: int | None = None
-    # NVIDIA Hopper, forward and backward: move tiles with tensor descriptors (TMA) when the
-    # inputs allow.
+    # Hopper: move the loop's tiles with tensor descriptors (TMA) when the inputs allow.
     use_tma: bool = False
-    # Let Triton split the loop into producer / consumer warps (Hopper; TMA kernel only).
+    # Let Triton split the loop into producer / consumer warps (TMA forward only).
     warp_specialize: bool = False
-    # Forward on Hopper: the Gluon kernel (fwd_gluon.py: a TMA loader warp and two ping-ponged
-    # consumer warpgroups) where the inputs fit it (fwd_gluon.gluon_fits); else this config's
-    # Triton kernel.
+    # Forward on Hopper: the Gluon kernel (kernels/fwd_sm90.py) where the inputs fit it.
     gluon: bool = False
-    # Backward with use_tma: the step for the pointer-load kernel, taken when the inputs do not
-    # allow TMA (pointer loads hold more registers: the TMA step can spill there).
+    # Backward with use_tma: the step of the pointer-load kernel taken when the inputs do not
+    # allow TMA (pointer loads hold more registers, so the TMA step can spill there).
     pointer_sub_m: int | None = None
-    # Backward: run the dK/dV and dQ programs in one launch (bwd.py's fused kernel) where both
-    # kernels' configs set this and launch alike (same warps, stages and extras); the last
-    # partial wave of one kernel's programs is then filled with the other's.
+    # Backward: dK/dV and dQ programs in one launch where both configs set this and launch
+    # alike (one launch has one num_warps, num_stages, ...).
     fused: bool = False
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
 
     def for_inputs(self, tma_possible: bool, block_q: int) -> tuple[KernelConfig, bool]:
-        """``(config, use TMA)`` for inputs that TMA can (``tma_possible``) or cannot read:
-        where this config asks for TMA but the inputs do not allow it, the pointer-load
-        kernel's config, whose step divides ``block_q``."""
+        """``(config, use TMA)``: where this config asks for TMA but the inputs do not allow
+        it, the pointer-load kernel's config, whose step divides ``block_q``."""
         if not self.use_tma:
             return self, False
         if tma_possible:
@@ -57,43 +58,65 @@ class KernelConfig:
         return fit_sub_m(pointer, block_q), False
 
 
+@dataclass(frozen=True)
+class GluonOptions:
+    """The Hopper Gluon forward's schedule (kernels/fwd_sm90.py explains each knob)."""
+
+    STAGES: int = 2
+    PINGPONG: bool = True
+    P_IN_SMEM: bool = False
+    CONSUMER_REGS: int = 240
+    LOADER_REGS: int = 24
+
+    def as_kwargs(self) -> dict:
+        return dict(vars(self))
+
+
+# Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
+# blocks a program, VSA's tiles); the one head_dim measured; 16-bit inputs (wgmma, TMA).
+GLUON_BLOCKS = (64, 128)
+GLUON_HEAD_DIMS = (128,)
+GLUON_DTYPES = (torch.bfloat16, torch.float16)
+GLUON = GluonOptions()
+
+
+@dataclass(frozen=True)
+class ListReorderConfig:
+    """The full-blocks-first reorder kernel (lists.py): list entries per program, warps."""
+
+    row_elements: int = 1024  # rows * next_power_of_2(K): 8 entries a thread, spill-free
+
+    def num_warps(self, elements: int) -> int:
+        return min(16, max(4, elements // 256))  # keeps 8 entries a thread past 1,024 too
+
+
+LIST_REORDER = ListReorderConfig()
+
+
 def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None):
     extra = (("waves_per_eu", waves_per_eu), ("matrix_instr_nonkdim", nonkdim), ("kpack", kpack))
     return KernelConfig(num_warps, num_stages, extra, sub_m)
 
 
-# (kernel, block_q, block_kv, head_dim) -> config. "*" matches any block size or head_dim.
-# "<kernel>_masked" entries apply when kv_block_sizes masks padding keys (more registers live);
-# they fall back to the plain entry when absent.
-# Hopper: measured on the H200 at B=1, H=12, S=32768, D=128, density 1/8 (tune_block_sparse.py);
-# the D=64 entries follow the D=128 ones and are compile-checked, not tuned. Where the fastest
-# measured config spilled registers (tests/compile/test_compile_targets.py), the next spill-free one
-# is used: dK/dV at 128x128 and every masked dK/dV step 32 query rows instead of 64.
+# Kernels: "fwd", "bwd_dkdv", "bwd_dq"; "<kernel>_masked" rows apply when kv_block_sizes masks
+# padding keys (more registers live) and fall back to the plain row when absent.
+# Hopper rows: the fastest spill-free config at B=1, H=12, S=32768, D=128, density 1/8
+# (benchmarks/tuning/tune_block_sparse.py); D=64 reuses them, compile-checked. A row that
+# accepts a spill says so (tests/compile/test_compile_targets.py lists it with its gain).
 HOPPER = {
-    # 128x128: the Gluon kernel, 598 vs 456 TFLOP/s at density 1/8 and 650 vs 461 dense
-    # (benchmarks/results/tuning/try_gluon_fwd_h200.json); Triton's TMA kernel where it cannot go.
+    # Gluon where it fits (square 128 / 64 blocks); else Triton's TMA kernel.
     ("fwd", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
-    ("fwd", 128, 64, "*"): KernelConfig(8, 2, use_tma=True),  # 4 warps: 1.15x faster, spills
-    # 64x64 (VSA's tiles): the Gluon kernel with two query tiles a program, one per consumer.
+    ("fwd", 128, 64, "*"): KernelConfig(8, 2, use_tma=True),  # 4 warps is faster but spills
     ("fwd", 64, 64, "*"): KernelConfig(4, 2, use_tma=True, gluon=True),
-    # Masked keys: TMA when the caller vouches the padding is finite (VSA, PSA), else the
-    # pointer kernel with these warps/stages (fwd.py). VSA 480p 64x64: 2.99 ms TMA vs 3.39
-    # pointer; PSA-like 128x128 (1x8x16 tiles): 6.43 vs 7.12 ms (tune_block_sparse --masked).
+    # Masked keys: TMA only where the caller vouches the padding finite (VSA, PSA), else the
+    # pointer kernel with these warps and stages.
     ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
     ("fwd_masked", 128, 64, "*"): KernelConfig(8, 2),
     ("fwd_masked", 64, 64, "*"): KernelConfig(4, 2, use_tma=True, gluon=True),
-    # Backward: TMA loads of the loop's tiles (query rows for dK/dV, key blocks for dQ) free
-    # the registers that spilled 64-row dK/dV steps with pointer loads, and are faster: whole
-    # backward at density 1/8, 128x128 6.74 -> 5.63 ms (dK/dV) / 6.50 (dQ); 64x64 5.77 ->
-    # 5.38 / 5.39; VSA 480p 8.77 -> 7.86 / 8.28 (tune_block_sparse.py --bwd-tma).
-    # Pointer loads (fp32, padding of unknown content, unaligned strides) keep the spill-free
-    # 32-row steps where 64 spills.
-    # 128x128: both kernels in one launch (fused: the pair launches alike, 8 warps, 2 stages),
-    # since each alone ends in a partial wave (at S=32768, 12 heads: 3072 whole-SM programs,
-    # 23.3 waves on 132 SMs). Whole backward, one launch vs two (compare_bwd_launch.py, H200,
-    # results/tuning/compare_bwd_launch_1ec0e64.json): 5.33 -> 5.24 ms at density 1/8, 2.90 ->
-    # 2.81 ms at 1/16, bit-identical gradients. At D=128 with TMA it spills 24 bytes outside its
-    # loops (test_compile_targets.KNOWN_SPILLS), accepted for that measured gain.
+    # Backward: TMA loads of the loop's tiles free the registers that made 64-row pointer
+    # steps spill; pointer loads (fp32, padding of unknown content, unaligned strides) keep
+    # the spill-free 32-row step. 128x128 fuses both kernels into one launch (24 B spilled
+    # outside the loops at D=128 with TMA, accepted for the measured gain).
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
         8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True
     ),
@@ -113,18 +136,17 @@ NVIDIA_GENERIC = {
     ("bwd_dq", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
 }
 AMD_CDNA = {
-    # 8 warps cap a wave at 256 VGPRs; the 128x128x128 tile with key-block sizes spills there
-    # on gfx942 (tests/compile/compile_kernels.py), so it runs 4 warps at occupancy 1 instead.
+    # 8 warps cap a wave at 256 VGPRs: the 128x128x128 tile with key-block sizes spills there
+    # on gfx942, so it runs 4 warps at occupancy 1.
     ("fwd", 128, 128, 128): _amd(4, 1, waves_per_eu=1),
     ("fwd", 128, "*", "*"): _amd(8, 1, waves_per_eu=2),
     ("fwd", 64, "*", "*"): _amd(4, 1, waves_per_eu=2),
-    # 128 key rows: 32-row query steps (as ROCm's FlashAttention backward) to stay spill-free.
+    # 128 key rows: 32-row query steps (as ROCm's FlashAttention backward) stay spill-free.
     ("bwd_dkdv", 128, 128, "*"): _amd(4, 1, waves_per_eu=1, sub_m=32),
     ("bwd_dkdv", "*", "*", "*"): _amd(4, 1, waves_per_eu=1, sub_m=64),
     ("bwd_dq", "*", "*", "*"): _amd(4, 1, waves_per_eu=1, sub_m=64),
 }
-# CPU CI: the backward takes the fused launch, so the tests that run it against the reference
-# cover it (the two launches are compared with it in test_block_sparse_attn.py).
+# CPU interpreter: the fused backward, so the tests against the reference cover it.
 INTERPRETER = {
     ("fwd", "*", "*", "*"): KernelConfig(4, 1),
     ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=None, fused=True),
@@ -132,7 +154,7 @@ INTERPRETER = {
 }
 
 
-def _table_for(target: Target) -> list[dict]:
+def _tables_for(target: Target) -> list[dict]:
     if target.backend == "cpu":
         return [INTERPRETER]
     if target.backend == "hip":
@@ -142,52 +164,72 @@ def _table_for(target: Target) -> list[dict]:
     return [NVIDIA_GENERIC]
 
 
-def _lookup(
-    target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int, masked: bool = False
-):
-    if masked:
-        for table in _table_for(target):
-            for key in (
-                (f"{kernel}_masked", block_q, block_kv, head_dim),
-                (f"{kernel}_masked", block_q, block_kv, "*"),
-            ):
+def _table_lookup(target, kernel, block_q, block_kv, head_dim, masked) -> KernelConfig:
+    plain = [(kernel, block_q, block_kv, head_dim), (kernel, block_q, block_kv, "*"),
+             (kernel, block_q, "*", "*"), (kernel, "*", "*", "*")]  # fmt: skip
+    masked_keys = [(f"{kernel}_masked", block_q, block_kv, d) for d in (head_dim, "*")]
+    # Masked rows across every table first: a Hopper masked row beats a generic plain one.
+    for keys in (masked_keys, plain) if masked else (plain,):
+        for table in _tables_for(target):
+            for key in keys:
                 if key in table:
                     return table[key]
-    for table in _table_for(target):
-        for key in (
-            (kernel, block_q, block_kv, head_dim),
-            (kernel, block_q, block_kv, "*"),
-            (kernel, block_q, "*", "*"),
-            (kernel, "*", "*", "*"),
-        ):
-            if key in table:
-                return table[key]
     return KernelConfig()
+
+
+@dataclass(frozen=True)
+class Overrides:
+    """Tuning only (benchmarks/tuning/, tests): configs and launch choices that replace the
+    tables' inside ``override(...)``. None keeps the library's choice."""
+
+    fwd: KernelConfig | None = None
+    bwd_dkdv: KernelConfig | None = None
+    bwd_dq: KernelConfig | None = None
+    fused: bool | None = None  # backward: one launch (True) or two (False)
+    full_first: bool = True  # False: walk every key block masked, in the given order
+    gluon: GluonOptions | None = None
+
+
+_active = Overrides()
+
+
+@contextlib.contextmanager
+def override(**changes):
+    """Replace configs for the calls inside the block (tuning, comparisons, tests)::
+
+    with override(fwd=KernelConfig(4, 2), fused=False):
+        ...
+    """
+    global _active
+    saved = _active
+    _active = replace(_active, **changes)
+    try:
+        yield _active
+    finally:
+        _active = saved
+
+
+def active_overrides() -> Overrides:
+    return _active
+
+
+def lookup(
+    target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int, masked: bool = False
+) -> KernelConfig:
+    """The config of ``kernel`` ("fwd", "bwd_dkdv" or "bwd_dq"); ``masked`` when key-block sizes
+    mask padding keys. Backward configs come with ``sub_m`` dividing ``block_q``."""
+    chosen = getattr(_active, kernel)
+    cfg = chosen or _table_lookup(target, kernel, block_q, block_kv, head_dim, masked)
+    return cfg if kernel == "fwd" else fit_sub_m(cfg, block_q)
+
+
+def gluon_options() -> GluonOptions:
+    return _active.gluon or GLUON
 
 
 def fit_sub_m(cfg: KernelConfig, block_q: int) -> KernelConfig:
     """``cfg`` with its step halved until it divides ``block_q`` (at most ``block_q``)."""
-    sub = cfg.sub_m or block_q
-    sub = min(sub, block_q)
+    sub = min(cfg.sub_m or block_q, block_q)
     while block_q % sub:
         sub //= 2
     return replace(cfg, sub_m=sub)
-
-
-def forward_config(
-    target: Target,
-    block_q: int,
-    block_kv: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    masked: bool = False,
-) -> KernelConfig:
-    """Config of the forward kernel; ``masked`` when kv_block_sizes masks padding keys."""
-    return _lookup(target, "fwd", block_q, block_kv, head_dim, masked)
-
-
-def backward_config(
-    target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int, masked: bool = False
-) -> KernelConfig:
-    """``kernel`` is "bwd_dkdv" or "bwd_dq"; the result has ``sub_m`` dividing ``block_q``."""
-    return fit_sub_m(_lookup(target, kernel, block_q, block_kv, head_dim, masked), block_q)

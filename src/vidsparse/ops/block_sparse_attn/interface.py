@@ -12,6 +12,18 @@ import math
 import torch
 
 from vidsparse.masks.block_sparse import validate_block_lists
+from vidsparse.ops.block_sparse_attn.configs import (
+    REFERENCE_DTYPES,
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+)
+from vidsparse.ops.block_sparse_attn.epilogue import (
+    NO_EPILOGUE,
+    EngineCall,
+    Epilogue,
+    epilogue_from,
+    padded_tensors,
+)
 from vidsparse.ops.block_sparse_attn.reference import (
     block_sparse_attn_bwd_ref,
     block_sparse_attn_ref,
@@ -20,9 +32,7 @@ from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_positive_int, check_same_device, check_tensor
 from vidsparse.utils.tensor_cache import TensorCache
 
-TRITON_HEAD_DIMS = (16, 32, 64, 128)
-TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TORCH_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+TRITON_HEAD_DIMS, TRITON_DTYPES = SUPPORTED_HEAD_DIMS, SUPPORTED_DTYPES
 
 
 def block_sparse_attn(
@@ -66,10 +76,11 @@ def block_sparse_attn(
     scale = _normalize_scale(scale, q.shape[-1])
     backend = resolve_backend(device)
     if backend == "triton":
-        _check_triton_supported(q)
+        check_triton_supported(q)
     o, lse = torch.ops.vidsparse.block_sparse_attn_fwd(
-        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend
-    )
+        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
+        False, NO_EPILOGUE.name, *padded_tensors(NO_EPILOGUE),
+    )  # fmt: skip
     return (o, lse) if return_lse else o
 
 
@@ -85,16 +96,21 @@ def block_sparse_attn_unchecked(
     kv_block_sizes: torch.Tensor | None,
     scale: float,
     padding_finite: bool = False,
+    epilogue: Epilogue = NO_EPILOGUE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(o, lse)`` for callers inside vidsparse that built the lists themselves (VSA's top-k,
-    PSA's stripe lists): no argument checks, so no GPU sync reading the lists back. The caller
-    guarantees what ``block_sparse_attn`` would have checked, and with ``padding_finite`` that
-    padding keys hold finite values (so the TMA kernels may read them; see
-    ``fwd.block_sparse_attn_fwd``)."""
+    """The engine's internal entry, for callers inside vidsparse that built the lists
+    themselves (VSA's top-k, PSA's stripes, STA's windows): ``(o, lse)``, differentiable in
+    q, k, v and the epilogue's tensors, through the same custom ops as ``block_sparse_attn``.
+
+    No argument checks, so no GPU sync reading the lists back: the caller guarantees what
+    ``block_sparse_attn`` would have checked, and with ``padding_finite`` that padding keys
+    hold finite values (so the TMA kernels may read them). ``epilogue``: a registered
+    :class:`~vidsparse.ops.block_sparse_attn.epilogue.Epilogue` fused into the kernels
+    (``lse`` stays the engine's own)."""
     backend = resolve_backend(q.device)
     return torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-        padding_finite,
+        padding_finite, epilogue.name, *padded_tensors(epilogue),
     )  # fmt: skip
 
 
@@ -123,7 +139,7 @@ def _normalize_scale(scale, head_dim: int) -> float:
 
 def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv) -> torch.device:
     for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, ndim=4, dtypes=TORCH_DTYPES)
+        check_tensor(name, x, ndim=4, dtypes=REFERENCE_DTYPES)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_tensor("kv_indices", kv_indices)
@@ -188,18 +204,21 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
 _values_checked = TensorCache()
 
 
-def _check_triton_supported(q: torch.Tensor) -> None:
+def check_triton_supported(q: torch.Tensor) -> None:
+    """Refuse, before any launch, a head dim or dtype the Triton kernels do not take (every op
+    on the engine calls this)."""
     D = q.shape[-1]
     if D not in TRITON_HEAD_DIMS:
         raise ValueError(
             f"head_dim {D} is not supported by the Triton kernels; supported: {TRITON_HEAD_DIMS}"
             " (set VIDSPARSE_BACKEND=torch for the reference path)"
         )
-    if q.dtype not in TRITON_DTYPES:
+    if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q.dtype}")
 
 
 # --------------------------------------------------------------------------- custom ops
+# The epilogue travels as its registered name and MAX_TENSORS optional tensors (e0..e3).
 
 
 @torch.library.custom_op("vidsparse::block_sparse_attn_fwd", mutates_args=())
@@ -214,32 +233,32 @@ def _block_sparse_attn_fwd_op(
     block_kv: int,
     scale: float,
     backend: str,
-    padding_finite: bool = False,
+    padding_finite: bool,
+    epilogue: str,
+    e0: torch.Tensor | None,
+    e1: torch.Tensor | None,
+    e2: torch.Tensor | None,
+    e3: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    ep = epilogue_from(epilogue, (e0, e1, e2, e3))
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
         return block_sparse_attn_fwd(
             q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-            padding_finite=padding_finite,
+            padding_finite=padding_finite, epilogue=ep,
         )  # fmt: skip
     o, lse = block_sparse_attn_ref(
-        q,
-        k,
-        v,
-        kv_indices,
-        kv_counts,
-        block_q=block_q,
-        block_kv=block_kv,
-        kv_block_sizes=kv_block_sizes,
-        scale=scale,
-    )
-    return o, lse.float()
+        q, k, v, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
+        kv_block_sizes=kv_block_sizes, scale=scale,
+    )  # fmt: skip
+    o = ep.forward_torch(o, EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype))
+    return torch.empty_like(q).copy_(o), lse.float()  # q's strides, as the Triton path
 
 
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-      padding_finite=False):  # fmt: skip
+      padding_finite, epilogue, e0, e1, e2, e3):  # fmt: skip
     B, H, Sq, _ = q.shape
     return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32)
 
@@ -259,56 +278,71 @@ def _block_sparse_attn_bwd_op(
     block_kv: int,
     scale: float,
     backend: str,
-    padding_finite: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    padding_finite: bool,
+    epilogue: str,
+    e0: torch.Tensor | None,
+    e1: torch.Tensor | None,
+    e2: torch.Tensor | None,
+    e3: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none."""
+    ep = epilogue_from(epilogue, (e0, e1, e2, e3))
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
 
-        return block_sparse_attn_bwd(
-            do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-            padding_finite=padding_finite,
+        dq, dk, dv = block_sparse_attn_bwd(
+            do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
+            scale, padding_finite=padding_finite, epilogue=ep,
         )  # fmt: skip
-    return block_sparse_attn_bwd_ref(
-        do,
-        q,
-        k,
-        v,
-        o,
-        kv_indices,
-        kv_counts,
-        block_q=block_q,
-        block_kv=block_kv,
-        kv_block_sizes=kv_block_sizes,
-        scale=scale,
-    )
+    else:
+        dq, dk, dv = _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes,
+                                     block_q, block_kv, scale, ep)  # fmt: skip
+    return dq, dk, dv, _slots(ep.gradients(), do)
+
+
+def _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
+                    scale, ep):  # fmt: skip
+    call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
+    o, do = ep.prologue_torch(o, do, call)
+    dq, dk, dv = block_sparse_attn_bwd_ref(
+        do, q, k, v, o, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
+        kv_block_sizes=kv_block_sizes, scale=scale,
+    )  # fmt: skip
+    return ep.grads_torch(dq, dk, dv, call)
+
+
+def _slots(grads, like: torch.Tensor) -> list[torch.Tensor]:
+    padded = [*grads, *([None] * (4 - len(grads)))]
+    return [like.new_empty(0) if g is None else g for g in padded]
 
 
 @_block_sparse_attn_bwd_op.register_fake
-def _(
-    do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-    padding_finite=False,
-):  # fmt: skip
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
+      backend, padding_finite, epilogue, e0, e1, e2, e3):  # fmt: skip
+    ep = epilogue_from(epilogue, (e0, e1, e2, e3))
+    grads = _slots(ep.fake_gradients(), do)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend, finite = (
-        inputs
-    )
+    (q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
+     finite, epilogue, *tensors) = inputs  # fmt: skip
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes)
-    ctx.meta = (block_q, block_kv, scale, backend, finite)
+    ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, *tensors)
+    ctx.meta = (block_q, block_kv, scale, backend, finite, epilogue)
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes = ctx.saved_tensors
-    block_q, block_kv, scale, backend, padding_finite = ctx.meta
-    dq, dk, dv = torch.ops.vidsparse.block_sparse_attn_bwd(
+def _backward(ctx, do, _dlse):
+    q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, *tensors = ctx.saved_tensors
+    block_q, block_kv, scale, backend, padding_finite, epilogue = ctx.meta
+    dq, dk, dv, grads = torch.ops.vidsparse.block_sparse_attn_bwd(
         do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-        backend, padding_finite,
+        backend, padding_finite, epilogue, *tensors,
     )  # fmt: skip
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    # Only tensors that took part get a gradient (an empty slot means none).
+    tensor_grads = [g if t is not None and g.shape == t.shape else None for g, t in zip(grads, tensors)]
+    return (dq, dk, dv, *([None] * 9), *tensor_grads)
 
 
 _block_sparse_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)

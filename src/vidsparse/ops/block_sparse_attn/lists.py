@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from vidsparse.masks.block_sparse import transpose_block_lists
+from vidsparse.ops.block_sparse_attn.configs import LIST_REORDER
+from vidsparse.ops.block_sparse_attn.kernels.lists import full_blocks_first_kernel
 from vidsparse.utils.tensor_cache import TensorCache
 
 # Lists derived from block lists, per source tensors (see TensorCache).
@@ -50,43 +51,6 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks):
     )  # fmt: skip
 
 
-_ROW_ELEMENTS = 1024  # list entries per program (rows * next_power_of_2(K)): 8 a thread, spill-free
-
-
-@triton.jit
-def _full_blocks_first_kernel(
-    KV_IDX, KV_CNT, KV_SIZES, OUT_IDX, OUT_FULL,
-    # kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], kv_sizes int32 [NK];
-    # out_idx int32 [Bi, H, NQ, K] contiguous, out_full int32 [Bi, H, NQ] contiguous
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    H, NQ, K, num_rows, full_size,
-    ROWS: tl.constexpr, WIDTH: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R] flat (b, h, i) rows
-    row_ok = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    i = rows64 % NQ
-    h = (rows64 // NQ) % H
-    b = rows64 // (NQ * H)
-    count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + i * stride_cq, mask=row_ok, other=0)
-
-    offs = tl.arange(0, WIDTH)  # [W]
-    live = offs[None, :] < count[:, None]  # [R, W]; count is 0 on rows past num_rows
-    in_row = b * stride_ib + h * stride_ih + i * stride_iq  # [R]
-    blocks = tl.load(KV_IDX + in_row[:, None] + offs[None, :] * stride_ik, mask=live, other=0)
-    sizes = tl.load(KV_SIZES + blocks, mask=live, other=0)  # [R, W]
-    full = (live & (sizes == full_size)).to(tl.int32)
-    partial = (live & (sizes != full_size)).to(tl.int32)
-    num_full = tl.sum(full, axis=1)  # [R]
-    slot = tl.where(
-        full != 0, tl.cumsum(full, axis=1) - 1, num_full[:, None] + tl.cumsum(partial, axis=1) - 1
-    )  # [R, W]: each row's full blocks, then its partial ones, both in list order
-    out_row = rows64 * K
-    tl.store(OUT_IDX + out_row[:, None] + slot, blocks.to(tl.int32), mask=live)
-    tl.store(OUT_FULL + rows64, num_full, mask=row_ok)
-
-
 def full_blocks_first(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
@@ -105,13 +69,13 @@ def full_blocks_first(
         full_counts.zero_()
         return indices, full_counts
     width = triton.next_power_of_2(k)
-    rows = max(1, _ROW_ELEMENTS // width)
-    _full_blocks_first_kernel[(triton.cdiv(num_rows, rows),)](
+    rows = max(1, LIST_REORDER.row_elements // width)
+    full_blocks_first_kernel[(triton.cdiv(num_rows, rows),)](
         kv_indices, kv_counts, kv_block_sizes, indices, full_counts,
         *kv_indices.stride(), *kv_counts.stride(),
         h, nq, k, num_rows, block_kv,
         ROWS=rows, WIDTH=width,
-        num_warps=min(16, max(4, rows * width // 256)),  # 8 entries a thread past 1,024 too
+        num_warps=LIST_REORDER.num_warps(rows * width),
     )  # fmt: skip
     return indices, full_counts
 

@@ -1,41 +1,34 @@
-"""VSA's fine stage with the gate combine fused into the engine's epilogue.
+"""VSA's fine stage: the engine with VSA's gate combine declared as its epilogue.
 
 ::
 
     o[b, h, tile i, row r] = o_fine[b, h, i, r] + gate[b, h, i, r] * o_coarse[b, h, i]
                              (0 for padding rows when ``q_block_sizes`` is given)
 
-``o_fine`` is block-sparse attention over the key tiles listed for tile ``i`` (the engine's
-forward kernel); the sum is formed in fp32 in the kernel before the one store of ``o``, so the
-combine costs no pass over memory of its own, and ``o_fine`` is not kept: the backward is the
-engine's backward with ``o_fine = o - gate * o_coarse`` recomputed in its preprocess kernel,
-which reads ``do`` anyway and also forms
-
-    d o_coarse[b, h, i] = sum_r do[b, h, i, r] * gate[b, h, i, r]      d gate = do * o_coarse
-
-and gives padding rows (constant 0 in ``o``) no gradient. Given the coarse stage's tile means
-(``pooled``), the coarse attention's backward runs here too, between the preprocess and the
-two gradient kernels, which add each tile mean's gradient share (``d mean_i / size_i``) to the
-tile's real rows: the pooling's backward costs no pass of its own and the two branches'
-gradients need no sum.
-
-Registered as custom ops so ``torch.compile`` keeps the call whole.
+The engine forms ``o_fine`` and the kernels add the coarse term before the one store of ``o``
+(``kernels/combine.py``); ``o_fine`` is not kept: the backward's prologue recovers it from
+``o`` and forms the combine's gradients from its one read of ``do``. Given the coarse stage's
+tile means (``pooled``), the coarse attention's backward runs between the prologue and the
+gradient kernels, which add each tile mean's gradient share to the tile's real rows: the
+pooling's backward costs no pass of its own.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from vidsparse.ops.block_sparse_attn.reference import (
-    block_sparse_attn_bwd_ref,
-    block_sparse_attn_ref,
+from vidsparse.ops.block_sparse_attn.epilogue import (
+    EngineCall,
+    Epilogue,
+    EpilogueFns,
+    FnSpecs,
+    register_epilogue,
 )
-from vidsparse.ops.video_sparse_attn.coarse import (
-    coarse_attn_bwd,
-    coarse_grad_dtype,
-    tile_mean_pool_bwd_torch,
-)
-from vidsparse.utils.backend import resolve_backend
+from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
+from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, coarse_grad_dtype
+from vidsparse.ops.video_sparse_attn.reference import tile_means_bwd
 
 
 def vsa_fine_combined(
@@ -58,216 +51,154 @@ def vsa_fine_combined(
     (fp32); ``gate_t`` like ``q_t`` or None (then ``o_fine + o_coarse``); padding keys must be
     finite (zeros from tiling, or a tiled input's padding rows), their scores are masked.
 
-    ``pooled`` (``[3, B, H, Nt, D]``, the coarse stage's tile means of q_t and the first Nt key
-    tiles of k_seq, v_seq, from which ``o_coarse`` was computed) fuses the coarse branch's
-    backward into this op's: the gradient through ``o_coarse`` reaches q_t, k_seq and v_seq
-    here, inside the engine's kernels, and ``o_coarse`` itself gets none (the coarse stage's
-    own backward then never runs). Without it, ``o_coarse`` gets its gradient as usual.
+    ``pooled`` (``[3, B, H, Nt, D]``, the tile means of q_t and of the first Nt key tiles of
+    k_seq, v_seq, from which ``o_coarse`` was computed) fuses the coarse branch's backward
+    into the engine's: the gradient through ``o_coarse`` reaches q_t, k_seq and v_seq inside
+    the engine's kernels, and ``o_coarse`` itself gets none (the coarse stage's own backward
+    then never runs).
     """
     if pooled is not None:
-        # The gradient through o_coarse is formed in this op's backward: cut the coarse stage's
-        # own backward out of the graph (a None gradient would be materialised as zeros and
-        # still run it).
+        # Its gradient is formed in the engine's backward: cut the coarse stage's own backward
+        # out of the graph (a None gradient would be materialised as zeros and still run it).
         o_coarse = o_coarse.detach()
-    o, _ = torch.ops.vidsparse.vsa_fine_fwd(
-        q_t,
-        k_seq,
-        v_seq,
-        kv_indices,
-        kv_counts,
-        kv_block_sizes,
-        o_coarse,
-        None if gate_t is None else gate_t.contiguous(),
-        q_block_sizes,
-        pooled,
-        block,
-        scale,
-        resolve_backend(q_t.device),
-    )
+    gate_t = None if gate_t is None else gate_t.contiguous()
+    epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled)
+    o, _ = block_sparse_attn_unchecked(
+        q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
+        kv_block_sizes=kv_block_sizes, scale=scale, padding_finite=True, epilogue=epilogue,
+    )  # fmt: skip
     return o
 
 
-@torch.library.custom_op("vidsparse::vsa_fine_fwd", mutates_args=())
-def _vsa_fine_fwd_op(
-    q_t: torch.Tensor,
-    k_seq: torch.Tensor,
-    v_seq: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_counts: torch.Tensor,
-    kv_block_sizes: torch.Tensor,
-    o_coarse: torch.Tensor,
-    gate_t: torch.Tensor | None,
-    q_block_sizes: torch.Tensor | None,
-    pooled: torch.Tensor | None,
-    block: int,
-    scale: float,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``(o, lse)`` (``lse`` of the fine attention). ``pooled`` is only kept for the
-    backward, which recomputes ``o_fine`` from ``o``: no copy of it is stored."""
-    if backend != "triton":
-        return _combined_torch(
-            q_t, k_seq, v_seq, kv_indices, kv_counts, kv_block_sizes, o_coarse, gate_t,
-            q_block_sizes, block, scale,
-        )  # fmt: skip
-    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
+@functools.cache
+def _kernel_fns() -> EpilogueFns:
+    from vidsparse.ops.video_sparse_attn.kernels import combine
 
-    combine = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes)
-    return block_sparse_attn_fwd_combined(
-        q_t,
-        k_seq,
-        v_seq,
-        kv_indices,
-        kv_counts,
-        kv_block_sizes,
-        block,
-        block,
-        scale,
-        combine,
-        padding_finite=True,
+    try:
+        from vidsparse.ops.video_sparse_attn.kernels.combine_sm90 import combine_forward_sm90
+    except ImportError:  # a Triton without Gluon: the engine's Triton forward runs instead
+        sm90 = None
+    else:
+        sm90 = FnSpecs("vsa_combine", combine_forward_sm90)
+    return EpilogueFns(
+        forward=FnSpecs("vsa_combine", combine.combine_forward),
+        prologue=FnSpecs("vsa_combine", combine.combine_prologue),
+        dq=FnSpecs("vsa_combine", combine.pooled_dq),
+        dkdv=FnSpecs("vsa_combine", combine.pooled_dkdv),
+        forward_sm90=sm90,
     )
 
 
-def _combined_torch(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
-                    block, scale):  # fmt: skip
-    """The same on the engine's PyTorch reference (CPU, ``VIDSPARSE_BACKEND=torch``)."""
-    o_fine, lse = block_sparse_attn_ref(
-        q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
-        kv_block_sizes=sizes, scale=scale,
-    )  # fmt: skip
-    o = o_fine.float() + _coarse_term(o_coarse, gate_t, block, torch.float32)
-    if q_sizes is not None:
-        o = o.masked_fill(_padding_rows(q_sizes, block), 0)
-    return torch.empty_like(q_t).copy_(o), lse.float()  # strides as the Triton path
+def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
+    return tuple(x.stride()[:3])
 
 
-def _coarse_term(o_coarse, gate_t, block: int, dtype) -> torch.Tensor:
-    """``gate * o_coarse`` broadcast over each block's rows ([B, H, S, D], in ``dtype``)."""
-    coarse = o_coarse.to(dtype).repeat_interleave(block, dim=2)
-    return coarse if gate_t is None else gate_t.to(dtype) * coarse
+@register_epilogue
+class CoarseCombine(Epilogue):
+    """VSA's combine as the engine's epilogue; tensors ``(o_coarse, gate, q_block_sizes,
+    pooled)``, all but ``o_coarse`` optional. ``o_coarse`` and ``gate`` get gradients."""
+
+    name = "vsa_combine"
+
+    def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None):
+        super().__init__(o_coarse, gate, q_block_sizes, pooled)
+        self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
+        self._d_coarse = self._d_gate = None
+
+    def fns(self) -> EpilogueFns:
+        return _kernel_fns()
+
+    # --- Triton
+    def forward_args(self, call: EngineCall) -> tuple:
+        oc, gate, dummy = self.o_coarse, self.gate, self.o_coarse
+        gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *_strides3(gate))
+        sizes = dummy if self.q_sizes is None else self.q_sizes
+        flags = (gate is not None, self.q_sizes is not None)
+        return (oc, *_strides3(oc), *gate_args, sizes, *map(_constexpr, flags))
+
+    def prologue_args(self, call: EngineCall, do: torch.Tensor) -> tuple:
+        B, H, _, D = do.shape
+        num_q_blocks = self.o_coarse.shape[2]
+        self._d_coarse = torch.empty((B, H, num_q_blocks, D), device=do.device,
+                                     dtype=torch.float32)  # fmt: skip
+        self._d_gate = None if self.gate is None else torch.empty_like(self.gate)
+        base = self.forward_args(call)
+        dgate = (self._d_coarse, 0, 0, 0) if self._d_gate is None else (
+            self._d_gate, *_strides3(self._d_gate))  # fmt: skip
+        return (*base[:-2], self._d_coarse, *_strides3(self._d_coarse), *dgate, *base[-2:])
+
+    def grad_args(self, call: EngineCall) -> tuple:
+        if self.pooled is None:
+            return (self.o_coarse, 0, 0, 0, 0, self.o_coarse, 0, _constexpr(False))
+        dpool = self._pooled_grad(self._d_coarse, call).float()  # [3, B, H, NQ, D]
+        nq = self.o_coarse.shape[2]
+        return (dpool, *dpool.stride()[:4], call.kv_block_sizes, nq, _constexpr(True))
+
+    def _pooled_grad(self, d_coarse, call: EngineCall):
+        p, low = self.pooled, coarse_grad_dtype(call.dtype)
+        return coarse_attn_bwd(d_coarse, p[0], p[1], p[2], call.scale, low)
+
+    # --- PyTorch
+    def forward_torch(self, o_fine, call: EngineCall) -> torch.Tensor:
+        o = o_fine.float() + self._coarse_term(call.block_q, torch.float32)
+        if self.q_sizes is not None:
+            o = o.masked_fill(_padding_rows(self.q_sizes, call.block_q), 0)
+        return o
+
+    def prologue_torch(self, o, do, call: EngineCall):
+        """The combine's sums in fp32 (fp64 for fp64)."""
+        acc = torch.promote_types(do.dtype, torch.float32)
+        block = call.block_q
+        o_fine = o.to(acc) - self._coarse_term(block, acc)
+        if self.q_sizes is not None:  # padding rows of o are constant zero: no gradient
+            do = do.masked_fill(_padding_rows(self.q_sizes, block), 0)
+        B, H, S, D = do.shape
+        do5 = do.to(acc).view(B, H, S // block, block, D)
+        if self.gate is None:
+            self._d_coarse = do5.sum(-2)
+        else:
+            self._d_coarse = (do5 * self.gate.to(acc).view(B, H, S // block, block, D)).sum(-2)
+            d_gate = do5 * self.o_coarse.to(acc).unsqueeze(-2)
+            self._d_gate = d_gate.to(self.gate.dtype).view(B, H, S, D)
+        return o_fine, do
+
+    def grads_torch(self, dq, dk, dv, call: EngineCall):
+        if self.pooled is None:
+            return dq, dk, dv
+        acc = torch.promote_types(dq.dtype, torch.float32)
+        S, nq = dq.shape[2], self.o_coarse.shape[2]
+        dpool = self._pooled_grad(self._d_coarse, call)
+        shares = tile_means_bwd(dpool, call.kv_block_sizes[:nq], S, acc)
+        dq = (dq.to(acc) + shares[0]).to(dq.dtype)
+        dk, dv = (g.clone() for g in (dk, dv))
+        for g, share in zip((dk, dv), shares[1:]):
+            g[:, :, :S] = (g[:, :, :S].to(acc) + share).to(g.dtype)
+        return dq, dk, dv
+
+    # --- gradients of (o_coarse, gate, q_block_sizes, pooled)
+    def gradients(self):
+        # With pooled, o_coarse's gradient already reached q, k, v through the tile means.
+        d_oc = None if self.pooled is not None else self._d_coarse.to(self.o_coarse.dtype)
+        return d_oc, self._d_gate, None, None
+
+    def fake_gradients(self):
+        d_oc = None if self.pooled is not None else torch.empty_like(self.o_coarse)
+        d_gate = None if self.gate is None else torch.empty_like(self.gate)
+        return d_oc, d_gate, None, None
+
+    def _coarse_term(self, block: int, dtype) -> torch.Tensor:
+        """``gate * o_coarse`` broadcast over each block's rows ([B, H, S, D], in ``dtype``)."""
+        coarse = self.o_coarse.to(dtype).repeat_interleave(block, dim=2)
+        return coarse if self.gate is None else self.gate.to(dtype) * coarse
+
+
+def _constexpr(value):
+    import triton.language as tl
+
+    return tl.constexpr(value)
 
 
 def _padding_rows(q_sizes: torch.Tensor, block: int) -> torch.Tensor:
     """Bool ``[1, 1, S, 1]``: the rows past each block's real size."""
     real = torch.arange(block, device=q_sizes.device) < q_sizes.view(-1, 1)  # [NQ, V]
     return ~real.view(1, 1, -1, 1)
-
-
-@_vsa_fine_fwd_op.register_fake
-def _(q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled, block,
-      scale, backend):  # fmt: skip
-    B, H, S, _ = q_t.shape
-    return torch.empty_like(q_t), q_t.new_empty((B, H, S), dtype=torch.float32)
-
-
-def _setup_context(ctx, inputs, output):
-    (q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled, block,
-     scale, backend) = inputs  # fmt: skip
-    o, lse = output
-    ctx.save_for_backward(
-        q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes, pooled
-    )
-    ctx.meta = (block, scale, backend)
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, do, _dlse):
-    (q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t, q_sizes,
-     pooled) = ctx.saved_tensors  # fmt: skip
-    block, scale, backend = ctx.meta
-    dq, dk, dv, d_coarse, d_gate = torch.ops.vidsparse.vsa_fine_bwd(
-        do, q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
-        q_sizes, pooled, block, scale, backend,
-    )  # fmt: skip
-    # With pooled, the coarse branch's gradient is already in dq, dk, dv (see vsa_fine_combined).
-    d_oc = None if pooled is not None else d_coarse.to(o_coarse.dtype)
-    return (dq, dk, dv, None, None, None, d_oc, None if gate_t is None else d_gate, None, None,
-            None, None, None)  # fmt: skip
-
-
-@torch.library.custom_op("vidsparse::vsa_fine_bwd", mutates_args=())
-def _vsa_fine_bwd_op(
-    do: torch.Tensor,
-    q_t: torch.Tensor,
-    k_seq: torch.Tensor,
-    v_seq: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    kv_indices: torch.Tensor,
-    kv_counts: torch.Tensor,
-    kv_block_sizes: torch.Tensor,
-    o_coarse: torch.Tensor,
-    gate_t: torch.Tensor | None,
-    q_block_sizes: torch.Tensor | None,
-    pooled: torch.Tensor | None,
-    block: int,
-    scale: float,
-    backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(dq, dk, dv, d_o_coarse fp32, d_gate)`` (``d_gate`` empty without a gate),
-    given the forward's combined output ``o`` and fine ``lse``.
-
-    Triton: the engine's backward, with the combine's gradients formed in its preprocess kernel
-    from the one read of ``do`` (padding rows carry no gradient: they are constant 0). With
-    ``pooled``, the coarse attention's backward runs between the preprocess and the two
-    gradient kernels, which add each tile mean's gradient share to the tile's real rows."""
-    pooled_grad = None
-    if pooled is not None:
-        low = coarse_grad_dtype(q_t.dtype)
-
-        def pooled_grad(d_coarse):
-            return coarse_attn_bwd(d_coarse, pooled[0], pooled[1], pooled[2], scale, low)
-
-    if backend != "triton":
-        return _combined_bwd_torch(
-            do, q_t, k_seq, v_seq, o, kv_indices, kv_counts, kv_block_sizes, o_coarse,
-            gate_t, q_block_sizes, block, scale, pooled_grad,
-        )  # fmt: skip
-    from vidsparse.ops.block_sparse_attn.bwd import CoarseGrad, block_sparse_attn_bwd_combined
-
-    dq, dk, dv, d_coarse, d_gate = block_sparse_attn_bwd_combined(
-        do, q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, kv_block_sizes, block, block,
-        scale, CoarseGrad(o_coarse, gate_t, q_block_sizes, pooled_grad), padding_finite=True,
-    )  # fmt: skip
-    return dq, dk, dv, d_coarse, (d_gate if d_gate is not None else do.new_empty(0))
-
-
-def _combined_bwd_torch(do, q_t, k_seq, v_seq, o, kv_indices, kv_counts, sizes, o_coarse,
-                        gate_t, q_sizes, block, scale, pooled_grad):  # fmt: skip
-    """The same on the engine's PyTorch reference; the combine's sums in fp32 (fp64 for fp64)."""
-    B, H, S, D = q_t.shape
-    acc = torch.promote_types(do.dtype, torch.float32)
-    num_tiles = S // block
-    o_fine = o.to(acc) - _coarse_term(o_coarse, gate_t, block, acc)
-    if q_sizes is not None:  # padding rows of o are constant zero: no gradient flows back
-        do = do.masked_fill(_padding_rows(q_sizes, block), 0)
-    dq, dk, dv = block_sparse_attn_bwd_ref(
-        do, q_t, k_seq, v_seq, o_fine, kv_indices, kv_counts, block_q=block, block_kv=block,
-        kv_block_sizes=sizes, scale=scale,
-    )  # fmt: skip
-    do5 = do.to(acc).view(B, H, num_tiles, block, D)
-    if gate_t is None:
-        d_coarse, d_gate = do5.sum(-2), do.new_empty(0)
-    else:
-        d_coarse = (do5 * gate_t.to(acc).view(B, H, num_tiles, block, D)).sum(-2)
-        d_gate = (do5 * o_coarse.to(acc).unsqueeze(-2)).to(gate_t.dtype).view(B, H, S, D)
-    if pooled_grad is not None:  # the tile-mean pooling's backward, added to the fine grads
-        shares = tile_mean_pool_bwd_torch(pooled_grad(d_coarse), sizes[:num_tiles], S, acc)
-        dq = (dq.to(acc) + shares[0]).to(dq.dtype)
-        dk, dv = (g.clone() for g in (dk, dv))
-        for g, share in zip((dk, dv), shares[1:]):
-            g[:, :, :S] = (g[:, :, :S].to(acc) + share).to(g.dtype)
-    return dq, dk, dv, d_coarse, d_gate
-
-
-@_vsa_fine_bwd_op.register_fake
-def _(do, q_t, k_seq, v_seq, o, lse, kv_indices, kv_counts, sizes, o_coarse, gate_t,
-      q_sizes, pooled, block, scale, backend):  # fmt: skip
-    B, H, S, D = q_t.shape
-    acc = torch.promote_types(do.dtype, torch.float32)  # fp32 as the kernel; fp64 on torch
-    d_coarse = q_t.new_empty((B, H, S // block, D), dtype=acc)
-    d_gate = torch.empty_like(gate_t) if gate_t is not None else do.new_empty(0)
-    return torch.empty_like(q_t), torch.empty_like(k_seq), torch.empty_like(v_seq), d_coarse, d_gate
-
-
-_vsa_fine_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,149 @@
+"""The engine's epilogue contract: what a client fuses into the engine's kernels.
+
+A client (VSA's gate combine, say) declares an :class:`Epilogue` subclass: jit functions that
+the kernels call at fixed points, and the host code that hands them their arguments. The
+engine calls them without knowing what they do::
+
+    forward   o = forward(o, b, h, q_block, rows, local_rows, dims, *forward_args)
+              on the normalised fp32 o [rows, D] of a query block, before its one store
+    backward  o, do, lse2 = prologue(o, do, lse2, b, h, q_block, rows, local_rows, dims,
+                                     *prologue_args)
+              in the preprocess pass: recover the engine's o from the stored output, zero
+              do / set lse2 = +inf on rows that carry no gradient, form the client's own
+              gradients from this one read of do
+              dq = dq(dq, b, h, q_block, local_rows, dims, *grad_args)
+              dk, dv = dkdv(dk, dv, b, h, kv_block, dims, *grad_args)
+              on the finished gradients, before their stores
+
+``rows`` index the (b, h) sequence, ``local_rows`` the query block (int), ``dims`` the head
+dim. ``grad_args`` are asked for after the prologue ran, so they may depend on what it wrote.
+The same epilogue runs on the PyTorch backend through its ``*_torch`` methods, so every
+backend computes the same thing. Subclasses register with :func:`register_epilogue`; the
+engine's custom ops carry the epilogue as its name and at most ``MAX_TENSORS`` tensors.
+Modelled on ``triton_kernels``' ``Epilogue`` / ``FnSpecs``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from vidsparse.ops.block_sparse_attn.kernels import no_epilogue
+
+MAX_TENSORS = 4
+
+
+@dataclass(frozen=True)
+class FnSpecs:
+    """A jit function the kernels call at one hook point, and what its extra arguments are."""
+
+    name: str
+    fn: Any  # @triton.jit (or, for the Hopper forward, @gluon.jit) function
+    arg_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EpilogueFns:
+    """One function per hook point. ``forward_sm90`` is the Gluon forward's version; without
+    it that kernel is not taken (the Triton forward is)."""
+
+    forward: FnSpecs
+    prologue: FnSpecs
+    dq: FnSpecs
+    dkdv: FnSpecs
+    forward_sm90: FnSpecs | None = None
+
+
+class EngineCall(NamedTuple):
+    """What an epilogue's host code may need to know about the engine call."""
+
+    block_q: int
+    block_kv: int
+    kv_block_sizes: torch.Tensor | None
+    scale: float
+    dtype: torch.dtype  # q's
+
+
+@functools.cache
+def _identity_fns() -> EpilogueFns:
+    from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import forward_identity_sm90
+
+    return EpilogueFns(
+        forward=FnSpecs("none", no_epilogue.forward_identity),
+        prologue=FnSpecs("none", no_epilogue.prologue_identity),
+        dq=FnSpecs("none", no_epilogue.dq_identity),
+        dkdv=FnSpecs("none", no_epilogue.dkdv_identity),
+        forward_sm90=FnSpecs("none", forward_identity_sm90),
+    )
+
+
+class Epilogue:
+    """Base class: no epilogue (every hook returns its input). Instances hold the client's
+    tensors for one call and the state between its backward hooks."""
+
+    name: ClassVar[str] = "none"
+
+    def __init__(self, *tensors: torch.Tensor | None):
+        if len(tensors) > MAX_TENSORS:
+            raise ValueError(f"an epilogue carries at most {MAX_TENSORS} tensors")
+        self.tensors = tensors
+
+    def fns(self) -> EpilogueFns:
+        """The jit functions (a method: Gluon imports only where it is used)."""
+        return _identity_fns()
+
+    # --- Triton path: argument tuples of the hooks
+    def forward_args(self, call: EngineCall) -> tuple:
+        return ()
+
+    def prologue_args(self, call: EngineCall, do: torch.Tensor) -> tuple:
+        return ()
+
+    def grad_args(self, call: EngineCall) -> tuple:
+        return ()
+
+    # --- PyTorch path: the same arithmetic on the reference
+    def forward_torch(self, o: torch.Tensor, call: EngineCall) -> torch.Tensor:
+        return o
+
+    def prologue_torch(self, o, do, call: EngineCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(the engine's o, the do its gradients come from)``."""
+        return o, do
+
+    def grads_torch(self, dq, dk, dv, call: EngineCall) -> tuple[torch.Tensor, ...]:
+        return dq, dk, dv
+
+    # --- gradients of the carried tensors, after either path's backward
+    def gradients(self) -> tuple[torch.Tensor | None, ...]:
+        return (None,) * len(self.tensors)
+
+    def fake_gradients(self) -> tuple[torch.Tensor | None, ...]:
+        """Shapes of ``gradients`` for ``torch.compile``'s fake tensors."""
+        return (None,) * len(self.tensors)
+
+
+NO_EPILOGUE = Epilogue()
+_REGISTRY: dict[str, type[Epilogue]] = {Epilogue.name: Epilogue}
+
+
+def register_epilogue(cls: type[Epilogue]) -> type[Epilogue]:
+    """Class decorator: make ``cls`` known to the engine's custom ops by its ``name``."""
+    if _REGISTRY.get(cls.name, cls) is not cls:
+        raise ValueError(f"an epilogue named {cls.name!r} is already registered")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def epilogue_from(name: str, tensors) -> Epilogue:
+    """The epilogue a custom op call carries (its registered name and tensors)."""
+    if name == Epilogue.name:
+        return NO_EPILOGUE
+    return _REGISTRY[name](*tensors)
+
+
+def padded_tensors(epilogue: Epilogue) -> list[torch.Tensor | None]:
+    """The epilogue's tensors in the custom ops' ``MAX_TENSORS`` slots."""
+    return [*epilogue.tensors, *([None] * (MAX_TENSORS - len(epilogue.tensors)))]

@@ -1,0 +1,407 @@
+"""Backward kernels of block-sparse flash attention (launcher: ``../bwd.py``).
+
+FlashAttention-2's recomputation from the forward's log-sum-exp, without atomics (gradients
+are bit-identical across runs): a preprocess pass (``delta``, base-2 lse), then dK/dV (one
+program per key block over the *transposed* lists) and dQ (one program per query sub-block
+over its own list), as two kernels or one fused launch whose dK/dV programs come first and
+whose dQ programs fill the SMs the dK/dV programs' last partial wave leaves idle. Every
+program runs the same ``_dkdv_program`` / ``_dq_program`` in either launch, so both give
+the same bits. The softmax scale stays an fp32 multiplier on fp32 scores: K is never
+pre-scaled in low precision. The declared epilogue's backward hooks run in the preprocess
+(``PROLOGUE``) and on the finished gradients (``DQ_EPILOGUE``, ``DKDV_EPILOGUE``).
+"""
+
+import triton
+import triton.language as tl
+
+from vidsparse.ops.block_sparse_attn.kernels.common import num_full_blocks
+
+
+@triton.jit
+def _block_sparse_attn_bwd_preprocess_kernel(
+    O, DO, LSE, DELTA, LSE2,  # o, do [B, H, Sq, D]; lse, delta, lse2 fp32 [B, H, Sq]
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    PROLOGUE: tl.constexpr, prologue_args,  # the epilogue's backward, see below
+    H, Sq,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """``delta = rowsum(o * do)`` and the base-2 lse, with ``-inf`` (rows that attended to
+    nothing) turned into ``+inf`` so that their probabilities recompute to 0.
+
+    ``PROLOGUE`` undoes the forward's epilogue: from the stored output it recovers the
+    engine's own ``o`` (and may zero ``do`` or set ``lse2 = +inf`` on rows that carry no
+    gradient), and it may form the epilogue's own gradients from this one read of ``do``."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
+    o = o.to(tl.float32)  # [BM, D]
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+    do = do.to(tl.float32)  # [BM, D]
+    row = pid_bh.to(tl.int64) * Sq + offs_m
+    lse = tl.load(LSE + row)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    o, do, lse2 = PROLOGUE(o, do, lse2, b, h, pid_m, offs_m, tl.arange(0, BLOCK_M), offs_d,
+                           *prologue_args)  # fmt: skip
+    delta = tl.sum(o * do, axis=1)  # [BM]
+    tl.store(DELTA + row, delta)
+    tl.store(LSE2 + row, lse2)
+
+
+@triton.jit
+def _key_block(K, V, b, h, block, real, offs_d,
+               stride_kb, stride_kh, stride_ks, stride_kd,
+               stride_vb, stride_vh, stride_vs, stride_vd,
+               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               HAS_KV_SIZES: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """K and V rows of one key block, ``[BN, D]`` each: by TMA when K and V are descriptors
+    (padding rows read too: the caller vouched them finite), else by pointers with padding
+    rows (``real`` False) never read."""
+    if USE_TMA:
+        row0 = (block * BLOCK_N).to(tl.int32)
+        k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+    else:
+        rows = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+        k_ptrs = K + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if HAS_KV_SIZES:
+            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)
+            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _dkdv_program(
+    pid_n, pid_bh,  # key block, batch * H + head
+    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
+    H, Sq, NQ,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
+    ``_block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
+    arithmetic. With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks
+    [1, 1, BLOCK_N, D]) are tensor descriptors read by TMA; padding keys are then read too, so
+    the caller vouches that they are finite (their probabilities are zeroed, and 0 x finite
+    keeps dS finite). ``DKDV_EPILOGUE`` sees the finished (scaled) dK, dV before their store."""
+    NSUB: tl.constexpr = BLOCK_M // SUB_M
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_sub = tl.arange(0, SUB_M)
+    real = tl.arange(0, BLOCK_N) < BLOCK_N  # [BN]
+    if HAS_KV_SIZES:
+        real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)
+    k, v = _key_block(K, V, b, h, pid_n, real, offs_d,
+                      stride_kb, stride_kh, stride_ks, stride_kd,
+                      stride_vb, stride_vh, stride_vs, stride_vd,
+                      BLOCK_N, HEAD_DIM, HAS_KV_SIZES, USE_TMA)  # [BN, D] each; fmt: skip
+
+    if not USE_TMA:
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+    row_base = pid_bh.to(tl.int64) * Sq
+    off_row = Q_OFF + b * stride_offb + h * stride_offh
+    idx_row = Q_IDX + b * stride_qib + h * stride_qih
+    start = tl.load(off_row + pid_n)
+    end = tl.load(off_row + pid_n + 1)
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    # One flat loop over (listed query block, sub-block) pairs pipelines better than two.
+    for t in range(start * NSUB, end * NSUB):
+        q_block = tl.load(idx_row + t // NSUB)
+        row0 = q_block * BLOCK_M + (t % NSUB) * SUB_M
+        offs_m = row0.to(tl.int64) + offs_sub  # [SUB_M]
+        if USE_TMA:
+            q = Q.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)  # [SUB_M, D]
+            do = DO.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+        lse2 = tl.load(LSE2 + row_base + offs_m)  # [SUB_M]
+        delta = tl.load(DELTA + row_base + offs_m)
+        if IEEE_DOT:
+            qk_t = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            qk_t = tl.dot(k, tl.trans(q))  # [BN, SUB_M]
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if HAS_KV_SIZES:
+            p_t = tl.where(real[:, None], p_t, 0.0)
+        if IEEE_DOT:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BN, D]
+            dp_t = tl.dot(v, tl.trans(do))  # [BN, SUB_M]
+        ds_t = p_t * (dp_t - delta[None, :])
+        if IEEE_DOT:
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+        else:
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BN, D]
+    dk = dk * scale
+    dk, dv = DKDV_EPILOGUE(dk, dv, b, h, pid_n, offs_d, *epilogue_args)
+
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
+    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+
+
+@triton.jit
+def _block_sparse_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
+    H, Sq, NQ,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
+    _dkdv_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dkb, stride_dkh, stride_dks, stride_dkd,
+        stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+        stride_offb, stride_offh, stride_qib, stride_qih,
+        DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
+        H, Sq, NQ, qk_scale, scale,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA,
+    )  # fmt: skip
+
+
+@triton.jit
+def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
+             offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+             stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+             IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+    """dQ over list entries ``[lo, hi)``; ``MASKED``: the blocks may end in padding keys."""
+    for j in range(lo, hi):
+        kv_block = tl.load(idx_row + j * stride_ik)
+        real = offs_n < BLOCK_N  # [BN]
+        if MASKED:
+            real = offs_n < tl.load(KV_SIZES + kv_block)
+        k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
+                          stride_kb, stride_kh, stride_ks, stride_kd,
+                          stride_vb, stride_vh, stride_vs, stride_vd,
+                          BLOCK_N, HEAD_DIM, MASKED, USE_TMA)  # [BN, D] each; fmt: skip
+        if IEEE_DOT:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))  # [SUB_M, BN]
+            dp = tl.dot(do, tl.trans(v))  # [SUB_M, BN]
+        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(real[None, :], p, 0.0)
+        ds = p * (dp - delta[:, None])
+        if IEEE_DOT:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)  # [SUB_M, D]
+    return dq
+
+
+@triton.jit
+def _dq_program(
+    pid, pid_bh,  # query sub-block (of SUB_M rows), batch * H + head
+    Q, K, V, DO, DQ, LSE2, DELTA,
+    KV_IDX, KV_CNT, KV_SIZES,
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
+    H, Sq,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """dQ of query rows ``[pid * SUB_M, (pid + 1) * SUB_M)`` of ``(batch, head) =
+    divmod(pid_bh, H)``: the body of ``_block_sparse_attn_bwd_dq_kernel``, a function so that
+    the fused kernel runs the same arithmetic. With USE_TMA, K and V are tensor descriptors
+    (blocks [1, 1, BLOCK_N, D]) read by TMA; padding keys are then read too, so the caller
+    vouches that they are finite: their probabilities are zeroed, and 0 x finite keeps dS
+    finite. ``DQ_EPILOGUE`` sees the finished (scaled) dQ before its store."""
+    NSUB: tl.constexpr = BLOCK_M // SUB_M
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    q_block = (pid // NSUB).to(tl.int64)
+
+    offs_m = pid.to(tl.int64) * SUB_M + tl.arange(0, SUB_M)  # [SUB_M]; sub-blocks tile the rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+    row = pid_bh.to(tl.int64) * Sq + offs_m
+    lse2 = tl.load(LSE2 + row)  # [SUB_M]
+    delta = tl.load(DELTA + row)
+
+    idx_row = KV_IDX + b * stride_ib + h * stride_ih + q_block * stride_iq
+    count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + q_block * stride_cq)
+
+    dq = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
+    # With key-block sizes the lists come full blocks first (lists.full_blocks_first): those
+    # are walked without the padding mask, the partial ones after them with it.
+    num_full = num_full_blocks(KV_FULL, b, h, q_block, stride_fb, stride_fh, stride_fq, count,
+                                HAS_KV_SIZES)  # fmt: skip
+    dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, 0, num_full, b, h,
+                  offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+                  stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
+                  BLOCK_N, HEAD_DIM, False, IEEE_DOT, USE_TMA)  # fmt: skip
+    if HAS_KV_SIZES:
+        dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, num_full,
+                      count, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+                      stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
+                      BLOCK_N, HEAD_DIM, True, IEEE_DOT, USE_TMA)  # fmt: skip
+    dq = dq * scale
+    dq = DQ_EPILOGUE(dq, b, h, q_block, (pid % NSUB) * SUB_M + tl.arange(0, SUB_M), offs_d,
+                     *epilogue_args)  # fmt: skip
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+
+
+@triton.jit
+def _block_sparse_attn_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE2, DELTA,
+    KV_IDX, KV_CNT, KV_SIZES,
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
+    H, Sq,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(Sq // SUB_M, B * H)``: one ``_dq_program`` per query sub-block."""
+    _dq_program(
+        tl.program_id(0), tl.program_id(1),
+        Q, K, V, DO, DQ, LSE2, DELTA, KV_IDX, KV_CNT, KV_SIZES,
+        KV_FULL, stride_fb, stride_fh, stride_fq,
+        stride_qb, stride_qh, stride_qs, stride_qd,
+        stride_kb, stride_kh, stride_ks, stride_kd,
+        stride_vb, stride_vh, stride_vs, stride_vd,
+        stride_dob, stride_doh, stride_dos, stride_dod,
+        stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+        stride_ib, stride_ih, stride_iq, stride_ik,
+        stride_cb, stride_ch, stride_cq,
+        DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
+        H, Sq, qk_scale, scale,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA,
+    )  # fmt: skip
+
+
+@triton.jit
+def _block_sparse_attn_bwd_fused_kernel(
+    Q_DKDV, K_DKDV, V_DKDV, DO_DKDV,  # the dK/dV half's: descriptors with USE_TMA_DKDV
+    Q_DQ, K_DQ, V_DQ, DO_DQ,  # the dQ half's: Q, DO tensors; K, V descriptors with USE_TMA_DQ
+    DQ, DK, DV, LSE2, DELTA,
+    Q_OFF, Q_IDX,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K]: the transposed lists
+    KV_IDX, KV_CNT, KV_SIZES,  # [Bi, H, NQ, K], [Bi, H, NQ], int32 [NK]
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
+    H, Sq, NQ, NK, BH,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SUB_M_DKDV: tl.constexpr, SUB_M_DQ: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr,
+):  # fmt: skip
+    """Both gradient kernels in one launch, grid ``(NK * B * H + Sq // SUB_M_DQ * B * H,)``.
+
+    Each kernel alone runs many waves of whole-SM programs, and its last partial wave leaves
+    most SMs idle (the dK/dV programs' transposed lists also differ in length). Here the dK/dV
+    programs take the low ids, so they start first, and the dQ programs fill the SMs while the
+    longest of them finish. Every program runs what it runs in its own kernel
+    (``_dkdv_program`` / ``_dq_program``, with each half's step and loads), so the gradients
+    are bit-identical to the two launches'. The halves read their inputs as their own kernels
+    do: the dK/dV half Q, K, V, DO by TMA or pointers (USE_TMA_DKDV), the dQ half Q and DO by
+    pointers and K, V by TMA or pointers (USE_TMA_DQ); hence two sets of input arguments."""
+    pid = tl.program_id(0)
+    num_dkdv = NK * BH
+    if pid < num_dkdv:
+        _dkdv_program(
+            pid % NK, pid // NK,
+            Q_DKDV, K_DKDV, V_DKDV, DO_DKDV, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+            stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_kb, stride_kh, stride_ks, stride_kd,
+            stride_vb, stride_vh, stride_vs, stride_vd,
+            stride_dob, stride_doh, stride_dos, stride_dod,
+            stride_dkb, stride_dkh, stride_dks, stride_dkd,
+            stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+            stride_offb, stride_offh, stride_qib, stride_qih,
+            DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
+            H, Sq, NQ, qk_scale, scale,
+            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DKDV,
+        )  # fmt: skip
+    else:
+        num_sub = Sq // SUB_M_DQ  # dQ programs per (batch, head)
+        pid_q = pid - num_dkdv
+        _dq_program(
+            pid_q % num_sub, pid_q // num_sub,
+            Q_DQ, K_DQ, V_DQ, DO_DQ, DQ, LSE2, DELTA, KV_IDX, KV_CNT, KV_SIZES,
+            KV_FULL, stride_fb, stride_fh, stride_fq,
+            stride_qb, stride_qh, stride_qs, stride_qd,
+            stride_kb, stride_kh, stride_ks, stride_kd,
+            stride_vb, stride_vh, stride_vs, stride_vd,
+            stride_dob, stride_doh, stride_dos, stride_dod,
+            stride_dqb, stride_dqh, stride_dqs, stride_dqd,
+            stride_ib, stride_ih, stride_iq, stride_ik,
+            stride_cb, stride_ch, stride_cq,
+            DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
+            H, Sq, qk_scale, scale,
+            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DQ,
+        )  # fmt: skip

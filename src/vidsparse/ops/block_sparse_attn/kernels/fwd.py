@@ -1,0 +1,214 @@
+"""Forward kernels of block-sparse flash attention (launcher: ``../fwd.py``).
+
+One program per (query block, batch*head): its query block stays in registers while it walks
+the key blocks listed for it with FlashAttention's online softmax in base 2 (``log2(e)``
+folded into the scale). With key-block sizes the list comes full blocks first and is walked in
+two loops, the full blocks unmasked, then the partial ones masked. Before the one store of
+``o`` the kernels call the declared epilogue (``../epilogue.py``).
+"""
+
+import triton
+import triton.language as tl
+
+from vidsparse.ops.block_sparse_attn.kernels.common import num_full_blocks
+
+
+@triton.jit
+def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                         MASK_KEYS: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One key block of the FlashAttention recurrence (base 2); ``real`` [BN] masks padding."""
+    if IEEE_DOT:
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k))  # [BM, BN] fp32
+    if MASK_KEYS:
+        # Mask the raw dots, then scale inside the exponent's FMA as below (-inf * scale stays
+        # -inf): one select per score on top of the unmasked path, not a multiply, select and
+        # subtract.
+        qk = tl.where(real[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        # A block of pure padding leaves the max at -inf: subtract 0 instead to avoid NaN.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # [BM, BN]
+    else:
+        # scale > 0, so max(qk) * scale == max(qk * scale); the scaling fuses into one FMA.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_sub = m_new
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # [BM, BN]
+    alpha = tl.math.exp2(m_i - m_sub)  # [BM]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if IEEE_DOT:
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc)  # [BM, D]
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr):
+    """K, V tiles of one listed block by TMA, and the mask of its real keys [BN].
+
+    TMA cannot mask rows, so padding keys are read: their scores are masked, and their values
+    (finite, as the caller vouched with ``padding_finite``) meet probability 0."""
+    k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
+    v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+    if HAS_KV_SIZES:
+        real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+    else:
+        real = offs_n < BLOCK_N
+    return k, v, real
+
+
+@triton.jit
+def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi,
+                  m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                  stride_ks, stride_kd, stride_vs, stride_vd,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """List entries ``[lo, hi)`` by pointer loads; ``MASKED``: blocks may end in padding."""
+    for j in range(lo, hi):
+        kv_block = tl.load(idx_row + j * stride_ik).to(tl.int64)
+        offs_kv = kv_block * BLOCK_N + offs_n  # [BN]
+        k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if MASKED:
+            # Padding keys are neither read nor weighted: whatever they hold cannot leak in.
+            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
+            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
+        else:
+            real = offs_n < BLOCK_N
+            k = tl.load(k_ptrs)  # [BN, D]
+            v = tl.load(v_ptrs)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                                             MASKED, IEEE_DOT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
+              m_i, l_i, acc, qk_scale, offs_n,
+              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
+              WARP_SPECIALIZE: tl.constexpr):
+    """List entries ``[lo, hi)`` by TMA; ``MASKED``: blocks may end in padding."""
+    for j in tl.range(lo, hi, warp_specialize=WARP_SPECIALIZE):
+        kv_block = tl.load(idx_row + j * stride_ik)
+        k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
+                                    BLOCK_N, HEAD_DIM, MASKED)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
+                                             MASKED, False)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _finish_rows(acc, m_i, l_i):
+    """Normalise; rows that saw no live key get o = 0 and lse = -inf (never NaN)."""
+    live = l_i > 0.0
+    l_safe = tl.where(live, l_i, 1.0)
+    # One reciprocal per row and a multiply per element: ``acc / l`` is an IEEE division per
+    # element (~6 instructions with its range fix-ups), for a difference of an ulp of fp32.
+    acc = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(live, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return acc, lse
+
+
+@triton.jit
+def _block_sparse_attn_fwd_kernel(
+    Q, K, V, O, LSE,  # q [B, H, Sq, D]; k, v [B, H, Skv, D]; o like q; lse fp32 [B, H, Sq]
+    KV_IDX, KV_CNT, KV_SIZES,  # int32 [Bi, H, NQ, K], [Bi, H, NQ], [NK] (unused unless HAS_KV_SIZES)
+    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_ib, stride_ih, stride_iq, stride_ik,  # stride_ib == 0 when lists broadcast over batch
+    stride_cb, stride_ch, stride_cq,
+    EPILOGUE: tl.constexpr, epilogue_args,  # o = EPILOGUE(o, ..., *epilogue_args) before the store
+    H, Sq,
+    qk_scale,  # softmax scale * log2(e), fp32
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = tl.arange(0, BLOCK_N)  # [BN]
+    offs_d = tl.arange(0, HEAD_DIM)  # [D]
+
+    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs)  # [BM, D]
+
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
+    idx_row = KV_IDX + b * stride_ib + h * stride_ih + pid_m.to(tl.int64) * stride_iq
+    count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base 2)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
+
+    num_full = num_full_blocks(KV_FULL, b, h, pid_m, stride_fb, stride_fh, stride_fq, count,
+                                HAS_KV_SIZES)
+    m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, 0, num_full,
+                                  m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                  stride_ks, stride_kd, stride_vs, stride_vd,
+                                  BLOCK_N, False, IEEE_DOT)  # fmt: skip
+    if HAS_KV_SIZES:
+        m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, num_full,
+                                      count, m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                      stride_ks, stride_kd, stride_vs, stride_vd,
+                                      BLOCK_N, True, IEEE_DOT)  # fmt: skip
+
+    acc, lse = _finish_rows(acc, m_i, l_i)
+    o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+    acc = EPILOGUE(acc, b, h, pid_m, offs_m, tl.arange(0, BLOCK_M), offs_d, *epilogue_args)
+    tl.store(O + o_offs, acc.to(O.dtype.element_ty))
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
+
+
+@triton.jit
+def _block_sparse_attn_fwd_tma_kernel(
+    desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
+    KV_IDX, KV_CNT, KV_SIZES,
+    KV_FULL, stride_fb, stride_fh, stride_fq,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    EPILOGUE: tl.constexpr, epilogue_args,  # as in the pointer kernel
+    H, Sq,
+    qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+):
+    """Hopper variant: tiles move by the bulk-copy engine (TMA)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q = desc_q.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)  # [BM, D]
+    idx_row = KV_IDX + b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + pid_m.to(tl.int64) * stride_iq
+    count = tl.load(KV_CNT + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + pid_m.to(tl.int64) * stride_cq)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
+    offs_n = tl.arange(0, BLOCK_N)
+    num_full = num_full_blocks(KV_FULL, b.to(tl.int64), h.to(tl.int64), pid_m,
+                                stride_fb, stride_fh, stride_fq, count, HAS_KV_SIZES)
+    m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, 0, num_full,
+                              b, h, m_i, l_i, acc, qk_scale, offs_n,
+                              BLOCK_N, HEAD_DIM, False, WARP_SPECIALIZE)  # fmt: skip
+    if HAS_KV_SIZES:
+        m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, num_full,
+                                  count, b, h, m_i, l_i, acc, qk_scale, offs_n,
+                                  BLOCK_N, HEAD_DIM, True, WARP_SPECIALIZE)  # fmt: skip
+
+    acc, lse = _finish_rows(acc, m_i, l_i)
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = EPILOGUE(acc, b.to(tl.int64), h.to(tl.int64), pid_m, offs_m, tl.arange(0, BLOCK_M),
+                   tl.arange(0, HEAD_DIM), *epilogue_args)
+    desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)

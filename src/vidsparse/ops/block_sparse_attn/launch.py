@@ -1,0 +1,61 @@
+"""Launch helpers shared by the engine's forward and backward launchers."""
+
+from __future__ import annotations
+
+import torch
+
+from vidsparse.ops.block_sparse_attn import configs
+from vidsparse.ops.block_sparse_attn.lists import cached_full_blocks_first, derived_lists
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: log2(e) joins the scale
+
+
+def broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a per-(batch, head) index tensor, with 0 for a batch dim of size 1."""
+    strides = list(x.stride())
+    if x.shape[0] == 1:
+        strides[0] = 0
+    return tuple(strides)
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """TMA needs a unit stride on the head dim and 16-byte aligned base and strides."""
+    for x in tensors:
+        if x.stride(-1) != 1 or x.data_ptr() % 16:
+            return False
+        if any((s * x.element_size()) % 16 for s in x.stride()[:-1]):
+            return False
+    return True
+
+
+def tma_reads_keys(dtype: torch.dtype, kv_block_sizes, padding_finite: bool) -> bool:
+    """May K and V be read by TMA? Not for fp32 (only the pointer kernels run IEEE-exact
+    dots), and since TMA reads whole key blocks, padding keys only where the caller vouches
+    them finite: pointer loads never read them."""
+    return dtype != torch.float32 and (kv_block_sizes is None or padding_finite)
+
+
+def tensor_descriptor(x: torch.Tensor, rows: int):
+    """TMA descriptor over a [B, H, S, D] tensor whose blocks are ``rows`` whole token rows."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
+
+
+def lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv):
+    """``(lists, full counts)`` for the kernels' two walks: without key-block sizes the lists
+    as given (every block full; ``kv_counts`` stands in as a dummy), else reordered full
+    blocks first (``lists.full_blocks_first``). Tuning can turn the reorder off
+    (``configs.override(full_first=False)``): every block then takes the masked walk."""
+    if kv_block_sizes is None:
+        return kv_indices, kv_counts
+    if not configs.active_overrides().full_first:
+        return kv_indices, torch.zeros_like(kv_counts, dtype=torch.int32)
+    return cached_full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
+
+
+def int32_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as contiguous int32, converted once per list tensor (``lists.derived_lists``)."""
+    if x.dtype == torch.int32 and x.stride(-1) == 1:
+        return x
+    return derived_lists.get("int32", (x,), (), lambda: x.to(torch.int32).contiguous())

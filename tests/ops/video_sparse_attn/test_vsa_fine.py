@@ -1,0 +1,50 @@
+"""VSA's fine stage: its gate combine declared as the engine's epilogue (fine.CoarseCombine)."""
+
+import pytest
+import torch
+from helpers import make_lists, make_qkv
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("gate", [True, False])
+def test_combined_backward_fused_equals_two_launches(gate):
+    """The combine's gradients (formed in the prologue) and the tile means' shares (added on
+    dq, dk, dv in both halves): the fused backward launch against two, bit for bit."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import override
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
+
+    B, H, S, D, bs = 2, 2, 64, 16, 16
+    nq = S // bs
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float16, device="cpu")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(1, H, nq, nq, density=0.5, device="cpu", empty_rows=1)
+    sizes = torch.tensor([16, 9, 16, 5], dtype=torch.int32)
+    o_coarse = torch.randn(B, H, nq, D)
+    gate_t = torch.randn_like(q) if gate else None
+    pooled = torch.randn(3, B, H, nq, D)
+    epilogue = CoarseCombine(o_coarse, gate_t, sizes, pooled)
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
+                                   padding_finite=True, epilogue=epilogue)  # fmt: skip
+    results = []
+    for fused in (False, True):
+        ep = CoarseCombine(o_coarse, gate_t, sizes, pooled)
+        with override(fused=fused):
+            grads = block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs,
+                                          D**-0.5, padding_finite=True, epilogue=ep)  # fmt: skip
+        results.append((*grads, ep._d_coarse, ep._d_gate))
+    for name, a, b in zip(("dq", "dk", "dv", "d_coarse", "d_gate"), *results):
+        if a is None:
+            assert b is None and not gate, name
+            continue
+        assert torch.equal(a, b), name
+
+
+def test_combine_is_registered_with_the_engine():
+    from vidsparse.ops.block_sparse_attn.epilogue import epilogue_from
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
+
+    oc = torch.zeros(1, 1, 2, 8)
+    assert isinstance(epilogue_from("vsa_combine", (oc, None, None, None)), CoarseCombine)
