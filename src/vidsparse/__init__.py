@@ -1,25 +1,36 @@
 """vidsparse: sparse attention for video Diffusion Transformers.
 
-Public API (see DESIGN.md): ``VideoGrid``, ``block_sparse_attn``, ``video_sparse_attn``,
-``StripeSpec``, ``stripe_block_mask``, ``stripe_attn``; the PSA search lives in
-``vidsparse.search``. Importing this package needs no GPU, and the names are
+Public API: ``VideoGrid``, ``StripeSpec``, ``stripe_block_mask`` and one function per op of
+``vidsparse.ops`` (``block_sparse_attn``, ``video_sparse_attn``, ``stripe_attn``, ...); the PSA
+search lives in ``vidsparse.search``. Importing this package needs no GPU, and the names are
 resolved lazily so that ``import vidsparse`` stays cheap (no Triton import until a kernel runs).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
+import pkgutil
 
 __version__ = "0.1.0.dev0"
 
 _EXPORTS = {
     "VideoGrid": "vidsparse.layout",
-    "block_sparse_attn": "vidsparse.ops.block_sparse_attn",
-    "video_sparse_attn": "vidsparse.ops.video_sparse_attn",
     "StripeSpec": "vidsparse.masks.stripe",
     "stripe_block_mask": "vidsparse.masks.stripe",
-    "stripe_attn": "vidsparse.ops.stripe_attn",
 }
+
+
+def _op_names() -> list[str]:
+    """The ops, by declaration: every public module of ``vidsparse.ops`` (helpers start with
+    ``_``) is an op exporting a function of its own name (``vidsparse.ops.stripe_attn`` has
+    ``stripe_attn``), so a new op is public without an edit here. Read from the folder, so
+    nothing is imported."""
+    folder = os.path.join(os.path.dirname(__file__), "ops")
+    return sorted(m.name for m in pkgutil.iter_modules([folder]) if not m.name.startswith("_"))
+
+
+_EXPORTS.update({name: f"vidsparse.ops.{name}" for name in _op_names()})
 
 __all__ = [*_EXPORTS, "__version__"]
 
