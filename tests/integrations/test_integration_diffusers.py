@@ -198,13 +198,86 @@ def test_psa_plan_file(wan, wan_stock_out, patched, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Wan: STA (sliding-tile attention)
+# ---------------------------------------------------------------------------------------------
+
+
+def masked_dense_sdpa(tile, window):
+    """The "dense" method's SDPA call under STA's token mask: the reference a patched "sta"
+    model must equal."""
+    from vidsparse.ops.sliding_tile_attn import sliding_tile_token_mask
+
+    mask = sliding_tile_token_mask(VideoGrid(GRID, tile), window)
+
+    def sdpa(q, k, v, call):
+        assert call.shape == GRID
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    return sdpa
+
+
+@pytest.mark.parametrize(
+    "tile, window",
+    [
+        ((1, 2, 2), (1, 3, 3)),  # tiles 3 x 4 x 5: clamped windows along h and w
+        ((4, 4, 4), (1, 1, 3)),  # tiles 1 x 2 x 3 (partial along t and h), dense along w
+    ],
+)
+def test_sta_equals_dense_attention_under_the_window_mask(wan, patched, monkeypatch, tile, window):
+    import vidsparse.integrations.diffusers.methods as methods
+
+    out = run(patched("sta", window=window, tile=tile), wan_inputs())
+    remove_sparse_attention(wan)
+    monkeypatch.setattr(methods, "_sdpa", masked_dense_sdpa(tile, window))
+    expected = run(patched("dense"), wan_inputs())
+    torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_sta_window_covering_the_grid_equals_dense(wan, wan_stock_out, patched):
+    out = run(patched("sta", window=(3, 1, 1), tile=(1, 8, 10)), wan_inputs())  # 3 x 1 x 1 tiles
+    torch.testing.assert_close(out, wan_stock_out, atol=ATOL, rtol=0)
+
+
+def test_sta_window_larger_than_the_grid_fails_before_any_layer(wan, patched, monkeypatch):
+    import vidsparse.integrations.diffusers.methods as methods
+
+    def no_attention(*args, **kwargs):
+        raise AssertionError("an attention ran")
+
+    monkeypatch.setattr(methods, "sliding_tile_attn", no_attention)
+    model = patched("sta", window=(1, 3, 1))  # the default 4x4x4 tiles: 1 x 2 x 3 of them
+    with pytest.raises(ValueError, match="window along h is 3 tiles but the grid has 2"):
+        run(model, wan_inputs())
+
+
+@pytest.mark.parametrize(
+    "options, error, match",
+    [
+        ({"window": (2, 1, 1)}, ValueError, "window along t must be odd"),
+        ({"window": (1, 1)}, TypeError, "window must be 3"),
+        ({"window": (1, 1, 1), "tile": (4, 4)}, ValueError, "tile must be"),
+        ({"window": (1, 1, 1), "sparsity": 0.5}, TypeError, r"method='sta' takes options"),
+    ],
+)
+def test_sta_bad_options(wan, options, error, match):
+    with pytest.raises(error, match=match):
+        apply_sparse_attention(wan, "sta", **options)
+    assert not hasattr(wan, "_vidsparse_state")
+
+
+# ---------------------------------------------------------------------------------------------
 # Wan: apply / remove, gate parameters
 # ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
     "method, options",
-    [("dense", {}), ("vsa", {"sparsity": 0.5}), ("psa", {"specs": same_place()})],
+    [
+        ("dense", {}),
+        ("vsa", {"sparsity": 0.5}),
+        ("psa", {"specs": same_place()}),
+        ("sta", {"window": (1, 1, 1)}),
+    ],
 )
 def test_apply_then_remove_is_bit_identical(wan, wan_stock_out, method, options):
     keys = list(wan.state_dict())
@@ -261,7 +334,12 @@ def test_sparsity_schedule_drives_the_gate_modules(wan, patched):
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize(
     "method, options",
-    [("dense", {}), ("vsa", {"sparsity": 0.5}), ("psa", {"specs": same_place()})],
+    [
+        ("dense", {}),
+        ("vsa", {"sparsity": 0.5}),
+        ("psa", {"specs": same_place()}),
+        ("sta", {"window": (1, 1, 3)}),
+    ],
 )
 def test_compiles_without_graph_break(method, options):
     # fullgraph=True fails on any graph break; the eager backend keeps it fast on the CPU.
@@ -302,7 +380,9 @@ def compile_blocks_counting_graphs(model) -> list:
 
 
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
-@pytest.mark.parametrize("method, options", [("dense", {}), ("vsa", {"sparsity": 0.5})])
+@pytest.mark.parametrize(
+    "method, options", [("dense", {}), ("vsa", {"sparsity": 0.5}), ("sta", {"window": (1, 1, 3)})]
+)
 def test_regional_compile_one_graph_for_all_layers(method, options):
     model = tiny_wan_layers(4)
     apply_sparse_attention(model, method, **options)
@@ -525,6 +605,12 @@ def test_hunyuan_equals_stock(hunyuan, hunyuan_stock_out, method, options, atol)
     assert torch.equal(run(hunyuan, hunyuan_inputs()), hunyuan_stock_out)
 
 
+def test_hunyuan_refuses_sta(hunyuan):
+    with pytest.raises(ValueError, match="method='sta' is not supported on HunyuanVideo"):
+        apply_sparse_attention(hunyuan, "sta", window=(1, 1, 1))
+    assert not hasattr(hunyuan, "_vidsparse_state")
+
+
 def test_hunyuan_sparse_psa_runs(hunyuan, hunyuan_stock_out):
     apply_sparse_attention(hunyuan, "psa", specs=same_place())
     try:
@@ -652,7 +738,7 @@ def test_capture_samples_are_the_attention_inputs(wan, tmp_path):
             run(wan, wan_inputs())
     finally:
         hook.remove()
-    from vidsparse.integrations.diffusers import _wan_rotary
+    from vidsparse.integrations.diffusers.models import _wan_rotary
     from vidsparse.search import load_calibration
 
     attn = wan.blocks[0].attn1
@@ -747,7 +833,7 @@ def test_capture_refuses_a_folder_with_calibration_files(wan, tmp_path):
 def test_key_mask_lengths_read_once_per_mask_and_again_after_inplace_change():
     """Every layer of a HunyuanVideo forward gets the same mask tensor: its per-sample lengths
     are read back once, and again when the mask changes in place."""
-    from vidsparse.integrations.diffusers import _VSA
+    from vidsparse.integrations.diffusers.methods import _VSA
 
     method = _VSA(sparsity=0.5)
     mask = torch.ones(2, 1, 1, 10, dtype=torch.bool)

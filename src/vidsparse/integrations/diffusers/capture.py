@@ -1,0 +1,103 @@
+"""Calibration capture for the PSA search: dense attention that writes the video q/k/v of the
+selected (step, layer) calls to a folder (``capture_calibration`` in ``api.py`` installs it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vidsparse.integrations.diffusers.hooks import _remove
+from vidsparse.integrations.diffusers.methods import _Method, _sdpa
+from vidsparse.integrations.diffusers.state import _STATE_ATTR
+from vidsparse.search.search import CalibrationSample, save_calibration_sample
+
+
+class _Capture(_Method):
+    """Dense attention (SDPA, as "dense") that first writes the video q/k/v of the selected
+    (step, layer) calls to ``out_dir``: one layer's CPU copy in memory at a time."""
+
+    name = "capture"
+
+    def __init__(self, out_dir: Path, steps: frozenset[int] | None, layers: Sequence | None):
+        self.out_dir, self.steps, self.raw_layers = out_dir, steps, layers
+        self.layers: frozenset[int] | None = None
+        self.paths: list[Path] = []
+        self._calls: dict[tuple[int, int], int] = {}  # forward calls seen per (step, layer)
+
+    def check_model(self, num_layers, heads):
+        if self.raw_layers is None:
+            return
+        layers = _int_set("layers", self.raw_layers)
+        unknown = sorted(i for i in layers if i >= num_layers)
+        if unknown:
+            raise ValueError(
+                f"layers {unknown} do not exist: the model has {num_layers} attention layers "
+                f"(0 .. {num_layers - 1})"
+            )
+        self.layers = layers
+
+    def attend(self, q, k, v, call):
+        if (self.steps is None or call.step in self.steps) and (
+            self.layers is None or call.layer in self.layers
+        ):
+            self._save(q, k, v, call)
+        return _sdpa(q, k, v, call)
+
+    @torch.compiler.disable  # file I/O: under torch.compile, a graph break here, run eagerly
+    def _save(self, q, k, v, call):
+        # The search works on the video grid: HunyuanVideo's text tokens are left out (all
+        # video keys are real, so its text padding mask does not matter here either).
+        video = q.shape[2] - call.text_tokens
+        q, k, v = (x[:, :, :video].detach().to("cpu").contiguous() for x in (q, k, v))
+        key = (call.step, call.layer)
+        n = self._calls[key] = self._calls.get(key, -1) + 1  # CFG runs a step several times
+        path = self.out_dir / f"step{call.step:05d}_layer{call.layer:04d}_call{n:03d}.pt"
+        sample = CalibrationSample(call.step, call.layer, q, k, v, grid_shape=call.shape)
+        save_calibration_sample(sample, path)
+        self.paths.append(path)
+
+
+def _int_set(name: str, values) -> frozenset[int]:
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise TypeError(f"{name} must be an iterable of ints >= 0 or None, got {values!r}")
+    values = list(values)
+    bad = [x for x in values if isinstance(x, bool) or not isinstance(x, int) or x < 0]
+    if bad or not values:
+        raise ValueError(f"{name} must be a non-empty iterable of ints >= 0, got {values!r}")
+    return frozenset(values)
+
+
+class CalibrationCapture:
+    """What :func:`capture_calibration` returns: a handle on the installed capture, and a
+    context manager that removes it on exit.
+
+    ``paths``: the files written so far, in the order they were written. ``remove()`` puts the
+    original processors back (the same as :func:`remove_sparse_attention`).
+    """
+
+    def __init__(self, transformer: nn.Module, out_dir: Path, method: _Capture):
+        self.transformer, self.out_dir, self._method = transformer, out_dir, method
+
+    @property
+    def paths(self) -> list[Path]:
+        return list(self._method.paths)
+
+    @property
+    def active(self) -> bool:
+        state = getattr(self.transformer, _STATE_ATTR, None)
+        return state is not None and state.method is self._method
+
+    def remove(self) -> None:
+        if not self.active:
+            raise ValueError("this calibration capture is no longer applied to the transformer")
+        _remove(self.transformer)
+
+    def __enter__(self) -> CalibrationCapture:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self.remove()
