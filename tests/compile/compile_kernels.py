@@ -2,14 +2,15 @@
 
 The triton wheel carries the NVIDIA and AMD compilers, so a CPU machine can compile the kernels
 for ``cuda:90`` (H100/H200) and ``hip:gfx942`` / ``hip:gfx950`` (MI300 / MI350) and read what
-each one costs: registers, spills, shared memory. Run by ``tests/compile/test_compile_targets.py`` in a
-subprocess, because the test suite sets ``TRITON_INTERPRET=1`` and ``@triton.jit`` takes that
-decision at import; it also runs by hand::
+each one costs: registers, spills, shared memory. Run by
+``tests/compile/test_compile_targets.py`` in a subprocess, because the test suite sets
+``TRITON_INTERPRET=1`` and ``@triton.jit`` takes that decision at import; it also runs by
+hand::
 
     PYTHONPATH=src python tests/compile/compile_kernels.py [--targets cuda:90,hip:gfx942] [--jobs 2]
 
 What is compiled is exactly what the library would launch: the launchers
-(``block_sparse_attn_fwd`` / ``_bwd``, VSA's ``*_combined`` ones, and the layout's
+(``block_sparse_attn_fwd`` / ``_bwd``, with VSA's epilogue too, and the layout's
 ``tile_rows`` / ``untile_rows``) run on meta tensors with their kernels
 swapped for recorders and the device target pinned, so the config (``configs.py``), the
 arguments, the constexprs and the launch options come from the library's own code, and each
@@ -67,12 +68,12 @@ FP16_SPOT = ((128, 128), 128)
 BATCH, HEADS, SEQ, TOPK = 2, 12, 39_936, 78
 
 KERNEL_NAMES = {
-    "_block_sparse_attn_fwd_kernel": "fwd",
-    "_block_sparse_attn_fwd_tma_kernel": "fwd_tma",
-    "_block_sparse_attn_bwd_preprocess_kernel": "bwd_preprocess",
-    "_block_sparse_attn_bwd_dkdv_kernel": "bwd_dkdv",
-    "_block_sparse_attn_bwd_dq_kernel": "bwd_dq",
-    "_block_sparse_attn_bwd_fused_kernel": "bwd_fused",
+    "block_sparse_attn_fwd_kernel": "fwd",
+    "block_sparse_attn_fwd_tma_kernel": "fwd_tma",
+    "block_sparse_attn_bwd_preprocess_kernel": "bwd_preprocess",
+    "block_sparse_attn_bwd_dkdv_kernel": "bwd_dkdv",
+    "block_sparse_attn_bwd_dq_kernel": "bwd_dq",
+    "block_sparse_attn_bwd_fused_kernel": "bwd_fused",
 }  # any other ``*_kernel`` a launcher calls is recorded too, under a name derived from its own
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -132,13 +133,13 @@ def _recording(target, tma_compatible: bool, sink: list):
     patches = []
     for module in (fwd, bwd, lists):
         if module is not lists:
-            patches.append((module, "_tma_compatible", lambda *tensors: tma_compatible))
+            patches.append((module, "tma_compatible", lambda *tensors: tma_compatible))
             patches.append((module, "target_of", lambda device: target))
         for attr in dir(module):
             obj = getattr(module, attr)
             if attr.endswith("_kernel") and isinstance(obj, JITFunction):
                 patches.append((module, attr, _Recorder(obj, sink)))
-    # The Gluon forward (Hopper, fwd_gluon.py) has its own check (test_gluon_fwd.py); here the
+    # The Gluon forward (Hopper, fwd_sm90.py) has its own check (test_gluon_fwd.py); here the
     # Triton kernels it falls back to are recorded.
     patches.append((fwd, "_gluon_fits", lambda *args: False))
     saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
@@ -153,16 +154,10 @@ def _recording(target, tma_compatible: bool, sink: list):
 
 def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tma_compatible):
     """``[(kernel, args, kwargs)]`` of one forward and one backward pass, on meta tensors."""
-    from vidsparse.ops.block_sparse_attn.bwd import (
-        CoarseGrad,
-        block_sparse_attn_bwd,
-        block_sparse_attn_bwd_combined,
-    )
-    from vidsparse.ops.block_sparse_attn.fwd import (
-        CoarseCombine,
-        block_sparse_attn_fwd,
-        block_sparse_attn_fwd_combined,
-    )
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import override
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
 
     meta = torch.device("meta")
     nq, nk = SEQ // block_q, SEQ // block_kv
@@ -189,10 +184,9 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         # 128-token tiles the epilogue spills 2-7 registers on gfx942/gfx950 (not recorded).
         if has_kv_sizes and block_q == block_kv == 64:
             oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
-            combine = CoarseCombine(oc, bhsd(), kv_sizes)
-            block_sparse_attn_fwd_combined(
-                q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale, combine,
-                padding_finite=True,
+            block_sparse_attn_fwd(
+                q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
+                padding_finite=True, epilogue=CoarseCombine(oc, bhsd(), kv_sizes),
             )  # fmt: skip
         # The backward as configs.py launches it (fused or not) and as two launches (what runs
         # wherever the configs do not fuse); on Hopper also as one fused launch (fused_modes).
@@ -200,25 +194,29 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
         dpooled = torch.empty(3, BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
         plain_modes, vsa_modes = fused_modes(target, block_q, block_kv)
+        args = (do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale)
         for fused in plain_modes:
-            block_sparse_attn_bwd(
-                do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
-                fused=fused,
-            )  # fmt: skip
-            if has_kv_sizes:  # VSA's backward vouches for finite padding too (TMA on Hopper)
-                block_sparse_attn_bwd(
-                    do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv,
-                    scale, padding_finite=True, fused=fused,
-                )  # fmt: skip
+            with override(fused=fused):
+                block_sparse_attn_bwd(*args)
+                if has_kv_sizes:  # VSA's backward vouches for finite padding (TMA on Hopper)
+                    block_sparse_attn_bwd(*args, padding_finite=True)
         for fused in vsa_modes if vsa else ():
             # the combine's gradients fused, and the coarse branch's (the tile means' shares
-            # added in the dK/dV and dQ epilogues)
-            block_sparse_attn_bwd_combined(
-                do, q, k, v, o, lse, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
-                CoarseGrad(oc, bhsd(), kv_sizes, lambda d_coarse: dpooled), padding_finite=True,
-                fused=fused,
-            )  # fmt: skip
+            # added on the finished gradients)
+            epilogue = _PooledGradStub(oc, bhsd(), kv_sizes, dpooled)
+            with override(fused=fused):
+                block_sparse_attn_bwd(*args, padding_finite=True, epilogue=epilogue)
     return sink
+
+
+def _PooledGradStub(oc, gate, sizes, dpooled):
+    """VSA's epilogue with the coarse attention's backward (a host step, nothing to compile)
+    replaced by a fixed ``dpooled``."""
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
+
+    epilogue = CoarseCombine(oc, gate, sizes, torch.empty_like(dpooled))
+    epilogue._pooled_grad = lambda d_coarse, call: dpooled
+    return epilogue
 
 
 def fused_modes(target, block_q, block_kv) -> tuple[tuple, tuple]:
@@ -272,7 +270,7 @@ def specialise(kernel, args, kwargs, backend_cls):
 def short_name(function_name: str) -> str:
     if function_name in KERNEL_NAMES:
         return KERNEL_NAMES[function_name]
-    return function_name.removeprefix("_block_sparse_attn_").removesuffix("_kernel")
+    return function_name.lstrip("_").removeprefix("block_sparse_attn_").removesuffix("_kernel")
 
 
 def build_jobs(names):

@@ -20,11 +20,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 pytest.importorskip("triton")
 
-from vidsparse.ops.block_sparse_attn.configs import forward_config  # noqa: E402
+from vidsparse.ops.block_sparse_attn.configs import lookup  # noqa: E402
 from vidsparse.utils.device import Target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +104,7 @@ def test_library_choices_are_covered(compile_run, target):
             for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
                 expected.add((kernel, bq, bk, d, sizes))
         for sizes in (False, True):
-            cfg = forward_config(TARGETS[target], bq, bk, d, torch.bfloat16, masked=sizes)
+            cfg = lookup(TARGETS[target], "fwd", bq, bk, d, masked=sizes)
             if TARGETS[target].backend == "cuda" and cfg.use_tma:
                 expected.add(("fwd_tma", bq, bk, d, sizes))
             if TARGETS[target].is_hopper and (bq, bk) == (128, 128):  # the fused backward

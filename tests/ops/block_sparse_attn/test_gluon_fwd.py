@@ -1,8 +1,8 @@
-"""The Gluon forward (Hopper, ``ops/block_sparse_attn/fwd_gluon.py``).
+"""The Gluon forward (Hopper, ``ops/block_sparse_attn/kernels/fwd_sm90.py``).
 
 CPU CI cannot run it (no interpreter for Gluon's warp specialisation), but it can compile it for
 sm_90: every variant the library takes must build without register spills and without a write
-to the registers of an in-flight P V wgmma (``benchmarks/try_gluon_fwd.py``'s SASS check; ptxas
+to the registers of an in-flight P V wgmma (``vidsparse.bench.compile``'s SASS check; ptxas
 does not keep them reserved, and such a write gives NaNs whenever the wgmma runs late). On a
 GPU: against the fp32 reference, through the launcher that picks it.
 """
@@ -17,21 +17,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_block_sparse_attn import _lowprec_baseline  # same folder
 
 from helpers import make_lists, make_qkv, masked_dense_attention
-from test_block_sparse_attn import _lowprec_baseline  # same folder
 from vidsparse.testing import assert_error_relative
 
 ROOT = Path(__file__).resolve().parents[3]
 
 _COMPILE = """
 import json, sys, torch
-sys.path.insert(0, {root!r})
-from benchmarks.try_gluon_fwd import compile_sm90
+from vidsparse.bench.compile import compile_sm90
 for block, combine in ((128, False), (64, False), (64, True)):
     for masked in (False, True):
         for dtype in (torch.bfloat16, torch.float16):
-            rep = compile_sm90({{}}, masked=masked, dtype=dtype, block=block, combine=combine)
+            rep = compile_sm90({}, masked=masked, dtype=dtype, block=block, combine=combine)
             print(json.dumps(dict(block=block, combine=combine, masked=masked, dtype=str(dtype),
                                   **rep)))
 """
@@ -41,7 +40,7 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE.format(root=str(ROOT))],
+        [sys.executable, "-c", _COMPILE],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -69,11 +68,11 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch, dtype, padded, scale, 
     (an odd number of query blocks: the 64-row kernel's last program has one), lists broadcast
     over the batch, an empty row and a one-block row; with key-block sizes, padding keys hold
     large finite values (read by TMA, masked) and blocks of every size."""
-    from vidsparse.ops.block_sparse_attn import fwd, fwd_gluon
+    from vidsparse.ops.block_sparse_attn import fwd, fwd_sm90
 
     calls = []
-    real = fwd_gluon.block_sparse_attn_fwd_gluon
-    monkeypatch.setattr(fwd_gluon, "block_sparse_attn_fwd_gluon",
+    real = fwd_sm90.block_sparse_attn_fwd_sm90
+    monkeypatch.setattr(fwd_sm90, "block_sparse_attn_fwd_sm90",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
     B, H, Sq, Skv, D = 2, 3, 7 * bs, 9 * bs, 128
     q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device="cuda", scale=scale)
@@ -105,49 +104,17 @@ def test_gpu_gluon_forward_equals_triton_kernel_bitwise_free_of_nan():
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import fwd
-    from vidsparse.ops.block_sparse_attn.configs import forward_config
+    from vidsparse.ops.block_sparse_attn.configs import lookup, override
     from vidsparse.utils.device import target_of
 
     B, H, S, D, bs = 1, 4, 16 * 128, 128, 128
     q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
     idx, cnt = make_lists(B, H, S // bs, S // bs, density=0.6, device="cuda", empty_rows=0)
-    cfg = forward_config(target_of(q.device), bs, bs, D, q.dtype)
+    cfg = lookup(target_of(q.device), "fwd", bs, bs, D)
     assert cfg.gluon
     runs = [fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, D**-0.5) for _ in range(2)]
-    triton_o, _ = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, D**-0.5,
-                                            replace(cfg, gluon=False))  # fmt: skip
+    with override(fwd=replace(cfg, gluon=False)):
+        triton_o, _ = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, D**-0.5)
     assert not torch.isnan(runs[0][0]).any()
     assert torch.equal(runs[0][0], runs[1][0])  # deterministic
     torch.testing.assert_close(runs[0][0].float(), triton_o.float(), rtol=0, atol=1e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="the Gluon forward is Hopper's")
-@pytest.mark.parametrize("gate", [True, False])
-def test_gpu_gluon_vsa_epilogue_matches_reference(gate):
-    """VSA's fine stage on 64-token tiles: ``o = o_fine + gate * o_coarse[tile]`` with the
-    padding rows of each query tile zeroed, and lse o_fine's; odd tile count, partial tiles."""
-    from vidsparse.ops.block_sparse_attn import fwd
-
-    B, H, bs, nt, D = 1, 3, 64, 9, 128
-    S = nt * bs
-    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
-    sizes = torch.tensor([64, 64, 16, 64, 40, 64, 64, 1, 64], dtype=torch.int32, device="cuda")
-    pad = (torch.arange(S, device="cuda") % bs) >= sizes.long().repeat_interleave(bs)
-    k[:, :, pad] = 0.0  # VSA's tiling pads with zeros
-    v[:, :, pad] = 0.0
-    idx, cnt = make_lists(1, H, nt, nt, density=0.5, device="cuda", empty_rows=1)
-    oc = torch.randn(B, H, nt, D, device="cuda")
-    g = torch.rand(B, H, S, D, device="cuda").to(torch.bfloat16) if gate else None
-    combine = fwd.CoarseCombine(oc, g, sizes)
-    o, lse = fwd.block_sparse_attn_fwd_combined(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
-                                                combine, padding_finite=True)  # fmt: skip
-    ref_fine, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bs, bs, sizes)
-    oc_rows = oc.double().repeat_interleave(bs, dim=2)  # [B, H, S, D]
-    ref = ref_fine + (g.double() if gate else 1.0) * oc_rows
-    ref[:, :, pad] = 0.0
-    err = ((o.double() - ref).norm() / ref.norm()).item()
-    assert err < 1e-2, err  # bf16 output of an O(1) sum
-    assert (o[:, :, pad] == 0).all()
-    finite = torch.isfinite(ref_lse)
-    torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=0, atol=2e-2)

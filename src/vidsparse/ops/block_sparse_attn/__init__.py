@@ -1,4 +1,4 @@
-"""Block-sparse flash attention: the engine VSA and PSA run on."""
+"""Block-sparse flash attention: the engine every sparse method in vidsparse runs on."""
 
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn
 from vidsparse.ops.block_sparse_attn.reference import (

@@ -13,10 +13,10 @@ from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
 from vidsparse.ops.block_sparse_attn.kernels.bwd import (
-    _block_sparse_attn_bwd_dkdv_kernel,
-    _block_sparse_attn_bwd_dq_kernel,
-    _block_sparse_attn_bwd_fused_kernel,
-    _block_sparse_attn_bwd_preprocess_kernel,
+    block_sparse_attn_bwd_dkdv_kernel,
+    block_sparse_attn_bwd_dq_kernel,
+    block_sparse_attn_bwd_fused_kernel,
+    block_sparse_attn_bwd_preprocess_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
@@ -63,7 +63,12 @@ def block_sparse_attn_bwd(
     desc = tensor_descriptor
     kv_in = (q, k, v, do)  # the dK/dV kernel's q, k, v, do
     if kv_tma:
-        kv_in = (desc(q, kv_cfg.sub_m), desc(k, block_kv), desc(v, block_kv), desc(do, kv_cfg.sub_m))
+        kv_in = (
+            desc(q, kv_cfg.sub_m),
+            desc(k, block_kv),
+            desc(v, block_kv),
+            desc(do, kv_cfg.sub_m),
+        )
     q_keys = (desc(k, block_kv), desc(v, block_kv)) if q_tma else (k, v)  # the dQ kernel's k, v
 
     q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
@@ -78,7 +83,7 @@ def block_sparse_attn_bwd(
 
     if fused_launch(kv_cfg, q_cfg, configs.active_overrides().fused):
         num_dq_programs = Sq // q_cfg.sub_m * B * H
-        _block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
+        block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
             *kv_in, q, *q_keys, do, dq, dk, dv, lse2, delta,
             q_offsets, q_indices, dq_lists, kv_counts, sizes, full, *broadcast_strides(full),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
@@ -91,7 +96,7 @@ def block_sparse_attn_bwd(
         )  # fmt: skip
         return dq, dk, dv
 
-    _block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
+    block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
         *kv_in, dk, dv, lse2, delta,
         q_offsets, q_indices, sizes,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
@@ -100,7 +105,7 @@ def block_sparse_attn_bwd(
         SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **common,
         **kv_cfg.launch_kwargs(),
     )  # fmt: skip
-    _block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
+    block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
         q, *q_keys, do, dq, lse2, delta,
         dq_lists, kv_counts, sizes, full, *broadcast_strides(full),
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
@@ -117,7 +122,7 @@ def _preprocess(do, o, lse, block_q, fns, prologue_args):
     B, H, Sq, D = o.shape
     delta = torch.empty((B, H, Sq), device=o.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
-    _block_sparse_attn_bwd_preprocess_kernel[(Sq // block_q, B * H)](
+    block_sparse_attn_bwd_preprocess_kernel[(Sq // block_q, B * H)](
         o, do, lse, delta, lse2, *o.stride(), *do.stride(),
         fns.prologue.fn, prologue_args, H, Sq,
         BLOCK_M=block_q, HEAD_DIM=D,

@@ -73,7 +73,7 @@ class GluonOptions:
 
 
 # Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
-# blocks a program, VSA's tiles); the one head_dim measured; 16-bit inputs (wgmma, TMA).
+# blocks a program, 4x4x4 video tiles); the one head_dim measured; 16-bit inputs (wgmma, TMA).
 GLUON_BLOCKS = (64, 128)
 GLUON_HEAD_DIMS = (128,)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
@@ -108,8 +108,8 @@ HOPPER = {
     ("fwd", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
     ("fwd", 128, 64, "*"): KernelConfig(8, 2, use_tma=True),  # 4 warps is faster but spills
     ("fwd", 64, 64, "*"): KernelConfig(4, 2, use_tma=True, gluon=True),
-    # Masked keys: TMA only where the caller vouches the padding finite (VSA, PSA), else the
-    # pointer kernel with these warps and stages.
+    # Masked keys: TMA only where the caller vouches the padding finite (the video ops do),
+    # else the pointer kernel with these warps and stages.
     ("fwd_masked", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
     ("fwd_masked", 128, 64, "*"): KernelConfig(8, 2),
     ("fwd_masked", 64, 64, "*"): KernelConfig(4, 2, use_tma=True, gluon=True),

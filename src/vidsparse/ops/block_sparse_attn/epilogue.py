@@ -1,8 +1,8 @@
 """The engine's epilogue contract: what a client fuses into the engine's kernels.
 
-A client (VSA's gate combine, say) declares an :class:`Epilogue` subclass: jit functions that
-the kernels call at fixed points, and the host code that hands them their arguments. The
-engine calls them without knowing what they do::
+A client op (one that adds a second branch to the output, say) declares an
+:class:`Epilogue` subclass: jit functions that the kernels call at fixed points, and the host
+code that hands them their arguments. The engine calls them without knowing what they do::
 
     forward   o = forward(o, b, h, q_block, rows, local_rows, dims, *forward_args)
               on the normalised fp32 o [rows, D] of a query block, before its one store

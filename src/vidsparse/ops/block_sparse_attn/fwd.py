@@ -13,8 +13,8 @@ import torch
 from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
 from vidsparse.ops.block_sparse_attn.kernels.fwd import (
-    _block_sparse_attn_fwd_kernel,
-    _block_sparse_attn_fwd_tma_kernel,
+    block_sparse_attn_fwd_kernel,
+    block_sparse_attn_fwd_tma_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
@@ -52,8 +52,12 @@ def block_sparse_attn_fwd(
     fns = epilogue.fns()
     tma_possible = tma_reads_keys(q.dtype, kv_block_sizes, padding_finite)
     cfg, use_tma = cfg.for_inputs(tma_possible and tma_compatible(q, k, v), block_q)
-    if use_tma and cfg.gluon and fns.forward_sm90 is not None and _gluon_fits(q, k, v, block_q,
-                                                                              block_kv):
+    if (
+        use_tma
+        and cfg.gluon
+        and fns.forward_sm90 is not None
+        and _gluon_fits(q, k, v, block_q, block_kv)
+    ):
         from vidsparse.ops.block_sparse_attn.fwd_sm90 import block_sparse_attn_fwd_sm90
 
         return block_sparse_attn_fwd_sm90(
@@ -71,14 +75,14 @@ def block_sparse_attn_fwd(
                   **cfg.launch_kwargs())  # fmt: skip
     if use_tma:
         desc = tensor_descriptor
-        _block_sparse_attn_fwd_tma_kernel[grid](
+        block_sparse_attn_fwd_tma_kernel[grid](
             desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
             *lists, *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
             *hook, H, Sq, scale * LOG2E,
             WARP_SPECIALIZE=cfg.warp_specialize, **common,
         )  # fmt: skip
         return o, lse
-    _block_sparse_attn_fwd_kernel[grid](
+    block_sparse_attn_fwd_kernel[grid](
         q, k, v, o, lse, *lists,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),

@@ -10,8 +10,8 @@ from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
 from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import (
     ROWS_PER_CONSUMER,
-    _block_sparse_attn_fwd_gluon_kernel,
-    _block_sparse_attn_fwd_gluon_tiles_kernel,
+    block_sparse_attn_fwd_gluon_kernel,
+    block_sparse_attn_fwd_gluon_tiles_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
 
@@ -61,9 +61,9 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     hook = (epilogue.fns().forward_sm90.fn, epilogue.forward_args(call))
     if block_q == 2 * ROWS_PER_CONSUMER.value:
-        kernel, grid = _block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
+        kernel, grid = block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
     else:
-        kernel, grid = _block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
+        kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
     args = (*_descriptors(q, k, v, o, block_kv), lse, kv_indices, kv_counts, sizes, full,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
             *broadcast_strides(full), *hook, H, Sq, k.shape[2], nq, scale * LOG2E)  # fmt: skip

@@ -99,7 +99,7 @@ def block_sparse_attn_unchecked(
     epilogue: Epilogue = NO_EPILOGUE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's internal entry, for callers inside vidsparse that built the lists
-    themselves (VSA's top-k, PSA's stripes, STA's windows): ``(o, lse)``, differentiable in
+    themselves (top-k selections, stripes, windows): ``(o, lse)``, differentiable in
     q, k, v and the epilogue's tensors, through the same custom ops as ``block_sparse_attn``.
 
     No argument checks, so no GPU sync reading the lists back: the caller guarantees what
@@ -341,7 +341,9 @@ def _backward(ctx, do, _dlse):
         backend, padding_finite, epilogue, *tensors,
     )  # fmt: skip
     # Only tensors that took part get a gradient (an empty slot means none).
-    tensor_grads = [g if t is not None and g.shape == t.shape else None for g, t in zip(grads, tensors)]
+    tensor_grads = [
+        g if t is not None and g.shape == t.shape else None for g, t in zip(grads, tensors)
+    ]
     return (dq, dk, dv, *([None] * 9), *tensor_grads)
 
 

@@ -2,8 +2,8 @@
 
 With ``kv_block_sizes``, a listed key block may end in padding keys, whose scores the forward
 must mask: one compare and select per score, ~160 extra integer and select instructions per
-128x128 step (benchmarks/NOTES.md). Most listed blocks are full (VSA at Wan 480p: 455 of 624
-tiles), so the forward walks each list in two loops, the full blocks without the mask and then
+128x128 step (benchmarks/NOTES.md). Most listed blocks are full (Wan 480p's 4x4x4 tiles: 455
+of 624), so the forward walks each list in two loops, the full blocks without the mask and then
 the partial ones with it. That needs the full blocks at the front of each list::
 
     kv_indices[b, h, i]   = [ 7, 12, 13, 20, 31, ...]      (ascending, any order is legal)

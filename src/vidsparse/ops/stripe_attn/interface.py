@@ -60,9 +60,8 @@ from vidsparse.ops._text_tokens import (
     video_tiles,
 )
 from vidsparse.ops.block_sparse_attn.interface import (
-    TRITON_DTYPES,
-    TRITON_HEAD_DIMS,
     block_sparse_attn_unchecked,
+    check_triton_supported,
 )
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
@@ -448,10 +447,4 @@ def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
             f"{grid.tile_shape} (volume {volume}); use e.g. tile=(2, 8, 8) or (1, 8, 16) "
             "(volume 128) or (4, 4, 4) (64), or VIDSPARSE_BACKEND=torch for any tile"
         )
-    if q.shape[-1] not in TRITON_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim {q.shape[-1]} is not supported by the Triton kernels; supported:"
-            f" {TRITON_HEAD_DIMS} (set VIDSPARSE_BACKEND=torch for the reference path)"
-        )
-    if q.dtype not in TRITON_DTYPES:
-        raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q.dtype}")
+    check_triton_supported(q)

@@ -42,7 +42,7 @@ from vidsparse.ops._text_tokens import (
     text_block_sizes,
     video_tiles,
 )
-from vidsparse.ops.video_sparse_attn.configs import SUPPORTED_HEAD_DIMS as TRITON_HEAD_DIMS
+from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
 from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
 from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 from vidsparse.utils import ceil_div
@@ -219,11 +219,7 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) ->
 
 
 def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
-    if q.shape[-1] not in TRITON_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim {q.shape[-1]} is not supported by the Triton kernels; supported:"
-            f" {TRITON_HEAD_DIMS} (set VIDSPARSE_BACKEND=torch for the reference path)"
-        )
+    check_triton_supported(q)
     V = grid.tile_volume
     if V < 16 or V & (V - 1):
         raise ValueError(

@@ -18,7 +18,7 @@ from vidsparse.ops.block_sparse_attn.kernels.common import num_full_blocks
 
 
 @triton.jit
-def _block_sparse_attn_bwd_preprocess_kernel(
+def block_sparse_attn_bwd_preprocess_kernel(
     O, DO, LSE, DELTA, LSE2,  # o, do [B, H, Sq, D]; lse, delta, lse2 fp32 [B, H, Sq]
     stride_ob, stride_oh, stride_os, stride_od,
     stride_dob, stride_doh, stride_dos, stride_dod,
@@ -97,7 +97,7 @@ def _dkdv_program(
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
-    ``_block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
+    ``block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
     arithmetic. With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks
     [1, 1, BLOCK_N, D]) are tensor descriptors read by TMA; padding keys are then read too, so
     the caller vouches that they are finite (their probabilities are zeroed, and 0 x finite
@@ -169,7 +169,7 @@ def _dkdv_program(
 
 
 @triton.jit
-def _block_sparse_attn_bwd_dkdv_kernel(
+def block_sparse_attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE2, DELTA,
     Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -255,7 +255,7 @@ def _dq_program(
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
 ):  # fmt: skip
     """dQ of query rows ``[pid * SUB_M, (pid + 1) * SUB_M)`` of ``(batch, head) =
-    divmod(pid_bh, H)``: the body of ``_block_sparse_attn_bwd_dq_kernel``, a function so that
+    divmod(pid_bh, H)``: the body of ``block_sparse_attn_bwd_dq_kernel``, a function so that
     the fused kernel runs the same arithmetic. With USE_TMA, K and V are tensor descriptors
     (blocks [1, 1, BLOCK_N, D]) read by TMA; padding keys are then read too, so the caller
     vouches that they are finite: their probabilities are zeroed, and 0 x finite keeps dS
@@ -299,7 +299,7 @@ def _dq_program(
 
 
 @triton.jit
-def _block_sparse_attn_bwd_dq_kernel(
+def block_sparse_attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE2, DELTA,
     KV_IDX, KV_CNT, KV_SIZES,
     KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
@@ -335,7 +335,7 @@ def _block_sparse_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _block_sparse_attn_bwd_fused_kernel(
+def block_sparse_attn_bwd_fused_kernel(
     Q_DKDV, K_DKDV, V_DKDV, DO_DKDV,  # the dK/dV half's: descriptors with USE_TMA_DKDV
     Q_DQ, K_DQ, V_DQ, DO_DQ,  # the dQ half's: Q, DO tensors; K, V descriptors with USE_TMA_DQ
     DQ, DK, DV, LSE2, DELTA,

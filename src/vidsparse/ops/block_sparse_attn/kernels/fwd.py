@@ -114,7 +114,7 @@ def _finish_rows(acc, m_i, l_i):
 
 
 @triton.jit
-def _block_sparse_attn_fwd_kernel(
+def block_sparse_attn_fwd_kernel(
     Q, K, V, O, LSE,  # q [B, H, Sq, D]; k, v [B, H, Skv, D]; o like q; lse fp32 [B, H, Sq]
     KV_IDX, KV_CNT, KV_SIZES,  # int32 [Bi, H, NQ, K], [Bi, H, NQ], [NK] (unused unless HAS_KV_SIZES)
     KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
@@ -171,7 +171,7 @@ def _block_sparse_attn_fwd_kernel(
 
 
 @triton.jit
-def _block_sparse_attn_fwd_tma_kernel(
+def block_sparse_attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
     KV_IDX, KV_CNT, KV_SIZES,
     KV_FULL, stride_fb, stride_fh, stride_fq,

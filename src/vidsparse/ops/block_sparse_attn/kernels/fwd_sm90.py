@@ -1,39 +1,13 @@
-"""The Hopper (sm_90) forward of block-sparse flash attention, written in Gluon.
+"""The Hopper (sm_90) forward of block-sparse flash attention, in Gluon (launcher:
+``../fwd_sm90.py``).
 
-Same semantics as the Triton forward (``fwd.py``) at square 128 or 64 blocks, D = 128, bf16 or
-fp16, contiguous q, k, v, the declared epilogue included; with ``kv_block_sizes`` (padding
-keys, vouched finite: they are read by TMA and their scores masked) the lists come full blocks
-first (``lists.full_blocks_first``) and each consumer walks the full blocks unmasked, then the
-partial ones masked. ``fwd.py``
-takes this kernel where ``configs.py`` says so and the inputs fit (``gluon_fits``).
-
-Why Gluon: the plain Triton kernel (``fwd._block_sparse_attn_fwd_tma_kernel``) runs its two
-warpgroups in lockstep, so the softmax (MUFU exp2 + FP32 ALU) of one never overlaps the
-tensor-core work of the other. Gluon lets us write the FlashAttention-3 schedule by hand:
-
-- one **loader warp** (a ``gl.warp_specialize`` worker) walks the key-block list and issues
-  TMA copies of K and V into a ``STAGES``-deep shared-memory ring; ``k_ready`` / ``v_ready``
-  mbarriers say a slot landed, ``k_empty`` / ``v_empty`` say both consumers are done with it;
-- two **consumer warpgroups** (the default partition and a 4-warp worker), each owning 64 of the
-  block's 128 query rows, with their own online-softmax state (m, l, acc in registers);
-- inside a consumer, **intra-warpgroup overlap**: block j's ``S = Q K_j^T`` is issued
-  asynchronously together with block j-1's ``O += P_{j-1} V_{j-1}``; the softmax of block j
-  is meant to run while the P V GEMM is still on the tensor cores. Two ways to feed P:
-  ``P_IN_SMEM=False`` keeps P in registers (A operand from registers, as FA3); ptxas then
-  hoists the P V wait above the softmax, so this overlap is lost (it also does not reserve the
-  A registers of an in-flight wgmma, which forces the P conversion after that wait, see
-  ``_walk``). ``P_IN_SMEM=True`` stages P in shared memory (double-buffered)
-  and keeps the overlap, at the cost of the stores, a fence and a barrier per block;
-- between the consumers, **ping-pong** (``PINGPONG``): a pair of "turn" mbarriers makes the two
-  warpgroups take turns issuing their GEMMs, so that one warpgroup's softmax runs while the
-  other's GEMMs occupy the tensor cores (FA3 does this with named barriers; Gluon exposes
-  mbarriers, which serve the same purpose here since the turn order only shapes the schedule
-  and never guards data).
-
-That is the 128x128 kernel. The 64x64 one (VSA's 4x4x4 tiles) gives each consumer its own
-64-row query block, list, K/V ring and loader warp, two blocks a program, without turns.
-
-Online softmax in base 2: ``qk_scale = scale * log2(e)`` is folded into one FMA per score.
+The Triton forward's semantics at square 128 or 64 blocks, D = 128, 16-bit inputs, the
+declared epilogue included, written as FlashAttention-3's schedule: a loader warp fills a
+K/V ring by TMA (mbarriers say a slot landed / was released); two consumer warpgroups of 64
+query rows each issue ``Q K_j^T`` together with ``P_{j-1} V_{j-1}`` and, at 128x128, take
+turns on the tensor cores (ping-pong) so one's softmax overlaps the other's GEMMs. The 64x64
+kernel gives each consumer its own 64-row block, list, ring and loader. docs/architecture.md
+explains the schedule and its knobs (``configs.GluonOptions``).
 """
 
 from triton.experimental import gluon
@@ -384,7 +358,7 @@ def _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr, CONSUME
 
 
 @gluon.jit
-def _block_sparse_attn_fwd_gluon_kernel(
+def block_sparse_attn_fwd_gluon_kernel(
     desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o blocks [64, D], k/v [BN, D]
     LSE,  # fp32 [B, H, Sq]
     KV_IDX, KV_CNT,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]
@@ -473,7 +447,7 @@ def _block_sparse_attn_fwd_gluon_kernel(
 
 
 @gluon.jit
-def _block_sparse_attn_fwd_gluon_tiles_kernel(
+def block_sparse_attn_fwd_gluon_tiles_kernel(
     desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o and k/v blocks [64, D]
     LSE,
     KV_IDX, KV_CNT, KV_SIZES, KV_FULL,
@@ -488,7 +462,7 @@ def _block_sparse_attn_fwd_gluon_tiles_kernel(
     STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
-    """Two 64-row query blocks per program (VSA's tiles: 2 * pid and 2 * pid + 1), each with
+    """Two 64-row query blocks per program (video tiles: 2 * pid and 2 * pid + 1), each with
     its own list, K/V ring and loader warp, one per consumer warpgroup. The consumers do not
     take turns (their lists may differ in length); the scheduler interleaves them."""
     gl.static_assert(BLOCK_M == ROWS_PER_CONSUMER, "one consumer warpgroup per 64-row block")
