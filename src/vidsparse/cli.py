@@ -3,7 +3,7 @@
     vidsparse demo [--out DIR] [--device cpu|cuda] [--sparsity 0.875]
     vidsparse search SAMPLES --grid T H W --tile t h w (--alpha A | --target-sparsity S) ...
     vidsparse inspect PLAN [--json] [--png PATH]
-    vidsparse bench [engine|vsa|psa|all] [--out DIR] [--tiny] [--json]
+    vidsparse bench [OP|all] [--out DIR] [--tiny] [--json] [--list] [-- OP OPTIONS]
 
 Exit codes: 0 ok, 1 failure, 2 bad usage (including unreadable or invalid input files).
 """
@@ -11,8 +11,6 @@ Exit codes: 0 ok, 1 failure, 2 bad usage (including unreadable or invalid input 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import sys
 import time
@@ -25,7 +23,7 @@ EXAMPLES = """examples:
   vidsparse demo --out /tmp/r --json  # machine-readable summary on stdout
   vidsparse search calib/ --grid 21 30 52 --tile 2 8 8 --alpha 0.05 --out plan.json
   vidsparse inspect plan.json --png masks.png
-  vidsparse bench engine --tiny       # kernel benchmark smoke run (source checkout)
+  vidsparse bench engine --tiny       # kernel benchmark smoke run
 """
 
 
@@ -145,42 +143,36 @@ def _add_inspect_parser(sub) -> None:
     p.add_argument("--png", help="also draw the chosen stripe masks (first searched step)")
 
 
-# Benchmark scripts of the source checkout, by target: (module in benchmarks/, extra --tiny
-# arguments). The engine's smoke run keeps 1 density, 1 block size and 2 modes: it ends in
-# seconds on a CPU (its full grid is 81 cases).
-BENCH_SCRIPTS = {
-    "engine": (
-        "bench_block_sparse",
-        ["--densities", "0.25", "--block-sizes", "128x64", "--modes", "fwd,fwd+bwd"],
-    ),
-    "vsa": ("bench_vsa", []),
-    "psa": ("bench_psa", []),
-}
-
-
 def _add_bench_parser(sub) -> None:
+    from vidsparse.bench.runner import ALL_TARGETS, TARGETS
+
     p = sub.add_parser(
         "bench",
-        help="kernel benchmarks: engine, VSA, PSA (needs a source checkout)",
+        help="benchmarks: engine, VSA, PSA, STA, e2e, ... against their peers",
         description=(
-            "Run the repository's benchmark scripts (benchmarks/bench_block_sparse.py,"
-            " bench_vsa.py, bench_psa.py) against the peers present on this machine: a table,"
-            " a JSON file per target in --out, and the scripts' plots. Full sizes need a GPU;"
+            "Run a benchmark op of vidsparse.bench against the peers present on this machine"
+            " (cuDNN, flash, FlexAttention, FastVideo, ...): a table, a JSON file per target in"
+            f" --out, and a plot. 'all' runs {', '.join(ALL_TARGETS)}. Options after the target"
+            " that `vidsparse bench` does not know go to the op itself (after `--` if they"
+            " clash; `python -m vidsparse.bench OP --help` lists them). Full sizes need a GPU;"
             " --tiny is a smoke run of tiny shapes that also works on the CPU."
         ),
         epilog=(
             "examples:\n"
-            "  vidsparse bench                        # all three, full sizes, on the GPU\n"
+            "  vidsparse bench                        # engine, vsa, psa, sta, on the GPU\n"
             "  vidsparse bench vsa --out results/     # VSA only\n"
-            "  vidsparse bench engine --tiny --json   # CPU smoke run, rows as JSON on stdout"
+            "  vidsparse bench engine --tiny --json   # CPU smoke run, rows as JSON on stdout\n"
+            "  vidsparse bench block_sparse --shapes real --check   # the op's own options\n"
+            "  vidsparse bench --list                 # ops, shapes, providers"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an op's option must not be taken for a prefix of ours
     )
     p.add_argument(
         "target",
         nargs="?",
         default="all",
-        choices=(*BENCH_SCRIPTS, "all"),
+        choices=(*TARGETS, "all"),
         help="which benchmark (default all)",
     )
     p.add_argument(
@@ -190,11 +182,16 @@ def _add_bench_parser(sub) -> None:
     p.add_argument(
         "--json", action="store_true", help="print the rows as JSON on stdout (progress on stderr)"
     )
+    p.add_argument("--list", action="store_true", help="list the ops, shapes and providers")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Options `vidsparse bench` does not know are its op's own (passed through).
+    args, op_args = parser.parse_known_args(argv)
+    if op_args and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(op_args)}")
+    args.op_args = op_args
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
@@ -343,6 +340,11 @@ def _print_plan_summary(plan, as_json: bool) -> None:
 
 
 def _run_bench(args) -> int:
+    from vidsparse.bench import registry, runner
+
+    if args.list:
+        print(registry.describe())
+        return 0
     import torch
 
     if not args.tiny and not torch.cuda.is_available():
@@ -350,78 +352,26 @@ def _run_bench(args) -> int:
             "no GPU visible: full-size benchmarks take hours on a CPU; "
             "use `vidsparse bench --tiny` for a smoke run"
         )
-    targets = list(BENCH_SCRIPTS) if args.target == "all" else [args.target]
-    modules = {t: _import_benchmark(BENCH_SCRIPTS[t][0]) for t in targets}
-    out = Path(args.out)
-    results = []
-    for target in targets:
-        json_path = out / f"{target}.json"
-        argv = ["--out", str(json_path)]
-        if args.tiny:
-            argv += ["--tiny", *BENCH_SCRIPTS[target][1]]
-        rows = _run_bench_script(target, modules[target], argv, quiet=args.json)
-        if rows is None:
-            return 1
-        results.append({"target": target, "json": str(json_path), "rows": rows})
+    targets = list(runner.ALL_TARGETS) if args.target == "all" else [args.target]
+    if args.op_args and len(targets) > 1:
+        raise _BadInput(
+            f"options {' '.join(args.op_args)} are an op's own: name one benchmark, not all"
+        )
+    try:
+        results = runner.run_targets(
+            targets, args.out, tiny=args.tiny, extra=args.op_args, quiet=args.json
+        )
+    except runner.BenchUsageError as exc:
+        raise _BadInput(str(exc)) from None
+    except runner.BenchError as exc:
+        print(f"vidsparse: error: {exc}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps({"results": results}, default=str))
     else:
         for r in results:
             print(f"bench {r['target']}: {len(r['rows'])} rows written to {r['json']}")
     return 0
-
-
-def _benchmarks_root() -> Path | None:
-    """The source checkout holding ``benchmarks/``: above the package (src layout, editable
-    install) or the working directory; ``None`` for an installed wheel."""
-    import vidsparse
-
-    for root in (Path(vidsparse.__file__).resolve().parents[2], Path.cwd().resolve()):
-        if (root / "benchmarks" / "__init__.py").is_file():
-            return root
-    return None
-
-
-def _import_benchmark(module: str):
-    root = _benchmarks_root()
-    if root is None:
-        raise _BadInput(
-            "`vidsparse bench` runs the repository's benchmarks/ scripts: run it from a "
-            "source checkout (git clone, then pip install -e .)"
-        )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    try:
-        loaded = importlib.import_module(f"benchmarks.{module}")
-    except ImportError as exc:  # e.g. a peer library the script needs is missing: a failure
-        raise OSError(f"cannot import benchmarks.{module}: {exc}") from None
-    # Another installed package named `benchmarks` would shadow the checkout's: refuse it.
-    if root / "benchmarks" not in Path(loaded.__file__).resolve().parents:
-        raise _BadInput(f"benchmarks.{module} was found at {loaded.__file__}, not under {root}")
-    return loaded
-
-
-def _run_bench_script(target: str, module, argv: list[str], quiet: bool):
-    """The script's rows, or ``None`` (after a one-line message) when it failed.
-
-    With ``quiet`` the script's own progress and table go to stderr so that stdout holds
-    only the JSON.
-    """
-    redirect = contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()
-    try:
-        with redirect:
-            return module.main(argv)
-    except SystemExit as exc:  # the script's own usage check
-        if exc.code in (None, 0):
-            return []
-        print(f"vidsparse: error: bench {target} stopped: {exc.code}", file=sys.stderr)
-    except (KeyboardInterrupt, _BadInput):
-        raise
-    except Exception as exc:  # a benchmark failure is reported, not a traceback
-        print(
-            f"vidsparse: error: bench {target} failed: {type(exc).__name__}: {exc}", file=sys.stderr
-        )
-    return None
 
 
 def _run_demo(args) -> int:

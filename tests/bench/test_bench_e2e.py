@@ -6,18 +6,13 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("diffusers", minversion="0.36")
 
-REPO = Path(__file__).resolve().parents[2]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from benchmarks import bench_e2e  # noqa: E402
+from vidsparse.bench.ops import e2e as bench_e2e  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("torch_backend")
 

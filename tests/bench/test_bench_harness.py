@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "benchmarks" / "bench_block_sparse.py"
+from vidsparse.bench import harness
 
 META_KEYS = {
     "gpu",
@@ -32,10 +31,8 @@ META_KEYS = {
 def _run_bench(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "bench.json"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO / "src"), str(REPO), env.get("PYTHONPATH", "")]
-    ).rstrip(os.pathsep)
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out), *args]
+    cmd = [sys.executable, "-m", "vidsparse.bench", "block_sparse", "--device", "cpu", "--tiny"]
+    cmd += ["--out", str(out), *args]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"stdout:\n{done.stdout}\nstderr:\n{done.stderr}"
     assert "cpu-dry-run" in done.stdout  # the table says its timings mean nothing
@@ -125,9 +122,6 @@ def test_bench_block_sparse_cpu_all_providers_survive_errors(tmp_path):
 
 
 def test_harness_flops_table_and_json(tmp_path):
-    sys.path.insert(0, str(REPO))
-    from benchmarks import harness
-
     assert harness.attention_flops(10, 128, "fwd") == 4 * 128 * 10
     assert harness.attention_flops(10, 128, "bwd") == pytest.approx(2.5 * 4 * 128 * 10)
     assert harness.attention_flops(10, 128, "fwd+bwd") == pytest.approx(3.5 * 4 * 128 * 10)
@@ -156,9 +150,6 @@ def test_harness_flops_table_and_json(tmp_path):
 
 
 def test_mode_callable_times_the_right_thing():
-    sys.path.insert(0, str(REPO))
-    from benchmarks import harness
-
     calls = {"fwd": 0}
 
     def forward(x):
@@ -183,10 +174,13 @@ def test_mode_callable_times_the_right_thing():
 
 def test_git_commit_given_in_the_environment_wins(monkeypatch):
     """A tree copied to a GPU machine may hold a stale .git: the commit passed in wins."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    from benchmarks import harness
-
     monkeypatch.setenv("VIDSPARSE_GIT_COMMIT", "abc1234")
     assert harness.git_info()["git_commit"] == "abc1234"
     monkeypatch.delenv("VIDSPARSE_GIT_COMMIT")
     assert harness.git_info()["git_commit"] != "abc1234"
+
+
+def test_results_go_to_the_checkouts_results_folder():
+    root = harness.repo_root()
+    assert root is not None and (root / "benchmarks" / "results").is_dir()
+    assert harness.results_dir() == root / "benchmarks" / "results"

@@ -4,9 +4,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_psa_tiny_cpu(tmp_path):
@@ -16,7 +13,9 @@ def test_bench_psa_tiny_cpu(tmp_path):
     subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "bench_psa.py"),
+            "-m",
+            "vidsparse.bench",
+            "psa",
             "--device",
             "cpu",
             "--tiny",

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 SPARSE = ("ours", "ours-natural", "fastvideo")
 MODES = ("fwd", "fwd+bwd")
 SPARSITIES = (0.875, 0.9)
@@ -18,7 +17,7 @@ def run_tiny(out: Path) -> dict:
     env = dict(os.environ, VIDSPARSE_BACKEND="torch", CUDA_VISIBLE_DEVICES="")
     env.pop("TRITON_INTERPRET", None)  # the torch backend needs no interpreter
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_vsa.py")]
+        [sys.executable, "-m", "vidsparse.bench", "vsa"]
         + ["--device", "cpu", "--tiny", "--out", str(out)],
         env=env,
         capture_output=True,

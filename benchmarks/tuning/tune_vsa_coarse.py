@@ -1,7 +1,7 @@
 """Sweep configs of VSA's coarse attention + top-k kernel on the current GPU (feeds
 ``coarse_configs.py``).
 
-    PYTHONPATH=src python benchmarks/tune_vsa_coarse.py --out tune_coarse.json
+    PYTHONPATH=src python benchmarks/tuning/tune_vsa_coarse.py --out tune_coarse.json
 
 Times ``coarse_attn_topk_fwd`` on pooled tile means at Wan 1.3B 480p (624 tiles, 12 heads,
 top-78) and Wan 14B 720p (1,440 tiles, 40 heads, top-180); every config's lists must equal
@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-for _p in (_REPO / "src", _REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
-from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_topk_fwd  # noqa: E402
-from vidsparse.ops.video_sparse_attn.coarse_configs import coarse_attn_config  # noqa: E402
-from vidsparse.utils.device import target_of  # noqa: E402
+from vidsparse.bench import harness
+from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_topk_fwd
+from vidsparse.ops.video_sparse_attn.configs import coarse_attn_config
+from vidsparse.utils.device import target_of
 
 SHAPES = {"wan1.3b-480p": (624, 12, 78), "wan14b-720p": (1440, 40, 180)}
 
@@ -38,7 +31,7 @@ def sweep_pool(rows):
     rounding (the reduction order differs)."""
     from vidsparse import VideoGrid
     from vidsparse.ops.video_sparse_attn.coarse import tile_mean_pool_fwd
-    from vidsparse.ops.video_sparse_attn.coarse_configs import PoolConfig, pool_config
+    from vidsparse.ops.video_sparse_attn.configs import PoolConfig, pool_config
 
     for name, (shape, heads) in POOL_SHAPES.items():
         grid = VideoGrid(shape)

@@ -1,7 +1,7 @@
 """The backward's launch choices side by side on the current GPU: dK/dV and dQ in one launch
 against two, and the derived-list cache against deriving the lists on every call.
 
-    PYTHONPATH=src python benchmarks/compare_bwd_launch.py --out compare_bwd.json
+    PYTHONPATH=src python benchmarks/tuning/compare_bwd_launch.py --out compare_bwd.json
 
 B=1, H=12, S=32768, D=128, bf16, 128x128 blocks, random per-head lists at densities 1/8 and
 1/16. Times (``do_bench`` medians, three alternating rounds so drift hits every variant):
@@ -17,19 +17,12 @@ Also checks that both launches give bit-identical gradients.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-for _p in (_REPO / "src", _REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
-from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
+from vidsparse.bench import harness
+from vidsparse.masks.block_sparse import random_block_lists
 
 
 def bench(fn) -> float:

@@ -1,6 +1,6 @@
 """Per-kernel GPU time of one block-sparse forward + backward (torch.profiler).
 
-    PYTHONPATH=src python benchmarks/profile_block_sparse.py --seq 8192 --density 0.25
+    PYTHONPATH=src python benchmarks/profile/profile_block_sparse.py --seq 8192 --density 0.25
 
 Shows where backward time goes (preprocess, list transpose, dK/dV, dQ) next to the forward.
 """
@@ -8,19 +8,12 @@ Shows where backward time goes (preprocess, list transpose, dK/dV, dQ) next to t
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-for _p in (_REPO / "src", _REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import torch
 
-import torch  # noqa: E402
-
-import vidsparse  # noqa: E402
-from benchmarks import harness  # noqa: E402
-from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
+import vidsparse
+from vidsparse.bench import harness
+from vidsparse.masks.block_sparse import random_block_lists
 
 
 def main(argv=None):

@@ -1,6 +1,6 @@
 """Shared benchmark harness: providers, timing, FLOP counting, run metadata, tables, JSON, plots.
 
-Every benchmark script (block-sparse, VSA, PSA) follows the same shape::
+Every benchmark op (``vidsparse.bench.ops.*``) follows the same shape::
 
     providers = {"ours": Provider("ours", make_ours), "cudnn": Provider("cudnn", make_cudnn)}
     for case in cases:
@@ -12,7 +12,7 @@ returns a zero-argument function; only that function is timed. ``mode_callable``
 function into the function to time for "fwd", "bwd" or "fwd+bwd", so all providers time the
 same thing in each mode.
 
-Conventions (DESIGN.md "Benchmarks", FACTS.md): ``triton.testing.do_bench`` medians on the GPU;
+Conventions (benchmarks/BENCHMARK_GUIDELINES.md): ``triton.testing.do_bench`` medians on the GPU;
 TFLOP/s counted on the attended query-key pairs (fwd = 4 * D * pairs, bwd = 2.5x, fwd+bwd =
 3.5x). On the CPU the timer is a plain ``perf_counter`` loop labelled ``cpu-dry-run``: it only
 exercises the code paths, its numbers mean nothing.
@@ -41,7 +41,7 @@ import torch
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 # Backward work relative to forward: dQ, dK, dV and the recomputed scores make ~2.5 forward
-# matmul volumes (FACTS.md convention); fwd+bwd is then 3.5x the forward.
+# matmul volumes (the usual FlashAttention convention); fwd+bwd is then 3.5x the forward.
 MODE_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
 
 DO_BENCH_WARMUP_MS = 25
@@ -279,6 +279,22 @@ def run_case(
 # ---------------------------------------------------------------------------------------------
 # metadata
 # ---------------------------------------------------------------------------------------------
+
+
+def repo_root() -> Path | None:
+    """The source checkout this package runs from (src layout, editable install), else the
+    working directory if it holds ``benchmarks/``; ``None`` for an installed wheel elsewhere."""
+    for root in (Path(__file__).resolve().parents[3], Path.cwd().resolve()):
+        if (root / "benchmarks").is_dir() and (root / "src" / "vidsparse").is_dir():
+            return root
+    return None
+
+
+def results_dir() -> Path:
+    """Where a benchmark writes its JSON by default: the checkout's ``benchmarks/results``
+    (where committed results live), else ``./bench-results``."""
+    root = repo_root()
+    return root / "benchmarks" / "results" if root is not None else Path("bench-results")
 
 
 def _git(args: list[str], cwd: Path) -> str | None:

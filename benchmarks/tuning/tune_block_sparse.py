@@ -1,6 +1,6 @@
 """Sweep launch configs of the block-sparse kernels on the current GPU (feeds configs.py).
 
-    PYTHONPATH=src python benchmarks/tune_block_sparse.py --out tune.json
+    PYTHONPATH=src python benchmarks/tuning/tune_block_sparse.py --out tune.json
 
 Times forward and backward of ``vidsparse`` at B=1, H=12, S=32768, D=128 (bf16) over random
 per-head block lists, for each block size and each candidate config, next to cuDNN dense SDPA
@@ -12,22 +12,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-for _p in (_REPO / "src", _REPO):  # run as a script: make `benchmarks` and vidsparse importable
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
-from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
-from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd  # noqa: E402
-from vidsparse.ops.block_sparse_attn.configs import KernelConfig  # noqa: E402
-from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd  # noqa: E402
+from vidsparse.bench import harness
+from vidsparse.masks.block_sparse import random_block_lists
+from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
 
 def bench(fn) -> float:

@@ -6,8 +6,8 @@ baseline here is the Triton TMA kernel it falls back to, called with that config
 
 Run on an H100/H200 from the repository root::
 
-    PYTHONPATH=src python benchmarks/try_gluon_fwd.py                 # check, then time
-    PYTHONPATH=src python benchmarks/try_gluon_fwd.py --compile-only  # any machine: sm_90 build
+    PYTHONPATH=src python benchmarks/tuning/try_gluon_fwd.py                 # check, then time
+    PYTHONPATH=src python benchmarks/tuning/try_gluon_fwd.py --compile-only  # any machine: sm_90
 
 What it does on the GPU:
 
@@ -24,8 +24,9 @@ What it does on the GPU:
 TFLOP/s = 4 * B * H * S^2 * D * density / time. Writes ``$OUT/try_gluon_fwd.json`` if ``OUT``
 is set; prints a table last.
 
-``--compile-only`` compiles every variant for ``cuda:90`` without a GPU (as
-``tests/compile/compile_kernels.py`` does for the Triton kernels) and prints registers, spills, shared
+``--compile-only`` compiles every variant for ``cuda:90`` without a GPU
+(``vidsparse.bench.compile.compile_sm90``, as ``tests/compile/compile_kernels.py`` does for the
+Triton kernels) and prints registers, spills, shared
 memory, ptxas's wgmma-serialisation warnings (C7512 and friends) and a SASS hazard count:
 instructions that write an A-operand register of a register-A ``HGMMA`` (the P V wgmma)
 before a ``WARPGROUP.DEPBAR`` has retired it. ptxas does not keep those registers reserved
@@ -39,15 +40,15 @@ import argparse
 import json
 import math
 import os
-import re
 import subprocess
 import sys
-import tempfile
 import time
 
-os.environ.pop("TRITON_INTERPRET", None)
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: real kernels only
 
 import torch  # noqa: E402
+
+from vidsparse.bench.compile import compile_sm90  # noqa: E402
 
 # Gluon variants: name -> launcher options (see fwd_gluon.DEFAULT_OPTIONS).
 # reg_*: P fed to the P V wgmma from registers; smem_*: P staged in shared memory (SS wgmma).
@@ -62,160 +63,6 @@ VARIANTS = {
 B, H, S, D = 1, 12, 32768, 128
 BLOCK = 128
 CHILD_TIMEOUT_S = 150
-
-
-# ---------------------------------------------------------------------------------------------
-# compile for sm_90 on any machine
-# ---------------------------------------------------------------------------------------------
-
-
-def compile_sm90(
-    options: dict,
-    *,
-    masked: bool = False,
-    dtype=torch.bfloat16,
-    block: int = BLOCK,
-    combine: bool = False,
-) -> dict:
-    """Compile the Gluon kernel for cuda:90 on meta tensors; returns ptxas's resource report.
-    ``masked``: the variant with key-block sizes (padding keys masked, full blocks first);
-    ``block``: 128 (one query block per program) or 64 (two, VSA's tiles); ``combine``: VSA's
-    gate epilogue (gate and real-row sizes)."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import native_specialize_impl
-
-    from vidsparse.ops.block_sparse_attn import fwd_gluon as fg
-    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine
-
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    meta = torch.device("meta")
-    q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D]
-    lse = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S]
-    nq = S // block
-    idx = torch.empty(1, H, nq, nq // 8, dtype=torch.int32, device=meta)  # [1, H, NQ, K]
-    cnt = torch.empty(1, H, nq, dtype=torch.int32, device=meta)  # [1, H, NQ]
-    sizes = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None  # [NK]
-    full = cnt.clone() if masked else None  # [1, H, NQ]
-    coarse = None
-    if combine:  # o_coarse [B, H, NQ, D] fp32, gate like q, real rows per block [NQ]
-        oc = torch.empty(B, H, nq, D, dtype=torch.float32, device=meta)
-        coarse = CoarseCombine(oc, torch.empty_like(q), torch.empty(nq, dtype=torch.int32,
-                                                                    device=meta))  # fmt: skip
-    kernel, _, args, kwargs = fg.kernel_args(q, q, q, q, lse, idx, cnt, block, block, D**-0.5,
-                                             sizes, full, coarse, **options)  # fmt: skip
-    call_kwargs = {k: v for k, v in kwargs.items() if k in kernel.arg_names}
-    launch_options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
-    bound = inspect.signature(kernel.fn).bind(*args, **call_kwargs)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(kernel.params):  # the JIT's own argument specialisation
-        value = bound.arguments[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
-            continue
-        ty, attr = native_specialize_impl(type(backend), value, param.is_const, True, True)
-        signature[param.name] = ty
-        if ty == "constexpr":
-            constexprs[param.name] = value
-        elif isinstance(attr, str) and attr:
-            attrs[(i,)] = backend.parse_attr(attr)
-    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=target, options=launch_options)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run(
-            [ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
-        cubin = os.path.join(tmp, "k.cubin")
-        with open(cubin, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
-        sass = subprocess.run(
-            [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
-        ).stdout
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {
-        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
-        "shared": int(compiled.metadata.shared),
-        "num_warps": int(compiled.metadata.num_warps),
-        "ptxas_warnings": re.findall(r"\(C7\d+\)[^\n]*", log),
-        "sass_a_operand_hazards": len(a_operand_hazards(sass)),
-    }
-
-
-def a_operand_hazards(sass: str) -> list[tuple[int, int, str]]:
-    """Writes to the A-operand registers of an in-flight register-A HGMMA group, in SASS.
-
-    From each group (HGMMAs up to the one marked ``gsb0``), follow the code (fall-through and
-    branch targets) until a ``WARPGROUP.DEPBAR.LE gsb0, N`` retires the group (N smaller than
-    the number of groups committed since it); report every instruction on the way whose
-    destination register is one the group reads as A. Returns ``[(group addr, write addr,
-    instruction)]``."""
-    ins = [
-        (int(m.group(1), 16), m.group(2))
-        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)
-    ]
-    at = {addr: i for i, (addr, _) in enumerate(ins)}
-    hgmma_a = re.compile(r"HGMMA\.\S+ R\d+, R(\d+),")
-
-    def written(text: str) -> set[int]:
-        text = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
-        op, _, rest = text.partition(" ")
-        if op.startswith(("ST", "HGMMA", "BAR", "SYNCS", "WARPGROUP", "BRA", "RED", "ATOM")):
-            return set()
-        m = re.match(r"R(\d+)\b", rest.strip())
-        if not m:
-            return set()
-        width = 4 if ".128" in op else 2 if (".64" in op or "WIDE" in op) else 1
-        return {int(m.group(1)) + i for i in range(width)}
-
-    found, i = [], 0
-    while i < len(ins):
-        if not hgmma_a.search(ins[i][1]):
-            i += 1
-            continue
-        a_regs, j = set(), i
-        while j < len(ins):  # the group: HGMMAs up to the one that commits (gsb0)
-            m = hgmma_a.search(ins[j][1])
-            if m:
-                a_regs |= {int(m.group(1)) + r for r in range(4)}
-            if "HGMMA" in ins[j][1] and "gsb0" in ins[j][1]:
-                break
-            j += 1
-        stack, seen = [(j + 1, 0)], set()
-        while stack:
-            k, later = stack.pop()
-            while k < len(ins) and (k, later) not in seen:
-                seen.add((k, later))
-                text = ins[k][1]
-                if "HGMMA" in text and "gsb0" in text:
-                    later = min(later + 1, 2)
-                wait = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", text)
-                if wait and int(wait.group(1)) <= later:
-                    break
-                if written(text) & a_regs:
-                    found.append((ins[i][0], ins[k][0], text))
-                branch = re.search(r"BRA (0x[0-9a-f]+)", text)
-                if branch and int(branch.group(1), 16) in at:
-                    stack.append((at[int(branch.group(1), 16)], later))
-                if (branch and not text.startswith("@")) or text.startswith("EXIT"):
-                    break
-                k += 1
-        i = j + 1
-    return found
 
 
 def triton_fwd(q, k, v, idx, cnt, scale):
@@ -261,6 +108,7 @@ def _lse_err(lse: torch.Tensor, ref: torch.Tensor) -> float:
 def _check_case(name, q, k, v, idx, cnt, options) -> dict:
     """Gluon vs library vs fp32 reference on one small case."""
     from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
+
     from vidsparse.ops.block_sparse_attn.reference import block_sparse_attn_ref
 
     scale = q.shape[-1] ** -0.5
@@ -296,9 +144,9 @@ def _check_case(name, q, k, v, idx, cnt, options) -> dict:
 def check_variant(options: dict) -> dict:
     """Small cases, then the timed size once against the library and cuDNN."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
 
     from vidsparse.masks.block_sparse import random_block_lists
-    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
 
     gen = torch.Generator(device="cuda")
     gen.manual_seed(1234)
@@ -395,9 +243,9 @@ def run_child_check(name: str, options: dict) -> dict:
 def time_all(ok_variants: list[str]) -> list[dict]:
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
 
     from vidsparse.masks.block_sparse import random_block_lists
-    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
 
     torch.manual_seed(0)
     q, k, v = [torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
@@ -540,5 +388,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
     main()

@@ -1,7 +1,7 @@
 """Per-kernel GPU time of VSA and PSA at the benchmark shapes (torch.profiler).
 
-    PYTHONPATH=src python benchmarks/profile_methods.py                 # both methods
-    PYTHONPATH=src python benchmarks/profile_methods.py --methods vsa
+    PYTHONPATH=src python benchmarks/profile/profile_methods.py                 # both methods
+    PYTHONPATH=src python benchmarks/profile/profile_methods.py --methods vsa
 
 Shows where a method's time goes beyond the fine-stage kernel (tiling, selection, gate
 combine, list building), which the benchmarks' totals hide.
@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-for _p in (_REPO / "src", _REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import torch
 
-import torch  # noqa: E402
-
-import vidsparse  # noqa: E402
-from benchmarks import harness  # noqa: E402
-from benchmarks.bench_psa import mixed_specs  # noqa: E402
+import vidsparse
+from vidsparse.bench import harness
+from vidsparse.bench.ops.psa import mixed_specs
 
 
 def show(title: str, step, repeats: int = 5) -> None:

@@ -1,29 +1,24 @@
 """Where the time of one Ulysses VSA layer goes on each rank: per-kernel GPU time and each CUDA
 stream's busy time (torch.profiler), next to the wall time of the call.
 
-    PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/profile_parallel.py --head-chunks 2
+    PYTHONPATH=src torchrun --nproc-per-node 2 benchmarks/profile/profile_parallel.py \\
+        --head-chunks 2
 
-The layer is ``bench_parallel.py``'s (Wan 14B 720p, 40 heads, VSA sparsity 0.875, gate).
+The layer is the parallel benchmark's (``vidsparse.bench.ops.parallel``: Wan 14B 720p, 40
+heads, VSA sparsity 0.875, gate).
 Rank 0 prints its table and writes a Chrome trace (``--trace``) for a closer look.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections import defaultdict
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-for _p in (_REPO / "src", _REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
-
-from benchmarks.bench_parallel import (  # noqa: E402
+from vidsparse.bench.ops.parallel import (
     WAN14B_720P,
     init_distributed,
     local_shard,

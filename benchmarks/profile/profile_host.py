@@ -1,12 +1,12 @@
 """Host (CPU) cost of one block-sparse call next to its GPU time: where a timed call waits on
 Python rather than on kernels.
 
-    PYTHONPATH=src python benchmarks/profile_host.py [--density 0.125] [--block 128x128]
+    PYTHONPATH=src python benchmarks/profile/profile_host.py [--density 0.125] [--block 128x128]
 
 For the forward and forward+backward of ``vidsparse.block_sparse_attn`` at B=1, H=12, S=32768,
 D=128 (bf16, random per-head lists), prints
 
-- ``do_bench``: the median as ``bench_block_sparse.py`` times it (L2 flushed between calls, so
+- ``do_bench``: the median as the block_sparse benchmark times it (L2 flushed between calls, so
   the host gets a head start of one flush);
 - ``kernels``: the sum of the call's CUDA kernel times (torch.profiler), i.e. the GPU work;
 - ``host``: wall time of enqueuing one call (no synchronisation), the median of 20;
@@ -21,20 +21,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
-from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
-for _p in (_REPO / "src", _REPO):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from benchmarks import harness  # noqa: E402
-from vidsparse.masks.block_sparse import random_block_lists  # noqa: E402
+from vidsparse.bench import harness
+from vidsparse.masks.block_sparse import random_block_lists
 
 
 def kernel_ms(fn, calls: int = 5) -> float:

@@ -1,0 +1,189 @@
+"""Compile the Gluon block-sparse forward for sm_90 on any machine (no GPU needed), and read
+back ptxas's resource report and a SASS hazard count.
+
+``tests/ops/block_sparse_attn/test_gluon_fwd.py`` builds every variant the library takes with
+``compile_sm90``; ``benchmarks/tuning/try_gluon_fwd.py --compile-only`` does the same for the
+variants it sweeps. Triton's interpreter must be off (``TRITON_INTERPRET`` unset) before
+vidsparse's kernels are first imported: interpreted kernels cannot be compiled.
+
+The hazard: ptxas does not keep the A-operand registers of a register-A ``HGMMA`` (the P V
+wgmma) reserved while it is in flight; an instruction that writes one of them before a
+``WARPGROUP.DEPBAR`` retires the group gives NaNs whenever the wgmma runs late. A variant the
+library takes must count zero such writes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+
+# The problem the kernel is specialised for (the engine's synthetic 32k shape).
+B, H, S, D = 1, 12, 32768, 128
+BLOCK = 128
+
+
+def compile_sm90(
+    options: dict,
+    *,
+    masked: bool = False,
+    dtype=torch.bfloat16,
+    block: int = BLOCK,
+    combine: bool = False,
+) -> dict:
+    """Compile the Gluon kernel for cuda:90 on meta tensors; returns ptxas's resource report.
+
+    ``options``: fields of the schedule (``configs.GluonOptions``: STAGES, PINGPONG, P_IN_SMEM,
+    ...) overriding the library's (``{}``: the library's own). ``masked``: the variant with
+    key-block sizes (padding keys masked, full blocks first); ``block``: 128 (one query block
+    per program) or 64 (two, VSA's tiles); ``combine``: VSA's gate epilogue (gate and real-row
+    sizes)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError(
+            "compile_sm90 needs real Triton kernels: unset TRITON_INTERPRET before vidsparse's"
+            " kernels are imported (e.g. run it in a child process without it)"
+        )
+    import inspect
+    from dataclasses import replace
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import native_specialize_impl
+
+    from vidsparse.ops.block_sparse_attn import configs
+    from vidsparse.ops.block_sparse_attn import fwd_sm90 as launcher
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    meta = torch.device("meta")
+    q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D]
+    lse = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S]
+    nq = S // block
+    idx = torch.empty(1, H, nq, nq // 8, dtype=torch.int32, device=meta)  # [1, H, NQ, K]
+    cnt = torch.empty(1, H, nq, dtype=torch.int32, device=meta)  # [1, H, NQ]
+    sizes = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None  # [NK]
+    full = cnt.clone() if masked else None  # [1, H, NQ]
+    epilogue = NO_EPILOGUE
+    if combine:  # o_coarse [B, H, NQ, D] fp32, gate like q, real rows per block [NQ]
+        oc = torch.empty(B, H, nq, D, dtype=torch.float32, device=meta)
+        rows = torch.empty(nq, dtype=torch.int32, device=meta)
+        epilogue = CoarseCombine(oc, torch.empty_like(q), rows)
+    schedule = replace(configs.GLUON, **options) if options else None
+    kernel, _, args, kwargs = launcher.kernel_args(
+        q, q, q, q, lse, idx, cnt, block, block, D**-0.5, sizes, full,
+        epilogue=epilogue, options=schedule,
+    )  # fmt: skip
+    call_kwargs = {k: v for k, v in kwargs.items() if k in kernel.arg_names}
+    launch_options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
+    bound = inspect.signature(kernel.fn).bind(*args, **call_kwargs)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):  # the JIT's own argument specialisation
+        value = bound.arguments[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+            continue
+        ty, attr = native_specialize_impl(type(backend), value, param.is_const, True, True)
+        signature[param.name] = ty
+        if ty == "constexpr":
+            constexprs[param.name] = value
+        elif isinstance(attr, str) and attr:
+            attrs[(i,)] = backend.parse_attr(attr)
+    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=target, options=launch_options)
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        log = subprocess.run(
+            [ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        sass = subprocess.run(
+            [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
+        ).stdout
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+        "shared": int(compiled.metadata.shared),
+        "num_warps": int(compiled.metadata.num_warps),
+        "ptxas_warnings": re.findall(r"\(C7\d+\)[^\n]*", log),
+        "sass_a_operand_hazards": len(a_operand_hazards(sass)),
+    }
+
+
+def a_operand_hazards(sass: str) -> list[tuple[int, int, str]]:
+    """Writes to the A-operand registers of an in-flight register-A HGMMA group, in SASS.
+
+    From each group (HGMMAs up to the one marked ``gsb0``), follow the code (fall-through and
+    branch targets) until a ``WARPGROUP.DEPBAR.LE gsb0, N`` retires the group (N smaller than
+    the number of groups committed since it); report every instruction on the way whose
+    destination register is one the group reads as A. Returns ``[(group addr, write addr,
+    instruction)]``."""
+    ins = [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)
+    ]
+    at = {addr: i for i, (addr, _) in enumerate(ins)}
+    hgmma_a = re.compile(r"HGMMA\.\S+ R\d+, R(\d+),")
+
+    def written(text: str) -> set[int]:
+        text = re.sub(r"^@!?U?P[T0-9]+\s+", "", text)
+        op, _, rest = text.partition(" ")
+        if op.startswith(("ST", "HGMMA", "BAR", "SYNCS", "WARPGROUP", "BRA", "RED", "ATOM")):
+            return set()
+        m = re.match(r"R(\d+)\b", rest.strip())
+        if not m:
+            return set()
+        width = 4 if ".128" in op else 2 if (".64" in op or "WIDE" in op) else 1
+        return {int(m.group(1)) + i for i in range(width)}
+
+    found, i = [], 0
+    while i < len(ins):
+        if not hgmma_a.search(ins[i][1]):
+            i += 1
+            continue
+        a_regs, j = set(), i
+        while j < len(ins):  # the group: HGMMAs up to the one that commits (gsb0)
+            m = hgmma_a.search(ins[j][1])
+            if m:
+                a_regs |= {int(m.group(1)) + r for r in range(4)}
+            if "HGMMA" in ins[j][1] and "gsb0" in ins[j][1]:
+                break
+            j += 1
+        stack, seen = [(j + 1, 0)], set()
+        while stack:
+            k, later = stack.pop()
+            while k < len(ins) and (k, later) not in seen:
+                seen.add((k, later))
+                text = ins[k][1]
+                if "HGMMA" in text and "gsb0" in text:
+                    later = min(later + 1, 2)
+                wait = re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", text)
+                if wait and int(wait.group(1)) <= later:
+                    break
+                if written(text) & a_regs:
+                    found.append((ins[i][0], ins[k][0], text))
+                branch = re.search(r"BRA (0x[0-9a-f]+)", text)
+                if branch and int(branch.group(1), 16) in at:
+                    stack.append((at[int(branch.group(1), 16)], later))
+                if (branch and not text.startswith("@")) or text.startswith("EXIT"):
+                    break
+                k += 1
+        i = j + 1
+    return found

@@ -1,0 +1,1 @@
+"""The measuring code of each benchmark op (see ``vidsparse.bench.registry``)."""

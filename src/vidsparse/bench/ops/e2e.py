@@ -1,0 +1,678 @@
+"""End-to-end benchmark: one denoising step of the real-architecture Wan 2.1 transformer.
+
+Run (on the lent H200, diffusers has to be carried: see below; ``vidsparse bench e2e --
+OPTIONS`` is the same)::
+
+    python -m vidsparse.bench e2e                              # Wan 1.3B, 480p
+    python -m vidsparse.bench e2e --model wan14b --layers 8    # Wan 14B, 720p
+    python -m vidsparse.bench e2e --device cpu --tiny          # CPU smoke run
+
+What runs: diffusers' ``WanTransformer3DModel`` built from the published Wan 2.1 config
+(``e2e_model.WAN_CONFIGS``; random weights: nothing can be downloaded), bf16, on the GPU, in
+eval mode.
+One forward = one denoising step of one CFG branch: latents ``[1, 16, 21, 60, 104]`` (480p,
+81 frames: 32,760 video tokens on a 21x30x52 grid after the (1, 2, 2) patch) or
+``[1, 16, 21, 90, 160]`` (720p: 75,600 tokens, 21x45x80), timestep 500, random text-encoder
+states ``[1, 512, 4096]`` (umT5 width, 512 tokens as WanPipeline pads them). ``--layers N``
+builds only the first N transformer blocks (the 14B model defaults to 8 of its 40 so that four
+methods with their repetitions stay well inside a 10-minute command; its weights are 0.7 GB a
+block in bf16, so memory would hold all 40: the JSON says which and why).
+
+Methods (rows), all on the same model object and inputs:
+
+- ``dense``: stock diffusers (``WanAttnProcessor`` -> ``dispatch_attention_fn`` -> SDPA), no
+  vidsparse at all, with SDPA's cuDNN backend first in priority. Before timing, a cuDNN-only
+  SDPA call on the self-attention shape checks that cuDNN takes it (so it is what runs), and
+  the cross-attention shape is checked the same way (``meta.sdpa``). Every method's
+  cross-attention (Wan's ``attn2``, untouched by vidsparse) runs under the same setting.
+- ``vsa``: ``apply_sparse_attention(model, "vsa", sparsity=0.875)``: 4x4x4 tiles, with the
+  per-layer zero-initialised gate projection (as a VSA-finetuned checkpoint has one).
+  ``sparsity`` = 1 - topk / tiles (78 of 624 at 480p).
+- ``psa`` at targets 0.60 and 0.75: ``apply_sparse_attention(model, "psa", plan=...)`` with a
+  synthetic one-step plan: for every (layer, head) a stripe spec of the default PSA candidate
+  family (``CandidateFamily``) on the model's block grid (``--psa-tile``, default 1x16x8 = 128
+  tokens a block), drawn at random among the candidates within 0.1 of the target
+  (``--psa-tolerance``; the family has only 4-6 distinct masks near 0.6-0.75 on these block
+  grids), plus the nearest one on each side of the target where a side has none within it;
+  a draw that would move the running mean more than 0.005 off the target is redrawn from the
+  side of the target that brings it back. ``sparsity`` is the achieved mean over all
+  (layer, head) of skipped (query block, key block) pairs of the padded block grid.
+  ``--psa-plan FILE`` adds a row for a searched plan file (run at its first sparse step).
+
+``--compile blocks`` runs every method with each transformer block ``torch.compile``'d
+(diffusers' ``compile_repeated_blocks``, fullgraph, inductor), as a deployment would: the
+stock processor and ours alike, so only the attention differs. The first step includes the
+compilation (``first_step_s``). The attention share is not measured then (its timers wrap
+Python functions inside the compiled blocks). Results go to ``e2e_compiled_<gpu>.json`` by
+default.
+
+Measurements per method (GPU: CUDA events; CPU: ``perf_counter``, labelled cpu-dry-run):
+
+- ``step_ms``: median of ``--reps`` timed forwards under ``torch.no_grad``, after one forward
+  that compiles / builds everything (its output gives ``rel_l2``) and ``--warmup`` more. The
+  passes are queued back to back, one event pair around each, as ``do_bench`` does; every
+  repetition is in ``step_ms_all``. (``harness.time_ms`` is not used: ``do_bench`` picks its
+  repetition count from a 5-call estimate, which at 0.5-3 s a step would mostly be calls
+  nobody reads.)
+- ``attn_ms`` / ``attn_share``: in ``--share-reps`` further forwards, a CUDA event pair around
+  every video self-attention call and one around the whole step. The attention call is what
+  the method replaces, ``[B, H, S, D]`` q/k/v in, output out: dense, the stock
+  ``dispatch_attention_fn`` (SDPA); VSA, the integration method's ``attend`` (gate
+  projection, tiling, coarse stage, top-k, fine stage, combine, untiling); PSA, ``attend``
+  (tiling, stripe kernel, untiling). q/k/v projections, norms, RoPE and the output projection
+  are outside it, as is the cross-attention (``cross_attn_ms``, timed the same way).
+  ``attn_share`` = attention time / step time, summed over those passes (``instr_step_ms`` is
+  their mean step time: the events cost next to nothing, compare it with ``step_ms``).
+  Events measure GPU time between two points of the stream, so this is the attention
+  kernels' time provided the CPU keeps ahead of the GPU (it does at these sizes: every
+  attention call is milliseconds of GPU work).
+- ``rel_l2``: ``||out - out_dense|| / ||out_dense||`` of the transformer output (fp32), against
+  the dense row's first forward; for ``dense`` itself, a second dense forward against the first
+  (0 unless SDPA is nondeterministic). With random weights this checks plumbing and gives the
+  size of the approximation on random activations, not a quality figure.
+- ``speedup`` = dense ``step_ms`` / method ``step_ms``; ``attn_speedup`` the same on ``attn_ms``.
+
+A method that raises (out of memory, a kernel refusing a shape) gets a row with ``error`` and
+the run goes on. The JSON (``--out``) is rewritten after every method (``meta.complete``
+false until the end), so a run cut short keeps what it measured.
+
+Carrying diffusers to the GPU machine (its image has torch, triton, numpy, einops, pytest,
+but no diffusers, and nothing can be downloaded there). Here, into the git-ignored ``.whl/``::
+
+    python -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \\
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
+        -d .whl/diffusers diffusers==0.42.1 && rm .whl/diffusers/numpy-*.whl
+
+(diffusers and its import-time dependencies, ~21 MB; the image's numpy stays), then on the
+device machine (``run`` with ``carry=[".whl/diffusers"]``)::
+
+    python3 -m pip install --no-index --no-deps --target /tmp/site .whl/diffusers/*.whl && \\
+    PYTHONPATH=/tmp/site:src python3 -m vidsparse.bench e2e
+
+If pip is missing or refuses a wheel there, unzipping every wheel is equivalent:
+``for w in .whl/diffusers/*.whl; do python3 -m zipfile -e $w /tmp/site; done``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vidsparse.bench import harness
+from vidsparse.bench.harness import Column
+from vidsparse.bench.ops.e2e_model import (
+    DEFAULT_PSA_TILE,
+    LATENT_HW,
+    PSA_SLACK,
+    PSA_TOLERANCE,
+    TIMESTEP,
+    VSA_TILE,
+    WAN_CONFIGS,
+    Workload,
+    build_model,
+    import_wan,
+    make_inputs,
+    make_workload,
+    plan_file_method,
+    synthetic_plan,
+)
+from vidsparse.testing import rel_l2
+
+# Re-exported: the e2e op's model, inputs and plans, as the registry and e2e_ulysses use them.
+__all__ = [
+    "LATENT_HW",
+    "PSA_SLACK",
+    "PSA_TOLERANCE",
+    "build_model",
+    "import_wan",
+    "make_inputs",
+    "make_workload",
+    "main",
+    "synthetic_plan",
+]
+
+METHODS = ("dense", "vsa", "psa", "psa-plan")
+PROVIDERS = METHODS
+
+COLUMNS = [
+    Column("method", "method"),
+    Column("target", "target", ".2f"),
+    Column("sparsity", "sparsity", ".3f"),
+    Column("step_ms", "step ms", ".1f"),
+    Column("speedup", "speedup", ".2f"),
+    Column("attn_ms", "attn ms", ".1f"),
+    Column("attn_share", "attn share", ".1%"),
+    Column("attn_speedup", "attn x", ".2f"),
+    Column("rel_l2", "rel L2", ".4f"),
+    Column("peak_mem_gb", "peak GB", ".1f"),
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# methods
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Method:
+    """One row: how to patch the model (``apply_sparse_attention(model, kind, **options)``;
+    no options: the stock model) and what to record about it."""
+
+    name: str
+    target: float | None = None
+    options: dict | None = None
+    kind: str = "dense"
+    step: int = 0  # denoising step to set (PSA plans)
+    info: dict | None = None  # row fields known before running (sparsity, tiles, ...)
+
+
+def make_methods(args, work: Workload) -> list[Method]:
+    from vidsparse.layout.grid import VideoGrid
+    from vidsparse.ops.video_sparse_attn.topk import resolve_topk
+
+    wanted = set(args.methods.split(","))
+    unknown = wanted - {"dense", "vsa", "psa"}
+    if unknown:
+        raise SystemExit(f"--methods takes dense, vsa, psa; got {sorted(unknown)}")
+    methods = [Method("dense", info={"sparsity": 0.0, "attention": "stock diffusers SDPA"})]
+    if "vsa" in wanted:
+        grid = VideoGrid(work.grid_shape, VSA_TILE)
+        topk = resolve_topk(grid.num_tiles, sparsity=args.vsa_sparsity)
+        methods.append(
+            Method(
+                "vsa",
+                target=args.vsa_sparsity,
+                kind="vsa",
+                options={"sparsity": args.vsa_sparsity, "gate": not args.no_vsa_gate},
+                info={
+                    "sparsity": 1.0 - topk / grid.num_tiles,
+                    "topk": topk,
+                    "tiles": grid.num_tiles,
+                    "tile": "x".join(map(str, VSA_TILE)),
+                    "padded_tokens": grid.padded_len,
+                    "gate": not args.no_vsa_gate,
+                },
+            )
+        )
+    if "psa" in wanted:
+        grid = VideoGrid(work.grid_shape, work.psa_tile)
+        rng = random.Random(args.seed)
+        for target in (float(x) for x in args.psa_sparsities.split(",")):
+            plan, achieved, patterns = synthetic_plan(work, target, rng, args.psa_tolerance)
+            methods.append(
+                Method(
+                    "psa",
+                    target=target,
+                    kind="psa",
+                    options={"plan": plan},
+                    info={
+                        "sparsity": achieved,
+                        "tile": "x".join(map(str, work.psa_tile)),
+                        "tiles": grid.num_tiles,
+                        "padded_tokens": grid.padded_len,
+                        "plan": "synthetic: family candidates near the target, per (layer, head)",
+                        "patterns": patterns,
+                    },
+                )
+            )
+    if args.psa_plan:
+        plan, step, sparsity, patterns = plan_file_method(args.psa_plan, work)
+        methods.append(
+            Method(
+                "psa-plan",
+                kind="psa",
+                step=step,
+                options={"plan": plan},
+                info={
+                    "sparsity": sparsity,
+                    "tile": "x".join(map(str, plan.grid.tile_shape)),
+                    "tiles": plan.grid.num_tiles,
+                    "plan": str(args.psa_plan),
+                    "plan_step": step,
+                    "patterns": patterns,
+                },
+            )
+        )
+    return methods
+
+
+# ---------------------------------------------------------------------------------------------
+# timing
+# ---------------------------------------------------------------------------------------------
+
+
+class _Stopwatch:
+    """Marks on the device stream (CUDA events) or the host clock (CPU), read after a sync."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start, end) -> float:
+        if self.cuda:
+            return float(start.elapsed_time(end))
+        return (end - start) * 1e3
+
+
+def time_steps(fn: Callable[[], Any], device: torch.device, reps: int) -> list[float]:
+    """Milliseconds of each of ``reps`` calls, queued back to back, one mark pair per call."""
+    watch = _Stopwatch(device)
+    marks = []
+    for _ in range(reps):
+        start = watch.mark()
+        fn()
+        marks.append((start, watch.mark()))
+    harness.synchronize(device)
+    return [watch.elapsed_ms(a, b) for a, b in marks]
+
+
+class AttentionTimer:
+    """Marks around every attention call during the steps run inside it.
+
+    Stock attention (dense's self-attention, every method's cross-attention) is timed by
+    wrapping diffusers' ``dispatch_attention_fn`` as the Wan module calls it (self- and cross-
+    attention told apart by the key length); a vidsparse method by wrapping its ``attend``.
+    """
+
+    def __init__(self, model, device: torch.device):
+        self.model, self.watch = model, _Stopwatch(device)
+        self.marks: dict[str, list] = {"self": [], "cross": []}
+
+    def _timed(self, fn: Callable, kind: Callable[..., str]) -> Callable:
+        def wrapper(*args, **kwargs):
+            start = self.watch.mark()
+            out = fn(*args, **kwargs)
+            self.marks[kind(*args, **kwargs)].append((start, self.watch.mark()))
+            return out
+
+        return wrapper
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[AttentionTimer]:
+        from diffusers.models.transformers import transformer_wan
+
+        def dispatch_kind(query, key, *args, **kwargs):
+            return "self" if query.shape[1] == key.shape[1] else "cross"
+
+        original = transformer_wan.dispatch_attention_fn
+        transformer_wan.dispatch_attention_fn = self._timed(original, dispatch_kind)
+        # The integration keeps its state on the transformer; its method's ``attend`` is the
+        # whole replaced attention (there is no public hook to time it).
+        state = getattr(self.model, "_vidsparse_state", None)
+        method = None if state is None else state.method
+        if method is not None:
+            method.attend = self._timed(method.attend, lambda *a, **k: "self")
+        try:
+            yield self
+        finally:
+            transformer_wan.dispatch_attention_fn = original
+            if method is not None:
+                del method.attend  # the instance attribute; the class's method shows again
+
+    def total_ms(self, kind: str) -> float:
+        return sum(self.watch.elapsed_ms(a, b) for a, b in self.marks[kind])
+
+
+def attention_share(model, step: Callable[[], Any], device: torch.device, reps: int) -> dict:
+    """Self- and cross-attention time per step and the self-attention share, over ``reps``
+    instrumented steps (module docstring)."""
+    timer = AttentionTimer(model, device)
+    with timer.active():
+        step_ms = sum(time_steps(step, device, reps))
+    attn, cross = timer.total_ms("self"), timer.total_ms("cross")
+    calls = len(timer.marks["self"]) // reps
+    return {
+        "attn_ms": attn / reps,
+        "cross_attn_ms": cross / reps,
+        "attn_share": attn / step_ms if step_ms > 0 else None,
+        "instr_step_ms": step_ms / reps,
+        "attn_calls_per_step": calls,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# SDPA backend
+# ---------------------------------------------------------------------------------------------
+
+
+def sdpa_context(device: torch.device):
+    """cuDNN first for every SDPA call on the GPU (falls back only where cuDNN refuses a call;
+    ``check_cudnn`` verifies it takes the step's shapes). On the CPU: SDPA's default."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    order = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+    ]
+    return sdpa_kernel(order, set_priority=True)
+
+
+def check_cudnn(work: Workload, device: torch.device, dtype: torch.dtype) -> dict:
+    """Does cuDNN alone take the self- and cross-attention shapes of the step?"""
+    if device.type != "cuda":
+        return {"backend": "default (CPU)"}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    d = work.config["attention_head_dim"]
+    shapes = {"self": work.tokens, "cross": work.text[1]}
+    out = {"backend": "cuDNN first (sdpa_kernel priority)"}
+    q = torch.randn(1, work.heads, work.tokens, d, device=device, dtype=dtype)
+    for kind, keys in shapes.items():
+        k = torch.randn(1, work.heads, keys, d, device=device, dtype=dtype)
+        try:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, k)
+            out[kind] = "cudnn"
+        except RuntimeError as exc:
+            out[kind] = f"not cudnn ({harness.error_message(exc, 120)})"
+        del k
+    del q
+    harness.release_memory(device)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# one method
+# ---------------------------------------------------------------------------------------------
+
+
+def run_method(method: Method, model, inputs, work: Workload, device, args, ref):
+    """Patch, run, time, unpatch. Returns the row and (for dense) the reference output."""
+    from vidsparse.integrations.diffusers import (
+        apply_sparse_attention,
+        remove_sparse_attention,
+        set_denoising_step,
+    )
+
+    row: dict[str, Any] = {"method": method.name, "target": method.target, **(method.info or {})}
+    out_ref = None
+    patched = False
+    try:
+        if method.options is not None:
+            apply_sparse_attention(model, method.kind, **method.options)
+            patched = True
+            set_denoising_step(model, method.step)
+
+        def step():
+            with torch.no_grad(), sdpa_context(device):
+                return model(**inputs)[0]
+
+        started = time.perf_counter()
+        first = step()  # compiles kernels (and the blocks under --compile), builds lists
+        harness.synchronize(device)
+        row["first_step_s"] = time.perf_counter() - started
+        if method.name == "dense":
+            out_ref = first
+            row["rel_l2"] = rel_l2(step(), first)
+        elif ref is not None:
+            row["rel_l2"] = rel_l2(first, ref)
+        row["out_finite"] = bool(torch.isfinite(first).all())
+        del first
+        for _ in range(args.warmup):
+            step()
+        if device.type == "cuda":
+            harness.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        times = time_steps(step, device, args.reps)
+        row["step_ms"] = statistics.median(times)
+        row["step_ms_min"] = min(times)
+        row["step_ms_all"] = times
+        row["step_ms_per_layer"] = row["step_ms"] / work.layers
+        if device.type == "cuda":
+            row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        if args.share_reps > 0:
+            try:
+                row.update(attention_share(model, step, device, args.share_reps))
+            except Exception as exc:  # noqa: BLE001 - the latency stands without the share
+                row["attn_share_error"] = harness.error_message(exc)
+    except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
+        row["error"] = harness.error_message(exc)
+    finally:
+        if patched:
+            remove_sparse_attention(model)
+        harness.release_memory(device)
+    return row, out_ref
+
+
+def add_relative(rows: list[dict]) -> None:
+    """Speedups against the dense row."""
+    dense = next((r for r in rows if r["method"] == "dense" and "step_ms" in r), None)
+    for r in rows:
+        if dense is None:
+            break
+        if r.get("step_ms"):
+            r["speedup"] = dense["step_ms"] / r["step_ms"]
+        if r.get("attn_ms") and dense.get("attn_ms"):
+            r["attn_speedup"] = dense["attn_ms"] / r["attn_ms"]
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def default_out(device: torch.device, work: Workload, compile_mode: str = "none") -> Path:
+    gpu = harness.slug(harness.gpu_name(device))
+    gpu = gpu.removeprefix("nvidia-")  # "NVIDIA H200" -> "h200"
+    stem = "e2e" if work.name == "wan1.3b-480p" else f"e2e_{work.name}"
+    if compile_mode != "none":
+        stem += "_compiled"
+    return harness.results_dir() / f"{stem}_{gpu}.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------------------------
+
+COMPILE_MODES = ("none", "blocks")
+
+
+def compile_blocks(model) -> None:
+    """``torch.compile(fullgraph=True)`` of every transformer block, in place (diffusers'
+    regional compilation: blocks share one compiled graph while their code sees the same
+    Python constants). A graph break anywhere in a block is an error. Every method recompiles
+    the blocks once (its processors are new objects); torch's recompile limit stays as users
+    have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
+    the excess layers eagerly)."""
+    model.compile_repeated_blocks(fullgraph=True)
+
+
+@contextlib.contextmanager
+def cpu_backend(device: torch.device) -> Iterator[None]:
+    """On the CPU, vidsparse's PyTorch reference (``VIDSPARSE_BACKEND=torch``) unless a backend
+    was asked for explicitly; the environment is restored afterwards (in-process callers)."""
+    key = "VIDSPARSE_BACKEND"
+    old = os.environ.get(key)
+    if device.type == "cpu" and (old or "auto").strip().lower() == "auto":
+        os.environ[key] = "torch"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", choices=sorted(WAN_CONFIGS), default="wan1.3b")
+    ap.add_argument("--resolution", choices=sorted(LATENT_HW), default=None)
+    ap.add_argument("--frames", type=int, default=81, help="video frames (81 -> 21 latent)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="transformer blocks to build (1.3B: 30, 14B: 8)"
+    )
+    ap.add_argument(
+        "--methods", default="dense,vsa,psa", help="of dense,vsa,psa (dense always runs)"
+    )
+    ap.add_argument("--vsa-sparsity", type=float, default=0.875)
+    ap.add_argument("--no-vsa-gate", action="store_true", help="VSA without the gate projection")
+    ap.add_argument("--psa-sparsities", default="0.6,0.75")
+    ap.add_argument("--psa-tile", default=DEFAULT_PSA_TILE, help="PSA block TxHxW")
+    ap.add_argument("--psa-tolerance", type=float, default=PSA_TOLERANCE)
+    ap.add_argument("--psa-plan", default=None, help="also run this searched plan file")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
+    ap.add_argument("--reps", type=int, default=5, help="timed steps (median)")
+    ap.add_argument("--share-reps", type=int, default=2, help="instrumented steps (0: skip)")
+    ap.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default="none",
+        help="blocks: torch.compile every transformer block (diffusers' compile_repeated_blocks,"
+        " fullgraph) for every method, dense included",
+    )
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tiny", action="store_true", help="tiny model and grid (CPU smoke run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.warmup < 0 or args.share_reps < 0:
+        raise SystemExit("--reps must be >= 1, --warmup and --share-reps >= 0")
+    if args.compile != "none" and args.share_reps:
+        # The share's event pairs wrap Python functions inside the compiled blocks.
+        print("--compile: attention share not measured (--share-reps 0)", flush=True)
+        args.share_reps = 0
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu" and not args.tiny:
+        raise SystemExit("the full-size models need a GPU; use --device cpu --tiny on the CPU")
+    import_wan()  # fail now, in one line, if diffusers is missing
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    work = make_workload(args)
+    out = Path(args.out) if args.out else default_out(device, work, args.compile)
+    with cpu_backend(device):
+        return _run(args, work, device, dtype, out)
+
+
+def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
+    import diffusers
+
+    start = time.perf_counter()
+    model = build_model(work, device, dtype, args.seed)
+    build_s = time.perf_counter() - start
+    if args.compile == "blocks":
+        compile_blocks(model)
+    inputs = make_inputs(work, device, dtype, args.seed)
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    sdpa = check_cudnn(work, device, dtype)
+    methods = make_methods(args, work)
+    truncated = work.layers < work.full_layers
+    meta = harness.collect_metadata(
+        device,
+        benchmark="e2e",
+        workload=work.name,
+        model=work.model_name,
+        config={k: list(v) if isinstance(v, tuple) else v for k, v in work.config.items()},
+        layers=work.layers,
+        full_layers=work.full_layers,
+        layers_note=(
+            f"first {work.layers} of {work.full_layers} transformer blocks: a step of the whole "
+            "model takes about full_layers / layers times as long (step_ms_per_layer); chosen "
+            "for run time, memory would hold more (weights_gb is this build's)"
+            if truncated
+            else "all transformer blocks"
+        ),
+        weights_gb=weights_gb,
+        latent_shape=list(work.latent),
+        text_shape=list(work.text),
+        timestep=TIMESTEP,
+        grid=list(work.grid_shape),
+        tokens=work.tokens,
+        heads=work.heads,
+        head_dim=work.config["attention_head_dim"],
+        dtype=str(dtype),
+        diffusers=diffusers.__version__,
+        tiny=args.tiny,
+        seed=args.seed,
+        warmup=args.warmup,
+        reps=args.reps,
+        share_reps=args.share_reps,
+        compile=(
+            "every transformer block torch.compile'd (fullgraph, inductor), all methods; "
+            "first_step_s includes the compilation"
+            if args.compile == "blocks"
+            else "eager"
+        ),
+        sdpa=sdpa,
+        build_s=build_s,
+        timer=(
+            ("CUDA events" if device.type == "cuda" else f"{harness.CPU_TIMER_LABEL} perf_counter")
+            + f": 1 + {args.warmup} untimed steps, median of {args.reps} timed steps"
+        ),
+        attention_share=(
+            "event pair around every self-attention call (dense: diffusers' "
+            "dispatch_attention_fn; vidsparse methods: the integration method's attend) over "
+            f"the step's event pair, summed over {args.share_reps} instrumented steps"
+        ),
+        complete=False,
+    )
+    meta.pop("flops_convention", None)  # no FLOP rates here
+    print(
+        f"{work.name}: {work.layers}/{work.full_layers} layers, grid {work.grid_shape} "
+        f"({work.tokens} tokens), {work.heads} heads, {dtype}, built in {build_s:.1f} s; "
+        f"SDPA {sdpa}",
+        flush=True,
+    )
+    base = {
+        "workload": work.name,
+        "layers": work.layers,
+        "full_layers": work.full_layers,
+        "tokens": work.tokens,
+        "heads": work.heads,
+    }
+    rows: list[dict] = []
+    ref = None
+    for method in methods:
+        row, out_ref = run_method(method, model, inputs, work, device, args, ref)
+        if out_ref is not None:
+            ref = out_ref
+        rows.append({**base, **row})
+        add_relative(rows)
+        harness.write_results(out, meta, rows)
+        r = rows[-1]
+        print(
+            f"  {r['method']:<8} target {r.get('target') or 0:.2f} sparsity "
+            f"{r.get('sparsity', 0):.3f}: step {r.get('step_ms', float('nan')):.1f} ms, attn "
+            f"{r.get('attn_ms', float('nan')):.1f} ms ({r.get('attn_share') or float('nan'):.1%})"
+            f", rel L2 {r.get('rel_l2', float('nan')):.4f}"
+            + (f"  ERROR {r['error']}" if r.get("error") else "")
+            + (f"  WARNING {r['warning']}" if r.get("warning") else ""),
+            flush=True,
+        )
+    meta["complete"] = True
+    meta["total_s"] = time.perf_counter() - start
+    harness.write_results(out, meta, rows)
+    harness.print_table(rows, COLUMNS)
+    print(f"wrote {out}", flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
