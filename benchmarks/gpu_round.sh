@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|e2e|e2e-compiled|coarse|parallel [...]
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|coarse|parallel [...]
 #   (default: tests demo; parallel needs the 2-GPU machine)
 # Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
 # time limit still leaves its log behind. Pass the commit being measured in
@@ -24,25 +24,26 @@ step() {  # step NAME SECONDS COMMAND...
 for what in "$@"; do
   case $what in
     tests) step gpu_tests 300 bash benchmarks/gpu_tests_parallel.sh ;;
-    profile) step profile 150 python3 benchmarks/profile_methods.py ;;
+    profile) step profile 150 python3 benchmarks/profile/profile_methods.py ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
-    engine) step engine 540 python3 benchmarks/bench_block_sparse.py --shapes default \
+    engine) step engine 540 python3 -m vidsparse.bench block_sparse --shapes default \
       --providers ours,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \
       --out "$OUT/block_sparse_h200.json" ;;
-    masked) step tune_masked 300 python3 benchmarks/tune_block_sparse.py --masked \
+    masked) step tune_masked 300 python3 benchmarks/tuning/tune_block_sparse.py --masked \
       --out "$OUT/tune_masked.json" ;;
-    full-first) step tune_full_first 200 python3 benchmarks/tune_block_sparse.py --full-first \
+    full-first) step tune_full_first 200 python3 benchmarks/tuning/tune_block_sparse.py --full-first \
       --out "$OUT/tune_full_first.json" ;;
-    vsa480) step vsa480 200 python3 benchmarks/bench_vsa.py --shapes wan1.3b-480p \
+    vsa480) step vsa480 200 python3 -m vidsparse.bench vsa --shapes wan1.3b-480p \
       --sparsities 0.875 --out "$OUT/vsa480_h200.json" ;;
-    vsa) step vsa 540 python3 benchmarks/bench_vsa.py --out "$OUT/vsa_h200.json" ;;
-    psa) step psa 540 python3 benchmarks/bench_psa.py --out "$OUT/psa_h200.json" ;;
-    e2e) step e2e 200 python3 benchmarks/bench_e2e.py --out "$OUT/e2e_h200.json" ;;
-    e2e-compiled) step e2e_compiled 400 python3 benchmarks/bench_e2e.py --compile blocks \
+    vsa) step vsa 540 python3 -m vidsparse.bench vsa --out "$OUT/vsa_h200.json" ;;
+    psa) step psa 540 python3 -m vidsparse.bench psa --out "$OUT/psa_h200.json" ;;
+    sta) step sta 540 python3 -m vidsparse.bench sta --check --out "$OUT/sta_h200.json" ;;
+    e2e) step e2e 200 python3 -m vidsparse.bench e2e --out "$OUT/e2e_h200.json" ;;
+    e2e-compiled) step e2e_compiled 400 python3 -m vidsparse.bench e2e --compile blocks \
       --out "$OUT/e2e_compiled_h200.json" ;;
-    parallel) step parallel 400 torchrun --nproc-per-node 2 benchmarks/bench_parallel.py \
+    parallel) step parallel 400 torchrun --nproc-per-node 2 -m vidsparse.bench parallel \
       --providers vsa,comm --modes fwd --head-chunks 1,2,4 --out "$OUT/parallel_h200_2gpu.json" ;;
-    coarse) step tune_coarse 250 python3 benchmarks/tune_vsa_coarse.py --selection --pooled \
+    coarse) step tune_coarse 250 python3 benchmarks/tuning/tune_vsa_coarse.py --selection --pooled \
       --out "$OUT/tune_coarse_selection.json" ;;
     *) echo "unknown step: $what" >&2; exit 2 ;;
   esac

@@ -6,10 +6,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-out/gpu}"
 mkdir -p "$LOG"
+# tests/ mirrors src/: the engine's and VSA's folders apart, every other folder together.
 parts=(
-  "tests/test_block_sparse_attn.py"
-  "tests/test_vsa*.py"
-  "$(ls tests/test_*.py | grep -v -e test_block_sparse_attn.py -e test_vsa | tr '\n' ' ')"
+  "tests/ops/block_sparse_attn"
+  "tests/ops/video_sparse_attn"
+  "$(ls -d tests/*/ tests/ops/*/ | grep -v -e '^tests/ops/$' -e __pycache__ \
+      -e block_sparse_attn -e video_sparse_attn | tr '\n' ' ')"
 )
 pids=()
 for i in "${!parts[@]}"; do
