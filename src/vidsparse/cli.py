@@ -347,7 +347,8 @@ def _run_bench(args) -> int:
         return 0
     import torch
 
-    if not args.tiny and not torch.cuda.is_available():
+    asks_help = bool({"-h", "--help"} & set(args.op_args))  # the op's own options: no run
+    if not args.tiny and not asks_help and not torch.cuda.is_available():
         raise _BadInput(
             "no GPU visible: full-size benchmarks take hours on a CPU; "
             "use `vidsparse bench --tiny` for a smoke run"
@@ -358,6 +359,9 @@ def _run_bench(args) -> int:
             f"options {' '.join(args.op_args)} are an op's own: name one benchmark, not all"
         )
     try:
+        if asks_help:
+            runner.run(targets[0], args.op_args)
+            return 0
         results = runner.run_targets(
             targets, args.out, tiny=args.tiny, extra=args.op_args, quiet=args.json
         )

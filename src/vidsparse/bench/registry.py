@@ -280,7 +280,7 @@ _OPS = (
             _P("comm", "the exchange alone (q, k, v, gate in; o out)"),
         ),
         inputs="seeded",
-        tiny_args=("--dry-run",),
+        tiny_args=("--dry-run", "--head-chunks", "1,2"),  # 2 heads a rank on 2 CPU ranks
         launcher="torchrun",
         results="parallel_<gpu>_<P>gpu.json",
     ),

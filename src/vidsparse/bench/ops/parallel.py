@@ -4,7 +4,7 @@ Run with torchrun (one process per GPU)::
 
     torchrun --nproc-per-node 2 -m vidsparse.bench parallel
     torchrun --nproc-per-node 2 -m vidsparse.bench parallel --modes fwd,fwd+bwd
-    torchrun --nproc-per-node 2 -m vidsparse.bench parallel --dry-run   # CPU
+    torchrun --nproc-per-node 2 -m vidsparse.bench parallel --dry-run --head-chunks 1,2   # CPU
 
 The layer: Wan 2.1 14B at 720p, 81 frames (``shapes.py``): latent 21 x 45 x 80 = 75,600 tokens,
 40 heads, head_dim 128, bf16, batch 1.
