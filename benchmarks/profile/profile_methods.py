@@ -15,7 +15,7 @@ import random
 import torch
 
 import vidsparse
-from vidsparse.bench import harness
+from vidsparse.bench import harness, shapes
 from vidsparse.bench.ops.psa import mixed_specs
 
 
@@ -25,7 +25,10 @@ def show(title: str, step, repeats: int = 5) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
 
 
-def profile_vsa(grid_shape=(21, 30, 52), heads=12, sparsity=0.875) -> None:
+WAN_480P, WAN_720P = shapes.MODELS["wan1.3b-480p"], shapes.MODELS["wan14b-720p"]
+
+
+def profile_vsa(grid_shape=WAN_480P.grid, heads=WAN_480P.heads, sparsity=0.875) -> None:
     grid = vidsparse.VideoGrid(grid_shape, tile=(4, 4, 4))
     shape = (1, heads, grid.num_tokens, 128)
     q, k, v, gate = (
@@ -57,7 +60,7 @@ def profile_vsa(grid_shape=(21, 30, 52), heads=12, sparsity=0.875) -> None:
     show(f"{name} fwd+bwd tiled", fwd_bwd_tiled)
 
 
-def profile_psa(grid_shape=(21, 45, 80), heads=40, tiles=((2, 8, 8), (1, 8, 16))) -> None:
+def profile_psa(grid_shape=WAN_720P.grid, heads=WAN_720P.heads, tiles=((2, 8, 8), (1, 8, 16))):
     S = grid_shape[0] * grid_shape[1] * grid_shape[2]
     q, k, v = (torch.randn(1, heads, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for tile in tiles:
@@ -80,7 +83,7 @@ def main(argv=None):
     if "vsa" in methods:
         profile_vsa()
         if args.vsa_720p:
-            profile_vsa((21, 45, 80), heads=40)
+            profile_vsa(WAN_720P.grid, heads=WAN_720P.heads)
     if "psa" in methods:
         profile_psa()
 
