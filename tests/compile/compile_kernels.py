@@ -48,6 +48,7 @@ import traceback  # noqa: E402
 import warnings  # noqa: E402
 from concurrent.futures import ProcessPoolExecutor  # noqa: E402
 from concurrent.futures.process import BrokenProcessPool  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -236,8 +237,12 @@ def specialise(kernel, args, kwargs, backend_cls):
     """What ``kernel[grid](*args, **kwargs)`` hands the compiler, as plain data.
 
     Mirrors ``JITFunction.run``: constexpr parameters are constants, every other argument goes
-    through the JIT's own specialisation (``native_specialize_impl``).
+    through the JIT's own specialisation (``native_specialize_impl``), tuples (an epilogue's
+    arguments) element by element. Top-level constexprs are keyed by name, those inside a
+    tuple by their path; attributes by parameter index or path. Jit functions passed as
+    constexprs (epilogue hooks) travel as ``JitRef``s, so jobs can be pickled.
     """
+    from triton._utils import find_paths_if, get_iterable_path
     from triton.runtime.jit import native_specialize_impl
 
     names = kernel.arg_names
@@ -245,26 +250,49 @@ def specialise(kernel, args, kwargs, backend_cls):
     options = {k: v for k, v in kwargs.items() if k not in names}
     bound = inspect.signature(kernel.fn).bind(*args, **call_kwargs)
     bound.apply_defaults()
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(kernel.params):
-        value = bound.arguments[param.name]
+    values = [bound.arguments[param.name] for param in kernel.params]
+    specs = []
+    for param, value in zip(kernel.params, values):
         if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
+            specs.append(("constexpr", None))
             continue
-        ty, attr = native_specialize_impl(
-            backend_cls,
-            value,
-            param.is_const,
-            not param.do_not_specialize,
+        specs.append(native_specialize_impl(
+            backend_cls, value, param.is_const, not param.do_not_specialize,
             not param.do_not_specialize_on_alignment,
-        )
-        signature[param.name] = ty
-        if ty == "constexpr":  # an int equal to 1
-            constexprs[param.name] = value
-        elif isinstance(attr, str) and attr:
-            attrs[i] = attr
+        ))  # fmt: skip
+    types = [ty for ty, _ in specs]
+    signature = {param.name: ty for param, ty in zip(kernel.params, types)}
+    constexprs = {}
+    for path in find_paths_if(types, lambda _, ty: ty == "constexpr"):
+        key = names[path[0]] if len(path) == 1 else path
+        constexprs[key] = _portable(get_iterable_path(values, path))
+    hints = [attr for _, attr in specs]
+    attrs = {}
+    for path in find_paths_if(hints, lambda _, attr: isinstance(attr, str) and attr):
+        attrs[path[0] if len(path) == 1 else path] = get_iterable_path(hints, path)
     return signature, constexprs, attrs, options
+
+
+class JitRef(NamedTuple):
+    """A jit function by module and name (jit functions themselves do not pickle)."""
+
+    module: str
+    name: str
+
+    def load(self):
+        return getattr(importlib.import_module(self.module), self.name)
+
+
+def _portable(value):
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(value, JITFunction):
+        return JitRef(value.fn.__module__, value.__name__)
+    return value
+
+
+def _loaded(value):
+    return value.load() if isinstance(value, JitRef) else value
 
 
 def short_name(function_name: str) -> str:
@@ -398,8 +426,9 @@ def _add_job(jobs, seen, target, backend_cls, kernel, args, kwargs, label, **cas
     name, gpu_args, shared_limit = target
     signature, constexprs, attrs, options = specialise(kernel, args, kwargs, backend_cls)
     key = json.dumps(
-        [name, kernel.__name__, signature, constexprs, attrs, options], sort_keys=True, default=str
-    )
+        [name, kernel.__name__, signature, sorted(map(str, constexprs.items())),
+         sorted(map(str, attrs.items())), options], sort_keys=True, default=str,
+    )  # fmt: skip
     if key in seen:
         return
     seen.add(key)
@@ -432,8 +461,9 @@ def _config_of(options, constexprs):
     """Launch options plus the config's constexprs (SUB_M, WARP_SPECIALIZE, ...)."""
     config = dict(options)
     for key, value in constexprs.items():
-        if key.isupper() and key not in _CASE_CONSTEXPRS:  # not the unit strides
-            config[key.lower()] = value
+        if isinstance(key, str) and key.isupper() and key not in _CASE_CONSTEXPRS:
+            # not the unit strides; an epilogue hook by its name
+            config[key.lower()] = value.name if isinstance(value, JitRef) else value
     return config
 
 
@@ -471,10 +501,12 @@ def _compile(job, log) -> dict:
     kernel = getattr(importlib.import_module(job["module"]), job["function"])
     target = GPUTarget(*job["gpu_target"])
     backend = make_backend(target)
-    attrs = {(i,): backend.parse_attr(desc) for i, desc in job["attrs"].items()}
-    src = ASTSource(
-        fn=kernel, signature=job["signature"], constexprs=job["constexprs"], attrs=attrs
-    )
+    attrs = {
+        (key,) if isinstance(key, int) else key: backend.parse_attr(desc)
+        for key, desc in job["attrs"].items()
+    }
+    constexprs = {key: _loaded(value) for key, value in job["constexprs"].items()}
+    src = ASTSource(fn=kernel, signature=job["signature"], constexprs=constexprs, attrs=attrs)
     with warnings.catch_warnings(record=True) as caught, _stderr_to(log):
         warnings.simplefilter("always")
         compiled = triton.compile(src, target=target, options=dict(job["options"]))

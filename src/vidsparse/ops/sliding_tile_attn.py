@@ -24,10 +24,10 @@ import torch
 from vidsparse.layout.grid import VideoGrid, check_video_qkv, grid_key
 from vidsparse.masks.sliding_tile import check_sliding_window, sliding_tile_lists
 from vidsparse.ops._text_tokens import check_sequence_length
+from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import (
-    TRITON_DTYPES,
-    TRITON_HEAD_DIMS,
     block_sparse_attn_unchecked,
+    check_triton_supported,
 )
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device
@@ -40,7 +40,6 @@ __all__ = [
     "clear_sliding_tile_attn_cache",
 ]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # One entry per (grid, window, heads, device): a model uses a handful.
 _CACHE_SIZE = 32
 
@@ -148,7 +147,7 @@ def _plan(grid_key, window, heads: int, device) -> _Plan:
 
 
 def _validate(q, k, v, grid, window, tiled, scale) -> tuple[tuple[int, int, int], torch.device]:
-    check_video_qkv(grid, q, k, v, _DTYPES)
+    check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
     device = check_same_device(q=q, k=k, v=v)
     if not isinstance(tiled, bool):
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
@@ -172,13 +171,7 @@ def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
             f"{grid.tile_shape} (volume {volume}); use e.g. tile=(4, 4, 4) or (2, 8, 8), "
             "or VIDSPARSE_BACKEND=torch for any tile"
         )
-    if q.shape[-1] not in TRITON_HEAD_DIMS:
-        raise ValueError(
-            f"head_dim {q.shape[-1]} is not supported by the Triton kernels; supported:"
-            f" {TRITON_HEAD_DIMS} (set VIDSPARSE_BACKEND=torch for the reference path)"
-        )
-    if q.dtype not in TRITON_DTYPES:
-        raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q.dtype}")
+    check_triton_supported(q)
 
 
 # --------------------------------------------------------------------------- reference

@@ -31,8 +31,6 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from vidsparse.ops.block_sparse_attn.kernels import no_epilogue
-
 MAX_TENSORS = 4
 
 
@@ -69,14 +67,21 @@ class EngineCall(NamedTuple):
 
 @functools.cache
 def _identity_fns() -> EpilogueFns:
-    from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import forward_identity_sm90
+    # Imported here: importing vidsparse must need no Triton (the CPU path runs without it).
+    from vidsparse.ops.block_sparse_attn.kernels import no_epilogue
 
+    try:
+        from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import forward_identity_sm90
+    except ImportError:  # a Triton without Gluon: the Triton forward runs on Hopper too
+        sm90 = None
+    else:
+        sm90 = FnSpecs("none", forward_identity_sm90)
     return EpilogueFns(
         forward=FnSpecs("none", no_epilogue.forward_identity),
         prologue=FnSpecs("none", no_epilogue.prologue_identity),
         dq=FnSpecs("none", no_epilogue.dq_identity),
         dkdv=FnSpecs("none", no_epilogue.dkdv_identity),
-        forward_sm90=FnSpecs("none", forward_identity_sm90),
+        forward_sm90=sm90,
     )
 
 

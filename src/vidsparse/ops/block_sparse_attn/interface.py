@@ -32,8 +32,6 @@ from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_positive_int, check_same_device, check_tensor
 from vidsparse.utils.tensor_cache import TensorCache
 
-TRITON_HEAD_DIMS, TRITON_DTYPES = SUPPORTED_HEAD_DIMS, SUPPORTED_DTYPES
-
 
 def block_sparse_attn(
     q: torch.Tensor,
@@ -208,9 +206,9 @@ def check_triton_supported(q: torch.Tensor) -> None:
     """Refuse, before any launch, a head dim or dtype the Triton kernels do not take (every op
     on the engine calls this)."""
     D = q.shape[-1]
-    if D not in TRITON_HEAD_DIMS:
+    if D not in SUPPORTED_HEAD_DIMS:
         raise ValueError(
-            f"head_dim {D} is not supported by the Triton kernels; supported: {TRITON_HEAD_DIMS}"
+            f"head_dim {D} is not supported by the Triton kernels; supported: {SUPPORTED_HEAD_DIMS}"
             " (set VIDSPARSE_BACKEND=torch for the reference path)"
         )
     if q.dtype not in SUPPORTED_DTYPES:

@@ -59,6 +59,7 @@ from vidsparse.ops._text_tokens import (
     text_block_sizes,
     video_tiles,
 )
+from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import (
     block_sparse_attn_unchecked,
     check_triton_supported,
@@ -76,7 +77,6 @@ __all__ = [
     "clear_stripe_attn_cache",
 ]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Engine lists per (specs, grid, ...): one entry per (layer, step bucket) of a plan, so it must
 # hold a whole model's plan (Wan 14B: 40 layers x a few step buckets; 32 entries made a
 # 40-layer plan miss on every call). An entry is O(H * blocks * K) int32: ~7-30 MB at 720p,
@@ -203,7 +203,7 @@ def stripe_attn_from_lists(
     :func:`stripe_engine_lists` gave for those specs. Only their shapes and dtypes are checked
     (their values were checked when they were built); lists from anywhere else are not
     supported."""
-    check_video_qkv(grid, q, k, v, _DTYPES)
+    check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
     device = check_same_device(q=q, k=k, v=v, kv_indices=kv_indices, kv_counts=kv_counts)
     _check_scale(scale)
     check_sequence_length(q.shape[2], grid, False, 0)
@@ -398,7 +398,7 @@ def _video_output(o, lse, grid: VideoGrid, tiled: bool):
 def _validate(
     q, k, v, grid, specs, spatial_unit, tiled, sink_frames, text_tokens, scale, return_lse
 ):
-    check_video_qkv(grid, q, k, v, _DTYPES)
+    check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
     device = check_same_device(q=q, k=k, v=v)
     for name, flag in (("tiled", tiled), ("return_lse", return_lse)):
         if not isinstance(flag, bool):

@@ -20,11 +20,10 @@ import torch
 import triton
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
 from vidsparse.ops.video_sparse_attn.configs import (
     BWD_CHUNK_ELEMENTS,
     REFERENCE_DTYPES,
-    SUPPORTED_DTYPES,
-    SUPPORTED_HEAD_DIMS,
     CoarseAttnConfig,
     PoolConfig,
     coarse_attn_config,
@@ -39,10 +38,8 @@ from vidsparse.ops.video_sparse_attn.kernels.pool import (
 from vidsparse.ops.video_sparse_attn.reference import (
     coarse_attention,
     select_topk,
+    tile_means_bwd,
     tile_means_of_sizes,
-)
-from vidsparse.ops.video_sparse_attn.reference import (
-    tile_means_bwd as tile_mean_pool_bwd_torch,
 )
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor
@@ -52,16 +49,13 @@ __all__ = [
     "vsa_coarse_stage",
     "tile_mean_pool_fwd",
     "tile_mean_pool_bwd",
-    "tile_mean_pool_bwd_torch",
     "coarse_attn_topk_fwd",
     "coarse_attn_bwd",
     "coarse_grad_dtype",
     "speculates",
-    "TRITON_HEAD_DIMS",
 ]
 
 LOG2E = 1.4426950408889634
-TRITON_HEAD_DIMS = SUPPORTED_HEAD_DIMS  # this module's public name for them
 
 
 def _pooled_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -298,7 +292,7 @@ def _vsa_coarse_stage_bwd_op(
     dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale, coarse_grad_dtype(dtype))
     if backend == "triton":
         return tile_mean_pool_bwd(dpooled, tile_sizes, padded_len, dtype)
-    return tile_mean_pool_bwd_torch(dpooled, tile_sizes, padded_len, dtype)
+    return tile_means_bwd(dpooled, tile_sizes, padded_len, dtype)
 
 
 @_vsa_coarse_stage_bwd_op.register_fake
@@ -371,13 +365,7 @@ def vsa_coarse_stage(
     scale = D**-0.5 if scale is None else float(scale)
     backend = resolve_backend(device)
     if backend == "triton":
-        if D not in SUPPORTED_HEAD_DIMS:
-            raise ValueError(
-                f"head_dim {D} is not supported by the Triton kernels; supported:"
-                f" {SUPPORTED_HEAD_DIMS} (set VIDSPARSE_BACKEND=torch for the reference path)"
-            )
-        if q_t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q_t.dtype}")
+        check_triton_supported(q_t)
     tile_sizes = grid.tile_sizes_on(device)
     oc, kv_indices, kv_counts, pooled = torch.ops.vidsparse.vsa_coarse_stage_fwd(
         q_t, k_t, v_t, tile_sizes, topk, scale, backend

@@ -42,6 +42,7 @@ from vidsparse.ops._text_tokens import (
     text_block_sizes,
     video_tiles,
 )
+from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
 from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
 from vidsparse.ops.video_sparse_attn.topk import resolve_topk
@@ -49,8 +50,6 @@ from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor
 from vidsparse.utils.dynamo import host_constant
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def video_sparse_attn(
@@ -198,7 +197,7 @@ def _text_plan(grid: VideoGrid, text_tokens: int, heads: int, device) -> _TextPl
 
 
 def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) -> torch.device:
-    check_video_qkv(grid, q, k, v, _DTYPES)
+    check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
     if not isinstance(tiled, bool):
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
     check_count("text_tokens", text_tokens)
@@ -208,7 +207,7 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) ->
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     resolve_topk(grid.num_tiles, topk, sparsity)  # exactly one of them, right types and ranges
     if gate is not None:
-        check_tensor("gate", gate, ndim=4, dtypes=_DTYPES)
+        check_tensor("gate", gate, ndim=4, dtypes=REFERENCE_DTYPES)
         if gate.shape != q.shape:
             raise ValueError(
                 f"gate must be shaped like q {tuple(q.shape)}, got {tuple(gate.shape)}"
