@@ -139,10 +139,33 @@ def _environment() -> dict:
     import torch
     import triton
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
+    try:
+        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()  # fmt: skip
+    except OSError:
+        git = ""
+    commit = git or os.environ.get("VIDSPARSE_GIT_COMMIT")  # a copy of the tree has no .git
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, commit=commit or None)  # fmt: skip
+
+
+def _figures(runs, trees, tolerance) -> list[dict]:
+    """Per workload: each tree's median over its rounds, the ratio, and every round's figure."""
+    (base, _), (new, _) = trees
+    figures = []
+    for name in runs[base][0]:
+        before = statistics.median(run[name] for run in runs[base])
+        after = statistics.median(run[name] for run in runs[new])
+        figures.append(
+            dict(
+                workload=name,
+                ms={base: before, new: after},
+                ratio=after / before,
+                within=abs(after / before - 1) <= tolerance,
+                rounds={label: [run[name] for run in runs[label]] for label in runs},
+            )
+        )
+    return figures
 
 
 def main(argv=None) -> int:
@@ -166,31 +189,20 @@ def main(argv=None) -> int:
         parser.error("give exactly two --tree LABEL=PATH")
     trees = [(label, Path(path).resolve()) for label, path in (t.split("=", 1) for t in args.tree)]
     runs = {label: [] for label, _ in trees}
+    figures = []
     for r in range(args.rounds):
         for label, path in trees if r % 2 == 0 else trees[::-1]:
             print(f"round {r + 1}/{args.rounds}: {label}", file=sys.stderr, flush=True)
             runs[label].append(dict(_run_tree(path)["rows"]))
-    (base, _), (new, _) = trees
-    figures = []
-    for name in runs[base][0]:
-        before = statistics.median(run[name] for run in runs[base])
-        after = statistics.median(run[name] for run in runs[new])
-        ratio = after / before
-        figures.append(
-            dict(
-                workload=name,
-                ms={base: before, new: after},
-                ratio=ratio,
-                within=abs(ratio - 1) <= args.tolerance,
-                rounds={label: [run[name] for run in runs[label]] for label in runs},
-            )
-        )
-        print(f"{name:64s} {before:9.3f} {after:9.3f} ms  x{ratio:.3f}")  # fmt: skip
-    result = dict(_environment(), trees={label: str(path) for label, path in trees},
-                  rounds=args.rounds, tolerance=args.tolerance, figures=figures)  # fmt: skip
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        figures = _figures(runs, trees, args.tolerance)
+        if args.out:  # after every round: a run stopped at its time limit keeps what it has
+            result = dict(_environment(), trees={label: str(path) for label, path in trees},
+                          rounds=r + 1, tolerance=args.tolerance, figures=figures)  # fmt: skip
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for f in figures:
+        before, after = f["ms"].values()
+        print(f"{f['workload']:64s} {before:9.3f} {after:9.3f} ms  x{f['ratio']:.3f}")
     return 0 if all(f["within"] for f in figures) else 1
 
 
