@@ -44,7 +44,7 @@ KNOWN_SPILLS: set = {
     # (2-D or 3-D grids without the id division, dQ branch first, one K/V argument for both
     # halves) spill 40-64 bytes. Kept for its measured gain over the two spill-free launches:
     # whole backward 5.33 -> 5.24 ms at density 1/8, 2.90 -> 2.81 ms at 1/16 (H200,
-    # benchmarks/compare_bwd_launch.py).
+    # benchmarks/tuning/compare_bwd_launch.py).
     ("cuda:90", "bwd_fused", 128, 128, 128, False),
 }
 

@@ -146,7 +146,7 @@ def _walk(
     P_{j-1} V_{j-1}; only then convert P_j into the A-operand registers. ptxas does not keep
     the A-operand registers of an in-flight wgmma reserved (converting P_j before that wait let
     ptxas put the exp2 results straight into registers the P V wgmma was still reading: NaNs
-    without ping-pong; ``benchmarks/try_gluon_fwd.py --compile-only`` counts such writes).
+    without ping-pong; ``vidsparse.bench.compile`` counts such writes).
     ptxas may also hoist the P V wait above the softmax, which loses the overlap inside the
     warpgroup; the ping-pong still overlaps one warpgroup's softmax with the other's GEMMs."""
     for j in range(lo, hi):
