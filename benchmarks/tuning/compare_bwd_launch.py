@@ -6,8 +6,8 @@ against two, and the derived-list cache against deriving the lists on every call
 B=1, H=12, S=32768, D=128, bf16, 128x128 blocks, random per-head lists at densities 1/8 and
 1/16. Times (``do_bench`` medians, three alternating rounds so drift hits every variant):
 
-- ``bwd fused`` / ``bwd two launches``: ``block_sparse_attn_bwd`` with ``fused=True`` / ``False``
-  (transposed lists cached in both);
+- ``bwd fused`` / ``bwd two launches``: the engine's ``bwd.block_sparse_attn_bwd`` inside
+  ``configs.override(fused=True)`` / ``override(fused=False)`` (transposed lists cached in both);
 - ``fwd+bwd cached`` / ``fwd+bwd uncached``: the public function's forward and backward, with
   the derived lists kept or the cache cleared before every call.
 
@@ -32,6 +32,7 @@ def bench(fn) -> float:
 def main(argv=None):
     import vidsparse
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
     from vidsparse.ops.block_sparse_attn.lists import derived_lists
 
@@ -48,8 +49,9 @@ def main(argv=None):
         o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, None, block, block, scale)
 
         def backward(fused, idx=idx, cnt=cnt, o=o, lse=lse):
-            return block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, None, block, block, scale,
-                                         fused=fused)  # fmt: skip
+            with override(fused=fused):
+                return block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, None, block, block,
+                                             scale)  # fmt: skip
 
         same = all(torch.equal(a, b) for a, b in zip(backward(True), backward(False)))
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -1,8 +1,12 @@
 """Try the Gluon (Hopper, FA3-style) block-sparse forward's variants against the Triton kernel.
 
 The library's forward now takes the Gluon kernel on Hopper (``configs.py``: ``gluon=True``); the
-baseline here is the Triton TMA kernel it falls back to, called with that config minus
-``gluon`` (``triton_fwd`` below), still named "library" in the JSON of the first run.
+baseline here is the Triton TMA kernel it falls back to: ``fwd.block_sparse_attn_fwd`` with
+that config minus ``gluon`` (``configs.lookup(target, "fwd", ...)`` passed back through
+``configs.override(fwd=...)``, ``triton_fwd`` below), still named "library" in the JSON of the
+first run. Each Gluon variant is a ``configs.GluonOptions`` (the library's ``configs.GLUON``
+with some fields replaced), set by ``configs.override(gluon=...)`` around the Gluon launcher
+``fwd_sm90.block_sparse_attn_fwd_sm90`` (``gluon_fwd`` below).
 
 Run on an H100/H200 from the repository root::
 
@@ -25,13 +29,14 @@ TFLOP/s = 4 * B * H * S^2 * D * density / time. Writes ``$OUT/try_gluon_fwd.json
 is set; prints a table last.
 
 ``--compile-only`` compiles every variant for ``cuda:90`` without a GPU
-(``vidsparse.bench.compile.compile_sm90``, as ``tests/compile/compile_kernels.py`` does for the
-Triton kernels) and prints registers, spills, shared
-memory, ptxas's wgmma-serialisation warnings (C7512 and friends) and a SASS hazard count:
-instructions that write an A-operand register of a register-A ``HGMMA`` (the P V wgmma)
-before a ``WARPGROUP.DEPBAR`` has retired it. ptxas does not keep those registers reserved
-(a first version computed the next P while P V was in flight and ptxas reused them: NaNs
-whenever the wgmma ran late), so this count must be 0.
+(``vidsparse.bench.compile.compile_sm90``, which builds ``fwd_sm90.kernel_args`` with the
+variant's ``GluonOptions``, as ``tests/compile/compile_kernels.py`` does for the Triton
+kernels) and prints registers, spills, shared memory, ptxas's wgmma-serialisation warnings
+(C7512 and friends) and a SASS hazard count: instructions that write an A-operand register
+of a register-A ``HGMMA`` (the P V wgmma) before a ``WARPGROUP.DEPBAR`` has retired it.
+ptxas does not keep those registers reserved (a first version computed the next P while P V
+was in flight and ptxas reused them: NaNs whenever the wgmma ran late), so this count must
+be 0.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ import torch  # noqa: E402
 
 from vidsparse.bench.compile import compile_sm90  # noqa: E402
 
-# Gluon variants: name -> launcher options (see fwd_gluon.DEFAULT_OPTIONS).
+# Gluon variants: name -> fields of configs.GluonOptions replaced in the library's configs.GLUON.
 # reg_*: P fed to the P V wgmma from registers; smem_*: P staged in shared memory (SS wgmma).
 # s2/s3: K/V ring depth; pp: ping-pong between the two consumer warpgroups.
 VARIANTS = {
@@ -69,13 +74,25 @@ def triton_fwd(q, k, v, idx, cnt, scale):
     """The Triton TMA forward (the config the library uses on Hopper, without ``gluon``)."""
     from dataclasses import replace
 
-    from vidsparse.ops.block_sparse_attn.configs import forward_config
+    from vidsparse.ops.block_sparse_attn import configs
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
     from vidsparse.utils.device import target_of
 
-    cfg = forward_config(target_of(q.device), BLOCK, BLOCK, q.shape[-1], q.dtype)
-    return block_sparse_attn_fwd(q, k, v, idx, cnt, None, BLOCK, BLOCK, scale,
-                                 replace(cfg, gluon=False))  # fmt: skip
+    cfg = configs.lookup(target_of(q.device), "fwd", BLOCK, BLOCK, q.shape[-1])
+    with configs.override(fwd=replace(cfg, gluon=False)):
+        return block_sparse_attn_fwd(q, k, v, idx, cnt, None, BLOCK, BLOCK, scale)
+
+
+def gluon_fwd(q, k, v, idx, cnt, scale, options: dict):
+    """The Gluon forward with the library's schedule (``configs.GLUON``) but for ``options``
+    (fields of ``configs.GluonOptions``)."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import configs
+    from vidsparse.ops.block_sparse_attn.fwd_sm90 import block_sparse_attn_fwd_sm90
+
+    with configs.override(gluon=replace(configs.GLUON, **options)):
+        return block_sparse_attn_fwd_sm90(q, k, v, idx, cnt, BLOCK, BLOCK, scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,8 +124,6 @@ def _lse_err(lse: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _check_case(name, q, k, v, idx, cnt, options) -> dict:
     """Gluon vs library vs fp32 reference on one small case."""
-    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
-
     from vidsparse.ops.block_sparse_attn.reference import block_sparse_attn_ref
 
     scale = q.shape[-1] ** -0.5
@@ -117,7 +132,7 @@ def _check_case(name, q, k, v, idx, cnt, options) -> dict:
     )
     o_lib, lse_lib = triton_fwd(q, k, v, idx, cnt, scale)
     _poison_allocator((q.shape, q.dtype), (q.shape[:3], torch.float32))
-    o, lse = block_sparse_attn_fwd_gluon(q, k, v, idx, cnt, BLOCK, BLOCK, scale, **options)
+    o, lse = gluon_fwd(q, k, v, idx, cnt, scale, options)
     torch.cuda.synchronize()
     empty = cnt.expand(q.shape[0], -1, -1) == 0  # [B, H, NQ]
     empty_rows = empty.repeat_interleave(BLOCK, dim=2)  # [B, H, S]
@@ -144,7 +159,6 @@ def _check_case(name, q, k, v, idx, cnt, options) -> dict:
 def check_variant(options: dict) -> dict:
     """Small cases, then the timed size once against the library and cuDNN."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
 
     from vidsparse.masks.block_sparse import random_block_lists
 
@@ -180,7 +194,7 @@ def check_variant(options: dict) -> dict:
     scale = D**-0.5
     nq = S // BLOCK
     idx, cnt = random_block_lists(1, H, nq, nq, density=0.125, generator=gen, device="cuda")
-    o, lse = block_sparse_attn_fwd_gluon(q, k, v, idx, cnt, BLOCK, BLOCK, scale, **options)
+    o, lse = gluon_fwd(q, k, v, idx, cnt, scale, options)
     o_lib, lse_lib = triton_fwd(q, k, v, idx, cnt, scale)
     big = {
         "case": "timed_size_d1/8_vs_lib",
@@ -190,7 +204,7 @@ def check_variant(options: dict) -> dict:
     big["ok"] = big["err_o_vs_lib"] < 1e-2 and big["max_lse_diff_vs_lib"] < 1e-2
     out["cases"].append(big)
     idx, cnt = dense_lists(nq)
-    o, lse = block_sparse_attn_fwd_gluon(q, k, v, idx, cnt, BLOCK, BLOCK, scale, **options)
+    o, lse = gluon_fwd(q, k, v, idx, cnt, scale, options)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o_cudnn = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
     o_lib, lse_lib = triton_fwd(q, k, v, idx, cnt, scale)
@@ -243,7 +257,6 @@ def run_child_check(name: str, options: dict) -> dict:
 def time_all(ok_variants: list[str]) -> list[dict]:
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from vidsparse.ops.block_sparse_attn.fwd_gluon import block_sparse_attn_fwd_gluon
 
     from vidsparse.masks.block_sparse import random_block_lists
 
@@ -267,9 +280,7 @@ def time_all(ok_variants: list[str]) -> list[dict]:
             fns = {"library": lambda: triton_fwd(q, k, v, idx, cnt, scale)}
             for name in ok_variants:
                 opts = VARIANTS[name]
-                fns[name] = lambda o=opts: block_sparse_attn_fwd_gluon(
-                    q, k, v, idx, cnt, BLOCK, BLOCK, scale, **o
-                )
+                fns[name] = lambda o=opts: gluon_fwd(q, k, v, idx, cnt, scale, o)
             if dens == "1":
 
                 def cudnn():

@@ -5,6 +5,11 @@
 Times forward and backward of ``vidsparse`` at B=1, H=12, S=32768, D=128 (bf16) over random
 per-head block lists, for each block size and each candidate config, next to cuDNN dense SDPA
 measured in the same run. Prints the best config per (kernel, block size) and writes all rows.
+
+Each candidate reaches the engine's launchers (``fwd.block_sparse_attn_fwd``,
+``bwd.block_sparse_attn_bwd``) through ``configs.override(fwd=...)`` /
+``override(bwd_dkdv=..., bwd_dq=...)``; ``--full-first`` toggles ``override(full_first=...)``;
+VSA's gate combine runs as the engine's epilogue (``video_sparse_attn.fine.CoarseCombine``).
 """
 
 from __future__ import annotations
@@ -20,12 +25,25 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from vidsparse.bench import harness
 from vidsparse.masks.block_sparse import random_block_lists
 from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
-from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+from vidsparse.ops.block_sparse_attn.configs import KernelConfig, lookup, override
+from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def fwd_with(cfg, *args, **kwargs):
+    """``block_sparse_attn_fwd(*args, **kwargs)`` with ``cfg`` in place of the table's."""
+    with override(fwd=cfg):
+        return block_sparse_attn_fwd(*args, **kwargs)
+
+
+def bwd_with(dkdv, dq, *args, **kwargs):
+    """``block_sparse_attn_bwd(*args, **kwargs)`` with these dK/dV and dQ configs."""
+    with override(bwd_dkdv=dkdv, bwd_dq=dq):
+        return block_sparse_attn_bwd(*args, **kwargs)
 
 
 def tflops(ms, B, H, S, D, density, factor=1.0):
@@ -92,9 +110,7 @@ def main(argv=None):
                 continue
             idx, cnt = lists[0.125]
             try:
-                ms = bench(
-                    lambda: block_sparse_attn_fwd(q, k, v, idx, cnt, None, bq, bk, scale, cfg)
-                )
+                ms = bench(lambda: fwd_with(cfg, q, k, v, idx, cnt, None, bq, bk, scale))
             except Exception as e:  # out of shared memory, etc.
                 print(f"fwd {bq}x{bk} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
@@ -112,7 +128,7 @@ def main(argv=None):
         cfg = best[1]
         for d in (1.0, 0.0625):
             idx, cnt = lists[d]
-            ms = bench(lambda: block_sparse_attn_fwd(q, k, v, idx, cnt, None, bq, bk, scale, cfg))
+            ms = bench(lambda: fwd_with(cfg, q, k, v, idx, cnt, None, bq, bk, scale))
             tf = tflops(ms, B, H, S, D, d)
             rows.append(
                 dict(kernel="fwd_best", block=[bq, bk], density=d, cfg=repr(cfg), ms=ms, tflops=tf)
@@ -121,7 +137,7 @@ def main(argv=None):
 
         # backward: sweep one kernel's config with the other at a middle default
         idx, cnt = lists[0.125]
-        o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, None, bq, bk, scale, cfg)
+        o, lse = fwd_with(cfg, q, k, v, idx, cnt, None, bq, bk, scale)
         subs = [s for s in (32, 64, 128) if s <= bq]
         bwd_cands = [
             KernelConfig(w, s, sub_m=m) for w, s, m in itertools.product((4, 8), (1, 2), subs)
@@ -130,15 +146,11 @@ def main(argv=None):
         for which in ("dkdv", "dq"):
             best = None
             for c in bwd_cands:
-                kw = (
-                    {"dkdv_config": c, "dq_config": default}
-                    if which == "dkdv"
-                    else {"dkdv_config": default, "dq_config": c}
-                )
+                dkdv, dq = (c, default) if which == "dkdv" else (default, c)
                 try:
                     ms = bench(
-                        lambda: block_sparse_attn_bwd(
-                            do, q, k, v, o, lse, idx, cnt, None, bq, bk, scale, **kw
+                        lambda: bwd_with(
+                            dkdv, dq, do, q, k, v, o, lse, idx, cnt, None, bq, bk, scale
                         )
                     )
                 except Exception as e:
@@ -177,7 +189,6 @@ def sweep_backward_tma(out):
     from dataclasses import replace
 
     from vidsparse.layout import VideoGrid
-    from vidsparse.ops.block_sparse_attn.configs import backward_config
     from vidsparse.utils.device import target_of
 
     D, H = 128, 12
@@ -200,14 +211,14 @@ def sweep_backward_tma(out):
                                        padding_finite=True)  # fmt: skip
         masked = sizes is not None
         library = {
-            which: backward_config(target_of(q.device), f"bwd_{which}", block, block, D, masked)
+            which: lookup(target_of(q.device), f"bwd_{which}", block, block, D, masked)
             for which in ("dkdv", "dq")
         }
 
         def run(cfgs):
-            return block_sparse_attn_bwd(
-                do, q, k, v, o, lse, idx, cnt, sizes, block, block, D**-0.5,
-                dkdv_config=cfgs["dkdv"], dq_config=cfgs["dq"], padding_finite=True,
+            return bwd_with(
+                cfgs["dkdv"], cfgs["dq"], do, q, k, v, o, lse, idx, cnt, sizes, block, block,
+                D**-0.5, padding_finite=True,
             )  # fmt: skip
 
         ref = run(library)
@@ -242,7 +253,8 @@ def sweep_masked_forward(out):
     """Forward variants on padded tiles (keys masked by kv_block_sizes) at the methods' shapes.
 
     - VSA's fine stage: Wan 1.3B 480p tiled (624 tiles of 4x4x4 = 64 tokens), 12 heads,
-      top-78 random lists (sparsity 0.875); also with VSA's fused gate epilogue.
+      top-78 random lists (sparsity 0.875); also with VSA's gate combine as the engine's
+      epilogue (``fine.CoarseCombine``).
     - PSA: the same grid in tiles of 1x8x16 = 128 tokens, 12 heads, density 1/4.
 
     Variants: pointer loads vs TMA loads (which read padding keys, so only with
@@ -251,20 +263,15 @@ def sweep_masked_forward(out):
     both are gone from the kernels: see NOTES.md.)
     """
     from vidsparse.layout import VideoGrid
-    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
 
     rows = []
     D = 128
 
-    def sweep(label, q, k, v, idx, cnt, sizes, block, configs, work, combine=None):
+    def sweep(label, q, k, v, idx, cnt, sizes, block, configs, work, epilogue=NO_EPILOGUE):
         def run(cfg, finite):
-            if combine is None:
-                return block_sparse_attn_fwd(
-                    q, k, v, idx, cnt, sizes, block, block, D**-0.5, cfg, padding_finite=finite
-                )[0]
-            return block_sparse_attn_fwd_combined(
-                q, k, v, idx, cnt, sizes, block, block, D**-0.5, combine, cfg, padding_finite=finite
-            )[0]
+            return fwd_with(cfg, q, k, v, idx, cnt, sizes, block, block, D**-0.5,
+                            padding_finite=finite, epilogue=epilogue)[0]  # fmt: skip
 
         ref = run(KernelConfig(4, 2), False).float()
         for cfg, finite in configs:
@@ -343,13 +350,15 @@ def sweep_masked_forward(out):
 
 def compare_full_first(out):
     """The masked forward (library configs, TMA, padding vouched finite) walking each list's
-    full key blocks first and unmasked (``full_first=True``, lists.py) against masking every
-    block (``False``), and the same lists without key-block sizes (nothing masked: the bound).
+    full key blocks first and unmasked (``override(full_first=True)``, the library's way,
+    lists.py) against masking every block (``override(full_first=False)``), and the same lists
+    without key-block sizes (nothing masked: the bound).
     Three alternating ``do_bench`` medians each. Cases: VSA's fine stage with the gate epilogue
-    at Wan 1.3B 480p (top-78 of 624 tiles, 12 heads) and Wan 14B 720p (top-180 of 1,440, 40
-    heads); PSA-like 1x16x8 blocks at density 0.4 (480p, 12 heads) and 0.35 (720p, 40 heads)."""
+    (``fine.CoarseCombine``) at Wan 1.3B 480p (top-78 of 624 tiles, 12 heads) and Wan 14B
+    720p (top-180 of 1,440, 40 heads); PSA-like 1x16x8 blocks at density 0.4 (480p, 12 heads)
+    and 0.35 (720p, 40 heads)."""
     from vidsparse.layout import VideoGrid
-    from vidsparse.ops.block_sparse_attn.fwd import CoarseCombine, block_sparse_attn_fwd_combined
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
 
     D = 128
     rows = []
@@ -368,26 +377,14 @@ def compare_full_first(out):
         )
         sizes = grid.tile_sizes_on("cuda").to(torch.int32)
         idx, cnt = random_block_lists(1, H, n, n, count=count, device="cuda")
-        combine = CoarseCombine(torch.randn(1, H, n, D, device="cuda"), g, sizes) if vsa else None
+        oc = torch.randn(1, H, n, D, device="cuda") if vsa else None
+        epilogue = CoarseCombine(oc, g, sizes) if vsa else NO_EPILOGUE
 
         def run(full_first, block_sizes):
-            if combine is None:
-                return block_sparse_attn_fwd(
-                    q,
-                    k,
-                    v,
-                    idx,
-                    cnt,
-                    block_sizes,
-                    block,
-                    block,
-                    D**-0.5,
-                    padding_finite=True,
-                    full_first=full_first,
-                )
-            return block_sparse_attn_fwd_combined(q, k, v, idx, cnt, block_sizes, block, block,
-                                                  D**-0.5, combine, padding_finite=True,
-                                                  full_first=full_first)  # fmt: skip
+            with override(full_first=full_first):
+                return block_sparse_attn_fwd(q, k, v, idx, cnt, block_sizes, block, block,
+                                             D**-0.5, padding_finite=True,
+                                             epilogue=epilogue)  # fmt: skip
 
         ref = run(False, sizes)[0].float()
         err = ((run(True, sizes)[0].float() - ref).norm() / ref.norm()).item()
