@@ -29,6 +29,7 @@ def tiny_run(tmp_path_factory):
     return rows, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_rows_for_every_method(tiny_run):
     rows, data = tiny_run
     assert data["rows"] == json.loads(json.dumps(rows))  # the JSON holds what main returned
@@ -48,6 +49,7 @@ def test_rows_for_every_method(tiny_run):
         assert r["out_finite"] is True
 
 
+@pytest.mark.slow
 def test_rel_l2_and_sparsity(tiny_run):
     _, data = tiny_run
     by_name = {(r["method"], r["target"]): r for r in data["rows"]}
@@ -65,6 +67,7 @@ def test_rel_l2_and_sparsity(tiny_run):
         assert sum(psa["patterns"].values()) == data["meta"]["layers"] * data["meta"]["heads"]
 
 
+@pytest.mark.slow
 def test_metadata(tiny_run):
     _, data = tiny_run
     meta = data["meta"]
@@ -75,6 +78,7 @@ def test_metadata(tiny_run):
         assert meta[key], key
 
 
+@pytest.mark.slow
 def test_searched_plan_file(tmp_path):
     """--psa-plan runs a plan file at its first sparse step."""
     from vidsparse.layout.grid import VideoGrid

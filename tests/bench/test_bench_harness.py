@@ -39,6 +39,7 @@ def _run_bench(tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_bench_block_sparse_cpu_dry_run(tmp_path):
     result = _run_bench(
         tmp_path,
@@ -79,6 +80,7 @@ def test_bench_block_sparse_cpu_dry_run(tmp_path):
     assert all(r["effective_density"] == pytest.approx(0.5) for r in halves)
 
 
+@pytest.mark.slow
 def test_bench_block_sparse_cpu_all_providers_survive_errors(tmp_path):
     """Every provider on a padded video shape: dense SDPA, flex (eager on the CPU, checked
     against the reference) and ours; flex's CPU backward is unsupported and must be recorded

@@ -35,6 +35,7 @@ def tiny_run(tmp_path_factory):
     return rows, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @needs_sta
 @needs_masks
 def test_rows_for_every_provider_window_and_mode(tiny_run):
@@ -58,6 +59,7 @@ def test_rows_for_every_provider_window_and_mode(tiny_run):
     assert data["meta"]["benchmark"] == "sta" and data["meta"]["complete"] is True
 
 
+@pytest.mark.slow
 @needs_sta
 @needs_masks
 def test_pairs_count_real_tokens_of_the_window(tiny_run):

@@ -35,6 +35,7 @@ def data(tmp_path_factory):
     return run_tiny(tmp_path_factory.mktemp("bench_vsa") / "vsa.json")
 
 
+@pytest.mark.slow
 def test_bench_vsa_tiny_cpu(data):
     rows, meta = data["rows"], data["meta"]
 

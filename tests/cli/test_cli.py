@@ -12,6 +12,7 @@ import torch
 from vidsparse.cli import main
 
 
+@pytest.mark.slow
 def test_demo_writes_report(tmp_path, torch_backend, capsys):
     assert main(["demo", "--out", str(tmp_path), "--device", "cpu"]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
@@ -32,6 +33,7 @@ def test_demo_writes_report(tmp_path, torch_backend, capsys):
     assert any(line.startswith("PSA target 0.75") for line in out.splitlines())
 
 
+@pytest.mark.slow
 def test_demo_json_on_stdout(tmp_path, torch_backend, capsys):
     assert main(["demo", "--out", str(tmp_path), "--device", "cpu", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -75,6 +77,7 @@ def _write_calibration(folder, steps=(0, 1, 2, 3, 4), layers=(0, 1)):
     return grid
 
 
+@pytest.mark.slow
 def test_search_then_inspect(tmp_path, torch_backend, capsys):
     calib = tmp_path / "calib"
     calib.mkdir()
@@ -115,6 +118,7 @@ def test_search_then_inspect(tmp_path, torch_backend, capsys):
     assert replan.exists()
 
 
+@pytest.mark.slow
 def test_inspect_rejects_bad_plan_with_exit_2(tmp_path):
     bad = tmp_path / "plan.json"
     bad.write_text('{"format": "something-else"}')
@@ -148,6 +152,7 @@ def small_calibration(tmp_path):
     return calib
 
 
+@pytest.mark.slow
 def test_search_draws_png_next_to_plan_and_inspect_png(
     tmp_path, small_calibration, torch_backend, capsys
 ):
@@ -160,6 +165,7 @@ def test_search_draws_png_next_to_plan_and_inspect_png(
     assert _is_png(masks)
 
 
+@pytest.mark.slow
 def test_search_png_path_and_no_png(tmp_path, small_calibration, torch_backend, capsys):
     plan, png = tmp_path / "plan.json", tmp_path / "attn.png"
     assert main(_search_argv(small_calibration, plan, "--png", str(png), "--json")) == 0
@@ -170,6 +176,7 @@ def test_search_png_path_and_no_png(tmp_path, small_calibration, torch_backend, 
     assert plan2.exists() and not (tmp_path / "plan2.png").exists()
 
 
+@pytest.mark.slow
 def test_missing_matplotlib_is_a_note_not_a_failure(
     tmp_path, small_calibration, torch_backend, monkeypatch, capsys
 ):
@@ -185,6 +192,7 @@ def test_missing_matplotlib_is_a_note_not_a_failure(
 # ---- bench ------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_tiny_engine_runs_on_cpu(tmp_path, torch_backend, capsys):
     start = time.perf_counter()
     assert main(["bench", "engine", "--tiny", "--out", str(tmp_path), "--json"]) == 0
@@ -196,6 +204,7 @@ def test_bench_tiny_engine_runs_on_cpu(tmp_path, torch_backend, capsys):
     assert len(written["rows"]) == len(result["rows"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
 def test_bench_full_size_on_cpu_exits_2():
     proc = subprocess.run(
@@ -223,6 +232,7 @@ def test_bench_passes_unknown_options_to_one_op(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv", [["bench", "nope"], ["bench", "--bogus"]])
 def test_bench_bad_usage_exits_2(argv):
     proc = subprocess.run(

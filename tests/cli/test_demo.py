@@ -114,6 +114,7 @@ def check_psa_row(row, heads: int, target: float = 0.75) -> None:
     assert all(math.isfinite(h["search_rel_l2"]) for h in psa["heads"])
 
 
+@pytest.mark.slow
 def test_cpu_demo_runs_fast_and_writes_pngs(tmp_path, torch_backend):
     start = time.perf_counter()
     report = run_demo(device="cpu", log=None, out_dir=tmp_path)
@@ -133,12 +134,14 @@ def test_cpu_demo_runs_fast_and_writes_pngs(tmp_path, torch_backend):
         assert report["figures"] == []
 
 
+@pytest.mark.slow
 def test_demo_without_out_dir_writes_nothing(tmp_path, monkeypatch, torch_backend):
     monkeypatch.chdir(tmp_path)
     report = run_demo(device="cpu", log=None)
     assert "figures" not in report and not list(tmp_path.iterdir())
 
 
+@pytest.mark.slow
 def test_demo_without_matplotlib_skips_pngs_with_a_note(tmp_path, monkeypatch, torch_backend):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
     lines = []

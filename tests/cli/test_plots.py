@@ -40,6 +40,7 @@ def test_block_attention_map_matches_brute_force():
     torch.testing.assert_close(rows, torch.ones_like(rows))
 
 
+@pytest.mark.slow
 def test_block_attention_map_chunked_and_tiled_agree(monkeypatch):
     q, k = torch.randn(2, GRID.num_tokens, 8), torch.randn(2, GRID.num_tokens, 8)
     want = block_attention_map(q, k, GRID, heads=[0, 1])

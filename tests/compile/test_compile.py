@@ -70,6 +70,7 @@ def _assert_same(f, inputs, explain=False):
 # ----------------------------------------------------------------------------- stripe_attn
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "grid, tiled, text_tokens",
     [
@@ -105,6 +106,7 @@ def test_stripe_attn_fullgraph_row_unit_and_list_specs(torch_backend):
     _assert_same(f, (q, k, v))
 
 
+@pytest.mark.slow
 def test_stripe_attn_compiled_follows_new_specs(torch_backend):
     """The plan is a graph constant: changing the specs must trace a new graph, not reuse it."""
     q, k, v = _qkv(PARTIAL, False, 5)
@@ -123,6 +125,7 @@ def test_stripe_attn_compiled_follows_new_specs(torch_backend):
     assert not torch.allclose(outputs[SPECS], outputs[OTHER_SPECS])
 
 
+@pytest.mark.slow
 def test_grid_and_specs_built_inside_the_compiled_function(torch_backend):
     """A grid and specs made in the traced code are no real objects at trace time: only
     their Python values reach the host-side builders. Cold caches: what the trace builds and
@@ -146,6 +149,7 @@ def test_grid_and_specs_built_inside_the_compiled_function(torch_backend):
     assert all(type(t) is torch.Tensor for t in PARTIAL.index_tensors("cpu"))
 
 
+@pytest.mark.slow
 def test_compiled_follows_new_grid_text_and_sinks(torch_backend):
     """Grid, text length and sink frames key the plan too: each change retraces correctly
     (changed ints must not turn into SymInts, which could not key the cached plan)."""
@@ -190,6 +194,7 @@ def test_all_key_blocks_full_matches_tile_sizes(grid, text_tokens):
 # ----------------------------------------------------------------------------- VSA
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "tiled, text_tokens, gated",
     [(False, 0, False), (False, 5, True), (True, 5, False), (True, 0, True)],
@@ -218,6 +223,7 @@ def _need_triton_interpreter():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest on CPU machines)")
 
 
+@pytest.mark.slow
 def test_stripe_attn_fullgraph_triton_interpreter(triton_backend):
     _need_triton_interpreter()
     grid = VideoGrid((4, 4, 6), (2, 2, 4))  # volume 16, partial tiles along W
@@ -235,6 +241,7 @@ def test_stripe_attn_fullgraph_triton_interpreter(triton_backend):
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text_tokens", [0, 5])
 def test_video_sparse_attn_fullgraph_triton_interpreter(triton_backend, text_tokens):
     """The Triton path (coarse-stage and engine custom ops, the cached text plan)."""

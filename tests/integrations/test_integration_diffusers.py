@@ -331,6 +331,7 @@ def test_sparsity_schedule_drives_the_gate_modules(wan, patched):
 
 
 # The reference VSA path calls lru_cache'd grid helpers; dynamo traces through them (warning).
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize(
     "method, options",
@@ -379,6 +380,7 @@ def compile_blocks_counting_graphs(model) -> list:
     return graphs
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize(
     "method, options", [("dense", {}), ("vsa", {"sparsity": 0.5}), ("sta", {"window": (1, 1, 3)})]
@@ -422,6 +424,7 @@ def test_psa_lists_path_equals_specs_path(wan, patched, monkeypatch):
     torch.testing.assert_close(run(model, wan_inputs()), via_lists, atol=0, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the tiny model runs on the CPU: interpreter")
 def test_psa_lists_path_on_the_triton_kernels(triton_backend, monkeypatch):
     # The engine's own kernels (Triton interpreter) behind the lists path: the same output as

@@ -131,6 +131,7 @@ def verdicts(tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", CASES)
 def test_sequence_parallel_model_equals_single_process(verdicts, method):
     for rank, v in enumerate(verdicts):

@@ -83,6 +83,7 @@ def _assert_bitwise(got, want):
     assert torch.equal(got.view(_BITS[got.dtype]), want.contiguous().view(_BITS[want.dtype]))
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.parametrize("shape, tile", CASES, ids=[f"{s}-{t}" for s, t in CASES])
 @pytest.mark.parametrize(

@@ -430,17 +430,20 @@ def verdicts(tmp_path_factory):
 OK_SCENARIOS = [n for n in SCENARIOS if not n.startswith("err_")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", OK_SCENARIOS)
 def test_two_ranks_match_single_process(verdicts, name):
     for rank, verdict in enumerate(verdicts[name]):
         assert verdict == "ok", f"rank {rank}: {verdict}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_STRIPE, reason=STRIPE_SKIP)
 def test_stripe_scenarios_ran(verdicts):
     assert {"stripe_bshd", "stripe_bhsd"} <= set(verdicts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, expected",
     [

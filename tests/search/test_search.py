@@ -153,6 +153,7 @@ def _random_qkv(grid, heads=4, dim=16, batch=None, scale=2.0):
     return tuple(scale * torch.randn(shape) for _ in range(3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "grid",
     [
@@ -217,6 +218,7 @@ def test_query_subsampling(torch_backend):
         StripeObjective(GRID, cands, query_fraction=0.0)
 
 
+@pytest.mark.slow
 def test_candidate_chunking_is_consistent(torch_backend):
     cands = _some_candidates()  # 14 candidates
     q, k, v = _random_qkv(GRID)
@@ -309,6 +311,7 @@ def planted_search():
     return planted, result
 
 
+@pytest.mark.slow
 def test_search_recovers_planted_stripes(planted_search):
     planted, result = planted_search
     plan = result.plan
@@ -353,6 +356,7 @@ def test_replan_from_table_matches_fresh_search_without_the_objective(
                 assert b.sparsity >= a.sparsity and b.rel_l2 <= 0.9
 
 
+@pytest.mark.slow
 def test_replan_equals_a_fresh_search_at_another_alpha(torch_backend):
     planted = _planted_choice(GRID, 2)
     samples = _samples(planted, steps=[2, 4], layers=[0])

@@ -217,6 +217,7 @@ INTERPRETER_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -428,6 +429,7 @@ def test_tma_forward_kernel_in_interpreter(padded):
     torch.testing.assert_close(lse[finite].double(), ref_lse[finite], rtol=0, atol=1e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("padding", ["none", "finite", "nan"])
@@ -575,6 +577,7 @@ def _fused_vs_two_launches(dtype, case, config_pairs):
         assert not any(torch.isnan(g).any() for g in one)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -36,6 +36,7 @@ for block, combine in ((128, False), (64, False), (64, True)):
 """
 
 
+@pytest.mark.slow
 def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)

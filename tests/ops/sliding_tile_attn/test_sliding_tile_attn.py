@@ -236,6 +236,7 @@ INTERPRETER_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=str)

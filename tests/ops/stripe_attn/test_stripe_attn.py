@@ -102,6 +102,7 @@ TORCH_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", TORCH_CASES, ids=str)
 def test_torch_backend_matches_reference(torch_backend, case):
     shape, tile, tiled, unit, sink, text = case
@@ -400,6 +401,7 @@ INTERPRETER_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("case", INTERPRETER_CASES, ids=str)
@@ -419,6 +421,7 @@ def test_triton_interpreter_matches_reference(triton_backend, case):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 def test_triton_interpreter_dense_specs_equal_sdpa(triton_backend):

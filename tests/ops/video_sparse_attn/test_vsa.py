@@ -40,6 +40,7 @@ def _compare(
         assert (o[:, :, ~grid.real_token_mask(o.device)] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("tiled", [False, True])
@@ -59,6 +60,7 @@ def test_vsa_triton_interpreter_matches_reference(triton_backend, tiled):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("tiled", [False, True])
@@ -78,6 +80,7 @@ def test_vsa_triton_interpreter_without_gate(triton_backend, tiled):
         assert_rel_l2(name, g, r, 1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 def test_vsa_backward_runs_the_coarse_attention_backward_once(triton_backend, monkeypatch):

@@ -97,6 +97,7 @@ def _reference(q_t, k_t, v_t, grid, topk, scale, dtype=torch.float32):
 # ----------------------------------------------------------------------------- interpreter
 
 
+@pytest.mark.slow
 @interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
@@ -114,6 +115,7 @@ def test_pooling_ignores_padding_and_matches_tile_means(grid_name, D, dtype):
         torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6, msg=f"{name}c")
 
 
+@pytest.mark.slow
 @interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
@@ -136,6 +138,7 @@ def test_coarse_attention_and_selection_match_reference(grid_name, D, dtype, top
         assert torch.equal(kv_counts, ref_counts)
 
 
+@pytest.mark.slow
 @interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("config_name", SELECTION_CONFIGS)
@@ -158,6 +161,7 @@ def test_every_selection_path_matches_select_topk(config_name):
         assert passes.max() >= 3, "the narrowing path was not exercised"
 
 
+@pytest.mark.slow
 @interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("outliers", [False, True], ids=["normal_scores", "outlier_keys"])
@@ -203,6 +207,7 @@ def test_speculation_is_on_where_the_window_fits_the_scratch():
     assert not speculates(_config(num_pivots=2), 6, 40)  # an odd score half: no middle pair
 
 
+@pytest.mark.slow
 @interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize("config_name", ["4_pivots_capacity_8", "default", "capacity_64"])
@@ -228,6 +233,7 @@ def test_ties_go_to_the_smaller_tile_index(config_name):
         assert (kv_counts == topk).all()
 
 
+@pytest.mark.slow
 @interpreter
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
@@ -429,6 +435,7 @@ def compiled():
 MEASURED_SPILLS = {("cuda:90", "coarse_attn_topk_fwd_kernel", 128): 64}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", COMPILE_TARGETS)
 def test_kernels_compile_spill_free(compiled, target):
     reports = [r for r in compiled if r["target"] == target]

@@ -6,6 +6,7 @@ import torch
 from helpers import make_lists, make_qkv, masked_dense_attention
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("gate", [True, False])

@@ -66,6 +66,7 @@ def _check(shapes, grid, topk: int) -> None:
     assert any(s[-2:] == (num_tiles, topk) for _, s in shapes), "no top-k wide index tensor"
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(HAS_GPU, reason="interpreter tests run on CPU CI")
 def test_vsa_triton_path_allocates_nothing_quadratic_interpreter(triton_backend):

@@ -137,6 +137,7 @@ def test_sparsity_and_topk_give_the_same_output():
 # ---- dense equivalence -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, tile, heads",
     [((5, 6, 7), (4, 4, 4), 2), ((9, 10, 13), (4, 4, 4), 1), ((3, 9, 20), (2, 8, 8), 1)],
@@ -370,6 +371,7 @@ def test_chunked_fine_stage_matches_one_chunk(monkeypatch):
 # ---- dtypes and real grids ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_inputs_are_computed_in_fp32(dtype):
     grid = VideoGrid((5, 6, 7), tile=(4, 4, 4))

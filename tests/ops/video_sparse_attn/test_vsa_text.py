@@ -163,6 +163,7 @@ def test_append_columns_full_rows_fast_path():
 # ---- text_tokens = 0 is the old behaviour ------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_zero_text_tokens_unchanged(monkeypatch, backend):
     monkeypatch.setenv("VIDSPARSE_BACKEND", backend)
@@ -210,6 +211,7 @@ def _compare(
         assert (o[:, :, :video_len][:, :, ~grid.real_token_mask(o.device)] == 0).all()
 
 
+@pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize(
