@@ -75,6 +75,7 @@ def _randomise_gates(model) -> None:
 
 def _case(method: str) -> float:
     from test_integration_diffusers import tiny_wan, wan_inputs
+
     from vidsparse.integrations.diffusers import apply_sparse_attention
     from vidsparse.parallel import UlyssesAttention
 
@@ -96,7 +97,7 @@ def _case(method: str) -> float:
 def _worker(rank: int, store: str, out_dir: str) -> None:
     os.environ["VIDSPARSE_BACKEND"] = "torch"
     torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")  # before the group: see tests/parallel/test_parallel.py
+    importlib.import_module("torch._dynamo")  # before the group (tests/parallel/test_parallel.py)
     dist.init_process_group(
         "gloo",
         init_method=f"file://{store}",
@@ -141,6 +142,7 @@ def test_sequence_parallel_model_equals_single_process(verdicts, method):
 
 def test_ulysses_option_is_checked():
     from test_integration_diffusers import tiny_hunyuan, tiny_wan
+
     from vidsparse.integrations.diffusers import apply_sparse_attention
     from vidsparse.parallel import UlyssesAttention
 

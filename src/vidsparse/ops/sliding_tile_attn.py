@@ -23,7 +23,7 @@ import torch
 
 from vidsparse.layout.grid import VideoGrid, check_video_qkv, grid_key
 from vidsparse.masks.sliding_tile import check_sliding_window, sliding_tile_lists
-from vidsparse.ops._text_tokens import check_sequence_length
+from vidsparse.ops._video_inputs import check_sequence_length, check_triton_tile
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import (
     block_sparse_attn_unchecked,
@@ -164,13 +164,7 @@ def _validate(q, k, v, grid, window, tiled, scale) -> tuple[tuple[int, int, int]
 
 
 def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
-    volume = grid.tile_volume
-    if volume < 16 or volume & (volume - 1):
-        raise ValueError(
-            f"grid: the Triton path needs a power-of-two tile volume >= 16, got tile "
-            f"{grid.tile_shape} (volume {volume}); use e.g. tile=(4, 4, 4) or (2, 8, 8), "
-            "or VIDSPARSE_BACKEND=torch for any tile"
-        )
+    check_triton_tile(grid, "tile=(4, 4, 4) or (2, 8, 8)")
     check_triton_supported(q)
 
 

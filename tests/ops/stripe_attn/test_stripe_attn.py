@@ -186,7 +186,7 @@ def test_engine_lists_are_cached_and_stripe_wide(torch_backend, monkeypatch):
     import vidsparse.ops.block_sparse_attn.interface as engine_interface
 
     # the video launch calls the name stripe_attn imported; the text launch (shared with VSA,
-    # ops/_text_tokens.py) looks it up in the engine's module
+    # ops/_video_inputs.py) looks it up in the engine's module
     monkeypatch.setattr(stripe_interface, "block_sparse_attn_unchecked", counting_engine)
     monkeypatch.setattr(engine_interface, "block_sparse_attn_unchecked", counting_engine)
     q, k, v = _qkv(grid, 2, tiled=False, text_tokens=37, dtype=torch.float32)

@@ -149,7 +149,7 @@ def test_reference_chunking_with_text(monkeypatch):
 
 
 def test_append_columns_full_rows_fast_path():
-    from vidsparse.ops._text_tokens import append_columns
+    from vidsparse.ops._video_inputs import append_columns
 
     idx = torch.randint(0, 8, (2, 3, 8, 4), dtype=torch.int32)
     cnt = torch.full((2, 3, 8), 4, dtype=torch.int32)

@@ -26,6 +26,7 @@ Modelled on ``triton_kernels``' ``Epilogue`` / ``FnSpecs``.
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -65,23 +66,29 @@ class EngineCall(NamedTuple):
     dtype: torch.dtype  # q's
 
 
+def gluon_fn(name: str, module: str, attr: str) -> FnSpecs | None:
+    """``FnSpecs`` of a ``@gluon.jit`` hook, or None where Triton has no Gluon (the engine
+    then runs its Triton forward on Hopper too)."""
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except ImportError:
+        return None
+    return FnSpecs(name, fn)
+
+
 @functools.cache
 def _identity_fns() -> EpilogueFns:
     # Imported here: importing vidsparse must need no Triton (the CPU path runs without it).
     from vidsparse.ops.block_sparse_attn.kernels import no_epilogue
 
-    try:
-        from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import forward_identity_sm90
-    except ImportError:  # a Triton without Gluon: the Triton forward runs on Hopper too
-        sm90 = None
-    else:
-        sm90 = FnSpecs("none", forward_identity_sm90)
     return EpilogueFns(
         forward=FnSpecs("none", no_epilogue.forward_identity),
         prologue=FnSpecs("none", no_epilogue.prologue_identity),
         dq=FnSpecs("none", no_epilogue.dq_identity),
         dkdv=FnSpecs("none", no_epilogue.dkdv_identity),
-        forward_sm90=sm90,
+        forward_sm90=gluon_fn(
+            "none", "vidsparse.ops.block_sparse_attn.kernels.fwd_sm90", "forward_identity_sm90"
+        ),
     )
 
 

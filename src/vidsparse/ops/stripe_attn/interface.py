@@ -34,7 +34,7 @@ on the host at trace time and puts them into the graph as constants: ``stripe_at
 with ``fullgraph=True`` (one graph around the engine's custom op, backward included).
 
 The text-token helpers (padding to blocks, appended columns, dense rows, the key sequence)
-live in ``vidsparse.ops._text_tokens``, shared with VSA.
+live in ``vidsparse.ops._video_inputs``, shared with VSA.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ import torch
 
 from vidsparse.layout.grid import VideoGrid, check_video_qkv, grid_key
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_block_lists, stripe_block_mask
-from vidsparse.ops._text_tokens import (
+from vidsparse.ops._video_inputs import (
     append_columns,
     attend_text_queries,
     check_count,
     check_sequence_length,
+    check_triton_tile,
     dense_rows,
     key_sequence,
     text_block_sizes,
@@ -440,11 +441,5 @@ def _check_specs(specs, heads: int) -> tuple[StripeSpec, ...]:
 
 
 def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
-    volume = grid.tile_volume
-    if volume < 16 or volume & (volume - 1):
-        raise ValueError(
-            f"grid: the Triton path needs a power-of-two tile volume >= 16, got tile "
-            f"{grid.tile_shape} (volume {volume}); use e.g. tile=(2, 8, 8) or (1, 8, 16) "
-            "(volume 128) or (4, 4, 4) (64), or VIDSPARSE_BACKEND=torch for any tile"
-        )
+    check_triton_tile(grid, "tile=(2, 8, 8) or (1, 8, 16) (volume 128) or (4, 4, 4) (64)")
     check_triton_supported(q)

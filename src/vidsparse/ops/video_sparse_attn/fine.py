@@ -24,6 +24,7 @@ from vidsparse.ops.block_sparse_attn.epilogue import (
     Epilogue,
     EpilogueFns,
     FnSpecs,
+    gluon_fn,
     register_epilogue,
 )
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
@@ -74,19 +75,16 @@ def vsa_fine_combined(
 def _kernel_fns() -> EpilogueFns:
     from vidsparse.ops.video_sparse_attn.kernels import combine
 
-    try:
-        from vidsparse.ops.video_sparse_attn.kernels.combine_sm90 import combine_forward_sm90
-    except ImportError:  # a Triton without Gluon: the engine's Triton forward runs instead
-        sm90 = None
-    else:
-        sm90 = FnSpecs("vsa_combine", combine_forward_sm90)
     return EpilogueFns(
         forward=FnSpecs("vsa_combine", combine.combine_forward),
         prologue=FnSpecs("vsa_combine", combine.combine_prologue),
         dq=FnSpecs("vsa_combine", combine.pooled_dq),
         dkdv=FnSpecs("vsa_combine", combine.pooled_dkdv),
-        forward_sm90=sm90,
-    )
+        forward_sm90=gluon_fn(
+            "vsa_combine", "vidsparse.ops.video_sparse_attn.kernels.combine_sm90",
+            "combine_forward_sm90",
+        ),
+    )  # fmt: skip
 
 
 def _strides3(x: torch.Tensor) -> tuple[int, int, int]:

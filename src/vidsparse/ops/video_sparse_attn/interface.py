@@ -5,7 +5,7 @@ or the Triton path: the fused coarse-stage kernels (coarse.py) pick each query t
 tiles, and the fine stage runs on the block-sparse engine with the tile sizes masking padding.
 
 Text tokens (``text_tokens = N``, joint attention as in HunyuanVideo) reuse PSA's design and
-helpers (``vidsparse.ops._text_tokens``): the ``N`` tokens are padded to ``NTb = ceil(N / V)``
+helpers (``vidsparse.ops._video_inputs``): the ``N`` tokens are padded to ``NTb = ceil(N / V)``
 blocks of ``V = tile_volume`` slots and appended to the key sequence as key blocks
 ``Nt .. Nt+NTb-1``, their real counts in ``kv_block_sizes``::
 
@@ -32,11 +32,12 @@ from typing import NamedTuple
 import torch
 
 from vidsparse.layout.grid import VideoGrid, check_video_qkv, grid_key
-from vidsparse.ops._text_tokens import (
+from vidsparse.ops._video_inputs import (
     append_columns,
     attend_text_queries,
     check_count,
     check_sequence_length,
+    check_triton_tile,
     dense_rows,
     key_sequence,
     text_block_sizes,
@@ -219,9 +220,4 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) ->
 
 def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
     check_triton_supported(q)
-    V = grid.tile_volume
-    if V < 16 or V & (V - 1):
-        raise ValueError(
-            f"the Triton path needs a power-of-two tile volume >= 16, got {grid.tile_shape}"
-            f" (volume {V}); use tile=(4, 4, 4) or VIDSPARSE_BACKEND=torch"
-        )
+    check_triton_tile(grid, "tile=(4, 4, 4)")

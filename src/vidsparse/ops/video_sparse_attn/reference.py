@@ -27,7 +27,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from vidsparse.layout.grid import VideoGrid
-from vidsparse.ops._text_tokens import check_count
+from vidsparse.ops._video_inputs import check_count
 from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
 __all__ = [

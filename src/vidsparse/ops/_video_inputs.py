@@ -1,6 +1,7 @@
-"""Text tokens of joint-attention models (HunyuanVideo) on the block-sparse engine.
+"""What the video ops (VSA, PSA, STA) share: sequence checks, tile-order inputs, the Triton
+path's tile rule, and text tokens of joint-attention models (HunyuanVideo) on the engine.
 
-Shared by PSA (``stripe_attn``) and VSA (``video_sparse_attn``). ``N`` non-video tokens follow
+``N`` non-video tokens follow
 the video tokens in ``q, k, v``. On the engine they are padded to whole blocks of ``V``
 (``tile_volume``) slots and become key blocks ``Nt .. Nt+NTb-1`` after the ``Nt`` video tiles;
 their real-token counts go into ``kv_block_sizes``, so padding slots get no weight::
@@ -22,6 +23,7 @@ from vidsparse.layout.grid import VideoGrid
 from vidsparse.utils import ceil_div
 
 __all__ = [
+    "check_triton_tile",
     "check_count",
     "check_sequence_length",
     "text_block_sizes",
@@ -31,6 +33,18 @@ __all__ = [
     "key_sequence",
     "attend_text_queries",
 ]
+
+
+def check_triton_tile(grid: VideoGrid, examples: str) -> None:
+    """The Triton path runs one engine block per tile: its volume must be a power of two
+    >= 16 (``tl.arange`` widths). ``examples`` suggests tiles the op is measured with."""
+    volume = grid.tile_volume
+    if volume < 16 or volume & (volume - 1):
+        raise ValueError(
+            f"grid: the Triton path needs a power-of-two tile volume >= 16, got tile "
+            f"{grid.tile_shape} (volume {volume}); use e.g. {examples}, or "
+            "VIDSPARSE_BACKEND=torch for any tile"
+        )
 
 
 def check_count(name: str, value) -> int:
