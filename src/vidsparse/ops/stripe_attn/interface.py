@@ -1,40 +1,21 @@
 """Public entry point of PSA (Parameterized Stripe Attention) on the block-sparse engine.
 
-Each head attends along its own stripes of the PSA block grid (``grid.tiles``; a PSA block is
-one tile of the ``VideoGrid``). The per-head block lists come from ``stripe_block_lists`` and
-every head runs in one launch of ``block_sparse_attn``, with ``block_size = tile_volume`` for
-query and key blocks and the tile sizes masking the padding keys of partial tiles.
-
-Text tokens (``text_tokens = N``, appended after the video tokens, as HunyuanVideo's joint
-attention does) extend the block grid. They are padded to whole blocks of ``tile_volume`` slots
-and become extra key blocks ``Nt .. Nt+NTb-1`` after the ``Nt`` video tiles; their real-token
-counts go into ``kv_block_sizes``, so padding slots get no weight::
-
-    engine key sequence (tile order, blocks of V = tile_volume slots)
-    [ tile 0 | tile 1 | ... | tile Nt-1 | text 0 | text 1 ... (last one partial, padded) ]
-      <----------- padded_len ---------> <------------- NTb * V ------------------------>
+Each head attends along its own stripes of the PSA block grid (a PSA block is one tile of the
+``VideoGrid``): the per-head lists come from ``stripe_block_lists`` and every head runs in one
+engine call, the tile sizes masking the padding keys of partial tiles. Text tokens (joint
+attention, HunyuanVideo) become key blocks after the video tiles (``ops/_video_inputs.py``)::
 
     block map of one head           video key blocks        text key blocks
                                    k0  k1  k2 ... kNt-1     t0  t1
-    launch 1: video query block q0 [ stripe pattern of the  |  1   1 ]   lists [1, H, Nt, K+NTb]
-    (all heads at once)         ...[ head (+ sink frames)   |  1   1 ]   stripe row + text
-    launch 2: text query block  t0 [  1   1   1  ...   1    |  1   1 ]   lists [1, H, NTb, NK]
-    (only when N > 0)           t1 [  1   1   1  ...   1    |  1   1 ]   one row, head-broadcast
+    call 1: video query block  q0  [ stripe pattern of the  |  1   1 ]   lists [1, H, Nt, K+NTb]
+    (all heads at once)        ... [ head (+ sink frames)   |  1   1 ]   stripe row + text
+    call 2: text query block   t0  [  1   1   1  ...   1    |  1   1 ]   lists [1, H, NTb, NK]
+    (only when N > 0)          t1  [  1   1   1  ...   1    |  1   1 ]   one row, head-broadcast
 
-    (K: the busiest stripe row of the heads; NK = Nt + NTb key blocks in all)
-
-Text query rows are dense, so they run as a second launch whose lists are one row expanded
-over heads and blocks (stride 0). Folding them into the first launch would widen every row
-of its index tensor to ``Nt + NTb`` entries (int32 ``H x NK^2``: 100 MB for HunyuanVideo 720p
-in 2x8x8 blocks) when a stripe row needs only ``K + NTb``. Both launches read the same key
-sequence; their outputs are joined. All lists are built once per (specs, grid, spatial_unit,
-sink_frames, text_tokens, device) and cached, so the engine validates them once and later
-calls cost no host-device sync. Under ``torch.compile`` Dynamo takes the lists from that cache
-on the host at trace time and puts them into the graph as constants: ``stripe_attn`` compiles
-with ``fullgraph=True`` (one graph around the engine's custom op, backward included).
-
-The text-token helpers (padding to blocks, appended columns, dense rows, the key sequence)
-live in ``vidsparse.ops._video_inputs``, shared with VSA.
+Text rows are dense, so they run as a second call on stride-0 lists: folded into the first,
+every row would be ``Nt + NTb`` wide (100 MB of int32 at HunyuanVideo 720p, 2x8x8 blocks).
+Lists are built once per (specs, grid, options, device) and cached, so the engine validates
+them once; under ``torch.compile`` they enter the graph as constants (``fullgraph=True``).
 """
 
 from __future__ import annotations
