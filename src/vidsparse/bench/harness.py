@@ -448,6 +448,26 @@ def print_table(rows: Iterable[dict], columns: Sequence[Column]) -> None:
     print(format_table(rows, columns), flush=True)
 
 
+def print_progress(what: str, row: dict) -> None:
+    """One finished case's line: ``what``, then its time and TFLOP/s, or its error."""
+    if row.get("error"):
+        print(f"{what}: ERROR {row['error']}", flush=True)
+    else:
+        print(f"{what}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s", flush=True)
+
+
+def split_choices(
+    text: str, allowed: Sequence[str], what: str, *, allow_empty: bool = False
+) -> list[str]:
+    """The items of the comma list ``text``, in order, each one of ``allowed``; else
+    ``SystemExit`` naming the unknown ``what`` (an empty list too, unless ``allow_empty``)."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = [t for t in items if t not in allowed]
+    if unknown or not (items or allow_empty):
+        raise SystemExit(f"unknown {what} {unknown}; choose from {list(allowed)}")
+    return items
+
+
 def plot(
     path: str | Path,
     rows: list[dict],

@@ -101,9 +101,9 @@ def _needs_cudnn(device: torch.device) -> str | None:
 
 
 def _needs_fastvideo(device: torch.device) -> str | None:
-    from vidsparse.bench.ops.vsa import load_fastvideo
+    from vidsparse.bench.fastvideo import fastvideo_unavailable
 
-    return load_fastvideo()[3]
+    return fastvideo_unavailable()
 
 
 def _needs_diffusers(device: torch.device) -> str | None:

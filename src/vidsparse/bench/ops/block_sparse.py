@@ -510,10 +510,7 @@ def _print_progress(i: int, n: int, row: dict) -> None:
         f"[{i}/{n}] {row['shape']} {row['provider']} {row['block']} "
         f"d={row['density']:g} {row['mode']}"
     )
-    if row.get("error"):
-        print(f"{what}: ERROR {row['error']}", flush=True)
-    else:
-        print(f"{what}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s", flush=True)
+    harness.print_progress(what, row)
 
 
 # ---- ratios ---------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,24 +339,12 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def _report(row: dict) -> None:
-    what = f"{row['shape']} {row['window']} {row['mode']} {row['provider']}"
-    if row.get("error"):
-        print(f"{what}: ERROR {row['error']}", flush=True)
-    else:
-        print(f"{what}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s", flush=True)
+    harness.print_progress(f"{row['shape']} {row['window']} {row['mode']} {row['provider']}", row)
 
 
 # ---------------------------------------------------------------------------------------------
 # command line
 # ---------------------------------------------------------------------------------------------
-
-
-def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [t for t in items if t not in allowed]
-    if bad or not items:
-        raise SystemExit(f"unknown {what} {bad}; choose from {list(allowed)}")
-    return items
 
 
 def _window(text: str) -> tuple[int, int, int]:
@@ -388,8 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
-    args.modes = _csv(args.modes, harness.MODES, "modes")
-    args.providers = _csv(args.providers, PROVIDERS, "providers")
+    args.modes = harness.split_choices(args.modes, harness.MODES, "modes")
+    args.providers = harness.split_choices(args.providers, PROVIDERS, "providers")
     windows = args.windows or (TINY_WINDOWS if args.tiny else DEFAULT_WINDOWS)
     args.windows = [_window(w) for w in windows.split(",") if w.strip()]
     if args.tiny:

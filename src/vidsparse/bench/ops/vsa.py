@@ -57,11 +57,10 @@ Python): ``python3 -m zipfile -e .whl/fastvideo_kernel-0.3.5-*.whl /tmp/site``.
 from __future__ import annotations
 
 import argparse
-import importlib
+import functools
 import math
 import os
 import statistics
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +68,7 @@ from pathlib import Path
 import torch
 
 from vidsparse.bench import harness, registry, shapes
+from vidsparse.bench.fastvideo import FastVideoUnavailable, load_fastvideo, require_fastvideo
 from vidsparse.bench.harness import Column, Provider
 from vidsparse.bench.sdpa import dense_sdpa as _pinned_sdpa
 
@@ -84,14 +84,6 @@ TILE = (4, 4, 4)
 ALL_PROVIDERS = ("ours", "ours-natural", "cudnn", "fastvideo")
 PROVIDERS = ALL_PROVIDERS
 SPARSE_PROVIDERS = ("ours", "ours-natural", "fastvideo")
-
-# Import paths tried for FastVideo's VSA, first that works wins: the package root re-exports
-# ``ops.video_sparse_attn`` in 0.3.x; ``.ops`` directly in case the root import grows extras.
-FASTVIDEO_CANDIDATES = (
-    ("fastvideo_kernel", "video_sparse_attn"),
-    ("fastvideo_kernel.ops", "video_sparse_attn"),
-)
-NOT_INSTALLED = "not installed"
 
 COLUMNS = [
     Column("shape", "shape"),
@@ -227,52 +219,6 @@ def dense_sdpa(device: torch.device) -> Callable[..., torch.Tensor]:
     reference); SDPA's math backend on the CPU, where cuDNN attention does not exist."""
     registry.require("vsa", "cudnn", device)
     return _pinned_sdpa("cudnn", device)
-
-
-_FASTVIDEO: list = []  # memo of load_fastvideo(): [(fn or None, module path, version, error)]
-
-
-def load_fastvideo() -> tuple[Callable | None, str | None, str | None, str | None]:
-    """``(video_sparse_attn, module path, version, error)`` of FastVideo's VSA, probed once.
-
-    ``FASTVIDEO_VSA_TRITON=1`` must be set before the import: FastVideo picks its kernel from
-    it (its sm_90a kernel did not load on the H200). A missing package gives the
-    error "not installed"; a package that fails to import (no GPU driver, missing deps) gives
-    the import error. Raises that error when called from a provider, so the case records it.
-    """
-    if not _FASTVIDEO:
-        os.environ.setdefault("FASTVIDEO_VSA_TRITON", "1")
-        _FASTVIDEO.append(_probe_fastvideo())
-    return _FASTVIDEO[0]
-
-
-def _probe_fastvideo():
-    error = NOT_INSTALLED
-    for module_name, attr in FASTVIDEO_CANDIDATES:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as exc:
-            if exc.name and not module_name.startswith(exc.name):
-                error = f"import failed: {harness.error_message(exc)}"  # a dependency is missing
-            continue
-        except Exception as exc:  # noqa: BLE001 - e.g. Triton finding no GPU driver
-            error = f"import failed: {harness.error_message(exc)}"
-            continue
-        fn = getattr(module, attr, None)
-        if fn is not None:
-            version = getattr(sys.modules.get("fastvideo_kernel"), "__version__", None)
-            return fn, f"{module_name}.{attr}", version, None
-    return None, None, None, error
-
-
-class FastVideoUnavailable(RuntimeError):
-    pass
-
-
-def require_fastvideo() -> None:
-    fn, _, _, error = load_fastvideo()
-    if fn is None:
-        raise FastVideoUnavailable(error)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -453,20 +399,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="JSON path (default results/vsa_<gpu>.json)")
     ap.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG beside the JSON")
     args = ap.parse_args(argv)
-    args.modes = _split_list(args.modes, harness.MODES, "mode")
-    args.providers = _split_list(args.providers, ALL_PROVIDERS, "provider")
+    choices = functools.partial(harness.split_choices, allow_empty=True)
+    args.modes = choices(args.modes, harness.MODES, "mode")
+    args.providers = choices(args.providers, ALL_PROVIDERS, "provider")
     args.sparsities = [float(s) for s in args.sparsities.split(",") if s.strip()]
-    names = _split_list(args.shapes, tuple(SHAPES), "shape") if not args.tiny else []
+    names = choices(args.shapes, tuple(SHAPES), "shape") if not args.tiny else []
     args.shape_table = TINY_SHAPES if args.tiny else {n: SHAPES[n] for n in names}
     return args
-
-
-def _split_list(text: str, allowed: tuple, what: str) -> list[str]:
-    items = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = [s for s in items if s not in allowed]
-    if unknown:
-        raise SystemExit(f"unknown {what} {unknown}; choose from {list(allowed)}")
-    return items
 
 
 def main(argv=None) -> list[dict]:

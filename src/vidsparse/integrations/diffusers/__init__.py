@@ -33,12 +33,13 @@ folder as soon as it is computed, one file per (step, layer, forward call), in t
              callback_on_step_end=denoising_step_callback(pipe.transformer))
     # vidsparse search calib/ ...   or   vidsparse.search.search("calib/", grid, alpha=...)
 
-All state lives in one ``_SparseState`` on the transformer; ``remove_sparse_attention``
+All state lives in one ``SparseState`` on the transformer; ``remove_sparse_attention``
 puts back the original processor objects, removes the hook and the added gate modules.
 
 Layering (imports point down): ``api`` (the public functions) -> ``capture`` (calibration) ->
-``hooks`` (install, remove, the grid pre-hook) -> ``methods`` (the registry) and ``models``
-(adapters and processors) -> ``state`` (what the processors share, one call).
+``hooks`` (install, uninstall, the grid pre-hook) -> ``methods`` (the registry) and ``models``
+(the adapters table and the processors) -> ``state`` (one call, the method interface, the
+adapter record, what the processors share).
 """
 
 from vidsparse.integrations.diffusers.api import (

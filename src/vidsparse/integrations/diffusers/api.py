@@ -9,10 +9,10 @@ from pathlib import Path
 
 from torch import nn
 
-from vidsparse.integrations.diffusers.capture import CalibrationCapture, _Capture, _int_set
-from vidsparse.integrations.diffusers.hooks import _apply, _remove
-from vidsparse.integrations.diffusers.methods import _make_method, describe_methods
-from vidsparse.integrations.diffusers.state import _state_of
+from vidsparse.integrations.diffusers.capture import CalibrationCapture, CaptureMethod, int_set
+from vidsparse.integrations.diffusers.hooks import install, uninstall
+from vidsparse.integrations.diffusers.methods import describe_methods, make_method
+from vidsparse.integrations.diffusers.state import state_of
 
 
 def apply_sparse_attention(
@@ -48,20 +48,20 @@ def apply_sparse_attention(
 
     Methods and their options (the methods registry, ``methods.py``):
     """
-    _apply(transformer, lambda adapter: _make_method(method, options), ulysses)
+    install(transformer, lambda adapter: make_method(method, options), ulysses)
 
 
 def remove_sparse_attention(transformer: nn.Module) -> None:
     """Undo :func:`apply_sparse_attention`: the original processor objects, no hook, no gate
     modules; outputs are bit-identical to the model before it was patched."""
-    _remove(transformer)
+    uninstall(transformer)
 
 
 def set_denoising_step(transformer: nn.Module, step: int) -> None:
     """Set the denoising step (0-based) that selects a PSA plan's bucket for later calls."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
-    _state_of(transformer).step = step
+    state_of(transformer).step = step
 
 
 def denoising_step_callback(transformer: nn.Module) -> Callable:
@@ -71,12 +71,12 @@ def denoising_step_callback(transformer: nn.Module) -> Callable:
     so the next generation starts at the plan's first (dense) step again. With classifier-free
     guidance the transformer runs twice per step, so counting forward calls would not work.
     """
-    _state_of(transformer)  # fail now, not inside the pipeline loop
+    state_of(transformer)  # fail now, not inside the pipeline loop
 
     def callback(pipe, i: int, t, callback_kwargs: dict) -> dict:
         total = getattr(pipe, "num_timesteps", None)
         if total is not None:
-            _state_of(transformer).method.check_num_steps(total)
+            state_of(transformer).method.check_num_steps(total)
         step = i + 1
         set_denoising_step(transformer, 0 if total is not None and step >= total else step)
         return callback_kwargs
@@ -116,9 +116,9 @@ def capture_calibration(
 
     Returns a :class:`CalibrationCapture`; use it as a context manager, or call ``remove()``.
     """
-    step_set = None if steps is None else _int_set("steps", steps)
+    step_set = None if steps is None else int_set("steps", steps)
     if layers is not None:
-        _int_set("layers", layers)  # fail before touching the folder
+        int_set("layers", layers)  # fail before touching the folder
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {str(out)!r} exists and is not a folder")
@@ -127,9 +127,9 @@ def capture_calibration(
             f"out_dir {str(out)!r} already holds .pt files; capture into an empty folder (the "
             "search reads every .pt file of it)"
         )
-    method = _Capture(out, step_set, None if layers is None else list(layers))
+    method = CaptureMethod(out, step_set, None if layers is None else list(layers))
     out.mkdir(parents=True, exist_ok=True)
-    _apply(transformer, lambda adapter: method)
+    install(transformer, lambda adapter: method)
     return CalibrationCapture(transformer, out, method)
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vidsparse.integrations.diffusers.hooks import _remove
-from vidsparse.integrations.diffusers.methods import _Method, _sdpa
-from vidsparse.integrations.diffusers.state import _STATE_ATTR
+from vidsparse.integrations.diffusers.hooks import uninstall
+from vidsparse.integrations.diffusers.methods import sdpa
+from vidsparse.integrations.diffusers.state import STATE_ATTR, Method
 from vidsparse.search.search import CalibrationSample, save_calibration_sample
 
 
-class _Capture(_Method):
+class CaptureMethod(Method):
     """Dense attention (SDPA, as "dense") that first writes the video q/k/v of the selected
     (step, layer) calls to ``out_dir``: one layer's CPU copy in memory at a time."""
 
@@ -30,7 +30,7 @@ class _Capture(_Method):
     def check_model(self, num_layers, heads):
         if self.raw_layers is None:
             return
-        layers = _int_set("layers", self.raw_layers)
+        layers = int_set("layers", self.raw_layers)
         unknown = sorted(i for i in layers if i >= num_layers)
         if unknown:
             raise ValueError(
@@ -44,7 +44,7 @@ class _Capture(_Method):
             self.layers is None or call.layer in self.layers
         ):
             self._save(q, k, v, call)
-        return _sdpa(q, k, v, call)
+        return sdpa(q, k, v, call)
 
     @torch.compiler.disable  # file I/O: under torch.compile, a graph break here, run eagerly
     def _save(self, q, k, v, call):
@@ -60,7 +60,8 @@ class _Capture(_Method):
         self.paths.append(path)
 
 
-def _int_set(name: str, values) -> frozenset[int]:
+def int_set(name: str, values) -> frozenset[int]:
+    """``values`` as a set of ints >= 0 (``TypeError``/``ValueError`` naming ``name``)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
         raise TypeError(f"{name} must be an iterable of ints >= 0 or None, got {values!r}")
     values = list(values)
@@ -78,7 +79,7 @@ class CalibrationCapture:
     original processors back (the same as :func:`remove_sparse_attention`).
     """
 
-    def __init__(self, transformer: nn.Module, out_dir: Path, method: _Capture):
+    def __init__(self, transformer: nn.Module, out_dir: Path, method: CaptureMethod):
         self.transformer, self.out_dir, self._method = transformer, out_dir, method
 
     @property
@@ -87,13 +88,13 @@ class CalibrationCapture:
 
     @property
     def active(self) -> bool:
-        state = getattr(self.transformer, _STATE_ATTR, None)
+        state = getattr(self.transformer, STATE_ATTR, None)
         return state is not None and state.method is self._method
 
     def remove(self) -> None:
         if not self.active:
             raise ValueError("this calibration capture is no longer applied to the transformer")
-        _remove(self.transformer)
+        uninstall(self.transformer)
 
     def __enter__(self) -> CalibrationCapture:
         return self

@@ -1,41 +1,42 @@
 """Installing and removing the processors: one per video self-attention layer, all sharing one
-:class:`~vidsparse.integrations.diffusers.state._SparseState`, plus the transformer's forward
+:class:`~vidsparse.integrations.diffusers.state.SparseState`, plus the transformer's forward
 pre-hook that records the latent grid before any layer runs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from vidsparse.integrations.diffusers.models import (
-    _adapter_for,
-    _attention_dims,
-    _check_stock_processors,
-    _ModelAdapter,
+    adapter_for,
+    attention_dims,
+    check_stock_processors,
 )
-from vidsparse.integrations.diffusers.state import _STATE_ATTR, _SparseState, _state_of
+from vidsparse.integrations.diffusers.state import (
+    STATE_ATTR,
+    Method,
+    ModelAdapter,
+    SparseState,
+    state_of,
+)
 
-if TYPE_CHECKING:
-    from vidsparse.integrations.diffusers.methods import _Method
 
-
-def _apply(
-    transformer: nn.Module, make_method: Callable[[_ModelAdapter], _Method], ulysses=None
+def install(
+    transformer: nn.Module, make_method: Callable[[ModelAdapter], Method], ulysses=None
 ) -> None:
     """Install one processor per video self-attention layer, all sharing one state."""
-    adapter = _adapter_for(transformer)
+    adapter = adapter_for(transformer)
     _check_ulysses(ulysses, adapter)
-    if getattr(transformer, _STATE_ATTR, None) is not None:
+    if getattr(transformer, STATE_ATTR, None) is not None:
         raise ValueError(
             "sparse attention (or a calibration capture) is already applied to this "
             "transformer; call remove_sparse_attention(transformer) first"
         )
     layers = adapter.attention_layers(transformer)
-    _check_stock_processors(adapter, layers, sequence_parallel=ulysses is not None)
-    heads, head_dim, dim = _attention_dims(layers[0][1])
+    check_stock_processors(adapter, layers, sequence_parallel=ulysses is not None)
+    heads, head_dim, dim = attention_dims(layers[0][1])
     impl = make_method(adapter)
     if adapter.has_text_tokens and not impl.supports_text_tokens:
         raise ValueError(
@@ -44,7 +45,7 @@ def _apply(
         )
     impl.check_model(num_layers=len(layers), heads=heads)
 
-    state = _SparseState(adapter=adapter, method=impl, ulysses=ulysses)
+    state = SparseState(adapter=adapter, method=impl, ulysses=ulysses)
     try:
         for index, attn in layers:
             state.originals.append((attn, attn.processor))
@@ -54,18 +55,18 @@ def _apply(
         _restore(state)  # never leave a half-patched model behind
         raise
     state.hook = transformer.register_forward_pre_hook(_grid_capture_hook(state), with_kwargs=True)
-    setattr(transformer, _STATE_ATTR, state)
+    setattr(transformer, STATE_ATTR, state)
 
 
-def _remove(transformer: nn.Module) -> None:
-    """Undo ``_apply``: the original processor objects, no hook, no added modules."""
-    state = _state_of(transformer)
+def uninstall(transformer: nn.Module) -> None:
+    """Undo :func:`install`: the original processor objects, no hook, no added modules."""
+    state = state_of(transformer)
     _restore(state)
     state.hook.remove()
-    delattr(transformer, _STATE_ATTR)
+    delattr(transformer, STATE_ATTR)
 
 
-def _restore(state: _SparseState) -> None:
+def _restore(state: SparseState) -> None:
     for attn, processor in state.originals:
         attn.set_processor(processor)
     for module, name in state.added:
@@ -74,7 +75,7 @@ def _restore(state: _SparseState) -> None:
     state.added.clear()
 
 
-def _grid_capture_hook(state: _SparseState):
+def _grid_capture_hook(state: SparseState):
     def hook(module, args, kwargs):
         hidden_states = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.ndim != 5:
@@ -91,7 +92,7 @@ def _grid_capture_hook(state: _SparseState):
     return hook
 
 
-def _check_ulysses(ulysses, adapter: _ModelAdapter) -> None:
+def _check_ulysses(ulysses, adapter: ModelAdapter) -> None:
     if ulysses is None:
         return
     from vidsparse.parallel import UlyssesAttention

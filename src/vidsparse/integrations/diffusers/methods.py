@@ -1,9 +1,10 @@
 """The methods registry: what replaces the attention call, by ``method=`` name.
 
-Each method is a :class:`_Method` subclass declared here with ``@_register``; its constructor's
-parameters are the options ``apply_sparse_attention`` accepts for it and its docstring says
-what they mean (``apply_sparse_attention``'s help lists them all). Adding a method is a class
-in this file: the processors, the pre-hook and the state call it through the hooks below.
+Each method is a subclass of :class:`~vidsparse.integrations.diffusers.state.Method` declared
+here with ``@_register``; its constructor's parameters are the options ``apply_sparse_attention``
+accepts for it and its docstring says what they mean (``apply_sparse_attention``'s help lists
+them all). Adding a method is a class in this file: the processors, the pre-hook and the state
+call it through the hooks of ``Method`` (``state.py``, with their defaults).
 
 - ``"dense"``: SDPA through our processor; equals the stock processor (the proof that the
   processor forms q/k/v exactly as diffusers does).
@@ -19,12 +20,11 @@ import dataclasses
 import inspect
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from vidsparse.integrations.diffusers.state import Call, Method
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.sliding_tile import check_sliding_window
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec
@@ -38,73 +38,40 @@ from vidsparse.ops.stripe_attn.interface import (
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
 from vidsparse.search.plan import Plan, load_plan
 
-if TYPE_CHECKING:
-    from vidsparse.integrations.diffusers.state import _Call, _SparseState
-
 GATE_MODULE_NAME = "vsa"  # blocks.<i>.attn1.vsa.gate_proj.weight in Wan's state dict
 # PSA: non-persistent buffers of each attention module holding its engine lists (not saved)
 _LIST_BUFFERS = ("_vidsparse_psa_indices", "_vidsparse_psa_counts", "_vidsparse_psa_sizes")
 _DEFAULT_TILE = (4, 4, 4)
 
 # name -> method class, filled by @_register in declaration order
-METHOD_CLASSES: dict[str, type[_Method]] = {}
+METHOD_CLASSES: dict[str, type[Method]] = {}
 
 
-def _register(cls: type[_Method]) -> type[_Method]:
+def _register(cls: type[Method]) -> type[Method]:
     METHOD_CLASSES[cls.name] = cls
     return cls
 
 
-def _sdpa(q, k, v, call: _Call) -> torch.Tensor:
+def sdpa(q, k, v, call: Call) -> torch.Tensor:
+    """Dense attention of one call (``"dense"``, and the capture's attention)."""
     # The same call the native diffusers backend makes, so "dense" matches the stock processor.
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=call.mask, dropout_p=0.0, is_causal=False
     )
 
 
-class _Method(abc.ABC):
-    name = "?"
-    supports_text_tokens = True  # runs on models whose self-attention holds text (HunyuanVideo)
-
-    # Hooks a method may override; the defaults accept everything.
-    def check_model(self, num_layers: int, heads: int) -> None:  # noqa: B027
-        return None
-
-    def check_grid(self, shape: tuple[int, int, int]) -> None:  # noqa: B027
-        return None
-
-    def check_num_steps(self, num_steps: int) -> None:  # noqa: B027
-        return None
-
-    def add_modules(self, attn, *, dim, heads, head_dim) -> list[tuple[nn.Module, str]]:
-        return []
-
-    def before_forward(self, state: _SparseState, device: torch.device) -> None:  # noqa: B027
-        """Called by the transformer's pre-hook, once per forward, after the grid is known."""
-        return None
-
-    @abc.abstractmethod
-    def attend(self, q, k, v, call: _Call) -> torch.Tensor:
-        """Attention output [B, H, S, D] of one call."""
-
-    def attend_sharded(self, q, k, v, call: _Call, ulysses) -> torch.Tensor:
-        """Sequence shards ``[B, S/P, H, D]`` in and out (``ulysses`` set); by default the
-        per-call ``attend`` on the rank's heads, which suits head-agnostic methods."""
-        return ulysses(lambda heads, qh, kh, vh: self.attend(qh, kh, vh, call), q, k, v)
-
-
 @_register
-class _Dense(_Method):
+class _Dense(Method):
     """``"dense"``: SDPA through our processor, bit-identical to the stock processor (the
     proof that the processor forms q/k/v exactly as diffusers does). No options."""
 
     name = "dense"
 
     def attend(self, q, k, v, call):
-        return _sdpa(q, k, v, call)
+        return sdpa(q, k, v, call)
 
 
-class _SparseMethod(_Method):
+class _SparseMethod(Method):
     """Shared by the sparse methods: one ``VideoGrid`` per latent shape, and text-padding
     handling."""
 
@@ -391,7 +358,7 @@ class _PSA(_SparseMethod):
     def attend_sharded(self, q, k, v, call, ulysses):
         specs = self.specs_at(call.step, call.layer)
         if specs is None:  # a dense step of the plan
-            return ulysses(lambda heads, qh, kh, vh: _sdpa(qh, kh, vh, call), q, k, v)
+            return ulysses(lambda heads, qh, kh, vh: sdpa(qh, kh, vh, call), q, k, v)
         return ulysses.stripe_attn(
             q,
             k,
@@ -404,7 +371,7 @@ class _PSA(_SparseMethod):
 
     def attend(self, q, k, v, call):
         if self._bucket_start(call.step) is None:  # a dense step of the plan (any layer)
-            return _sdpa(q, k, v, call)
+            return sdpa(q, k, v, call)
         return super().attend(q, k, v, call)
 
     def sparse(self, q, k, v, call, text_tokens):
@@ -450,7 +417,8 @@ class _STA(_SparseMethod):
 METHODS = tuple(METHOD_CLASSES)
 
 
-def _make_method(method: str, options: dict) -> _Method:
+def make_method(method: str, options: dict) -> Method:
+    """The registered method called ``method``, built from ``options`` (checked by name)."""
     cls = METHOD_CLASSES.get(method)
     if cls is None:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

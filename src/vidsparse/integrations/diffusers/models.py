@@ -3,15 +3,10 @@ stock processor forms them, the attention itself handed to the shared state."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from vidsparse.integrations.diffusers.state import _SparseState
+from vidsparse.integrations.diffusers.state import ModelAdapter, SparseState
 
 SUPPORTED_MODELS = ("WanTransformer3DModel", "HunyuanVideoTransformer3DModel")
 
@@ -21,11 +16,16 @@ SUPPORTED_MODELS = ("WanTransformer3DModel", "HunyuanVideoTransformer3DModel")
 # ---------------------------------------------------------------------------------------------
 
 
-class WanSparseAttnProcessor:
-    """Replaces ``WanAttnProcessor`` on Wan's video self-attention (``blocks[i].attn1``)."""
+class _SparseAttnProcessor:
+    """What the processors share: the patched transformer's state, and the index of their
+    layer (the methods' per-layer choices, e.g. PSA's specs, read it)."""
 
-    def __init__(self, state: _SparseState, layer: int):
+    def __init__(self, state: SparseState, layer: int):
         self.state, self.layer = state, layer
+
+
+class WanSparseAttnProcessor(_SparseAttnProcessor):
+    """Replaces ``WanAttnProcessor`` on Wan's video self-attention (``blocks[i].attn1``)."""
 
     def __call__(
         self,
@@ -63,13 +63,10 @@ def _wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tenso
     return out.type_as(x)
 
 
-class HunyuanVideoSparseAttnProcessor:
+class HunyuanVideoSparseAttnProcessor(_SparseAttnProcessor):
     """Replaces ``HunyuanVideoAttnProcessor2_0`` in HunyuanVideo's dual- and single-stream
     blocks. The joint sequence is ``[video tokens | text tokens]``; text is attended densely
     and its padding (``attention_mask``) is honoured."""
-
-    def __init__(self, state: _SparseState, layer: int):
-        self.state, self.layer = state, layer
 
     def __call__(
         self,
@@ -151,16 +148,6 @@ def _key_mask(attention_mask, batch: int, seq: int) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _ModelAdapter:
-    name: str
-    stock_processor: str  # class name of the processor we replace
-    processor_cls: type
-    has_text_tokens: bool  # text tokens appended in the self-attention
-    attention_layers: Callable[[nn.Module], list[tuple[int, nn.Module]]]
-    patch_size: Callable[[nn.Module], tuple[int, int, int]]
-
-
 def _wan_layers(model) -> list[tuple[int, nn.Module]]:
     # attn1 is the video self-attention; attn2 (cross-attention to text) stays stock.
     return [(i, block.attn1) for i, block in enumerate(model.blocks)]
@@ -173,7 +160,7 @@ def _hunyuan_layers(model) -> list[tuple[int, nn.Module]]:
 
 
 _ADAPTERS = {
-    "WanTransformer3DModel": _ModelAdapter(
+    "WanTransformer3DModel": ModelAdapter(
         name="WanTransformer3DModel",
         stock_processor="WanAttnProcessor",
         processor_cls=WanSparseAttnProcessor,
@@ -181,7 +168,7 @@ _ADAPTERS = {
         attention_layers=_wan_layers,
         patch_size=lambda m: tuple(m.config.patch_size),
     ),
-    "HunyuanVideoTransformer3DModel": _ModelAdapter(
+    "HunyuanVideoTransformer3DModel": ModelAdapter(
         name="HunyuanVideoTransformer3DModel",
         stock_processor="HunyuanVideoAttnProcessor2_0",
         processor_cls=HunyuanVideoSparseAttnProcessor,
@@ -192,7 +179,8 @@ _ADAPTERS = {
 }
 
 
-def _adapter_for(transformer) -> _ModelAdapter:
+def adapter_for(transformer) -> ModelAdapter:
+    """The adapter of ``transformer``'s exact class; ``TypeError`` for an unsupported model."""
     # The exact class, not isinstance: subclasses (VACE, Animate, ...) add attention layers
     # this integration has not been checked against.
     name = type(transformer).__name__
@@ -205,7 +193,9 @@ def _adapter_for(transformer) -> _ModelAdapter:
     return adapter
 
 
-def _check_stock_processors(adapter: _ModelAdapter, layers, sequence_parallel: bool) -> None:
+def check_stock_processors(adapter: ModelAdapter, layers, sequence_parallel: bool) -> None:
+    """Every layer still has diffusers' stock processor, without context parallelism unless
+    ``sequence_parallel``; ``ValueError`` otherwise."""
     for index, attn in layers:
         processor = attn.processor
         if type(processor).__name__ != adapter.stock_processor:
@@ -222,7 +212,8 @@ def _check_stock_processors(adapter: _ModelAdapter, layers, sequence_parallel: b
             )
 
 
-def _attention_dims(attn) -> tuple[int, int, int]:
+def attention_dims(attn) -> tuple[int, int, int]:
+    """``(heads, head_dim, model dim)`` of an attention module."""
     heads = attn.heads
     inner = attn.to_q.out_features
     return heads, inner // heads, attn.to_q.in_features
