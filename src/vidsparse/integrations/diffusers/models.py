@@ -102,14 +102,9 @@ def _hunyuan_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb):
     text = encoder_hidden_states.shape[1]
     if single_stream:
         hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-    query, key, value = (
-        proj(hidden_states).unflatten(2, (attn.heads, -1))
-        for proj in (attn.to_q, attn.to_k, attn.to_v)
+    query, key, value = _heads_qkv(
+        attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
     )
-    if attn.norm_q is not None:
-        query = attn.norm_q(query)
-    if attn.norm_k is not None:
-        key = attn.norm_k(key)
     if image_rotary_emb is not None:  # RoPE on the video tokens only
         rope = lambda x: apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)
         if single_stream:
@@ -118,15 +113,25 @@ def _hunyuan_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb):
         else:
             query, key = rope(query), rope(key)
     if not single_stream:
-        eq, ek, ev = (
-            proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        eq, ek, ev = _heads_qkv(
+            attn,
+            encoder_hidden_states,
+            (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
+            (attn.norm_added_q, attn.norm_added_k),
         )
-        if attn.norm_added_q is not None:
-            eq = attn.norm_added_q(eq)
-        if attn.norm_added_k is not None:
-            ek = attn.norm_added_k(ek)
         query, key, value = (torch.cat(p, dim=1) for p in ((query, eq), (key, ek), (value, ev)))
+    return query, key, value
+
+
+def _heads_qkv(attn, x, projections, norms):
+    """One stream's q, k, v ``[B, S, heads, D]`` through ``projections``, q and k through
+    ``norms`` where the model has them."""
+    query, key, value = (proj(x).unflatten(2, (attn.heads, -1)) for proj in projections)
+    norm_q, norm_k = norms
+    if norm_q is not None:
+        query = norm_q(query)
+    if norm_k is not None:
+        key = norm_k(key)
     return query, key, value
 
 
