@@ -153,6 +153,11 @@ def epilogue_from(name: str, tensors) -> Epilogue:
     """The epilogue a custom op call carries (its registered name and tensors)."""
     if name == Epilogue.name:
         return NO_EPILOGUE
+    if name not in _REGISTRY:
+        raise ValueError(
+            f"no epilogue named {name!r} is registered (the module that declares it must be "
+            f"imported first); known: {sorted(_REGISTRY)}"
+        )
     return _REGISTRY[name](*tensors)
 
 
