@@ -72,7 +72,7 @@ def _to_natural(x, grid, *, tiled):
 
 def _lowprec_baseline(q, k, v, grid, specs, *, tiled, text_tokens, **mask_args):
     """PyTorch computing the same masked attention in q's own dtype: the yardstick of the
-    error-relative checks (DESIGN.md)."""
+    error-relative checks (``vidsparse.testing.assert_error_relative``)."""
     qn, kn, vn = (_to_natural(x, grid, tiled=tiled) for x in (q, k, v))
     mask = stripe_token_mask(grid, specs, text_tokens=text_tokens, device=q.device, **mask_args)
     s = (qn @ kn.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, S, S] in q's dtype
@@ -458,7 +458,7 @@ GPU_CASES = [
 
 
 def _gpu_specs(heads: int) -> list[StripeSpec]:
-    # Patterns of the paper's candidate ranges (FACTS.md) with a dense head mixed in.
+    # Patterns of the PSA paper's candidate ranges with a dense head mixed in.
     pool = [
         StripeSpec(1, 0, None, 2, 0, 3),
         StripeSpec(1, -1, 2, 1, 1, 5),
