@@ -98,7 +98,8 @@ def stripe_attn(
         grid: the latent :class:`VideoGrid`; its tile is the PSA block (e.g. ``(2, 8, 8)`` or
             ``(1, 8, 16)``), so the block grid is ``grid.tiles``. Partial tiles are padded.
         specs: one :class:`StripeSpec` per head (``H`` of them); heads differ freely.
-        spatial_unit: ``"block"`` or ``"row"``, how the spatial stride is measured (``masks.stripe`` explains both).
+        spatial_unit: ``"block"`` or ``"row"``, how the spatial stride is measured
+            (``masks.stripe`` explains both).
         tiled: inputs and output in tile order; padding rows of the output are zero. Padding
             rows of k and v get no weight but must be finite (``grid.tile`` writes zeros):
             ``0 * inf`` would be NaN.
