@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# One round of GPU checks and benchmarks for the lent H200, within one 10-minute command:
+# One round of GPU checks and benchmarks on an H200, each step under its own time limit:
 #   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|coarse|parallel [...]
-#   (default: tests demo; parallel needs the 2-GPU machine)
-# Everything is logged under $OUT (or ./out/gpu when OUT is unset), so a step that hits its
-# time limit still leaves its log behind. Pass the commit being measured in
-# VIDSPARSE_GIT_COMMIT (the device copy of the tree has no .git).
+#   (default: tests demo; parallel needs 2 GPUs)
+# OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
+# a step that hits its time limit still leaves its log behind. Where the tree was copied to the
+# GPU machine without its .git, pass the commit being measured in VIDSPARSE_GIT_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu}"
 mkdir -p "$OUT"
-export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # keep carried packages
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # src first, then what PYTHONPATH held (e.g. /tmp/site)
 
 step() {  # step NAME SECONDS COMMAND...
   local name=$1 limit=$2

@@ -1,6 +1,7 @@
 """FastVideo's VSA (the fastvideo-kernel wheel) as a benchmark peer: found and imported once,
 on its Triton path; the ``vsa`` op times it, and the registry's ``fastvideo`` requirement asks
-:func:`fastvideo_unavailable` (``ops/vsa.py``'s docstring says how to carry the wheel)."""
+:func:`fastvideo_unavailable` (``benchmarks/README.md``, "VSA: vsa", says how to install the
+wheel on a GPU machine without network access)."""
 
 from __future__ import annotations
 

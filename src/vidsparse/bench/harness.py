@@ -311,8 +311,8 @@ def git_info(cwd: Path | None = None) -> dict:
     """Commit and dirty flag of the repository holding ``cwd``.
 
     ``VIDSPARSE_GIT_COMMIT``, when set, wins: a copy of the tree sent to a GPU machine may
-    carry no ``.git`` or a stale one (one such copy reported the session's first commit for
-    every run), so pass the commit from where the repository is. Else git, else "unknown".
+    have no ``.git`` or a stale one (one such copy reported an old commit for every run), so
+    pass the commit from where the repository is. Else git, else "unknown".
     """
     given = os.environ.get("VIDSPARSE_GIT_COMMIT")
     if given:

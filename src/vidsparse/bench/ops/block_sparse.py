@@ -1,26 +1,18 @@
 """Benchmark of ``vidsparse.block_sparse_attn`` against dense SDPA and FlexAttention.
 
-Run on a GPU (``vidsparse bench block_sparse -- OPTIONS`` is the same)::
+Every provider in fwd, bwd and fwd+bwd, at each density and block size: ``ours`` (the public
+API, validation included), ``ours-op`` (the custom op alone, not by default), ``cudnn`` /
+``flash`` (dense SDPA on the real tokens, the reference rows) and ``flex`` / ``flex64``
+(compiled FlexAttention with a ``BlockMask`` of the same lists at 128x128 / 64x64). Effective
+TFLOP/s count attended real pairs, so sparse and dense rows compare directly. Run on a GPU
+(``vidsparse bench block_sparse -- OPTIONS`` is the same)::
 
     python -m vidsparse.bench block_sparse                  # default shape
     python -m vidsparse.bench block_sparse --shapes all --check
     python -m vidsparse.bench block_sparse --dry-run        # CPU, tiny sizes
 
-Providers (each timed in fwd, bwd and fwd+bwd):
-
-- ``ours``: ``vidsparse.block_sparse_attn`` (public API, argument validation included) with
-  random per-head block lists at each density and block size.
-- ``ours-op``: the registered custom op behind it, called directly (no validation): the
-  kernels alone. Not in the default set.
-- ``cudnn`` / ``flash``: dense ``scaled_dot_product_attention`` pinned to the cuDNN or the
-  flash backend, over the real tokens only; run once per shape, they are the reference rows.
-- ``flex`` / ``flex64``: compiled ``flex_attention`` with a ``BlockMask`` built from the same
-  block lists as ``ours`` at 128x128 / 64x64 blocks (64-blocks need ``BLOCK_M = BLOCK_N = 64``
-  in ``kernel_options``).
-
-Effective TFLOP/s count the attended real (query, key) pairs (``harness``), so sparse rows
-and dense rows are directly comparable: "vs cuDNN" > 1 would mean doing useful work faster than
-cuDNN does dense work.
+``benchmarks/README.md`` ("Block-sparse attention") describes the providers, the ``BlockMask``,
+padding, what is timed and the output columns.
 """
 
 from __future__ import annotations

@@ -1,96 +1,19 @@
 """End-to-end benchmark: one denoising step of the real-architecture Wan 2.1 transformer.
 
-Run (on the lent H200, diffusers has to be carried: see below; ``vidsparse bench e2e --
-OPTIONS`` is the same)::
+diffusers' ``WanTransformer3DModel`` built from the published Wan 2.1 config (random weights,
+bf16, eval mode): stock dense attention (SDPA, cuDNN first) against VSA and PSA through
+``vidsparse.integrations.diffusers``, all on the same model object and inputs. Per method: the
+step's latency, the video self-attention's time and share of the step, speedups over dense,
+relative L2 of the output against dense, peak memory. Run (``vidsparse bench e2e -- OPTIONS``
+is the same)::
 
     python -m vidsparse.bench e2e                              # Wan 1.3B, 480p
     python -m vidsparse.bench e2e --model wan14b --layers 8    # Wan 14B, 720p
+    python -m vidsparse.bench e2e --compile blocks             # every block torch.compile'd
     python -m vidsparse.bench e2e --device cpu --tiny          # CPU smoke run
 
-What runs: diffusers' ``WanTransformer3DModel`` built from the published Wan 2.1 config
-(``e2e_model.WAN_CONFIGS``; random weights: nothing can be downloaded), bf16, on the GPU, in
-eval mode.
-One forward = one denoising step of one CFG branch: latents ``[1, 16, 21, 60, 104]`` (480p,
-81 frames: 32,760 video tokens on a 21x30x52 grid after the (1, 2, 2) patch) or
-``[1, 16, 21, 90, 160]`` (720p: 75,600 tokens, 21x45x80), timestep 500, random text-encoder
-states ``[1, 512, 4096]`` (umT5 width, 512 tokens as WanPipeline pads them). ``--layers N``
-builds only the first N transformer blocks (the 14B model defaults to 8 of its 40 so that four
-methods with their repetitions stay well inside a 10-minute command; its weights are 0.7 GB a
-block in bf16, so memory would hold all 40: the JSON says which and why).
-
-Methods (rows), all on the same model object and inputs:
-
-- ``dense``: stock diffusers (``WanAttnProcessor`` -> ``dispatch_attention_fn`` -> SDPA), no
-  vidsparse at all, with SDPA's cuDNN backend first in priority. Before timing, a cuDNN-only
-  SDPA call on the self-attention shape checks that cuDNN takes it (so it is what runs), and
-  the cross-attention shape is checked the same way (``meta.sdpa``). Every method's
-  cross-attention (Wan's ``attn2``, untouched by vidsparse) runs under the same setting.
-- ``vsa``: ``apply_sparse_attention(model, "vsa", sparsity=0.875)``: 4x4x4 tiles, with the
-  per-layer zero-initialised gate projection (as a VSA-finetuned checkpoint has one).
-  ``sparsity`` = 1 - topk / tiles (78 of 624 at 480p).
-- ``psa`` at targets 0.60 and 0.75: ``apply_sparse_attention(model, "psa", plan=...)`` with a
-  synthetic one-step plan: for every (layer, head) a stripe spec of the default PSA candidate
-  family (``CandidateFamily``) on the model's block grid (``--psa-tile``, default 1x16x8 = 128
-  tokens a block), drawn at random among the candidates within 0.1 of the target
-  (``--psa-tolerance``; the family has only 4-6 distinct masks near 0.6-0.75 on these block
-  grids), plus the nearest one on each side of the target where a side has none within it;
-  a draw that would move the running mean more than 0.005 off the target is redrawn from the
-  side of the target that brings it back. ``sparsity`` is the achieved mean over all
-  (layer, head) of skipped (query block, key block) pairs of the padded block grid.
-  ``--psa-plan FILE`` adds a row for a searched plan file (run at its first sparse step).
-
-``--compile blocks`` runs every method with each transformer block ``torch.compile``'d
-(diffusers' ``compile_repeated_blocks``, fullgraph, inductor), as a deployment would: the
-stock processor and ours alike, so only the attention differs. The first step includes the
-compilation (``first_step_s``). The attention share is not measured then (its timers wrap
-Python functions inside the compiled blocks). Results go to ``e2e_compiled_<gpu>.json`` by
-default.
-
-Measurements per method (GPU: CUDA events; CPU: ``perf_counter``, labelled cpu-dry-run):
-
-- ``step_ms``: median of ``--reps`` timed forwards under ``torch.no_grad``, after one forward
-  that compiles / builds everything (its output gives ``rel_l2``) and ``--warmup`` more. The
-  passes are queued back to back, one event pair around each, as ``do_bench`` does; every
-  repetition is in ``step_ms_all``. (``harness.time_ms`` is not used: ``do_bench`` picks its
-  repetition count from a 5-call estimate, which at 0.5-3 s a step would mostly be calls
-  nobody reads.)
-- ``attn_ms`` / ``attn_share``: in ``--share-reps`` further forwards, a CUDA event pair around
-  every video self-attention call and one around the whole step. The attention call is what
-  the method replaces, ``[B, H, S, D]`` q/k/v in, output out: dense, the stock
-  ``dispatch_attention_fn`` (SDPA); VSA, the integration method's ``attend`` (gate
-  projection, tiling, coarse stage, top-k, fine stage, combine, untiling); PSA, ``attend``
-  (tiling, stripe kernel, untiling). q/k/v projections, norms, RoPE and the output projection
-  are outside it, as is the cross-attention (``cross_attn_ms``, timed the same way).
-  ``attn_share`` = attention time / step time, summed over those passes (``instr_step_ms`` is
-  their mean step time: the events cost next to nothing, compare it with ``step_ms``).
-  Events measure GPU time between two points of the stream, so this is the attention
-  kernels' time provided the CPU keeps ahead of the GPU (it does at these sizes: every
-  attention call is milliseconds of GPU work).
-- ``rel_l2``: ``||out - out_dense|| / ||out_dense||`` of the transformer output (fp32), against
-  the dense row's first forward; for ``dense`` itself, a second dense forward against the first
-  (0 unless SDPA is nondeterministic). With random weights this checks plumbing and gives the
-  size of the approximation on random activations, not a quality figure.
-- ``speedup`` = dense ``step_ms`` / method ``step_ms``; ``attn_speedup`` the same on ``attn_ms``.
-
-A method that raises (out of memory, a kernel refusing a shape) gets a row with ``error`` and
-the run goes on. The JSON (``--out``) is rewritten after every method (``meta.complete``
-false until the end), so a run cut short keeps what it measured.
-
-Carrying diffusers to the GPU machine (its image has torch, triton, numpy, einops, pytest,
-but no diffusers, and nothing can be downloaded there). Here, into the git-ignored ``.whl/``::
-
-    python -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
-        -d .whl/diffusers diffusers==0.42.1 && rm .whl/diffusers/numpy-*.whl
-
-(diffusers and its import-time dependencies, ~21 MB; the image's numpy stays), then on the
-device machine (``run`` with ``carry=[".whl/diffusers"]``)::
-
-    python3 -m pip install --no-index --no-deps --target /tmp/site .whl/diffusers/*.whl && \\
-    PYTHONPATH=/tmp/site:src python3 -m vidsparse.bench e2e
-
-If pip is missing or refuses a wheel there, unzipping every wheel is equivalent:
-``for w in .whl/diffusers/*.whl; do python3 -m zipfile -e $w /tmp/site; done``.
+Needs diffusers >= 0.36. ``benchmarks/README.md`` ("End to end in diffusers") says what each
+number covers and how to install diffusers on a GPU machine without network access.
 """
 
 from __future__ import annotations
@@ -332,7 +255,7 @@ class AttentionTimer:
 
 def attention_share(model, step: Callable[[], Any], device: torch.device, reps: int) -> dict:
     """Self- and cross-attention time per step and the self-attention share, over ``reps``
-    instrumented steps (module docstring)."""
+    instrumented steps (``benchmarks/README.md``, "End to end in diffusers")."""
     timer = AttentionTimer(model, device)
     with timer.active():
         step_ms = sum(time_steps(step, device, reps))

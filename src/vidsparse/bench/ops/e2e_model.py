@@ -90,17 +90,18 @@ PSA_SLACK = 0.005  # how far the running mean of the drawn specs may stray from 
 PSA_TOLERANCE = 0.1  # the family is coarse near 0.6-0.75 on these grids (4-6 candidates)
 
 DIFFUSERS_MISSING = (
-    "the e2e benchmark needs diffusers>=0.36, which this Python cannot import ({exc}); carry its "
-    "wheels: here `python -m pip download --only-binary=:all: --python-version 3.12 "
-    "--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "
-    "-d .whl/diffusers diffusers==0.42.1`, there (carry .whl/diffusers) `python3 -m pip install "
-    "--no-index --no-deps --target /tmp/site .whl/diffusers/*.whl` and "
-    "PYTHONPATH=/tmp/site:src (see vidsparse.bench.ops.e2e's docstring)"
+    "the e2e benchmark needs diffusers>=0.36, which this Python cannot import ({exc}); on a GPU "
+    "machine without network access, download its wheels on one with it (`python -m pip download "
+    "--only-binary=:all: --python-version 3.12 --implementation cp --platform "
+    "manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d wheels/ diffusers==0.42.1`), "
+    "copy wheels/ over, install them with `python3 -m pip install --no-index --no-deps --target "
+    "/tmp/site wheels/*.whl` and set PYTHONPATH=/tmp/site:src (benchmarks/README.md, 'End to "
+    "end in diffusers', says which wheels to keep)"
 )
 
 
 def import_wan():
-    """diffusers' ``WanTransformer3DModel``, or exit with one line saying how to carry it."""
+    """diffusers' ``WanTransformer3DModel``, or exit with one line saying how to install it."""
     try:
         from diffusers import WanTransformer3DModel
     except ImportError as exc:

@@ -1,41 +1,17 @@
 """Ulysses sequence parallelism: one video-DiT attention layer on 1 GPU against P GPUs.
 
-Run with torchrun (one process per GPU)::
+One Wan 2.1 14B 720p layer (75,600 tokens, 40 heads, head_dim 128, bf16): ``vsa``
+(``ulysses_video_sparse_attn``, sparsity 0.875), ``block_sparse`` (``ulysses_block_sparse_attn``,
+density 0.125) and ``comm`` (the exchange alone), each as a ``gpus=1`` row and a ``gpus=P`` row
+(the slowest rank's median), with ``speedup = ms(1 GPU) / ms(P GPUs)`` and the P-GPU output
+checked against the 1-GPU one. Run with torchrun (one process per GPU)::
 
     torchrun --nproc-per-node 2 -m vidsparse.bench parallel
     torchrun --nproc-per-node 2 -m vidsparse.bench parallel --modes fwd,fwd+bwd
     torchrun --nproc-per-node 2 -m vidsparse.bench parallel --dry-run --head-chunks 1,2   # CPU
 
-The layer: Wan 2.1 14B at 720p, 81 frames (``shapes.py``): latent 21 x 45 x 80 = 75,600 tokens,
-40 heads, head_dim 128, bf16, batch 1.
-
-Providers:
-
-- ``vsa``: ``ulysses_video_sparse_attn`` in natural token order (75,600 / P tokens per rank),
-  sparsity 0.875 (top 180 of 1,440 tiles), with a gate.
-- ``block_sparse``: ``ulysses_block_sparse_attn`` on the tile-ordered padded sequence
-  (92,160 / P tokens per rank), 64-token blocks (the 4x4x4 tiles, padding masked by the tile
-  sizes), random per-head lists of 180 of the 1,440 key blocks per query block (density 0.125).
-- ``comm``: the exchange alone for the vsa shape (q, k, v, gate in; o out): what Ulysses adds.
-
-``--head-chunks 1,2,4`` (default): a ``gpus=P`` forward row for each value; with ``n > 1`` the
-rank's heads run in ``n`` groups while the next group's inputs and the previous group's output
-are exchanged (inference only, so backward modes run ``n = 1``).
-
-Each provider and mode gives a ``gpus=1`` row (every rank runs the whole layer on its own GPU,
-no communication, all 40 heads, on ``[B, H, S, D]`` inputs) and a ``gpus=P`` row (the Ulysses
-layer from sequence shards ``[B, S/P, H, D]`` to sequence shards, all-to-alls and layout copies
-included). Times are the slowest rank's median. ``speedup = ms(1 GPU) / ms(P GPUs)``; the issue's
-target is >= 1.8x forward on 2 GPUs.
-
-Check: the P-GPU output against the 1-GPU output of the same op on the same inputs, relative
-L2 over the whole output (all ranks) and max abs; ``match`` when rel L2 <= 2e-2 (bf16).
-
-Timer: a fixed number of calls (``--warmup``, ``--reps``), CUDA events around each call, median.
-Not ``triton.testing.do_bench``: it picks its repetition count from a first measurement, which
-differs between ranks, and a rank that enters a collective once more than the others hangs.
-
-JSON (rank 0): ``benchmarks/results/parallel_<gpu>_<P>gpu.json`` through ``harness``.
+JSON (rank 0): ``benchmarks/results/parallel_<gpu>_<P>gpu.json``. ``benchmarks/README.md``
+("Multi-GPU") describes the providers, ``--head-chunks``, the check and the timer.
 """
 
 from __future__ import annotations

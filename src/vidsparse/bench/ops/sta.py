@@ -1,35 +1,18 @@
 """Sliding-tile attention benchmark: ``vidsparse.sliding_tile_attn`` against FlexAttention with
 the same block mask, and cuDNN dense as the reference.
 
-Run on a GPU (``vidsparse bench sta -- OPTIONS`` is the same)::
+At Wan 2.1 1.3B 480p (21x30x52 tokens in 624 4x4x4 tiles, 12 heads, head_dim 128, bf16), per
+window of ``wt x wh x ww`` tiles, fwd and fwd+bwd: ``ours`` on tile-order inputs, ``flex``
+(compiled, the same tile mask at 64-token blocks), ``cudnn`` (dense, the reference of every
+speedup) and, not by default, ``masked-sdpa`` (SDPA under the S x S token mask). Run on a GPU
+(``vidsparse bench sta -- OPTIONS`` is the same)::
 
     python -m vidsparse.bench sta                          # Wan 1.3B 480p, windows 3x3x3, 5x5x5
     python -m vidsparse.bench sta --windows 3x3x3 --modes fwd --check
     python -m vidsparse.bench sta --device cpu --tiny --check   # CPU smoke run
 
-The shape: Wan 2.1 1.3B at 480p (``shapes.py``): grid 21x30x52 = 32,760 tokens in 4x4x4 tiles
-(6x8x13 = 624 tiles, 39,936 tile-ordered slots), 12 heads, head_dim 128, bf16, B = 1. A window
-``(wt, wh, ww)`` counts tiles; every query tile attends to ``wt * wh * ww`` key tiles (the
-window slides inwards at the edges, ``vidsparse.masks.sliding_tile``).
-
-Providers (fwd and fwd+bwd by default):
-
-- ``ours``: ``vidsparse.sliding_tile_attn(q_t, k_t, v_t, grid, window, tiled=True)`` on
-  pre-tiled, padded inputs, as a model that tiles once per forward would call it.
-- ``flex``: compiled ``flex_attention`` on the same tiled inputs, with a ``BlockMask`` of
-  ``sliding_tile_block_mask(grid, window)`` at 64-token blocks (one tile a block;
-  ``kernel_options`` BLOCK_M = BLOCK_N = 64, and max_autotune so that the backward compiles,
-  see ``flex.FLEX64_NOTE``). The padding keys of partial tiles are masked by a ``mask_mod``
-  on the blocks holding them, as ours masks them by tile sizes.
-- ``cudnn``: dense SDPA pinned to cuDNN on the real tokens in natural order: the reference
-  of every speedup, timed once per shape and mode.
-- ``masked-sdpa`` (not default): SDPA on the tiled inputs with the window as a materialised
-  S x S token mask. Slow; it is the independent reference ``--check`` compares against.
-
-TFLOP/s count attended real pairs: for the sparse providers, the real tokens of each query
-tile times the real tokens of its window's key tiles, summed; dense for cuDNN. ``--check``
-compares the first query tiles of head 0 (real rows) of every sparse provider's forward with
-an fp32 masked SDPA before timing; a failure is the row's error.
+``benchmarks/README.md`` ("Sliding-tile attention") describes the providers, the FLOP count and
+``--check``.
 """
 
 from __future__ import annotations

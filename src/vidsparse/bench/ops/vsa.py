@@ -1,57 +1,17 @@
 """VSA benchmark: ``vidsparse.video_sparse_attn`` against cuDNN SDPA dense and FastVideo's VSA.
 
-Run on a GPU (``vidsparse bench vsa -- OPTIONS`` is the same)::
+At Wan 2.1 1.3B 480p and 14B 720p (head_dim 128, bf16, B = 1), sparsities 0.875 and 0.9, fwd
+and fwd+bwd: ``ours`` (tile-order inputs; its fwd row also carries the coarse/fine split),
+``ours-natural`` (tiling and untiling timed too), ``cudnn`` (dense, the reference of every
+speedup) and ``fastvideo`` (fastvideo-kernel 0.3.5, its Triton path). Run on a GPU
+(``vidsparse bench vsa -- OPTIONS`` is the same)::
 
     python -m vidsparse.bench vsa                         # both shapes, H200
     python -m vidsparse.bench vsa --shapes wan1.3b-480p --modes fwd
     VIDSPARSE_BACKEND=torch python -m vidsparse.bench vsa --device cpu --tiny   # CPU smoke run
 
-Shapes (``shapes.py``, head_dim 128, bf16, B = 1): Wan 2.1 1.3B 480p, grid 21x30x52, 12 heads
-(624 tiles of 4x4x4); Wan 2.1 14B 720p, grid 21x45x80, 40 heads (1,440 tiles). Sparsities
-0.875 and 0.9: ``topk = ceil((1 - s) * num_tiles)`` = 78 / 63 at 480p, 180 / 144 at 720p.
-Modes: fwd and fwd+bwd (``--modes`` also takes bwd).
-
-Providers:
-
-- ``ours``: ``vidsparse.video_sparse_attn(..., tiled=True)`` on pre-tiled, padded inputs, as a
-  model that tiles once per forward would call it. Its fwd row also carries the coarse/fine
-  split: ``vsa_coarse_stage`` alone (pooling, coarse attention, top-k lists) and the fine
-  stage alone (``vsa_fine_combined``, the engine with the gate epilogue, on the lists of one
-  coarse call), each the GPU time of its kernels (CUDA-graph replays, median of three
-  alternating timings; ``time_split``), and ``coarse_share = coarse_ms / ours fwd ms``.
-- ``ours-natural``: the same on natural-order inputs (``tiled=False``): tiling and untiling
-  are inside the timing.
-- ``cudnn``: ``scaled_dot_product_attention`` pinned to cuDNN on the real (unpadded) tokens
-  in natural order; timed once per shape and mode, it is the reference of every speedup.
-- ``fastvideo``: FastVideo's VSA from the fastvideo-kernel 0.3.5 wheel, its Triton path
-  (``FASTVIDEO_VSA_TRITON=1``, set before the import), called as::
-
-      fastvideo_kernel.video_sparse_attn(q_t, k_t, v_t, vbs, vbs, topk,
-                                         block_size=(4, 4, 4), compress_attn_weight=gate_t)
-
-  (the wheel's signature: ``video_sparse_attn(q, k, v, variable_block_sizes,
-  q_variable_block_sizes, topk, block_size=64, compress_attn_weight=None)``, ``[B, H, S, D]``)
-  on the same tiled, zero-padded inputs as ``ours``, ``vbs`` = real tokens per tile (int32).
-  Without the wheel each case gets one row with ``error: "not installed"``.
-
-All providers get the same random q, k, v and a random gate shaped like q. ``speedup`` =
-cuDNN ms / provider ms in the same mode. TFLOP/s count attended real pairs: dense for cuDNN,
-``dense * topk / num_tiles`` (nominal) for the sparse providers.
-
-Carrying the FastVideo wheel to the GPU machine (nothing can be downloaded there). Here, into
-the git-ignored ``.whl/`` folder (the cp312 wheel is tagged manylinux_2_34)::
-
-    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
-        --implementation cp --platform manylinux_2_34_x86_64 -d .whl fastvideo-kernel==0.3.5
-
-then on the device machine (the ``run`` tool with ``carry=[".whl"]``)::
-
-    pip install --no-index --no-deps --target /tmp/site .whl/*.whl && \\
-    FASTVIDEO_VSA_TRITON=1 PYTHONPATH=/tmp/site:src python -m vidsparse.bench vsa
-
-(einops, which the package root imports through ``vmoba``, is on the GPU image.) If pip
-refuses the wheel's platform tag there, unpacking it is equivalent (its Triton path is pure
-Python): ``python3 -m zipfile -e .whl/fastvideo_kernel-0.3.5-*.whl /tmp/site``.
+``benchmarks/README.md`` ("VSA: vsa") describes the providers, the split and the FLOP count,
+and how to install the FastVideo wheel on a GPU machine without network access.
 """
 
 from __future__ import annotations
