@@ -1,8 +1,9 @@
-"""Public entry point of the block-sparse attention engine.
+"""The engine's two entries and its custom ops.
 
-``block_sparse_attn`` validates its arguments, normalises the block size, picks a backend
-(``VIDSPARSE_BACKEND``) and calls a ``torch.library`` custom op, so ``torch.compile`` sees one
-opaque, differentiable op instead of breaking the graph around a Triton launch.
+``block_sparse_attn`` (public) validates everything, lists included; ``block_sparse_attn_unchecked``
+(for ops inside vidsparse whose lists are valid by construction) checks nothing and takes a
+declared epilogue (``epilogue.py``). Both pick a backend (``VIDSPARSE_BACKEND``) and call one
+``torch.library`` custom-op pair, so ``torch.compile`` sees one opaque, differentiable op.
 """
 
 from __future__ import annotations
