@@ -46,12 +46,15 @@ def _time(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
 
-def _fwd_bwd(fn, inputs):
-    def step():
-        o = fn()
-        o.backward(inputs[-1])
+def _timed_pair(torch, name, fwd, do):
+    """``[(name fwd, ms), (name fwd+bwd, ms)]``: the forward alone, then with its backward."""
 
-    return step
+    def step():
+        fwd().backward(do)
+
+    with torch.no_grad():
+        forward = _time(fwd)
+    return [(f"{name} fwd", forward), (f"{name} fwd+bwd", _time(step))]
 
 
 def _engine_rows(torch, vidsparse, device, gen):
@@ -66,10 +69,7 @@ def _engine_rows(torch, vidsparse, device, gen):
         def fwd(q=q, k=k, v=v, idx=idx, cnt=cnt, block=block):
             return vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=block)
 
-        name = f"engine {block}x{block} density 1/8"
-        with torch.no_grad():
-            rows.append((f"{name} fwd", _time(fwd)))
-        rows.append((f"{name} fwd+bwd", _time(_fwd_bwd(fwd, (q, k, v, do)))))
+        rows += _timed_pair(torch, f"engine {block}x{block} density 1/8", fwd, do)
     return rows
 
 
@@ -85,10 +85,7 @@ def _vsa_rows(torch, vidsparse, device, gen):
         def fwd(q=q, k=k, v=v, gate=gate, grid=grid):
             return vidsparse.video_sparse_attn(q, k, v, grid, sparsity=0.875, gate=gate)
 
-        name = f"vsa {shape} sparsity 0.875 natural order + gate"
-        with torch.no_grad():
-            rows.append((f"{name} fwd", _time(fwd)))
-        rows.append((f"{name} fwd+bwd", _time(_fwd_bwd(fwd, (q, k, v, do)))))
+        rows += _timed_pair(torch, f"vsa {shape} sparsity 0.875 natural order + gate", fwd, do)
     return rows
 
 
