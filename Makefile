@@ -9,25 +9,33 @@ VENV   ?= .venv
 TORCH  ?= torch==2.13.0
 BIN     = $(VENV)/bin
 
-.PHONY: demo test test-fast lint clean
+# The install stamp holds the TORCH value it was made with: a different TORCH (or a newer
+# pyproject.toml) reinstalls, and --upgrade makes pip replace a torch already there.
+STAMP   = $(BIN)/.vidsparse-installed
 
-$(BIN)/.vidsparse-installed: pyproject.toml
+.PHONY: demo test test-fast lint clean FORCE
+
+ifneq ($(strip $(shell cat $(STAMP) 2>/dev/null)),$(strip $(TORCH)))
+$(STAMP): FORCE
+endif
+
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)" -e ".[test,plots]"
-	touch $@
+	$(BIN)/python -m pip install -q --upgrade "$(TORCH)" -e ".[test,plots]"
+	printf '%s\n' "$(TORCH)" > $@
 
-demo: $(BIN)/.vidsparse-installed
+demo: $(STAMP)
 	$(BIN)/vidsparse demo --out out/demo
 
-test: $(BIN)/.vidsparse-installed
+test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # Every test file keeps at least one unmarked test, so every module is still exercised.
-test-fast: $(BIN)/.vidsparse-installed
+test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
-lint: $(BIN)/.vidsparse-installed
+lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
