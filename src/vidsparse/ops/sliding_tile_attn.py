@@ -30,7 +30,13 @@ from vidsparse.ops.block_sparse_attn.interface import (
     check_triton_supported,
 )
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_same_device
+from vidsparse.utils.checks import (
+    check_bool,
+    check_head_dim,
+    check_same_device,
+    check_scale,
+    softmax_scale,
+)
 from vidsparse.utils.dynamo import host_constant
 
 __all__ = [
@@ -88,7 +94,7 @@ def sliding_tile_attn(
     window, device = _validate(q, k, v, grid, window, tiled, scale)
     if resolve_backend(device) == "triton":
         _check_triton_supported(q, grid)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(scale, q.shape[-1])
     plan = _cached_plan(grid_key(grid), window, operator.index(q.shape[1]), device)
     q_t, k_t, v_t = (x if tiled else grid.tile(x, dim=-2) for x in (q, k, v))
     # The plan's lists are valid by construction (no checks, no GPU sync); padding keys are
@@ -148,14 +154,10 @@ def _plan(grid_key, window, heads: int, device) -> _Plan:
 
 def _validate(q, k, v, grid, window, tiled, scale) -> tuple[tuple[int, int, int], torch.device]:
     check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
+    check_head_dim(q)
     device = check_same_device(q=q, k=k, v=v)
-    if not isinstance(tiled, bool):
-        raise TypeError(f"tiled must be a bool, got {tiled!r}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {scale!r}")
-        if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be a positive finite number, got {scale}")
+    check_bool("tiled", tiled)
+    check_scale(scale)
     window = check_sliding_window(window, grid)
     check_sequence_length(q.shape[2], grid, tiled, 0)
     # operator.index: Dynamo specializes (guards on) each int instead of tracing a SymInt,

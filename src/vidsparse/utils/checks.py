@@ -6,6 +6,7 @@ range or device) naming the argument and what was expected, before any compute.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -57,3 +58,40 @@ def check_positive_int(name: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {value}")
     return value
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` must be a bool (not a truthy string or int); the error names ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return value
+
+
+def check_scale(scale) -> float | None:
+    """A softmax ``scale``: ``None`` (the op's default) or a positive finite number, returned
+    as a float. The one scale check of every op (engine, VSA, PSA, STA, the VSA module)."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {scale!r}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale}")
+    return float(scale)
+
+
+def softmax_scale(scale, head_dim: int) -> float:
+    """``check_scale(scale)``, defaulting to ``1 / sqrt(head_dim)``."""
+    scale = check_scale(scale)
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
+def check_head_dim(q: torch.Tensor) -> int:
+    """The head dim ``D`` (q's last dimension) must be positive: an empty one has no softmax
+    scale (``1 / sqrt(0)``) and no attention to compute."""
+    head_dim = q.shape[-1]
+    if head_dim <= 0:
+        raise ValueError(
+            f"head_dim (the last dimension of q, k, v) must be positive, got q of shape"
+            f" {tuple(q.shape)}"
+        )
+    return head_dim

@@ -8,8 +8,6 @@ declared epilogue (``epilogue.py``). Both pick a backend (``VIDSPARSE_BACKEND``)
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from vidsparse.masks.block_sparse import validate_block_lists
@@ -30,7 +28,14 @@ from vidsparse.ops.block_sparse_attn.reference import (
     block_sparse_attn_ref,
 )
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_positive_int, check_same_device, check_tensor
+from vidsparse.utils.checks import (
+    check_bool,
+    check_head_dim,
+    check_positive_int,
+    check_same_device,
+    check_tensor,
+    softmax_scale,
+)
 from vidsparse.utils.tensor_cache import TensorCache
 
 
@@ -72,10 +77,12 @@ def block_sparse_attn(
     """
     block_q, block_kv = _normalize_block_size(block_size)
     device = _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
-    scale = _normalize_scale(scale, q.shape[-1])
+    check_bool("return_lse", return_lse)
+    scale = softmax_scale(scale, q.shape[-1])
     backend = resolve_backend(device)
     if backend == "triton":
         check_triton_supported(q)
+        check_triton_blocks(block_q, block_kv)
     o, lse = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         False, NO_EPILOGUE.name, *padded_tensors(NO_EPILOGUE),
@@ -126,21 +133,12 @@ def _normalize_block_size(block_size) -> tuple[int, int]:
     )
 
 
-def _normalize_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
-    return float(scale)
-
-
 def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv) -> torch.device:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=4, dtypes=REFERENCE_DTYPES)
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_head_dim(q)
     check_tensor("kv_indices", kv_indices)
     check_tensor("kv_counts", kv_counts)
     if kv_block_sizes is not None:
@@ -214,6 +212,18 @@ def check_triton_supported(q: torch.Tensor) -> None:
         )
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q.dtype}")
+
+
+def check_triton_blocks(block_q: int, block_kv: int) -> None:
+    """Refuse, before any launch, block sizes the Triton kernels cannot tile (``tl.arange``
+    widths are powers of two). The video ops check their tile volume instead
+    (``check_triton_tile``)."""
+    for block in (block_q, block_kv):
+        if block & (block - 1):
+            raise ValueError(
+                f"block_size must be a power of two on the Triton path, got (block_q, block_kv)"
+                f" = ({block_q}, {block_kv}); set VIDSPARSE_BACKEND=torch for other sizes"
+            )
 
 
 # --------------------------------------------------------------------------- custom ops

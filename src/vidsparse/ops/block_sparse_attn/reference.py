@@ -33,7 +33,10 @@ def _masked_softmax_with_lse(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
     Rows with no live key give p = 0 and lse = -inf. Written so that autograd never multiplies
     a zero gradient by an infinity (which logsumexp of an all -inf row would do).
+    No key slot at all (lists of width K = 0) is the same: every row attends to nothing.
     """
+    if s.shape[-1] == 0:
+        return s * 0, s.new_full(s.shape[:-1], float("-inf"))
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m)).detach()  # stabiliser only
     e = torch.exp(s - m)

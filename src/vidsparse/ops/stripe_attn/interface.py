@@ -21,7 +21,6 @@ them once; under ``torch.compile`` they enter the graph as constants (``fullgrap
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -48,7 +47,13 @@ from vidsparse.ops.block_sparse_attn.interface import (
 )
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_same_device
+from vidsparse.utils.checks import (
+    check_bool,
+    check_head_dim,
+    check_same_device,
+    check_scale,
+    softmax_scale,
+)
 from vidsparse.utils.dynamo import host_constant
 
 __all__ = [
@@ -122,7 +127,7 @@ def stripe_attn(
     sink_frames, text_tokens = operator.index(sink_frames), operator.index(text_tokens)
     if resolve_backend(device) == "triton":
         _check_triton_supported(q, grid)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(scale, q.shape[-1])
     plan = _cached_engine_plan(
         tuple(_spec_fields(spec) for spec in specs),
         grid_key(grid),
@@ -187,8 +192,9 @@ def stripe_attn_from_lists(
     (their values were checked when they were built); lists from anywhere else are not
     supported."""
     check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
+    check_head_dim(q)
     device = check_same_device(q=q, k=k, v=v, kv_indices=kv_indices, kv_counts=kv_counts)
-    _check_scale(scale)
+    check_scale(scale)
     check_sequence_length(q.shape[2], grid, False, 0)
     heads, tiles = q.shape[1], grid.num_tiles
     if kv_indices.dtype != torch.int32 or kv_counts.dtype != torch.int32:
@@ -204,7 +210,7 @@ def stripe_attn_from_lists(
         raise ValueError(f"kv_block_sizes must be [{tiles}], got {tuple(kv_block_sizes.shape)}")
     if resolve_backend(device) == "triton":
         _check_triton_supported(q, grid)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = softmax_scale(scale, q.shape[-1])
     plan = _EnginePlan(kv_indices, kv_counts, None, None, kv_block_sizes, 0)
     return _run_engine(q, k, v, grid, plan, False, 0, scale)[0]
 
@@ -382,27 +388,18 @@ def _validate(
     q, k, v, grid, specs, spatial_unit, tiled, sink_frames, text_tokens, scale, return_lse
 ):
     check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
+    check_head_dim(q)
     device = check_same_device(q=q, k=k, v=v)
-    for name, flag in (("tiled", tiled), ("return_lse", return_lse)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {flag!r}")
+    check_bool("tiled", tiled)
+    check_bool("return_lse", return_lse)
     if spatial_unit not in SPATIAL_UNITS:
         raise ValueError(f"spatial_unit must be one of {SPATIAL_UNITS}, got {spatial_unit!r}")
     check_count("sink_frames", sink_frames)
     check_count("text_tokens", text_tokens)
-    _check_scale(scale)
+    check_scale(scale)
     specs = _check_specs(specs, heads=q.shape[1])
     check_sequence_length(q.shape[2], grid, tiled, text_tokens)
     return specs, device
-
-
-def _check_scale(scale) -> None:
-    if scale is None:
-        return
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {scale!r}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a positive finite number, got {scale}")
 
 
 def _check_specs(specs, heads: int) -> tuple[StripeSpec, ...]:

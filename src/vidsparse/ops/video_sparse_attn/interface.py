@@ -25,7 +25,6 @@ text query lists and key-block sizes are cached per (grid, N, H, device) and, un
 from __future__ import annotations
 
 import functools
-import math
 import operator
 from typing import NamedTuple
 
@@ -49,7 +48,14 @@ from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
 from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
-from vidsparse.utils.checks import check_same_device, check_tensor
+from vidsparse.utils.checks import (
+    check_bool,
+    check_head_dim,
+    check_same_device,
+    check_scale,
+    check_tensor,
+    softmax_scale,
+)
 from vidsparse.utils.dynamo import host_constant
 
 
@@ -102,13 +108,24 @@ def video_sparse_attn(
     # shapes and key cached plans, so make Dynamo specialize them (plain ints, guarded on).
     text_tokens = operator.index(text_tokens)
     topk = operator.index(resolve_topk(grid.num_tiles, topk, sparsity))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    if resolve_backend(device) == "torch":
+    scale = softmax_scale(scale, q.shape[-1])
+    backend = resolve_backend(device)
+    if backend == "triton":
+        _check_triton_supported(q, grid)
+    if q.numel() == 0:  # B = 0 or H = 0: nothing to attend, on either backend
+        return _empty_output(q, k, v, gate)
+    if backend == "torch":
         return video_sparse_attn_ref(
             q, k, v, grid, topk=topk, gate=gate, tiled=tiled, scale=scale, text_tokens=text_tokens
         )
-    _check_triton_supported(q, grid)
     return _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_tokens)
+
+
+def _empty_output(q, k, v, gate) -> torch.Tensor:
+    """The output of an empty batch or head set: shaped like q, in q's dtype, differentiable
+    (zero-element gradients) in q, k, v and gate."""
+    o = q * 0 + k * 0 + v * 0
+    return o if gate is None else o + gate * 0
 
 
 def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_tokens=0):
@@ -199,8 +216,9 @@ def _text_plan(grid: VideoGrid, text_tokens: int, heads: int, device) -> _TextPl
 
 def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) -> torch.device:
     check_video_qkv(grid, q, k, v, REFERENCE_DTYPES)
-    if not isinstance(tiled, bool):
-        raise TypeError(f"tiled must be a bool, got {tiled!r}")
+    check_head_dim(q)
+    check_bool("tiled", tiled)
+    check_scale(scale)
     check_count("text_tokens", text_tokens)
     check_sequence_length(q.shape[2], grid, tiled, text_tokens)
     is_number = isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
@@ -213,8 +231,6 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) ->
             raise ValueError(
                 f"gate must be shaped like q {tuple(q.shape)}, got {tuple(gate.shape)}"
             )
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
-        raise TypeError(f"scale must be a float or None, got {scale!r}")
     return check_same_device(q=q, k=k, v=v, gate=gate)
 
 
