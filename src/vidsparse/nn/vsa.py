@@ -36,7 +36,7 @@ from torch import nn
 
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
-from vidsparse.utils.checks import check_positive_int
+from vidsparse.utils.checks import check_positive_int, check_scale
 
 __all__ = ["VideoSparseAttention", "check_sparsity"]
 
@@ -94,7 +94,7 @@ class VideoSparseAttention(nn.Module):
         self.heads = check_positive_int("heads", heads)
         self.head_dim = check_positive_int("head_dim", head_dim)
         self.sparsity = sparsity
-        self.scale = scale
+        self.scale = check_scale(scale)
         self.gate_proj = nn.Linear(dim, heads * head_dim, bias=bias, device=device, dtype=dtype)
         self.reset_parameters()
 
@@ -175,6 +175,21 @@ class VideoSparseAttention(nn.Module):
             raise ValueError(
                 f"hidden_states must be [B, S, dim] = {expected} (B and S of q, dim of the "
                 f"module), got {tuple(hidden_states.shape)}"
+            )
+        weight = self.gate_proj.weight
+        if hidden_states.device != weight.device:
+            raise ValueError(
+                f"hidden_states is on {hidden_states.device} but the module's gate_proj is on"
+                f" {weight.device}; move one of them (module.to(...))"
+            )
+        # Under autocast F.linear casts its inputs itself: any floating dtype is fine there.
+        autocast = torch.is_autocast_enabled(hidden_states.device.type)
+        if hidden_states.dtype != weight.dtype and not (
+            autocast and hidden_states.is_floating_point()
+        ):
+            raise TypeError(
+                f"hidden_states must have the dtype of the module's gate_proj, {weight.dtype},"
+                f" got {hidden_states.dtype} (cast it, or the module with module.to(dtype))"
             )
 
     def extra_repr(self) -> str:
