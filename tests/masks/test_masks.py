@@ -69,6 +69,12 @@ def test_lists_from_dense_empty_map_and_max_k():
         lists_from_dense(m.int())
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 3, 0), (1, 1, 0, 0)])
+def test_lists_from_dense_without_key_blocks_is_refused(shape):
+    with pytest.raises(ValueError, match=r"block_map must have at least one key block"):
+        lists_from_dense(torch.zeros(shape, dtype=torch.bool))
+
+
 def test_lists_from_dense_chunked(monkeypatch):
     import vidsparse.masks.block_sparse as bs
 

@@ -551,6 +551,14 @@ def test_block_lists_must_cover_all_heads(fake_group):
         ulysses_block_sparse_attn(q, q, q, idx, cnt, block_size=48)
 
 
+@pytest.mark.parametrize("block_size", [0, -16, (0, 16), (16, 0)])
+def test_block_size_not_positive_is_refused_before_any_exchange(fake_group, block_size):
+    q = torch.randn(1, 32, 4, 8)  # S = 64 over 2 ranks, H = 4
+    idx, cnt = random_block_lists(1, 4, 4, 4, density=0.5)
+    with pytest.raises(ValueError, match="block_size must be positive"):
+        ulysses_block_sparse_attn(q, q, q, idx, cnt, block_size=block_size)
+
+
 def test_specs_must_cover_all_heads(fake_group):
     grid = VideoGrid((2, 4, 4), tile=(1, 2, 2))  # 32 tokens: 16 per rank
     q = torch.randn(1, 16, 4, 8)

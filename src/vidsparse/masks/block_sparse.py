@@ -202,6 +202,11 @@ def lists_from_dense(
     """
     check_tensor("block_map", block_map, ndim=4, dtypes=(torch.bool,))
     bi, h, nq, nk = block_map.shape
+    if nk == 0:
+        raise ValueError(
+            "block_map must have at least one key block (NK, its last dimension), got shape"
+            f" {tuple(block_map.shape)}"
+        )
     counts = block_map.sum(dim=-1, dtype=torch.int32)  # [Bi, H, NQ]
     busiest = int(counts.max()) if counts.numel() else 0
     if max_k is None:

@@ -20,12 +20,21 @@ def _head_slice(src: torch.Tensor, heads: slice) -> torch.Tensor:
     )
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def _block_q(block_size) -> int | None:
-    if isinstance(block_size, int) and not isinstance(block_size, bool):
-        return block_size
-    if isinstance(block_size, (tuple, list)) and len(block_size) == 2:
-        return block_size[0]
-    return None  # malformed: the engine names the problem (after the exchange, on every rank)
+    if _is_int(block_size):
+        blocks = (block_size,)
+    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2:
+        blocks = tuple(block_size)
+    else:
+        return None  # malformed: the engine names the problem (after the exchange, on every rank)
+    for b in blocks:
+        if _is_int(b) and b <= 0:  # the engine's message, before the checks below divide by it
+            raise ValueError(f"block_size must be positive, got {b}")
+    return blocks[0] if _is_int(blocks[0]) else None
 
 
 def _check_block_lists(kv_indices, kv_counts, H: int, S: int, block_q: int | None) -> None:
