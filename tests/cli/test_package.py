@@ -2,8 +2,12 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
 def _run(code: str) -> str:
@@ -35,3 +39,32 @@ def test_public_names():
 
     for name in vidsparse.__all__:
         assert getattr(vidsparse, name) is not None
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _pyproject() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    path = ROOT / "pyproject.toml"
+    if not path.is_file():
+        pytest.skip("runs from a checkout")
+    return tomllib.loads(path.read_text())
+
+
+def test_packaging_metadata():
+    """SPDX licence with its text, one source of the version, py.typed shipped."""
+    import vidsparse
+
+    project = _pyproject()
+    assert project["project"]["license"] == "Apache-2.0"
+    assert project["project"]["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    dynamic = project["tool"]["setuptools"]["dynamic"]["version"]
+    assert dynamic == {"attr": "vidsparse.__version__"}
+    pep440 = r"\d+\.\d+\.\d+((a|b|rc)\d+)?(\.post\d+)?(\.dev\d+)?"
+    assert re.fullmatch(pep440, vidsparse.__version__), vidsparse.__version__
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["vidsparse"]
+    assert (Path(vidsparse.__file__).parent / "py.typed").is_file()
+    assert (ROOT / "CHANGELOG.md").read_text().count("## [Unreleased]") == 1
