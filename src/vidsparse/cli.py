@@ -218,11 +218,23 @@ class _BadInput(Exception):
     """A user-supplied file or value is missing, unreadable or invalid: exit code 2."""
 
 
+def _check_device(device: str) -> None:
+    """``--device`` names a device this process can use (cpu, or cuda with a GPU visible)."""
+    from vidsparse.utils.checks import check_device
+
+    try:
+        check_device("--device", device)
+    except ValueError as exc:
+        raise _BadInput(str(exc)) from None
+
+
 def _run_search(args) -> int:
     from vidsparse.layout import VideoGrid
     from vidsparse.search import LossTable, load_calibration, plan_from_table, save_plan, search
 
     rule = {"alpha": args.alpha, "target_sparsity": args.target_sparsity}
+    if args.device is not None:
+        _check_device(args.device)
     samples = None
     try:
         if args.samples:
@@ -382,6 +394,8 @@ def _run_demo(args) -> int:
     if not 0.0 <= args.sparsity < 1.0:
         print("vidsparse: error: --sparsity must be in [0, 1)", file=sys.stderr)
         return 2
+    if args.device != "auto":
+        _check_device(args.device)
     from vidsparse.demo import run_demo
 
     report = run_demo(

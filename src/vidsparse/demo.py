@@ -45,6 +45,7 @@ from vidsparse.masks.stripe import StripeSpec
 from vidsparse.plots import plot_attention_vs_mask, save_png
 from vidsparse.search import Candidate, CandidateFamily, StripeObjective, select_candidates
 from vidsparse.testing import rel_l2
+from vidsparse.utils.checks import check_device
 
 GPU_GRID, GPU_HEADS, GPU_DIM = (21, 30, 52), 12, 128  # Wan 2.1 1.3B, 480p, 81 frames
 CPU_GRID, CPU_HEADS, CPU_DIM = (8, 16, 16), 2, 64  # reduced so the CPU finishes in seconds
@@ -358,7 +359,7 @@ def run_demo(
     log = log or (lambda *a, **k: None)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = check_device("device", device)  # before any work: a clear error, not torch's
     on_gpu = dev.type == "cuda"
     grid_shape, heads, head_dim = (
         (GPU_GRID, GPU_HEADS, GPU_DIM) if on_gpu else (CPU_GRID, CPU_HEADS, CPU_DIM)

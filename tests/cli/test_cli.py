@@ -51,6 +51,44 @@ def test_bad_usage_exits_2_without_traceback(argv):
     assert "Traceback" not in proc.stderr
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        pytest.param(["demo", "--device", "cuda"], "--device is 'cuda' but", marks=NO_CUDA),
+        (["search", "calib", "--grid", "4", "8", "8", "--alpha", "0.05", "--device", "bogus"],
+         "--device must be one of cpu, cuda, got 'bogus'"),
+        pytest.param(["search", "--from-table", "t.pt", "--alpha", "0.05", "--device", "cuda"],
+                     "--device is 'cuda' but", marks=NO_CUDA),
+    ],
+)  # fmt: skip
+def test_unusable_device_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, argv, words):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vidsparse: error: ") and words in err and err.count("\n") == 1
+
+
+def test_demo_unknown_device_exits_2_without_traceback():
+    proc = subprocess.run(
+        [sys.executable, "-m", "vidsparse", "demo", "--device", "bogus"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "--device" in proc.stderr
+
+
+def test_inspect_deeply_nested_plan_exits_2(tmp_path, capsys):
+    bad = tmp_path / "plan.json"
+    bad.write_text("[" * 100_000)
+    assert main(["inspect", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nests too deeply" in err
+
+
 def test_help_has_examples():
     proc = subprocess.run(
         [sys.executable, "-m", "vidsparse", "demo", "--help"], capture_output=True, text=True

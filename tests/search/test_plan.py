@@ -203,6 +203,15 @@ def test_bad_plans_raise_naming_the_field(tmp_path, case):
         load_plan(path)
 
 
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 100_000, "[" * 100_000 + "]" * 100_000])
+def test_deeply_nested_plan_is_a_value_error(tmp_path, text):
+    """JSON's parser recurses once per level: a hostile file must not end in RecursionError."""
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="nests too deeply"):
+        load_plan(path)
+
+
 def test_plan_for_another_grid_or_model(tmp_path):
     path = tmp_path / "plan.json"
     save_plan(make_plan(), path)

@@ -636,4 +636,8 @@ def load_plan(
         data = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"plan file {str(path)!r} is not valid JSON (corrupted?): {exc}") from None
+    except RecursionError:  # json's parser recurses once per nested [ or {
+        raise ValueError(
+            f"plan file {str(path)!r} nests too deeply to be a plan (corrupted?)"
+        ) from None
     return Plan.from_dict(data, expect_grid=expect_grid, expect_model=expect_model)

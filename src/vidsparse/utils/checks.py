@@ -95,3 +95,24 @@ def check_head_dim(q: torch.Tensor) -> int:
             f" {tuple(q.shape)}"
         )
     return head_dim
+
+
+def check_device(name: str, device, types: Sequence[str] = ("cpu", "cuda")) -> torch.device:
+    """``device`` (a string or ``torch.device``) as a ``torch.device`` of one of ``types`` that
+    this process can use: a ``ValueError`` naming ``name`` otherwise (an unknown device, or
+    CUDA on a torch without it or with no GPU visible)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must be one of {', '.join(types)}, got {device!r}") from None
+    if dev.type not in types:
+        raise ValueError(f"{name} must be one of {', '.join(types)}, got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            built = torch.version.cuda is not None or torch.version.hip is not None
+            why = "no GPU is visible" if built else f"torch {torch.__version__} has no CUDA"
+            raise ValueError(f"{name} is {device!r} but {why}; use cpu")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(f"{name} is {device!r} but only {count} GPU(s) are visible")
+    return dev
