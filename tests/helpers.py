@@ -42,3 +42,27 @@ def masked_dense_attention(
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
     o = torch.einsum("bhqk,bhkd->bhqd", p, v.double())
     return o, lse
+
+
+# Backend fixtures of tests/conftest.py: an error must be the same on both.
+BACKENDS = ["torch_backend", "triton_backend"]
+
+# (argument, how to spoil it, error class, words of the message) for the video ops' q, k, v.
+BAD_TENSOR_CASES = [
+    ("k", lambda x: x[:, :, :-1], ValueError, "same shape"),
+    ("v", lambda x: x.double(), TypeError, "dtype"),
+    ("q", lambda x: x[0], ValueError, "q"),
+    ("q", lambda x: x.int(), TypeError, "q"),
+    ("v", lambda x: x.to("meta"), ValueError, "device"),
+]
+
+
+def forbid_calls(monkeypatch, module, *names):
+    """Make ``module.<name>`` fail the test when called: the error under test must come
+    before any compute."""
+
+    def called(*args, **kwargs):
+        raise AssertionError(f"{module.__name__} computed before the error")
+
+    for name in names:
+        monkeypatch.setattr(module, name, called)

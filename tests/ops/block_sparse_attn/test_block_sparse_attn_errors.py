@@ -7,23 +7,17 @@ import pytest
 import torch
 
 import vidsparse
-from helpers import make_qkv
+from helpers import BACKENDS, forbid_calls, make_qkv
 from vidsparse.masks.block_sparse import random_block_lists
 from vidsparse.ops.block_sparse_attn import fwd as fwd_module
 from vidsparse.ops.block_sparse_attn import interface
-
-BACKENDS = ["torch_backend", "triton_backend"]
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
     """Any forward on either backend fails the test: the error must come first."""
-
-    def launched(*args, **kwargs):
-        raise AssertionError("the engine ran")
-
-    monkeypatch.setattr(interface, "block_sparse_attn_ref", launched)
-    monkeypatch.setattr(fwd_module, "block_sparse_attn_fwd", launched)
+    forbid_calls(monkeypatch, interface, "block_sparse_attn_ref")
+    forbid_calls(monkeypatch, fwd_module, "block_sparse_attn_fwd")
 
 
 def _args(S=64, D=16, bs=16, H=2):

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import vidsparse
+from helpers import BACKENDS, BAD_TENSOR_CASES, forbid_calls
 from vidsparse.layout import VideoGrid
 from vidsparse.ops import sliding_tile_attn as sta_module
 from vidsparse.ops.sliding_tile_attn import (
@@ -185,28 +186,15 @@ def _good_call():
         (dict(scale="x"), TypeError, "scale"),
     ],
 )
-@pytest.mark.parametrize("backend", ["torch_backend", "triton_backend"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_arguments_fail_before_any_launch(request, monkeypatch, backend, change, exc, words):
     request.getfixturevalue(backend)
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("the engine was launched")
-
-    monkeypatch.setattr(sta_module, "block_sparse_attn_unchecked", no_launch)
+    forbid_calls(monkeypatch, sta_module, "block_sparse_attn_unchecked")
     with pytest.raises(exc, match=words):
         sliding_tile_attn(**{**_good_call(), **change})
 
 
-@pytest.mark.parametrize(
-    "name, bad, exc, words",
-    [
-        ("k", lambda x: x[:, :, :-1], ValueError, "same shape"),
-        ("v", lambda x: x.double(), TypeError, "dtype"),
-        ("q", lambda x: x[0], ValueError, "q"),
-        ("q", lambda x: x.int(), TypeError, "q"),
-        ("v", lambda x: x.to("meta"), ValueError, "device"),
-    ],
-)
+@pytest.mark.parametrize("name, bad, exc, words", BAD_TENSOR_CASES)
 def test_bad_tensors(torch_backend, name, bad, exc, words):
     args = _good_call()
     args[name] = bad(args[name])

@@ -6,20 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import BACKENDS, forbid_calls
 from vidsparse.layout import VideoGrid
 from vidsparse.ops import sliding_tile_attn as sta_module
 from vidsparse.ops.sliding_tile_attn import sliding_tile_attn
 
-BACKENDS = ["torch_backend", "triton_backend"]
 GRID = VideoGrid((4, 8, 8), tile=(4, 4, 4))  # 4 tiles of 64 tokens
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    def launched(*args, **kwargs):
-        raise AssertionError("the engine ran")
-
-    monkeypatch.setattr(sta_module, "block_sparse_attn_unchecked", launched)
+    forbid_calls(monkeypatch, sta_module, "block_sparse_attn_unchecked")
 
 
 def _qkv(D=16):

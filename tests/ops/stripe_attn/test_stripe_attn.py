@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import BAD_TENSOR_CASES
 from vidsparse.layout import VideoGrid
 from vidsparse.masks.block_sparse import dense_from_lists
 from vidsparse.masks.stripe import StripeSpec, stripe_block_mask, stripe_sparsity
@@ -322,14 +323,7 @@ def test_bad_arguments(torch_backend, change, exc, words):
 
 @pytest.mark.parametrize(
     "name, bad, exc, words",
-    [
-        ("k", lambda x: x[:, :, :-1], ValueError, "same shape"),
-        ("v", lambda x: x.double(), TypeError, "dtype"),
-        ("q", lambda x: x[0], ValueError, "q"),
-        ("q", lambda x: x.int(), TypeError, "q"),
-        ("k", lambda x: x.tolist(), TypeError, "k"),
-        ("v", lambda x: x.to("meta"), ValueError, "device"),
-    ],
+    [*BAD_TENSOR_CASES, ("k", lambda x: x.tolist(), TypeError, "k")],
 )
 def test_bad_tensors(torch_backend, name, bad, exc, words):
     args = _good_call()

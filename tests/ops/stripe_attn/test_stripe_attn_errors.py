@@ -6,22 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import BACKENDS, forbid_calls
 from vidsparse.layout import VideoGrid
 from vidsparse.masks.stripe import StripeSpec
 from vidsparse.ops.stripe_attn import interface, stripe_attn
 from vidsparse.ops.stripe_attn.interface import stripe_attn_from_lists, stripe_engine_lists
 
-BACKENDS = ["torch_backend", "triton_backend"]
 GRID = VideoGrid((2, 8, 8), tile=(2, 8, 8))  # one 128-token tile: the Triton path takes it
 SPECS = [StripeSpec.dense()] * 2
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    def launched(*args, **kwargs):
-        raise AssertionError("the engine ran")
-
-    monkeypatch.setattr(interface, "block_sparse_attn_unchecked", launched)
+    forbid_calls(monkeypatch, interface, "block_sparse_attn_unchecked")
 
 
 def _qkv(D=16):

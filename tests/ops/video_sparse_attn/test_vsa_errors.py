@@ -7,22 +7,17 @@ import pytest
 import torch
 
 import vidsparse
+from helpers import BACKENDS, forbid_calls
 from vidsparse.layout import VideoGrid
 from vidsparse.ops.video_sparse_attn import interface
 
-BACKENDS = ["torch_backend", "triton_backend"]
 GRID = VideoGrid((4, 4, 8), tile=(4, 4, 4))  # 2 tiles
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
     """Either backend's compute fails the test: the error must come first."""
-
-    def launched(*args, **kwargs):
-        raise AssertionError("VSA ran")
-
-    monkeypatch.setattr(interface, "video_sparse_attn_ref", launched)
-    monkeypatch.setattr(interface, "_video_sparse_attn_composed", launched)
+    forbid_calls(monkeypatch, interface, "video_sparse_attn_ref", "_video_sparse_attn_composed")
 
 
 def _qkv(B=1, H=2, D=16, dtype=torch.float32, requires_grad=False):
