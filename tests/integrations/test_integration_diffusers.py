@@ -137,11 +137,23 @@ def test_dense_with_fused_projections_equals_stock(wan_stock_out):
     assert torch.equal(run(model, wan_inputs()), wan_stock_out)
 
 
-def test_only_self_attention_is_replaced(wan, patched):
-    patched("dense")
-    for block in wan.blocks:
-        assert type(block.attn1.processor).__name__ == "WanSparseAttnProcessor"
-        assert type(block.attn2.processor).__name__ == "WanAttnProcessor"
+def test_only_self_attention_is_routed(wan, patched, monkeypatch):
+    # The processors stay diffusers' own objects; only attn1's attention call reaches the
+    # method (attn2, the cross-attention, goes to diffusers' dispatch).
+    from vidsparse.integrations.diffusers import methods
+
+    processors = dict(wan.attn_processors)
+    seen = []
+    dense_attend = methods.METHOD_CLASSES["dense"].attend
+
+    def spy(self, q, k, v, call):
+        seen.append(call.layer)
+        return dense_attend(self, q, k, v, call)
+
+    monkeypatch.setattr(methods.METHOD_CLASSES["dense"], "attend", spy)
+    run(patched("dense"), wan_inputs())
+    assert seen == list(range(LAYERS))
+    assert all(p is processors[name] for name, p in wan.attn_processors.items())
 
 
 def test_vsa_all_tiles_zero_gate_equals_dense(wan, wan_stock_out, patched):
@@ -202,18 +214,18 @@ def test_psa_plan_file(wan, wan_stock_out, patched, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def masked_dense_sdpa(tile, window):
-    """The "dense" method's SDPA call under STA's token mask: the reference a patched "sta"
+def masked_dense_attend(tile, window):
+    """The "dense" method's attention under STA's token mask: the reference a patched "sta"
     model must equal."""
     from vidsparse.ops.sliding_tile_attn import sliding_tile_token_mask
 
     mask = sliding_tile_token_mask(VideoGrid(GRID, tile), window)
 
-    def sdpa(q, k, v, call):
+    def attend(self, q, k, v, call):
         assert call.shape == GRID
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    return sdpa
+    return attend
 
 
 @pytest.mark.parametrize(
@@ -228,7 +240,9 @@ def test_sta_equals_dense_attention_under_the_window_mask(wan, patched, monkeypa
 
     out = run(patched("sta", window=window, tile=tile), wan_inputs())
     remove_sparse_attention(wan)
-    monkeypatch.setattr(methods, "sdpa", masked_dense_sdpa(tile, window))
+    monkeypatch.setattr(
+        methods.METHOD_CLASSES["dense"], "attend", masked_dense_attend(tile, window)
+    )
     expected = run(patched("dense"), wan_inputs())
     torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
@@ -294,38 +308,36 @@ def test_apply_then_remove_is_bit_identical(wan, wan_stock_out, method, options)
 
 def test_gate_is_trainable_and_in_state_dict(torch_backend):
     model = tiny_wan()
-    apply_sparse_attention(model, "vsa", sparsity=0.5)
+    apply_sparse_attention(model, "vsa", sparsity=0.5, gate=True)
     state = model.state_dict()
     gate_keys = [k for k in state if f".{GATE_MODULE_NAME}." in k]
-    assert gate_keys == [
-        f"blocks.{i}.attn1.{GATE_MODULE_NAME}.gate_proj.{p}"
-        for i in range(LAYERS)
-        for p in ("weight", "bias")
+    assert gate_keys == [  # FastVideo's keys
+        f"blocks.{i}.{GATE_MODULE_NAME}.{p}" for i in range(LAYERS) for p in ("weight", "bias")
     ]
     assert all(not state[k].any() for k in gate_keys)  # zero-initialised
 
     # Trainable: the gate gets a gradient (through the coarse branch).
     out = model(**wan_inputs())[0]
     out.square().mean().backward()
-    grad = model.blocks[0].attn1.vsa.gate_proj.weight.grad
+    grad = model.blocks[0].to_gate_compress.weight.grad
     assert grad is not None and grad.abs().sum() > 0
 
     # A non-zero gate changes the output, and it round-trips through the state dict.
     with torch.no_grad():
         for i in range(LAYERS):
-            model.blocks[i].attn1.vsa.gate_proj.weight.normal_(std=0.1)
+            model.blocks[i].to_gate_compress.weight.normal_(std=0.1)
     expected = run(model, wan_inputs())
     other = tiny_wan()
-    apply_sparse_attention(other, "vsa", sparsity=0.5)
+    apply_sparse_attention(other, "vsa", sparsity=0.5, gate=True)
     other.load_state_dict(model.state_dict(), strict=True)
     assert torch.equal(run(other, wan_inputs()), expected)
 
 
 def test_sparsity_schedule_drives_the_gate_modules(wan, patched):
-    from vidsparse.nn import VideoSparseAttention
+    from vidsparse.nn import VSAGate
 
-    model = patched("vsa", sparsity=0.0)
-    modules = [m for m in model.modules() if isinstance(m, VideoSparseAttention)]
+    model = patched("vsa", sparsity=0.0, gate=True)
+    modules = [m for m in model.modules() if isinstance(m, VSAGate)]
     assert len(modules) == LAYERS
     assert all(m.sparsity == 0.0 for m in modules)
 
@@ -403,8 +415,8 @@ def test_regional_compile_shares_graphs_across_psa_layers():
     apply_sparse_attention(model, "psa", specs=[spatial_band(w) for w in (1, 2, 3, 4)])
     expected = run(model, wan_inputs())
     state = model._vidsparse_state
-    widths = {attn._vidsparse_psa_indices.shape[-1] for attn, _ in state.originals}
-    patterns = {attn._vidsparse_psa_counts.sum().item() for attn, _ in state.originals}
+    widths = {attn._vidsparse_psa_indices.shape[-1] for _, attn in state.layers}
+    patterns = {attn._vidsparse_psa_counts.sum().item() for _, attn in state.layers}
     assert state.method.lists_ready and len(widths) == 1 and len(patterns) == 4
     graphs = compile_blocks_counting_graphs(model)
     torch.testing.assert_close(run(model, wan_inputs()), expected, atol=1e-5, rtol=0)
@@ -479,15 +491,15 @@ def test_step_callback_advances_and_wraps(wan, patched):
 
 
 def test_failed_apply_leaves_the_model_stock(wan):
-    wan.blocks[1].attn1.vsa = nn.Identity()  # a name clash on the second layer only
+    wan.blocks[1].to_gate_compress = nn.Identity()  # a name clash on the second layer only
     try:
-        with pytest.raises(ValueError, match="already has an attribute 'vsa'"):
-            apply_sparse_attention(wan, "vsa", sparsity=0.5)
-        assert not hasattr(wan.blocks[0].attn1, "vsa")
-        assert type(wan.blocks[0].attn1.processor).__name__ == "WanAttnProcessor"
+        with pytest.raises(ValueError, match="already has an attribute 'to_gate_compress'"):
+            apply_sparse_attention(wan, "vsa", sparsity=0.5, gate=True)
+        assert not hasattr(wan.blocks[0], "to_gate_compress")
+        assert not wan.blocks[0].attn1._forward_pre_hooks
         assert not hasattr(wan, "_vidsparse_state")
     finally:
-        del wan.blocks[1].attn1.vsa
+        del wan.blocks[1].to_gate_compress
 
 
 def test_unsupported_model_lists_supported():
@@ -621,7 +633,7 @@ def test_hunyuan_sparse_psa_runs(hunyuan, hunyuan_stock_out):
         # Text tokens in every call: the specs path, no per-layer lists built for nothing.
         state = hunyuan._vidsparse_state
         assert not state.method.lists_ready
-        assert all(attn._vidsparse_psa_indices is None for attn, _ in state.originals)
+        assert all(attn._vidsparse_psa_indices is None for _, attn in state.layers)
     finally:
         remove_sparse_attention(hunyuan)
     assert torch.isfinite(out).all()
@@ -631,11 +643,11 @@ def test_hunyuan_sparse_psa_runs(hunyuan, hunyuan_stock_out):
 def test_hunyuan_sparse_vsa_runs_and_removes_exactly(hunyuan, hunyuan_stock_out):
     keys = list(hunyuan.state_dict())
     processors = dict(hunyuan.attn_processors)
-    apply_sparse_attention(hunyuan, "vsa", sparsity=0.5)
+    apply_sparse_attention(hunyuan, "vsa", sparsity=0.5, gate=True)
     try:
         gate_keys = [k for k in hunyuan.state_dict() if f".{GATE_MODULE_NAME}." in k]
         assert gate_keys == [
-            f"{blocks}.0.attn.{GATE_MODULE_NAME}.gate_proj.{p}"
+            f"{blocks}.0.{GATE_MODULE_NAME}.{p}"
             for blocks in ("transformer_blocks", "single_transformer_blocks")
             for p in ("weight", "bias")
         ]
@@ -643,7 +655,7 @@ def test_hunyuan_sparse_vsa_runs_and_removes_exactly(hunyuan, hunyuan_stock_out)
         # A non-zero gate (the coarse branch) reaches the output.
         with torch.no_grad():
             for block in (hunyuan.transformer_blocks[0], hunyuan.single_transformer_blocks[0]):
-                block.attn.vsa.gate_proj.weight.normal_(std=0.1)
+                block.to_gate_compress.weight.normal_(std=0.1)
         gated = run(hunyuan, hunyuan_inputs())
     finally:
         remove_sparse_attention(hunyuan)
@@ -726,29 +738,25 @@ def test_capture_two_steps_feeds_the_search(wan, wan_stock_out, tmp_path):
     assert torch.isfinite(out).all()
 
 
-def test_capture_samples_are_the_attention_inputs(wan, tmp_path):
-    # Layer 0's q/k/v, recomputed from the stock processor's own inputs.
-    seen = {}
+def test_capture_samples_are_the_attention_inputs(wan, tmp_path, monkeypatch):
+    # Layer 0's q/v as the stock model hands them to diffusers' dispatch (its first call).
+    import diffusers.models.transformers.transformer_wan as transformer_wan
 
-    def grab(module, args, kwargs):
-        # WanTransformerBlock calls attn1(hidden_states, None, None, rotary_emb).
-        seen["hidden_states"] = kwargs.get("hidden_states", args[0] if args else None)
-        seen["rotary_emb"] = kwargs.get("rotary_emb", args[3] if len(args) > 3 else None)
-
-    hook = wan.blocks[0].attn1.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        with capture_calibration(wan, tmp_path, layers=[0]):
-            run(wan, wan_inputs())
-    finally:
-        hook.remove()
-    from vidsparse.integrations.diffusers.models import _wan_rotary
     from vidsparse.search import load_calibration
 
-    attn = wan.blocks[0].attn1
-    with torch.no_grad():
-        q = attn.norm_q(attn.to_q(seen["hidden_states"])).unflatten(2, (HEADS, -1))
-        q = _wan_rotary(q, *seen["rotary_emb"]).transpose(1, 2)
-        v = attn.to_v(seen["hidden_states"]).unflatten(2, (HEADS, -1)).transpose(1, 2)
+    seen = []
+    stock = transformer_wan.dispatch_attention_fn
+
+    def spy(query, key, value, *args, **kwargs):
+        seen.append((query, value))
+        return stock(query, key, value, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(transformer_wan, "dispatch_attention_fn", spy)
+        run(wan, wan_inputs())
+    q, v = (x.transpose(1, 2) for x in seen[0])
+    with capture_calibration(wan, tmp_path, layers=[0]):
+        run(wan, wan_inputs())
     (sample,) = list(load_calibration(tmp_path))
     assert torch.equal(sample.q, q) and torch.equal(sample.v, v)
 

@@ -2,6 +2,6 @@
 :class:`SparsitySchedule` (start dense, raise sparsity stepwise to a target)."""
 
 from vidsparse.nn.schedule import SparsitySchedule
-from vidsparse.nn.vsa import VideoSparseAttention
+from vidsparse.nn.vsa import VideoSparseAttention, VSAGate
 
-__all__ = ["SparsitySchedule", "VideoSparseAttention"]
+__all__ = ["SparsitySchedule", "VSAGate", "VideoSparseAttention"]

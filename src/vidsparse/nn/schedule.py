@@ -37,7 +37,7 @@ import dataclasses
 
 from torch import nn
 
-from vidsparse.nn.vsa import VideoSparseAttention, check_sparsity
+from vidsparse.nn.vsa import VideoSparseAttention, VSAGate, check_sparsity
 
 __all__ = ["SparsitySchedule"]
 
@@ -94,16 +94,18 @@ class SparsitySchedule:
         return self.target * level / self.num_levels
 
     def apply(self, model: nn.Module, step: int) -> float:
-        """Set ``.sparsity`` of every :class:`VideoSparseAttention` in ``model``; return it.
+        """Set ``.sparsity`` of every :class:`VideoSparseAttention` and :class:`VSAGate` in
+        ``model`` (the diffusers integration's gates are ``VSAGate``); return it.
 
         Raises ``ValueError`` if ``model`` holds no such module (a schedule that silently does
         nothing is almost always a wiring mistake).
         """
         sparsity = self(step)
-        modules = [m for m in model.modules() if isinstance(m, VideoSparseAttention)]
+        modules = [m for m in model.modules() if isinstance(m, (VideoSparseAttention, VSAGate))]
         if not modules:
             raise ValueError(
-                f"model ({type(model).__name__}) contains no VideoSparseAttention module"
+                f"model ({type(model).__name__}) contains no VideoSparseAttention or VSAGate "
+                "module (the diffusers integration adds gates with gate=True)"
             )
         for module in modules:
             module.sparsity = sparsity

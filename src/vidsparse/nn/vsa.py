@@ -38,7 +38,7 @@ from vidsparse.layout.grid import VideoGrid
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
 from vidsparse.utils.checks import check_positive_int, check_scale
 
-__all__ = ["VideoSparseAttention", "check_sparsity"]
+__all__ = ["VSAGate", "VideoSparseAttention", "check_sparsity"]
 
 
 def check_sparsity(name: str, value) -> float:
@@ -197,3 +197,68 @@ class VideoSparseAttention(nn.Module):
             f"dim={self.dim}, heads={self.heads}, head_dim={self.head_dim}, "
             f"sparsity={self.sparsity}, scale={self.scale}"
         )
+
+
+class VSAGate(nn.Linear):
+    """VSA's coarse-branch gate as a projection of its own: ``gate = W x + b``, shaped
+    ``[B, S, heads * head_dim]``, weighting the coarse output per head and channel
+    (``o = o_fine + gate * o_coarse``). FastVideo's VSA checkpoints of Wan hold it per block as
+    ``blocks.<i>.to_gate_compress``; the diffusers integration registers it there.
+
+    Built with zero weight and bias (no random initialisation first: it can be created on a
+    large model quickly), so a fresh gate leaves the fine stage alone. ``forward`` casts the
+    parameters to the input's device and dtype when they differ, so the gate follows a model
+    that is offloaded, or stored in float8 and computed in bf16 (diffusers' layerwise casting).
+    ``sparsity`` is the layer's VSA sparsity, set by :class:`SparsitySchedule`.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        head_dim: int,
+        *,
+        sparsity: float = 0.0,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        nn.Module.__init__(self)
+        self.in_features = check_positive_int("dim", dim)
+        self.heads = check_positive_int("heads", heads)
+        self.head_dim = check_positive_int("head_dim", head_dim)
+        self.out_features = heads * head_dim
+        factory = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.zeros(self.out_features, dim, **factory))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        self.sparsity = sparsity
+
+    @property
+    def sparsity(self) -> float:
+        return self._sparsity
+
+    @sparsity.setter
+    def sparsity(self, value: float) -> None:
+        self._sparsity = check_sparsity("sparsity", value)
+
+    def reset_parameters(self) -> None:
+        """Zero weight and bias: the fine stage alone."""
+        nn.init.zeros_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if torch.is_autocast_enabled(hidden_states.device.type):
+            target = {"device": hidden_states.device}  # autocast picks the matmul dtype
+        else:
+            target = {"device": hidden_states.device, "dtype": hidden_states.dtype}
+        weight = weight.to(**target)
+        bias = None if bias is None else bias.to(**target)
+        return nn.functional.linear(hidden_states, weight, bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, heads={self.heads}, sparsity={self.sparsity}"

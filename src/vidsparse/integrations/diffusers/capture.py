@@ -10,16 +10,16 @@ import torch
 from torch import nn
 
 from vidsparse.integrations.diffusers.hooks import uninstall
-from vidsparse.integrations.diffusers.methods import sdpa
 from vidsparse.integrations.diffusers.state import STATE_ATTR, Method
 from vidsparse.search.search import CalibrationSample, save_calibration_sample
 
 
 class CaptureMethod(Method):
-    """Dense attention (SDPA, as "dense") that first writes the video q/k/v of the selected
-    (step, layer) calls to ``out_dir``: one layer's CPU copy in memory at a time."""
+    """Dense attention (diffusers' own, as "dense") that first writes the video q/k/v of the
+    selected (step, layer) calls to ``out_dir``: one layer's CPU copy in memory at a time."""
 
     name = "capture"
+    uses_step = True
 
     def __init__(self, out_dir: Path, steps: frozenset[int] | None, layers: Sequence | None):
         self.out_dir, self.steps, self.raw_layers = out_dir, steps, layers
@@ -44,7 +44,7 @@ class CaptureMethod(Method):
             self.layers is None or call.layer in self.layers
         ):
             self._save(q, k, v, call)
-        return sdpa(q, k, v, call)
+        return call.dense(q, k, v)
 
     @torch.compiler.disable  # file I/O: under torch.compile, a graph break here, run eagerly
     def _save(self, q, k, v, call):
@@ -72,29 +72,35 @@ def int_set(name: str, values) -> frozenset[int]:
 
 
 class CalibrationCapture:
-    """What :func:`capture_calibration` returns: a handle on the installed capture, and a
-    context manager that removes it on exit.
+    """What :func:`capture_calibration` returns: a handle on the installed capture (one per
+    transformer of a pipeline), and a context manager that removes it on exit.
 
     ``paths``: the files written so far, in the order they were written. ``remove()`` puts the
-    original processors back (the same as :func:`remove_sparse_attention`).
+    models back as they were (the same as :func:`remove_sparse_attention`).
     """
 
-    def __init__(self, transformer: nn.Module, out_dir: Path, method: CaptureMethod):
-        self.transformer, self.out_dir, self._method = transformer, out_dir, method
+    def __init__(self, captures: list[tuple[nn.Module, CaptureMethod]], out_dir: Path):
+        self._captures, self.out_dir = captures, out_dir
 
     @property
     def paths(self) -> list[Path]:
-        return list(self._method.paths)
+        return [path for _, method in self._captures for path in method.paths]
 
     @property
     def active(self) -> bool:
-        state = getattr(self.transformer, STATE_ATTR, None)
-        return state is not None and state.method is self._method
+        return any(self._applied(t, m) for t, m in self._captures)
+
+    @staticmethod
+    def _applied(transformer, method) -> bool:
+        state = getattr(transformer, STATE_ATTR, None)
+        return state is not None and state.method is method
 
     def remove(self) -> None:
         if not self.active:
             raise ValueError("this calibration capture is no longer applied to the transformer")
-        uninstall(self.transformer)
+        for transformer, method in self._captures:
+            if self._applied(transformer, method):
+                uninstall(transformer)
 
     def __enter__(self) -> CalibrationCapture:
         return self

@@ -6,9 +6,9 @@ accepts for it and its docstring says what they mean (``apply_sparse_attention``
 them all). Adding a method is a class in this file: the processors, the pre-hook and the state
 call it through the hooks of ``Method`` (``state.py``, with their defaults).
 
-- ``"dense"``: SDPA through our processor; equals the stock processor (the proof that the
-  processor forms q/k/v exactly as diffusers does).
-- ``"vsa"``: :func:`vidsparse.video_sparse_attn` with a trainable per-layer gate.
+- ``"dense"``: diffusers' own attention call, routed through vidsparse; equals the stock model
+  bit for bit under any attention backend (the proof that the routing changes nothing).
+- ``"vsa"``: :func:`vidsparse.video_sparse_attn`, optionally with a trainable per-layer gate.
 - ``"psa"``: :func:`vidsparse.stripe_attn` with a search plan or fixed specs.
 - ``"sta"``: :func:`vidsparse.sliding_tile_attn`, a fixed window of tiles.
 """
@@ -19,16 +19,18 @@ import abc
 import dataclasses
 import inspect
 import os
+import warnings
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from vidsparse.integrations.diffusers.state import Call, Method
+from vidsparse.integrations.diffusers.models import query_projection
+from vidsparse.integrations.diffusers.state import Method
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.sliding_tile import check_sliding_window
 from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec
-from vidsparse.nn.vsa import VideoSparseAttention, check_sparsity
+from vidsparse.nn.vsa import VSAGate, check_sparsity
 from vidsparse.ops.sliding_tile_attn import sliding_tile_attn
 from vidsparse.ops.stripe_attn.interface import (
     stripe_attn,
@@ -38,7 +40,10 @@ from vidsparse.ops.stripe_attn.interface import (
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
 from vidsparse.search.plan import Plan, load_plan
 
-GATE_MODULE_NAME = "vsa"  # blocks.<i>.attn1.vsa.gate_proj.weight in Wan's state dict
+# The VSA gate's name on the block that holds each video self-attention module: FastVideo's
+# (blocks.<i>.to_gate_compress.{weight,bias} in a Wan state dict).
+GATE_MODULE_NAME = "to_gate_compress"
+_GATE_REF = "_vidsparse_gate"  # the attention module's plain reference to its layer's gate
 # PSA: non-persistent buffers of each attention module holding its engine lists (not saved)
 _LIST_BUFFERS = ("_vidsparse_psa_indices", "_vidsparse_psa_counts", "_vidsparse_psa_sizes")
 _DEFAULT_TILE = (4, 4, 4)
@@ -52,23 +57,15 @@ def _register(cls: type[Method]) -> type[Method]:
     return cls
 
 
-def sdpa(q, k, v, call: Call) -> torch.Tensor:
-    """Dense attention of one call (``"dense"``, and the capture's attention)."""
-    # The same call the native diffusers backend makes, so "dense" matches the stock processor.
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=call.mask, dropout_p=0.0, is_causal=False
-    )
-
-
 @_register
 class _Dense(Method):
-    """``"dense"``: SDPA through our processor, bit-identical to the stock processor (the
-    proof that the processor forms q/k/v exactly as diffusers does). No options."""
+    """``"dense"``: diffusers' own attention call through vidsparse's routing, bit-identical
+    to the stock model under any attention backend. No options."""
 
     name = "dense"
 
     def attend(self, q, k, v, call):
-        return sdpa(q, k, v, call)
+        return call.dense(q, k, v)
 
 
 class _SparseMethod(Method):
@@ -124,17 +121,22 @@ class _SparseMethod(Method):
 @_register
 class _VSA(_SparseMethod):
     """``"vsa"``: :func:`vidsparse.video_sparse_attn` with ``sparsity`` (float in [0, 1)) or
-    ``topk`` (int), ``gate`` (bool, default True: per layer a zero-initialised gate
-    projection registered on the attention module as ``vsa``, a
-    :class:`vidsparse.nn.VideoSparseAttention`: trainable, in the state dict, driven by
-    :class:`vidsparse.nn.SparsitySchedule`), ``tile`` (default (4, 4, 4)). On HunyuanVideo
-    the joint sequence runs as ``video_sparse_attn(text_tokens=N)``: video queries attend
-    their top-k tiles plus every (real) text key, text queries attend densely; the gate reads
-    the video stream only."""
+    ``topk`` (int), ``tile`` (default (4, 4, 4)) and ``gate`` (bool, default False).
+
+    Without a gate (a stock checkpoint) the output is the fine stage alone. ``gate=True`` (to
+    fine-tune, or to load trained gates with ``load_sparse_attention``) registers per layer a
+    zero :class:`vidsparse.nn.VSAGate` as ``to_gate_compress`` on the block that holds the
+    attention (FastVideo's name: ``blocks.<i>.to_gate_compress`` in Wan), on the device and
+    dtype of the attention's weights: ``o = o_fine + gate(x) * o_coarse`` with ``x`` the
+    attention's input; trainable, in the state dict, driven by
+    :class:`vidsparse.nn.SparsitySchedule`. On joint video+text attention (HunyuanVideo) the
+    sequence runs as ``video_sparse_attn(text_tokens=N)``: video queries attend their top-k
+    tiles plus every (real) text key, text queries attend densely; the gate reads the video
+    stream only."""
 
     name = "vsa"
 
-    def __init__(self, sparsity=None, topk=None, gate=True, tile=_DEFAULT_TILE):
+    def __init__(self, sparsity=None, topk=None, gate=False, tile=_DEFAULT_TILE):
         super().__init__(tile)
         if (sparsity is None) == (topk is None):
             raise ValueError("method='vsa' needs exactly one of sparsity=... or topk=...")
@@ -145,24 +147,27 @@ class _VSA(_SparseMethod):
             raise TypeError(f"gate must be a bool, got {gate!r}")
         self.topk, self.gate = topk, gate
 
-    def add_modules(self, attn, *, dim, heads, head_dim):
+    def add_modules(self, parent, attn, *, dim, heads, head_dim):
         if not self.gate:
             return []
-        if hasattr(attn, GATE_MODULE_NAME):
-            raise ValueError(f"{type(attn).__name__} already has an attribute {GATE_MODULE_NAME!r}")
-        weight = attn.to_q.weight
-        # VideoSparseAttention holds the zero-initialised gate projection and the sparsity a
-        # SparsitySchedule sets during fine-tuning.
-        module = VideoSparseAttention(
+        if hasattr(parent, GATE_MODULE_NAME):
+            raise ValueError(
+                f"{type(parent).__name__} already has an attribute {GATE_MODULE_NAME!r}"
+            )
+        weight = query_projection(attn).weight
+        module = VSAGate(
             dim,
             heads,
             head_dim,
             sparsity=self.sparsity or 0.0,
-            device=weight.device,
-            dtype=weight.dtype,
+            device=_storage_device(weight),
+            dtype=_compute_dtype(weight),
         )
-        attn.add_module(GATE_MODULE_NAME, module)
-        return [(attn, GATE_MODULE_NAME)]
+        parent.add_module(GATE_MODULE_NAME, module)
+        # Also reachable from the attention module (not as a submodule: the state dict keeps
+        # FastVideo's key), so the call finds it without reading the layer index.
+        attn.__dict__[_GATE_REF] = module
+        return [(parent, GATE_MODULE_NAME), (attn, _GATE_REF)]
 
     def attend_sharded(self, q, k, v, call, ulysses):
         # The gate projection reads this rank's hidden-state shard: a sequence shard like q,
@@ -176,17 +181,20 @@ class _VSA(_SparseMethod):
             topk=self.topk,
             sparsity=None if self.topk is not None else sparsity,
             gate=gate.transpose(1, 2),
+            scale=call.scale,
         )
 
     def _gate(self, q, call, text_tokens):
         """``(gate [B, H, S, D], sparsity)`` for q ``[B, H, S, D]``."""
-        module = getattr(call.attn, GATE_MODULE_NAME, None) if self.gate else None
-        if module is None:  # no gate: the fine stage alone, as a zero-initialised gate gives
+        module = getattr(call.attn, _GATE_REF, None) if self.gate else None
+        if module is None:  # no gate: the fine stage alone, as a zero gate gives
             return q.new_zeros(()).expand_as(q), self.sparsity
-        # The gate projection reads the video stream (HunyuanVideo's processor gets the video
-        # tokens as hidden_states, the text separately); text rows have no coarse term, so
-        # their gate rows are zeros that video_sparse_attn ignores.
-        gate = module.gate(call.hidden_states, q[:, :, : q.shape[2] - text_tokens])
+        # The gate reads the video stream (HunyuanVideo's attention gets the video tokens as
+        # hidden_states, the text separately); text rows have no coarse term, so their gate
+        # rows are zeros that video_sparse_attn ignores.
+        B, H, S, D = q.shape
+        video = S - text_tokens
+        gate = module(call.hidden_states).view(B, video, H, D).transpose(1, 2).to(q.dtype)
         if text_tokens:
             gate = F.pad(gate, (0, 0, 0, text_tokens))
         return gate, module.sparsity  # a SparsitySchedule may have changed it
@@ -204,7 +212,22 @@ class _VSA(_SparseMethod):
             sparsity=sparsity,
             gate=gate,
             text_tokens=text_tokens,
+            scale=call.scale,
         )
+
+
+def _storage_device(weight: torch.Tensor) -> torch.device:
+    # Sequential CPU offload leaves meta tensors in the model; the gate then lives on the CPU
+    # and VSAGate.forward moves it to the input's device.
+    return torch.device("cpu") if weight.is_meta else weight.device
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    # Layerwise casting stores weights in float8 and computes in a wider dtype: keep the gate
+    # in float32 then (VSAGate.forward casts to the input's dtype).
+    if weight.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        return weight.dtype
+    return torch.float32
 
 
 @_register
@@ -220,6 +243,7 @@ class _PSA(_SparseMethod):
     (``stripe_attn(text_tokens=...)``)."""
 
     name = "psa"
+    uses_step = True
 
     def __init__(
         self,
@@ -259,6 +283,7 @@ class _PSA(_SparseMethod):
         # buffers (_LIST_BUFFERS) for this forward's step and grid.
         self.lists_ready = False
         self._lists_key: tuple | None = None
+        self._dense_forwards = 0  # forwards in a row on the plan's dense steps (see below)
 
     def check_model(self, num_layers, heads):
         if self.plan is not None:
@@ -282,7 +307,7 @@ class _PSA(_SparseMethod):
                 f"pipeline runs {num_steps}: its step buckets would not line up"
             )
 
-    def add_modules(self, attn, *, dim, heads, head_dim):
+    def add_modules(self, parent, attn, *, dim, heads, head_dim):
         for name in _LIST_BUFFERS:
             if hasattr(attn, name):
                 raise ValueError(f"{type(attn).__name__} already has an attribute {name!r}")
@@ -301,9 +326,10 @@ class _PSA(_SparseMethod):
         for models without text tokens in the self-attention (Wan): when this hook is itself
         traced (the whole transformer compiled), under sequence parallelism, or with text
         tokens (HunyuanVideo), the processors take the specs path instead."""
+        self._warn_if_never_sparse(state)
         if (
             state.ulysses is not None
-            or state.adapter.has_text_tokens
+            or state.spec.extra_tokens != "none"
             or torch.compiler.is_compiling()
         ):
             self.lists_ready = False
@@ -314,12 +340,31 @@ class _PSA(_SparseMethod):
             self._lists_key = key
         self.lists_ready = True
 
+    def _warn_if_never_sparse(self, state) -> None:
+        """Warn once when a whole generation's worth of forwards (two per step, for
+        classifier-free guidance) ran on the plan's dense steps: the step is not advancing, so
+        the plan never gets to its sparse steps."""
+        if self.plan is None or torch.compiler.is_compiling():
+            return
+        if self._bucket_start(state.step) is not None:
+            self._dense_forwards = 0
+            return
+        self._dense_forwards += 1
+        if self._dense_forwards == 2 * self.plan.num_steps + 1:
+            warnings.warn(
+                f"vidsparse: {self._dense_forwards} forwards in a row ran on the PSA plan's "
+                f"dense steps (step {state.step}); the denoising step is not advancing, so no "
+                "sparse step runs. Patch the pipeline (apply_sparse_attention(pipe, ...)), or "
+                "call set_denoising_step / pass DenoisingStepCallback",
+                stacklevel=2,
+            )
+
     def _install_lists(self, state, device) -> None:
         grid = self.grid(state.shape)
-        modules = [attn for attn, _ in state.originals]
+        modules = [attn for _, attn in state.layers]
         lists = []  # per layer: (indices, counts, sizes), or Nones on a dense step
-        for attn in modules:
-            specs = self.specs_at(state.step, attn.processor.layer)
+        for layer in range(len(modules)):
+            specs = self.specs_at(state.step, layer)
             lists.append(
                 (None, None, None)
                 if specs is None
@@ -358,7 +403,7 @@ class _PSA(_SparseMethod):
     def attend_sharded(self, q, k, v, call, ulysses):
         specs = self.specs_at(call.step, call.layer)
         if specs is None:  # a dense step of the plan
-            return ulysses(lambda heads, qh, kh, vh: sdpa(qh, kh, vh, call), q, k, v)
+            return ulysses(lambda heads, qh, kh, vh: call.dense(qh, kh, vh), q, k, v)
         return ulysses.stripe_attn(
             q,
             k,
@@ -367,11 +412,12 @@ class _PSA(_SparseMethod):
             specs,  # all heads: each rank takes its own
             spatial_unit=self.spatial_unit,  # "block" whenever a plan is given (__init__)
             sink_frames=self.sink_frames,
+            scale=call.scale,
         )
 
     def attend(self, q, k, v, call):
         if self._bucket_start(call.step) is None:  # a dense step of the plan (any layer)
-            return sdpa(q, k, v, call)
+            return call.dense(q, k, v)
         return super().attend(q, k, v, call)
 
     def sparse(self, q, k, v, call, text_tokens):
@@ -379,7 +425,8 @@ class _PSA(_SparseMethod):
         if self.lists_ready and text_tokens == 0 and indices is not None:
             # This layer's lists as tensors (before_forward), not its specs: see there.
             counts, sizes = (getattr(call.attn, name) for name in _LIST_BUFFERS[1:])
-            return stripe_attn_from_lists(q, k, v, self.grid(call.shape), indices, counts, sizes)
+            grid = self.grid(call.shape)
+            return stripe_attn_from_lists(q, k, v, grid, indices, counts, sizes, scale=call.scale)
         return stripe_attn(
             q,
             k,
@@ -389,6 +436,7 @@ class _PSA(_SparseMethod):
             spatial_unit=self.spatial_unit,
             sink_frames=self.sink_frames,
             text_tokens=text_tokens,
+            scale=call.scale,
         )
 
 
@@ -411,7 +459,7 @@ class _STA(_SparseMethod):
         check_sliding_window(self.window, self.grid(shape))
 
     def sparse(self, q, k, v, call, text_tokens):
-        return sliding_tile_attn(q, k, v, self.grid(call.shape), self.window)
+        return sliding_tile_attn(q, k, v, self.grid(call.shape), self.window, scale=call.scale)
 
 
 METHODS = tuple(METHOD_CLASSES)

@@ -1,224 +1,206 @@
-"""The model adapters table (Wan 2.1, HunyuanVideo) and their processors: q/k/v formed as the
-stock processor forms them, the attention itself handed to the shared state."""
+"""The models table: per covered diffusers class, only what differs between them -- which
+modules are the video self-attention, how the latent grid follows from the forward's inputs,
+and whether text tokens follow the video tokens in that attention. Everything else (q/k/v,
+norms, RoPE, masks, output projections) stays the model's own code."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from vidsparse.integrations.diffusers.state import ModelAdapter, SparseState
-
-SUPPORTED_MODELS = ("WanTransformer3DModel", "HunyuanVideoTransformer3DModel")
-
+from vidsparse.integrations.diffusers.state import ModelSpec
 
 # ---------------------------------------------------------------------------------------------
-# processors (one per model family): q/k/v as the stock processor, attention through the state
+# grids from the forward's inputs
 # ---------------------------------------------------------------------------------------------
 
 
-class _SparseAttnProcessor:
-    """What the processors share: the patched transformer's state, and the index of their
-    layer (the methods' per-layer choices, e.g. PSA's specs, read it)."""
-
-    def __init__(self, state: SparseState, layer: int):
-        self.state, self.layer = state, layer
-
-
-class WanSparseAttnProcessor(_SparseAttnProcessor):
-    """Replaces ``WanAttnProcessor`` on Wan's video self-attention (``blocks[i].attn1``)."""
-
-    def __call__(
-        self,
-        attn,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        if encoder_hidden_states is not None or attention_mask is not None:
-            raise ValueError("WanSparseAttnProcessor is for self-attention without a mask")
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
-        # Steps 1-3 of WanAttnProcessor.__call__ for self-attention (no image branch).
-        query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = attn.norm_q(query), attn.norm_k(key)
-        query, key, value = (x.unflatten(2, (attn.heads, -1)) for x in (query, key, value))
-        if rotary_emb is not None:
-            query = _wan_rotary(query, *rotary_emb)
-            key = _wan_rotary(key, *rotary_emb)
-
-        out = self.state.attend(attn, self.layer, query, key, value, hidden_states)
-        out = out.flatten(2, 3).type_as(query)
-        return attn.to_out[1](attn.to_out[0](out))
+def _argument(args: tuple, kwargs: dict, name: str, position: int):
+    if name in kwargs:
+        return kwargs[name]
+    if len(args) > position:
+        return args[position]
+    raise ValueError(f"the transformer was called without {name}")
 
 
-def _wan_rotary(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor):
-    # A copy of the closure inside WanAttnProcessor.__call__ (it cannot be imported).
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    cos = freqs_cos[..., 0::2]
-    sin = freqs_sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * cos - x2 * sin
-    out[..., 1::2] = x1 * sin + x2 * cos
-    return out.type_as(x)
+def _latents(args, kwargs):
+    hidden_states = _argument(args, kwargs, "hidden_states", 0)
+    if getattr(hidden_states, "ndim", None) != 5:
+        got = getattr(hidden_states, "shape", type(hidden_states).__name__)
+        raise ValueError(f"expected latents [B, C, F, H, W] as hidden_states, got {got}")
+    return hidden_states
 
 
-class HunyuanVideoSparseAttnProcessor(_SparseAttnProcessor):
-    """Replaces ``HunyuanVideoAttnProcessor2_0`` in HunyuanVideo's dual- and single-stream
-    blocks. The joint sequence is ``[video tokens | text tokens]``; text is attended densely
-    and its padding (``attention_mask``) is honoured."""
-
-    def __call__(
-        self,
-        attn,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        if encoder_hidden_states is None:
-            raise ValueError("HunyuanVideoSparseAttnProcessor expects the text stream")
-        text = encoder_hidden_states.shape[1]
-        query, key, value = _hunyuan_qkv(
-            attn, hidden_states, encoder_hidden_states, image_rotary_emb
-        )
-        mask = _key_mask(attention_mask, query.shape[0], query.shape[1])
-        out = self.state.attend(attn, self.layer, query, key, value, hidden_states, text, mask)
-        out = out.flatten(2, 3).to(query.dtype)
-        # Step 6 of the stock processor: split the streams, project each.
-        out, encoder_out = out[:, :-text], out[:, -text:]
-        if getattr(attn, "to_out", None) is not None:
-            out = attn.to_out[1](attn.to_out[0](out))
-        if getattr(attn, "to_add_out", None) is not None:
-            encoder_out = attn.to_add_out(encoder_out)
-        return out, encoder_out
+def _patched(sizes, patch) -> tuple[int, int, int]:
+    return tuple(int(n) // int(p) for n, p in zip(sizes, patch))
 
 
-def _hunyuan_qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb):
-    """Steps 1-4 of ``HunyuanVideoAttnProcessor2_0.__call__``: ``[B, S_video + S_text, H, D]``."""
-    from diffusers.models.embeddings import apply_rotary_emb
-
-    single_stream = attn.add_q_proj is None  # text goes through the video projections
-    text = encoder_hidden_states.shape[1]
-    if single_stream:
-        hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-    query, key, value = _heads_qkv(
-        attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v), (attn.norm_q, attn.norm_k)
-    )
-    if image_rotary_emb is not None:  # RoPE on the video tokens only
-        rope = lambda x: apply_rotary_emb(x, image_rotary_emb, sequence_dim=1)
-        if single_stream:
-            query = torch.cat([rope(query[:, :-text]), query[:, -text:]], dim=1)
-            key = torch.cat([rope(key[:, :-text]), key[:, -text:]], dim=1)
-        else:
-            query, key = rope(query), rope(key)
-    if not single_stream:
-        eq, ek, ev = _heads_qkv(
-            attn,
-            encoder_hidden_states,
-            (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj),
-            (attn.norm_added_q, attn.norm_added_k),
-        )
-        query, key, value = (torch.cat(p, dim=1) for p in ((query, eq), (key, ek), (value, ev)))
-    return query, key, value
+def _grid_from_patch_size(model, args, kwargs):
+    """``[B, C, F, H, W]`` latents and ``config.patch_size = (p_t, p_h, p_w)`` (Wan's family,
+    Cosmos)."""
+    return _patched(_latents(args, kwargs).shape[2:], model.config.patch_size)
 
 
-def _heads_qkv(attn, x, projections, norms):
-    """One stream's q, k, v ``[B, S, heads, D]`` through ``projections``, q and k through
-    ``norms`` where the model has them."""
-    query, key, value = (proj(x).unflatten(2, (attn.heads, -1)) for proj in projections)
-    norm_q, norm_k = norms
-    if norm_q is not None:
-        query = norm_q(query)
-    if norm_k is not None:
-        key = norm_k(key)
-    return query, key, value
+def _grid_from_patch_t(model, args, kwargs):
+    """``[B, C, F, H, W]`` latents, ``config.patch_size_t`` and a square ``config.patch_size``
+    (HunyuanVideo, HunyuanVideo 1.5)."""
+    p = model.config.patch_size
+    return _patched(_latents(args, kwargs).shape[2:], (model.config.patch_size_t, p, p))
 
 
-def _key_mask(attention_mask, batch: int, seq: int) -> torch.Tensor | None:
-    """HunyuanVideo's ``[B, 1, 1, S]`` bool key mask (checked), or ``None`` when there is none;
-    a mask with every key real takes the sparse path without the per-sample loop too."""
-    if attention_mask is None:
-        return None
-    if attention_mask.dtype != torch.bool or tuple(attention_mask.shape) != (batch, 1, 1, seq):
+def _grid_channels_last(model, args, kwargs):
+    """``[B, F, H, W, C]`` latents and ``config.patch_size`` (Kandinsky 5)."""
+    hidden_states = _argument(args, kwargs, "hidden_states", 0)
+    if getattr(hidden_states, "ndim", None) != 5:
+        got = getattr(hidden_states, "shape", type(hidden_states).__name__)
+        raise ValueError(f"expected latents [B, F, H, W, C] as hidden_states, got {got}")
+    return _patched(hidden_states.shape[1:4], model.config.patch_size)
+
+
+def _packed_sizes(kwargs) -> tuple[int, int, int]:
+    missing = [k for k in ("num_frames", "height", "width") if kwargs.get(k) is None]
+    if missing:
         raise ValueError(
-            f"expected a bool key mask [B, 1, 1, S] = {(batch, 1, 1, seq)}, got "
-            f"{attention_mask.dtype} {tuple(attention_mask.shape)}"
+            f"the transformer was called without {', '.join(missing)}: the latent grid of "
+            "packed [B, S, C] hidden_states comes from them (pass them as keyword arguments)"
         )
-    return attention_mask
+    return tuple(int(kwargs[k]) for k in ("num_frames", "height", "width"))
+
+
+def _grid_ltx(model, args, kwargs):
+    """Packed ``[B, S, C]`` latents; the grid is the ``num_frames``/``height``/``width`` kwargs
+    (LTX-Video patches before the transformer)."""
+    return _packed_sizes(kwargs)
+
+
+def _grid_ltx2(model, args, kwargs):
+    """Packed ``[B, S, C]`` latents; LTX-2 patches ``num_frames``/``height``/``width`` in the
+    transformer, rounding up."""
+    sizes = _packed_sizes(kwargs)
+    patch = (model.config.patch_size_t, model.config.patch_size, model.config.patch_size)
+    return tuple(-(-n // p) for n, p in zip(sizes, patch))
 
 
 # ---------------------------------------------------------------------------------------------
-# model adapters
+# which modules are the video self-attention
 # ---------------------------------------------------------------------------------------------
 
 
-def _wan_layers(model) -> list[tuple[int, nn.Module]]:
-    # attn1 is the video self-attention; attn2 (cross-attention to text) stays stock.
-    return [(i, block.attn1) for i, block in enumerate(model.blocks)]
+def _modules(model, *patterns: tuple[str, str]) -> list[tuple[str, nn.Module]]:
+    """``(path, module)`` for ``<blocks>.<i>.<attr>`` of each ``(blocks, attr)`` pattern, in the
+    order given (the order the forward runs them)."""
+    out = []
+    for blocks, attr in patterns:
+        for i, block in enumerate(getattr(model, blocks, None) or ()):
+            out.append((f"{blocks}.{i}.{attr}", getattr(block, attr)))
+    return out
 
 
-def _hunyuan_layers(model) -> list[tuple[int, nn.Module]]:
-    # Dual-stream blocks first, then single-stream: the order the forward runs them.
-    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-    return [(i, block.attn) for i, block in enumerate(blocks)]
+def _wan_layers(model):
+    # attn1 is the video self-attention; attn2 (cross-attention to text and image) stays stock.
+    return _modules(model, ("blocks", "attn1"))
 
 
-_ADAPTERS = {
-    "WanTransformer3DModel": ModelAdapter(
-        name="WanTransformer3DModel",
-        stock_processor="WanAttnProcessor",
-        processor_cls=WanSparseAttnProcessor,
-        has_text_tokens=False,
-        attention_layers=_wan_layers,
-        patch_size=lambda m: tuple(m.config.patch_size),
-    ),
-    "HunyuanVideoTransformer3DModel": ModelAdapter(
-        name="HunyuanVideoTransformer3DModel",
-        stock_processor="HunyuanVideoAttnProcessor2_0",
-        processor_cls=HunyuanVideoSparseAttnProcessor,
-        has_text_tokens=True,
-        attention_layers=_hunyuan_layers,
-        patch_size=lambda m: (m.config.patch_size_t, m.config.patch_size, m.config.patch_size),
-    ),
+def _vace_layers(model):
+    # The VACE blocks (run first, on the control video's tokens: the same grid) and the blocks.
+    return _modules(model, ("vace_blocks", "attn1"), ("blocks", "attn1"))
+
+
+def _hunyuan_layers(model):
+    # Dual-stream blocks, then single-stream ones; both hold the joint [video | text] sequence.
+    return _modules(model, ("transformer_blocks", "attn"), ("single_transformer_blocks", "attn"))
+
+
+def _hunyuan15_layers(model):
+    return _modules(model, ("transformer_blocks", "attn"))
+
+
+def _transformer_blocks_attn1(model):
+    # LTX, LTX-2 (attn1; audio_attn1 and the audio-video cross-attentions stay stock), Cosmos.
+    return _modules(model, ("transformer_blocks", "attn1"))
+
+
+def _kandinsky_layers(model):
+    # The visual blocks' self-attention; the text blocks' self-attention is over text only.
+    return _modules(model, ("visual_transformer_blocks", "self_attention"))
+
+
+# Video tokens are in raster (t, h, w) order in every model below; conditioning frames
+# (VACE's references, Wan-Animate's character, ChronoEdit's input image) are frames of the grid.
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec("WanTransformer3DModel", _wan_layers, _grid_from_patch_size),
+        ModelSpec("WanVACETransformer3DModel", _vace_layers, _grid_from_patch_size),
+        ModelSpec("WanAnimateTransformer3DModel", _wan_layers, _grid_from_patch_size),
+        ModelSpec("SkyReelsV2Transformer3DModel", _wan_layers, _grid_from_patch_size),
+        ModelSpec("ChronoEditTransformer3DModel", _wan_layers, _grid_from_patch_size),
+        ModelSpec("HunyuanVideoTransformer3DModel", _hunyuan_layers, _grid_from_patch_t, "after"),
+        ModelSpec(
+            "HunyuanVideo15Transformer3DModel",
+            _hunyuan15_layers,
+            _grid_from_patch_t,
+            "after",
+            square_key_mask=True,
+        ),
+        ModelSpec("LTXVideoTransformer3DModel", _transformer_blocks_attn1, _grid_ltx),
+        ModelSpec("LTX2VideoTransformer3DModel", _transformer_blocks_attn1, _grid_ltx2),
+        ModelSpec("CosmosTransformer3DModel", _transformer_blocks_attn1, _grid_from_patch_size),
+        ModelSpec("Kandinsky5Transformer3DModel", _kandinsky_layers, _grid_channels_last),
+    )
+}
+SUPPORTED_MODELS = tuple(MODELS)
+
+# Video transformers of diffusers this integration does not cover, and why.
+_DIRECT_SDPA = "its attention calls F.scaled_dot_product_attention directly"
+UNSUPPORTED_MODELS = {
+    "CogVideoXTransformer3DModel": f"{_DIRECT_SDPA} on the joint [text | video] sequence",
+    "ConsisIDTransformer3DModel": f"{_DIRECT_SDPA} on the joint [text | video] sequence",
+    "EasyAnimateTransformer3DModel": f"{_DIRECT_SDPA} on the joint [text | video] sequence",
+    "MochiTransformer3DModel": f"{_DIRECT_SDPA}, one call per sample",
+    "AllegroTransformer3DModel": _DIRECT_SDPA,
+    "LatteTransformer3DModel": f"{_DIRECT_SDPA}, spatial and temporal attention apart",
+    "SanaVideoTransformer3DModel": "its attention is linear (ReLU kernels), not softmax",
 }
 
 
-def adapter_for(transformer) -> ModelAdapter:
-    """The adapter of ``transformer``'s exact class; ``TypeError`` for an unsupported model."""
-    # The exact class, not isinstance: subclasses (VACE, Animate, ...) add attention layers
-    # this integration has not been checked against.
+def spec_for(transformer) -> ModelSpec:
+    """The record of ``transformer``'s exact class; ``TypeError`` listing the covered ones."""
+    # The exact class, not isinstance: a subclass may add attention layers this table has not
+    # been checked against.
     name = type(transformer).__name__
-    adapter = _ADAPTERS.get(name)
-    if adapter is None or not type(transformer).__module__.startswith("diffusers."):
-        raise TypeError(
-            f"apply_sparse_attention does not support {name}; supported diffusers models: "
-            f"{', '.join(SUPPORTED_MODELS)}"
-        )
-    return adapter
+    spec = MODELS.get(name)
+    if spec is not None and type(transformer).__module__.startswith("diffusers."):
+        return spec
+    reason = UNSUPPORTED_MODELS.get(name, "it is not in vidsparse's models table")
+    raise TypeError(
+        f"vidsparse does not support {name}: {reason}. Supported diffusers models: "
+        f"{', '.join(SUPPORTED_MODELS)}"
+    )
 
 
-def check_stock_processors(adapter: ModelAdapter, layers, sequence_parallel: bool) -> None:
-    """Every layer still has diffusers' stock processor, without context parallelism unless
-    ``sequence_parallel``; ``ValueError`` otherwise."""
-    for index, attn in layers:
-        processor = attn.processor
-        if type(processor).__name__ != adapter.stock_processor:
-            raise ValueError(
-                f"layer {index} uses attention processor {type(processor).__name__}; "
-                f"apply_sparse_attention replaces only diffusers' {adapter.stock_processor} "
-                "(remove other processors first)"
-            )
+def check_no_foreign_parallelism(layers, sequence_parallel: bool) -> None:
+    """``ValueError`` if diffusers' context parallelism is on and ``ulysses=`` was not given."""
+    for path, attn in layers:
+        processor = getattr(attn, "processor", None)
         if getattr(processor, "_parallel_config", None) is not None and not sequence_parallel:
             raise ValueError(
-                "context parallelism is enabled on this transformer, so its attention sees "
-                "sequence shards: pass ulysses=vidsparse.parallel.UlyssesAttention() to "
-                "apply_sparse_attention"
+                f"context parallelism is enabled on this transformer ({path}), so its "
+                "attention sees sequence shards: pass "
+                "ulysses=vidsparse.parallel.UlyssesAttention() to apply_sparse_attention"
             )
+
+
+def query_projection(attn) -> nn.Linear:
+    """The attention module's q projection (``to_q``; Kandinsky 5: ``to_query``)."""
+    for name in ("to_q", "to_query"):
+        proj = getattr(attn, name, None)
+        if isinstance(proj, nn.Linear):
+            return proj
+    raise TypeError(f"{type(attn).__name__} has no to_q/to_query projection")
 
 
 def attention_dims(attn) -> tuple[int, int, int]:
     """``(heads, head_dim, model dim)`` of an attention module."""
-    heads = attn.heads
-    inner = attn.to_q.out_features
-    return heads, inner // heads, attn.to_q.in_features
+    heads = getattr(attn, "heads", None) or attn.num_heads
+    proj = query_projection(attn)
+    return heads, proj.out_features // heads, proj.in_features

@@ -1,10 +1,11 @@
-"""What the other modules share, defined below them all: one attention call, the interface of
-a method (the methods registry implements it), a model adapter's record (the table of them is in
-``models``), and the state the processors of one patched transformer share."""
+"""What the other modules share, defined below them all: one attention call as a method sees
+it, the interface of a method (the methods registry implements it), a model's record (the
+table of them is in ``models``), and the state of one patched transformer."""
 
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,21 +13,35 @@ from typing import Any
 import torch
 from torch import nn
 
+logger = logging.getLogger("vidsparse.integrations.diffusers")
+
 STATE_ATTR = "_vidsparse_state"
 """The transformer's attribute that holds its :class:`SparseState` while it is patched."""
 
 
 @dataclass(frozen=True)
 class Call:
-    """One attention call, as a method sees it."""
+    """One video self-attention call, as a method sees it (q/k/v ``[B, H, S, D]``)."""
 
     attn: nn.Module
-    layer: int
     step: int
     shape: tuple[int, int, int]  # latent grid in tokens
-    text_tokens: int  # tokens after the video tokens (HunyuanVideo's text), attended densely
-    hidden_states: torch.Tensor  # the attention's input [B, S, dim] (VSA's gate reads it)
-    mask: torch.Tensor | None  # SDPA key mask [B, 1, 1, S] (HunyuanVideo's text padding)
+    text_tokens: int  # tokens after the video tokens (text, ...), attended densely
+    hidden_states: torch.Tensor | None  # the attention module's input [B, S, dim] (the gate's)
+    mask: torch.Tensor | None  # bool key mask [B, 1, 1, S] (padded text keys are False)
+    scale: float | None  # softmax scale the model asked for (None: 1/sqrt(D))
+    dense_fn: Callable  # diffusers' attention of [B, S, H, D] q/k/v, as the processor asked
+
+    @property
+    def layer(self) -> int:
+        """The layer index (position in the model's list of video self-attention modules).
+        Read it only where it matters: under ``torch.compile`` it is a guard, one graph per
+        layer."""
+        return self.attn._vidsparse_layer
+
+    def dense(self, q, k, v) -> torch.Tensor:
+        """Diffusers' attention (the backend the user chose, the model's mask) of this call."""
+        return self.dense_fn(*(x.transpose(1, 2) for x in (q, k, v))).transpose(1, 2)
 
 
 class Method(abc.ABC):
@@ -34,6 +49,7 @@ class Method(abc.ABC):
 
     name = "?"
     supports_text_tokens = True  # runs on models whose self-attention holds text (HunyuanVideo)
+    uses_step = False  # reads the denoising step (PSA's plan buckets, the capture)
 
     # Hooks a method may override; the defaults accept everything.
     def check_model(self, num_layers: int, heads: int) -> None:  # noqa: B027
@@ -45,7 +61,9 @@ class Method(abc.ABC):
     def check_num_steps(self, num_steps: int) -> None:  # noqa: B027
         return None
 
-    def add_modules(self, attn, *, dim, heads, head_dim) -> list[tuple[nn.Module, str]]:
+    def add_modules(self, parent, attn, *, dim, heads, head_dim) -> list[tuple[nn.Module, str]]:
+        """Modules or buffers to register (on ``parent``, the block that holds ``attn``, or on
+        ``attn``); returns ``(module, name)`` pairs that removal deletes."""
         return []
 
     def before_forward(self, state: SparseState, device: torch.device) -> None:  # noqa: B027
@@ -63,51 +81,61 @@ class Method(abc.ABC):
 
 
 @dataclass(frozen=True)
-class ModelAdapter:
-    """One supported model family: how to find its video self-attention layers and patch size."""
+class ModelSpec:
+    """What differs between the covered model classes (one row of ``models.MODELS``)."""
 
-    name: str
-    stock_processor: str  # class name of the processor we replace
-    processor_cls: type
-    has_text_tokens: bool  # text tokens appended in the self-attention
-    attention_layers: Callable[[nn.Module], list[tuple[int, nn.Module]]]
-    patch_size: Callable[[nn.Module], tuple[int, int, int]]
+    name: str  # the diffusers class name
+    # (dotted path, module) of every video self-attention module, in the order the forward
+    # runs them; the position in this list is the layer index of plans and captures
+    self_attention: Callable[[nn.Module], list[tuple[str, nn.Module]]]
+    # the latent grid in tokens (T, H, W), from the transformer and its forward's args/kwargs
+    grid: Callable[[nn.Module, tuple, dict], tuple[int, int, int]]
+    # tokens after the video in the self-attention (text): "none", or "after" (their count is
+    # the call's length minus the grid's tokens; a key mask marks padded ones)
+    extra_tokens: str = "none"
+    # the model's mask is [B, 1, S, S] = m_i & m_j (HunyuanVideo 1.5): its first row (a video
+    # query, always real) is the key mask
+    square_key_mask: bool = False
 
 
 @dataclass
 class SparseState:
-    """What the processors of one transformer share; lives on it as ``_vidsparse_state``."""
+    """What the hooks of one transformer share; lives on it as ``_vidsparse_state``."""
 
-    adapter: ModelAdapter
+    spec: ModelSpec
     method: Method
+    name: str = "transformer"  # its name in the pipeline
+    layers: list = field(default_factory=list)  # (path, attention module) per layer
     shape: tuple[int, int, int] | None = None  # latent grid in tokens, set by the pre-hook
     step: int = 0
-    originals: list = field(default_factory=list)  # (attention module, original processor)
-    added: list = field(default_factory=list)  # (module, submodule name) we registered
-    hook: Any = None
+    scheduler: Any = None  # a pipeline's scheduler: the step comes from its step_index
+    dispatch_modules: tuple = ()  # model modules whose dispatch_attention_fn routes to us
+    handles: list = field(default_factory=list)  # (module, hook id) of every hook we added
+    added: list = field(default_factory=list)  # (module, attribute name) we registered
     ulysses: Any = None  # a vidsparse.parallel.UlyssesAttention: inputs are sequence shards
+    forwards: int = 0
+    _logged: set = field(default_factory=set)
 
-    def attend(self, attn, layer, query, key, value, hidden_states, text_tokens=0, mask=None):
-        """Attention of ``[B, S, heads, D]`` q/k/v (video first, then ``text_tokens``) in
-        diffusers' layout; the method sees ``[B, heads, S, D]``."""
-        if self.ulysses is not None:
-            return self._attend_sharded(attn, layer, query, key, value, hidden_states)
-        shape = self._shape_for(query.shape[1] - text_tokens)
-        q, k, v = (x.transpose(1, 2) for x in (query, key, value))
-        call = Call(attn, layer, self.step, shape, text_tokens, hidden_states, mask)
-        return self.method.attend(q, k, v, call).transpose(1, 2)
+    def log_once(self, key: str, message: str, *args) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning(message, *args)
 
-    def _attend_sharded(self, attn, layer, query, key, value, hidden_states):
-        """``[B, S/P, heads, D]`` sequence shards in and out; the method runs over the whole
-        sequence of this rank's heads between the Ulysses exchanges."""
-        shape = self._shape_for(query.shape[1] * self.ulysses.world_size)
-        call = Call(attn, layer, self.step, shape, 0, hidden_states, None)
-        return self.method.attend_sharded(query, key, value, call, self.ulysses)
+    def current_step(self) -> int:
+        """The denoising step: the scheduler's (when a pipeline was patched), else the one set
+        by ``set_denoising_step`` or the step callback."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return self.step
+        index = getattr(scheduler, "step_index", None)
+        if index is None:  # before the first scheduler.step() of this generation
+            index = getattr(scheduler, "begin_index", None) or 0
+        return int(index)
 
-    def _shape_for(self, video_tokens: int) -> tuple[int, int, int]:
+    def video_shape(self, video_tokens: int) -> tuple[int, int, int]:
         if self.shape is None:
             raise RuntimeError(
-                "vidsparse processor called outside the transformer's forward: the latent grid "
+                "vidsparse attention called outside the transformer's forward: the latent grid "
                 "is recorded by a pre-hook on the transformer, so call the transformer itself"
             )
         T, H, W = self.shape

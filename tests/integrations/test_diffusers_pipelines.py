@@ -1,0 +1,221 @@
+"""Pipelines (CPU, tiny random weights): every transformer of a pipeline patched in one call,
+the denoising step taken from the scheduler (Wan 2.2 A14B's two experts see the global step),
+per-transformer options, the step callback as a composable diffusers PipelineCallback, and
+diffusers' own switches (set_attention_backend) keeping their meaning."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", minversion="0.36")
+
+from diffusers import UniPCMultistepScheduler, WanPipeline  # noqa: E402
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback  # noqa: E402
+from tiny_models import TINY_MODELS  # noqa: E402
+
+from vidsparse.integrations.diffusers import (  # noqa: E402
+    DenoisingStepCallback,
+    apply_sparse_attention,
+    remove_sparse_attention,
+    set_denoising_step,
+)
+from vidsparse.integrations.diffusers.state import state_of  # noqa: E402
+from vidsparse.layout.grid import VideoGrid  # noqa: E402
+from vidsparse.masks.stripe import StripeSpec  # noqa: E402
+from vidsparse.search.plan import HeadChoice, Plan, PlanBucket  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_backend")
+STEPS = 4
+GRID = (3, 4, 5)  # 9 frames, 64 x 80 pixels: 3 x 8 x 10 latents, (1, 2, 2) patch
+
+
+def tiny_a14b_pipeline() -> WanPipeline:
+    """Wan 2.2 A14B's layout: a high-noise ``transformer`` and a low-noise ``transformer_2``
+    switching at ``boundary_ratio``; no text encoder or VAE (prompt embeddings given, latents
+    returned)."""
+    high, _ = TINY_MODELS["wan_t2v"]()
+    low, _ = TINY_MODELS["wan_t2v"]()
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    return WanPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=None,
+        transformer=high.eval(),
+        transformer_2=low.eval(),
+        scheduler=scheduler,
+        boundary_ratio=0.95,
+    )
+
+
+def generate(pipe, **kwargs) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(1, 7, 24, generator=g)
+    return pipe(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=embeds.flip(1),
+        height=64,
+        width=80,
+        num_frames=9,
+        num_inference_steps=STEPS,
+        guidance_scale=2.0,
+        output_type="latent",
+        generator=torch.Generator().manual_seed(1),
+        **kwargs,
+    ).frames
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = tiny_a14b_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def stock(pipe):
+    return generate(pipe)
+
+
+def record_steps(pipe):
+    """The step each transformer's forward runs at, recorded by a pre-hook after ours; and
+    the hook handles."""
+    seen = {"transformer": [], "transformer_2": []}
+    handles = [
+        getattr(pipe, name).register_forward_pre_hook(
+            lambda m, a, k, log=log: log.append(state_of(m).step), with_kwargs=True
+        )
+        for name, log in seen.items()
+    ]
+    return seen, handles
+
+
+def plan_for(heads=2, layers=2, dense_steps=1, model="tiny", grid=GRID) -> Plan:
+    choice = tuple(HeadChoice(StripeSpec.dense(), "block", 0.0, 0.0, 1.0) for _ in range(heads))
+    bucket = PlanBucket(dense_steps, STEPS, {i: choice for i in range(layers)})
+    return Plan(
+        model=model,
+        grid=VideoGrid(grid, (4, 4, 4)),
+        num_heads=heads,
+        num_steps=STEPS,
+        dense_steps=dense_steps,
+        buckets=(bucket,),
+        selection={"mode": "alpha", "alpha": 0.05, "target_sparsity": None, "metric": "rel_l2"},
+    )
+
+
+def test_both_experts_are_patched_and_follow_the_global_step(pipe, stock):
+    plans = {"transformer": plan_for(dense_steps=1), "transformer_2": plan_for(dense_steps=2)}
+    apply_sparse_attention(pipe, "psa", plan=plans)
+    try:
+        assert state_of(pipe.transformer).method.plan is plans["transformer"]
+        assert state_of(pipe.transformer_2).method.plan is plans["transformer_2"]
+        seen, handles = record_steps(pipe)
+        try:
+            out = generate(pipe)
+        finally:
+            for handle in handles:
+                handle.remove()
+    finally:
+        remove_sparse_attention(pipe)
+    # Classifier-free guidance: two forwards per step; the low-noise expert takes over late
+    # and sees the pipeline's step index, not a count of its own calls.
+    steps = sorted(set(seen["transformer"]) | set(seen["transformer_2"]))
+    assert steps == list(range(STEPS))
+    assert seen["transformer_2"] and min(seen["transformer_2"]) > 0
+    torch.testing.assert_close(out, stock, atol=1e-4, rtol=0)  # all-dense specs
+
+
+def test_per_transformer_options_must_name_every_transformer(pipe):
+    with pytest.raises(ValueError, match="per transformer"):
+        apply_sparse_attention(pipe, "psa", plan={"transformer": plan_for()})
+    assert not hasattr(pipe.transformer, "_vidsparse_state")
+    assert not hasattr(pipe.transformer_2, "_vidsparse_state")
+
+
+def test_a_bad_option_patches_neither_transformer(pipe):
+    with pytest.raises(TypeError, match="unknown"):
+        apply_sparse_attention(pipe, "vsa", sparsity=0.5, window=3)
+    assert not hasattr(pipe.transformer, "_vidsparse_state")
+    assert not hasattr(pipe.transformer_2, "_vidsparse_state")
+
+
+def test_vsa_on_the_pipeline_and_removal(pipe, stock):
+    apply_sparse_attention(pipe, "vsa", sparsity=0.5)
+    try:
+        out = generate(pipe)
+    finally:
+        remove_sparse_attention(pipe)
+    assert torch.isfinite(out).all() and not torch.allclose(out, stock, atol=1e-4)
+    assert torch.equal(generate(pipe), stock)
+
+
+def test_step_callback_is_a_pipeline_callback_that_composes(pipe):
+    model = pipe.transformer
+    apply_sparse_attention(model, "psa", specs=[StripeSpec.dense()] * 2)
+    try:
+        callback = DenoisingStepCallback(model)
+        assert isinstance(callback, PipelineCallback) and callback.tensor_inputs == []
+        seen = []
+
+        class Spy(PipelineCallback):
+            tensor_inputs = []
+
+            def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+                seen.append(state_of(model).step)
+                return callback_kwargs
+
+        generate(pipe, callback_on_step_end=MultiPipelineCallbacks([callback, Spy()]))
+        assert seen == [1, 2, 3, 0]  # after the last step, back to 0 for the next generation
+    finally:
+        remove_sparse_attention(model)
+
+
+def test_a_plan_that_never_leaves_its_dense_steps_warns_once():
+    model, inputs = TINY_MODELS["wan_t2v"]()
+    apply_sparse_attention(model.eval(), "psa", plan=plan_for(dense_steps=1, grid=(3, 8, 10)))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                for _ in range(3 * STEPS):
+                    model(**inputs)
+        messages = [str(w.message) for w in caught if "not advancing" in str(w.message)]
+        assert len(messages) == 1
+        set_denoising_step(model, 1)  # a bare transformer: the user drives the step
+    finally:
+        remove_sparse_attention(model)
+
+
+def test_set_denoising_step_is_refused_where_the_scheduler_drives_it(pipe):
+    apply_sparse_attention(pipe, "vsa", sparsity=0.5)
+    try:
+        with pytest.raises(ValueError, match="scheduler"):
+            set_denoising_step(pipe.transformer, 1)
+    finally:
+        remove_sparse_attention(pipe)
+
+
+def test_set_attention_backend_after_apply_keeps_the_sparse_path():
+    # diffusers' switch reaches every call the method leaves dense, and the sparse path stays.
+    model, inputs = TINY_MODELS["wan_t2v"]()
+    model.eval()
+    with torch.no_grad():
+        apply_sparse_attention(model, "vsa", sparsity=0.5)
+        try:
+            sparse = model(**inputs)[0]
+            model.set_attention_backend("_native_math")
+            assert torch.allclose(model(**inputs)[0], sparse, atol=1e-6)
+        finally:
+            remove_sparse_attention(model)
+            model.set_attention_backend("native")
+        assert not torch.allclose(model(**inputs)[0], sparse, atol=1e-4)
+
+
+def test_unsupported_objects_are_named():
+    with pytest.raises(TypeError, match="pipeline or a transformer"):
+        apply_sparse_attention(object(), "vsa", sparsity=0.5)
+    with pytest.raises(TypeError, match="does not support Linear.*Supported diffusers models"):
+        apply_sparse_attention(torch.nn.Linear(2, 2), "vsa", sparsity=0.5)
