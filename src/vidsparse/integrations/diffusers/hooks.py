@@ -9,6 +9,7 @@ patched transformer gives hooks bound to the copy's own state.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -29,6 +30,7 @@ from vidsparse.integrations.diffusers.state import (
     logger,
     state_of,
 )
+from vidsparse.utils.backend import resolve_backend
 
 
 def install(
@@ -218,6 +220,11 @@ class Route:
             return dense_fn(query, key, value)
         text = self._extra_tokens(query.shape[1])
         shape = state.video_shape(query.shape[1] - text)
+        if not torch.compiler.is_compiling():
+            state.log_once(
+                "kernels", "vidsparse: %s runs on the %s kernels (%s)", state.method.name,
+                resolve_backend(query.device), query.device, level=logging.INFO,
+            )  # fmt: skip
         call = self._call(shape, text, mask, args.scale, dense_fn)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         return state.method.attend(q, k, v, call).transpose(1, 2)

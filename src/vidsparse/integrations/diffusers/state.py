@@ -116,10 +116,10 @@ class SparseState:
     forwards: int = 0
     _logged: set = field(default_factory=set)
 
-    def log_once(self, key: str, message: str, *args) -> None:
+    def log_once(self, key: str, message: str, *args, level: int = logging.WARNING) -> None:
         if key not in self._logged:
             self._logged.add(key)
-            logger.warning(message, *args)
+            logger.log(level, message, *args)
 
     def current_step(self) -> int:
         """The denoising step: the scheduler's (when a pipeline was patched), else the one set

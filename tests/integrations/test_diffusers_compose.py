@@ -1,0 +1,108 @@
+"""diffusers' own features on a patched model (CPU, tiny random weights): group offloading,
+FirstBlockCache, LoRA load/fuse/unload; and a diffusers without the dispatch function this
+integration routes through is refused with the versions supported."""
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", minversion="0.36")
+
+from tiny_models import TINY_MODELS  # noqa: E402
+
+from vidsparse.integrations.diffusers import (  # noqa: E402
+    apply_sparse_attention,
+    remove_sparse_attention,
+)
+
+pytestmark = pytest.mark.usefixtures("torch_backend")
+
+
+def wan():
+    model, inputs = TINY_MODELS["wan_t2v"]()
+    return model.eval(), inputs
+
+
+@torch.no_grad()
+def run(model, inputs):
+    return model(**inputs, return_dict=False)[0]
+
+
+def test_group_offloading():
+    from diffusers.hooks import apply_group_offloading
+
+    model, inputs = wan()
+    stock = run(model, inputs)
+    cpu = torch.device("cpu")
+    apply_group_offloading(
+        model, onload_device=cpu, offload_device=cpu, offload_type="block_level",
+        num_blocks_per_group=1,
+    )  # fmt: skip
+    apply_sparse_attention(model, "dense")
+    try:
+        assert torch.equal(run(model, inputs), stock)
+    finally:
+        remove_sparse_attention(model)
+    apply_sparse_attention(model, "vsa", sparsity=0.5, gate=True)
+    try:
+        assert torch.isfinite(run(model, inputs)).all()
+    finally:
+        remove_sparse_attention(model)
+
+
+def test_first_block_cache():
+    from diffusers import FirstBlockCacheConfig
+
+    model, inputs = wan()
+    apply_sparse_attention(model, "vsa", sparsity=0.5)
+    try:
+        sparse = run(model, inputs)
+        model.enable_cache(FirstBlockCacheConfig(threshold=0.2))
+        with model.cache_context("cond"):
+            first, cached = run(model, inputs), run(model, inputs)
+        model.disable_cache()
+    finally:
+        remove_sparse_attention(model)
+    torch.testing.assert_close(first, sparse, atol=1e-6, rtol=0)
+    assert torch.isfinite(cached).all()
+
+
+def test_lora_load_fuse_unload():
+    pytest.importorskip("peft")
+    from peft import LoraConfig
+
+    model, inputs = wan()
+    apply_sparse_attention(model, "vsa", sparsity=0.5)
+    try:
+        sparse = run(model, inputs)
+        model.add_adapter(LoraConfig(r=2, target_modules=["to_q", "to_k"], init_lora_weights=False))
+        with_lora = run(model, inputs)
+        model.fuse_lora()
+        torch.testing.assert_close(run(model, inputs), with_lora, atol=1e-5, rtol=0)
+        model.unfuse_lora()
+        model.unload_lora()
+        torch.testing.assert_close(run(model, inputs), sparse, atol=1e-5, rtol=0)
+    finally:
+        remove_sparse_attention(model)
+    assert not torch.allclose(with_lora, sparse, atol=1e-4)
+
+
+def test_a_diffusers_without_the_dispatch_hook_is_refused(monkeypatch):
+    from diffusers.models import attention_dispatch
+
+    def dispatch_attention_fn(query, key, value, mask=None):  # another signature
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn", dispatch_attention_fn)
+    model, _ = wan()
+    with pytest.raises(ImportError, match="supports diffusers >= 0.36"):
+        apply_sparse_attention(model, "vsa", sparsity=0.5)
+    assert not hasattr(model, "_vidsparse_state")
+
+
+def test_a_dispatch_replaced_by_another_library_is_refused(monkeypatch):
+    from diffusers.models.transformers import transformer_wan
+
+    monkeypatch.setattr(transformer_wan, "dispatch_attention_fn", lambda *a, **k: None)
+    model, _ = wan()
+    with pytest.raises(TypeError, match="another library replaced it"):
+        apply_sparse_attention(model, "vsa", sparsity=0.5)
