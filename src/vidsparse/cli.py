@@ -1,7 +1,7 @@
 """The ``vidsparse`` command-line tool.
 
     vidsparse demo [--out DIR] [--device cpu|cuda] [--sparsity 0.875]
-    vidsparse search SAMPLES --grid T H W --tile t h w (--alpha A | --target-sparsity S) ...
+    vidsparse search SAMPLES [--grid T H W] --tile t h w (--alpha A | --target-sparsity S) ...
     vidsparse inspect PLAN [--json] [--png PATH]
     vidsparse bench [OP|all] [--out DIR] [--tiny] [--json] [--list] [-- OP OPTIONS]
 
@@ -21,7 +21,7 @@ from vidsparse.utils.files import atomic_write
 EXAMPLES = """examples:
   vidsparse demo                      # dense vs VSA vs PSA on the default workload (out/demo)
   vidsparse demo --out /tmp/r --json  # machine-readable summary on stdout
-  vidsparse search calib/ --grid 21 30 52 --tile 2 8 8 --alpha 0.05 --out plan.json
+  vidsparse search calib/ --tile 2 8 8 --alpha 0.05 --out plan.json   # grid from the files
   vidsparse inspect plan.json --png masks.png
   vidsparse bench engine --tiny       # kernel benchmark smoke run
 """
@@ -75,18 +75,29 @@ def _add_search_parser(sub) -> None:
             " samples, the sparsest stripe pattern whose output error against dense attention"
             " is <= --alpha, or the lowest-error pattern at >= --target-sparsity. Writes a plan"
             " file; --table keeps every (head, candidate) loss so --from-table re-plans in"
-            " seconds."
+            " seconds. The latent grid and the number of denoising steps default to those the"
+            " calibration files record (capture_calibration writes both on a pipeline)."
         ),
         epilog=(
             "examples:\n"
-            "  vidsparse search calib/ --grid 21 30 52 --tile 2 8 8 --alpha 0.05 --num-steps 50\n"
+            "  vidsparse search calib/ --tile 2 8 8 --alpha 0.05   # grid, steps: from the files\n"
+            "  vidsparse search calib/ --grid 21 30 52 --num-steps 50 --alpha 0.05   # checked\n"
             "  vidsparse search --from-table losses.pt --target-sparsity 0.75 --out plan75.json\n"
-            "  vidsparse search calib/ --grid 4 8 8 --tile 1 4 4 --alpha 0.05 --png attn.png"
+            "  vidsparse search calib/ --tile 1 4 4 --alpha 0.05 --png attn.png"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("samples", nargs="?", help="calibration .pt file or folder of them")
-    p.add_argument("--grid", type=int, nargs=3, metavar=("T", "H", "W"), help="latent grid")
+    p.add_argument(
+        "samples", nargs="?", help="calibration file (.safetensors, or .pt) or folder of them"
+    )
+    p.add_argument(
+        "--grid",
+        type=int,
+        nargs=3,
+        metavar=("T", "H", "W"),
+        help="latent grid in tokens (default: the one the calibration files record; given, it"
+        " must match it)",
+    )
     p.add_argument(
         "--tile",
         type=int,
@@ -98,7 +109,12 @@ def _add_search_parser(sub) -> None:
     rule = p.add_mutually_exclusive_group(required=True)
     rule.add_argument("--alpha", type=float, help="max relative L2 error per head")
     rule.add_argument("--target-sparsity", type=float, help="min sparsity per head")
-    p.add_argument("--num-steps", type=int, help="denoising steps of the schedule")
+    p.add_argument(
+        "--num-steps",
+        type=int,
+        help="denoising steps of the schedule (default: what the calibration files record,"
+        " else the last sampled step + 1; given, it must match the files')",
+    )
     p.add_argument(
         "--dense-fraction",
         type=float,
@@ -245,13 +261,14 @@ def _run_search(args) -> int:
             )
             table = None
         else:
-            if not args.samples or not args.grid:
-                raise _BadInput("SAMPLES and --grid are required unless --from-table is given")
-            grid = VideoGrid(tuple(args.grid), tile=tuple(args.tile))
+            if not args.samples:
+                raise _BadInput("SAMPLES is required unless --from-table is given")
+            shape, num_steps = _grid_and_steps(args, samples)
+            grid = VideoGrid(shape, tile=tuple(args.tile))
             result = search(
                 samples,
                 grid,
-                num_steps=args.num_steps,
+                num_steps=num_steps,
                 dense_fraction=args.dense_fraction,
                 query_fraction=args.query_fraction,
                 model=args.model,
@@ -272,6 +289,36 @@ def _run_search(args) -> int:
         png = args.png or str(Path(args.out).with_suffix(".png"))
         _draw_png(lambda: _draw_search_png(plan, samples, png, args.device), png, args.json)
     return 0
+
+
+def _grid_and_steps(args, samples) -> tuple[tuple[int, int, int], int | None]:
+    """``--grid`` and ``--num-steps``, defaulting to what the calibration files record (they
+    must agree); a value given must match theirs. ``_BadInput`` naming the files otherwise."""
+    grid = samples.recorded("grid_shape")  # (value, first file recording it) or None
+    if args.grid is None:
+        if grid is None:
+            raise _BadInput(
+                f"no calibration file of {args.samples!r} records its latent grid (files "
+                "written before the grid was recorded): give --grid T H W"
+            )
+        shape = grid[0]
+    else:
+        shape = tuple(args.grid)
+        if grid is not None and shape != grid[0]:
+            raise _BadInput(
+                f"--grid {' '.join(map(str, shape))} does not match the grid "
+                f"{' '.join(map(str, grid[0]))} recorded in {str(grid[1])!r}"
+            )
+    steps = samples.recorded("num_steps")
+    num_steps = args.num_steps
+    if num_steps is None:
+        num_steps = None if steps is None else steps[0]
+    elif steps is not None and num_steps != steps[0]:
+        raise _BadInput(
+            f"--num-steps {num_steps} does not match the {steps[0]} denoising steps recorded "
+            f"in {str(steps[1])!r}"
+        )
+    return shape, num_steps
 
 
 def _draw_search_png(plan, samples, png: str, device: str | None) -> None:

@@ -96,7 +96,9 @@ def test_help_has_examples():
     assert proc.returncode == 0 and "example" in proc.stdout
 
 
-def _write_calibration(folder, steps=(0, 1, 2, 3, 4), layers=(0, 1)):
+def _write_calibration(
+    folder, steps=(0, 1, 2, 3, 4), layers=(0, 1), suffix=".pt", num_steps=None, shape=(4, 8, 8)
+):
     from vidsparse import StripeSpec, VideoGrid
     from vidsparse.search import (
         CalibrationSample,
@@ -105,13 +107,14 @@ def _write_calibration(folder, steps=(0, 1, 2, 3, 4), layers=(0, 1)):
         save_calibration_sample,
     )
 
-    grid = VideoGrid((4, 8, 8), tile=(1, 4, 4))
+    grid = VideoGrid(shape or (4, 8, 8), tile=(1, 4, 4))
     planted = [Candidate(StripeSpec(1, 0, None, 1, 0, None)), Candidate(StripeSpec.dense())]
     for step in steps:
         for layer in layers:
             syn = planted_stripe_heads(grid, planted, head_dim=16, seed=10 * step + layer)
-            sample = CalibrationSample(step, layer, syn.q, syn.k, syn.v)
-            save_calibration_sample(sample, folder / f"s{step}_l{layer}.pt", grid=grid)
+            sample = CalibrationSample(step, layer, syn.q, syn.k, syn.v, num_steps=num_steps)
+            path = folder / f"s{step}_l{layer}{suffix}"
+            save_calibration_sample(sample, path, grid=None if shape is None else grid)
     return grid
 
 
@@ -154,6 +157,69 @@ def test_search_then_inspect(tmp_path, torch_backend, capsys):
     argv = ["search", "--from-table", str(table), "--target-sparsity", "0.5", "--out", str(replan)]
     assert main(argv) == 0
     assert replan.exists()
+
+
+def test_search_reads_grid_and_steps_from_the_files(tmp_path, torch_backend, capsys):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    _write_calibration(calib, steps=(0, 3), layers=(0,), suffix=".safetensors", num_steps=5)
+    plan = tmp_path / "plan.json"
+    tail = ["--tile", "1", "4", "4", "--alpha", "0.05", "--device", "cpu", "--no-png", "--json"]
+    assert main(["search", str(calib), *tail, "--out", str(plan)]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    from vidsparse.search import load_plan
+
+    loaded = load_plan(plan)
+    assert (loaded.grid.shape, loaded.num_steps, loaded.dense_steps) == ((4, 8, 8), 5, 1)
+    # the same values given explicitly: the same plan
+    given = ["--grid", "4", "8", "8", "--num-steps", "5", "--out", str(tmp_path / "p2.json")]
+    assert main(["search", str(calib), *tail, *given]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
+
+
+def _search_error(capsys, calib, *extra) -> str:
+    argv = ["search", str(calib), "--tile", "1", "4", "4", "--alpha", "0.05", "--device", "cpu"]
+    assert main([*argv, "--no-png", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vidsparse: error: ") and err.count("\n") == 1
+    return err
+
+
+def test_search_grid_or_steps_that_do_not_match_the_files_exit_2(tmp_path, capsys):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    _write_calibration(calib, steps=(0, 3), layers=(0,), suffix=".safetensors", num_steps=5)
+    err = _search_error(capsys, calib, "--grid", "4", "8", "9")
+    assert "--grid 4 8 9 does not match the grid 4 8 8 recorded in" in err
+    assert "s0_l0.safetensors" in err
+    err = _search_error(capsys, calib, "--num-steps", "6")
+    assert "--num-steps 6 does not match the 5 denoising steps recorded in" in err
+    assert "s0_l0.safetensors" in err
+
+
+@pytest.mark.parametrize(
+    "second, words",
+    [
+        ({"shape": (4, 8, 12)}, "disagree on grid_shape"),
+        ({"num_steps": 7}, "disagree on num_steps"),
+    ],
+)
+def test_search_files_that_disagree_exit_2_naming_two(tmp_path, capsys, second, words):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    _write_calibration(calib, steps=(0,), layers=(0,), suffix=".safetensors", num_steps=5)
+    options = {"num_steps": 5, **second}
+    _write_calibration(calib, steps=(1,), layers=(0,), suffix=".safetensors", **options)
+    err = _search_error(capsys, calib)
+    assert words in err and "s0_l0.safetensors" in err and "s1_l0.safetensors" in err
+
+
+def test_search_old_files_without_a_grid_need_grid(tmp_path, capsys):
+    calib = tmp_path / "calib"
+    calib.mkdir()
+    _write_calibration(calib, steps=(0, 1), layers=(0,), shape=None)  # .pt, no grid recorded
+    err = _search_error(capsys, calib)
+    assert "records its latent grid" in err and "give --grid T H W" in err
 
 
 @pytest.mark.slow

@@ -219,3 +219,29 @@ def test_unsupported_objects_are_named():
         apply_sparse_attention(object(), "vsa", sparsity=0.5)
     with pytest.raises(TypeError, match="does not support Linear.*Supported diffusers models"):
         apply_sparse_attention(torch.nn.Linear(2, 2), "vsa", sparsity=0.5)
+
+
+def test_capture_refuses_a_folder_with_calibration_files(tmp_path):
+    from vidsparse.integrations.diffusers import capture_calibration
+
+    model, _ = TINY_MODELS["wan_t2v"]()
+    (tmp_path / "step00000_layer0000_call000.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="already holds calibration files"):
+        capture_calibration(model, tmp_path)
+    assert not hasattr(model, "_vidsparse_state")
+
+
+def test_capture_over_a_pipeline_writes_a_folder_per_transformer(pipe, stock, tmp_path):
+    from vidsparse.integrations.diffusers import capture_calibration
+    from vidsparse.search import load_calibration
+
+    with capture_calibration(pipe, tmp_path, layers=[0]):
+        out = generate(pipe)
+    assert torch.equal(out, stock)  # the capture attends densely, as the stock model
+    steps = {}
+    for name in ("transformer", "transformer_2"):
+        samples = list(load_calibration(tmp_path / name))
+        steps[name] = {s.step for s in samples}
+        assert all(s.grid_shape == GRID for s in samples)
+    assert steps["transformer"] | steps["transformer_2"] == set(range(STEPS))
+    assert min(steps["transformer_2"]) > 0

@@ -704,13 +704,15 @@ def test_capture_two_steps_feeds_the_search(wan, wan_stock_out, tmp_path):
     assert torch.equal(run(wan, wan_inputs()), wan_stock_out)
 
     names = sorted(p.name for p in calib.iterdir())
-    assert names == [f"step{s:05d}_layer{i:04d}_call000.pt" for s in (0, 1) for i in range(2)]
+    expected = [f"step{s:05d}_layer{i:04d}_call000.safetensors" for s in (0, 1) for i in range(2)]
+    assert names == expected
     assert sorted(p.name for p in capture.paths) == names
     samples = load_calibration(calib)
     assert [(x.step, x.layer) for x in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     tokens = GRID[0] * GRID[1] * GRID[2]
     for x in samples:
         assert x.grid_shape == GRID and not x.tiled
+        assert x.num_steps is None  # a bare transformer: no scheduler tells the step count
         assert tuple(x.q.shape) == (1, HEADS, tokens, 16) and x.q.dtype == torch.float32
 
     grid = VideoGrid(GRID, (4, 4, 4))
@@ -770,8 +772,8 @@ def test_capture_selects_steps_and_layers_and_counts_calls(wan, wan_stock_out, t
         set_denoising_step(wan, 1)
         assert torch.equal(run(wan, wan_inputs()), wan_stock_out)  # step 1 again (CFG-like)
     assert [p.name for p in capture.paths] == [
-        "step00001_layer0001_call000.pt",
-        "step00001_layer0001_call001.pt",
+        "step00001_layer0001_call000.safetensors",
+        "step00001_layer0001_call001.safetensors",
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [p.name for p in capture.paths]
 
@@ -784,9 +786,53 @@ def test_capture_with_the_step_callback(wan, tmp_path):
             run(wan, wan_inputs())
             callback(pipe, i, None, {})
     assert [p.name for p in capture.paths] == [
-        "step00000_layer0000_call000.pt",
-        "step00001_layer0000_call000.pt",
+        "step00000_layer0000_call000.safetensors",
+        "step00001_layer0000_call000.safetensors",
     ]
+
+
+def test_capture_on_a_pipeline_records_the_schedule_and_the_search_reads_it(wan, tmp_path):
+    # A pipeline's scheduler gives the step (its step_index) and the step count (its timesteps
+    # after set_timesteps); the search then needs neither --grid nor --num-steps.
+    from diffusers import UniPCMultistepScheduler
+
+    from vidsparse.cli import main
+    from vidsparse.search import load_calibration, load_plan
+
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True)
+    pipe = type("Pipe", (), {"components": {}, "transformer": wan, "scheduler": scheduler})()
+    calib = tmp_path / "calib"
+    scheduler.set_timesteps(4)
+    with capture_calibration(pipe, calib, layers=[0]) as capture:
+        for step in (0, 2):
+            scheduler._step_index = None if step == 0 else step  # as scheduler.step() leaves it
+            run(wan, wan_inputs())
+    assert [p.name for p in capture.paths] == [
+        "step00000_layer0000_call000.safetensors",
+        "step00002_layer0000_call000.safetensors",
+    ]
+    files = load_calibration(calib)
+    assert [(i.step, i.grid_shape, i.num_steps) for i in files.infos()] == [
+        (0, GRID, 4),
+        (2, GRID, 4),
+    ]
+    plan = tmp_path / "plan.json"
+    argv = ["search", str(calib), "--tile", "4", "4", "4", "--alpha", "0.5", "--device", "cpu"]
+    assert main([*argv, "--out", str(plan), "--no-png", "--json"]) == 0
+    loaded = load_plan(plan)
+    assert (loaded.grid.shape, loaded.num_steps, loaded.dense_steps) == (GRID, 4, 1)
+
+
+def test_scheduler_steps_only_after_set_timesteps():
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from vidsparse.integrations.diffusers.capture import scheduler_steps
+
+    scheduler = FlowMatchEulerDiscreteScheduler()
+    assert scheduler_steps(scheduler) is None  # the training timesteps until set_timesteps
+    scheduler.set_timesteps(7)
+    assert scheduler_steps(scheduler) == 7
+    assert scheduler_steps(None) is None and scheduler_steps(object()) is None
 
 
 def test_capture_remove_and_apply_exclusivity(wan, wan_stock_out, tmp_path):
@@ -836,7 +882,7 @@ def test_capture_bad_options(wan, tmp_path, options, error, match):
 
 def test_capture_refuses_a_folder_with_calibration_files(wan, tmp_path):
     (tmp_path / "old.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match="already holds .pt files"):
+    with pytest.raises(ValueError, match="already holds"):
         capture_calibration(wan, tmp_path)
     assert not hasattr(wan, "_vidsparse_state")
 

@@ -4,12 +4,22 @@ Pure PyTorch at import time (no Triton): the objective calls the public block-sp
 which picks its backend lazily. Typical use::
 
     from vidsparse.search import load_calibration, search, save_plan
-    result = search(load_calibration("calib/"), grid, alpha=0.05, num_steps=50)
+    samples = load_calibration("calib/")     # a capture's .safetensors files (or older .pt)
+    grid = VideoGrid(samples.recorded("grid_shape")[0], tile=(2, 8, 8))
+    result = search(samples, grid, alpha=0.05)   # num_steps: what the files record
     result.table.save("losses.pt")           # re-plan later: plan_from_table(LossTable.load(..))
     save_plan(result.plan, "plan.json")
     specs = result.plan.specs_for(step, layer)   # -> stripe_attn(..., spatial_unit="block")
 """
 
+from vidsparse.search.calibration import (
+    CALIBRATION_SUFFIXES,
+    CalibrationFiles,
+    CalibrationInfo,
+    CalibrationSample,
+    load_calibration,
+    save_calibration_sample,
+)
 from vidsparse.search.candidates import (
     AxisRange,
     Candidate,
@@ -35,15 +45,11 @@ from vidsparse.search.plan import (
     save_plan,
 )
 from vidsparse.search.search import (
-    CalibrationFiles,
-    CalibrationSample,
     LossTable,
     SearchResult,
     build_loss_table,
     dense_step_count,
-    load_calibration,
     plan_from_table,
-    save_calibration_sample,
     search,
     select_candidates,
 )
@@ -68,7 +74,9 @@ __all__ = [
     "PlanBucket",
     "load_plan",
     "save_plan",
+    "CALIBRATION_SUFFIXES",
     "CalibrationSample",
+    "CalibrationInfo",
     "CalibrationFiles",
     "load_calibration",
     "save_calibration_sample",

@@ -20,16 +20,10 @@ lasts until the next sampled step, and the first bucket starts right after the d
 samples at steps 10, 20, 30, 40 of a 50-step schedule with 10 dense steps give the buckets
 [10, 20), [20, 30), [30, 40), [40, 50). ``bucket_starts`` sets them explicitly.
 
-Calibration files (written by capture hooks, read by ``load_calibration``): one sample per
-file, ``torch.save`` of a dict (read back with ``weights_only=True``, memory-mapped)::
-
-    {"format": "vidsparse-calibration", "version": 1, "step": int, "layer": int,
-     "q": Tensor, "k": Tensor, "v": Tensor,          [H, S, D] or [B, H, S, D], any float dtype
-     "tiled": bool,                                  optional, default False (natural order)
-     "grid_shape": [T, H, W]}                        optional, checked against the search grid
-
-A folder of such ``*.pt`` files is read lazily, one sample at a time, so a whole model's
-calibration never has to fit in memory.
+Calibration samples come from ``vidsparse.search.calibration`` (``load_calibration``: a
+folder of ``.safetensors`` files, or older ``.pt`` ones, read one sample at a time). A grid
+and step count they record are checked against the search's; ``num_steps`` defaults to the
+one they record.
 """
 
 from __future__ import annotations
@@ -37,7 +31,7 @@ from __future__ import annotations
 import bisect
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,10 +40,16 @@ import torch
 
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.stripe import StripeSpec
+from vidsparse.search.calibration import (
+    CALIBRATION_FORMAT,
+    CalibrationFiles,
+    CalibrationSample,
+    load_calibration,
+    save_calibration_sample,
+)
 from vidsparse.search.candidates import Candidate, CandidateFamily, CandidateSet
 from vidsparse.search.objective import DEFAULT_CHUNK_BYTES, LossStats, StripeObjective
 from vidsparse.search.plan import HeadChoice, Plan, PlanBucket
-from vidsparse.utils.checks import check_positive_ints
 from vidsparse.utils.files import atomic_write
 
 __all__ = [
@@ -68,160 +68,8 @@ __all__ = [
     "dense_step_count",
 ]
 
-CALIBRATION_FORMAT = "vidsparse-calibration"
-CALIBRATION_VERSION = 1
 LOSS_TABLE_FORMAT = "vidsparse-psa-losses"
 LOSS_TABLE_VERSION = 1
-
-
-# ---------------------------------------------------------------------------------------------
-# calibration samples
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_nonneg_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
-@dataclass
-class CalibrationSample:
-    """q/k/v of one attention layer at one denoising step (one prompt).
-
-    ``q``, ``k``, ``v``: ``[H, S, D]`` or ``[B, H, S, D]`` of one shape, in natural token order
-    (``S == grid.num_tokens``) or tile order (``tiled=True``, ``S == grid.padded_len``).
-    Several samples may share a (step, layer): their statistics are pooled.
-    """
-
-    step: int
-    layer: int
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    tiled: bool = False
-    grid_shape: tuple[int, int, int] | None = None  # where it was captured, if recorded
-
-    def __post_init__(self) -> None:
-        _check_nonneg_int("step", self.step)
-        _check_nonneg_int("layer", self.layer)
-        shapes = set()
-        for name in ("q", "k", "v"):
-            x = getattr(self, name)
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-            if x.ndim not in (3, 4) or not x.is_floating_point():
-                raise ValueError(
-                    f"{name} must be a float tensor [H, S, D] or [B, H, S, D], got "
-                    f"{x.dtype} {tuple(x.shape)}"
-                )
-            shapes.add(tuple(x.shape))
-        if len(shapes) != 1:
-            raise ValueError(f"q, k, v must share one shape, got {sorted(shapes)}")
-        if not isinstance(self.tiled, bool):
-            raise TypeError(f"tiled must be a bool, got {self.tiled!r}")
-        if self.grid_shape is not None:
-            self.grid_shape = check_positive_ints("grid_shape", self.grid_shape, length=3)
-
-    @property
-    def num_heads(self) -> int:
-        return self.q.shape[-3]
-
-
-_SAMPLE_KEYS = {"format", "version", "step", "layer", "q", "k", "v"}
-_SAMPLE_OPTIONAL = {"tiled", "grid_shape"}
-
-
-def save_calibration_sample(
-    sample: CalibrationSample, path: str | os.PathLike, *, grid: VideoGrid | None = None
-) -> None:
-    """Write one sample in the calibration file format (atomically)."""
-    data: dict[str, Any] = {
-        "format": CALIBRATION_FORMAT,
-        "version": CALIBRATION_VERSION,
-        "step": sample.step,
-        "layer": sample.layer,
-        "q": sample.q.detach().cpu(),
-        "k": sample.k.detach().cpu(),
-        "v": sample.v.detach().cpu(),
-        "tiled": sample.tiled,
-    }
-    shape = grid.shape if grid is not None else sample.grid_shape
-    if shape is not None:
-        data["grid_shape"] = list(shape)
-    atomic_write(path, lambda f: torch.save(data, f))
-
-
-def _read_sample_file(path: Path) -> CalibrationSample:
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as exc:  # torch raises many kinds for a bad file
-        raise ValueError(f"calibration file {str(path)!r} cannot be read: {exc}") from None
-    where = f"calibration file {str(path)!r}"
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a dict, got {type(data).__name__}")
-    if data.get("format") != CALIBRATION_FORMAT:
-        raise ValueError(f"{where}: field 'format' must be {CALIBRATION_FORMAT!r}")
-    if data.get("version") != CALIBRATION_VERSION:
-        raise ValueError(
-            f"{where}: unsupported version {data.get('version')!r} (expected {CALIBRATION_VERSION})"
-        )
-    missing = sorted(_SAMPLE_KEYS - set(data))
-    extra = sorted(set(data) - _SAMPLE_KEYS - _SAMPLE_OPTIONAL)
-    if missing or extra:
-        raise ValueError(f"{where}: missing fields {missing}, unexpected fields {extra}")
-    try:
-        sample = CalibrationSample(
-            data["step"],
-            data["layer"],
-            data["q"],
-            data["k"],
-            data["v"],
-            tiled=data.get("tiled", False),
-            grid_shape=data.get("grid_shape"),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    return sample
-
-
-class CalibrationFiles(Sequence):
-    """Calibration samples stored one per file, loaded on access (memory-mapped)."""
-
-    def __init__(self, paths: Iterable[str | os.PathLike]):
-        self.paths = [Path(p) for p in paths]
-        if not self.paths:
-            raise ValueError("no calibration files given")
-        self._keys: list[tuple[int, int]] | None = None
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> CalibrationSample:
-        return _read_sample_file(self.paths[i])
-
-    def __iter__(self) -> Iterator[CalibrationSample]:
-        for p in self.paths:
-            yield _read_sample_file(p)
-
-    def steps(self) -> list[int]:
-        """The step of every file (reads only the small fields: tensors stay mapped)."""
-        return [s.step for s in self]
-
-
-def load_calibration(path: str | os.PathLike) -> CalibrationFiles:
-    """Calibration samples from a ``.pt`` file or a folder of them (sorted by name)."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix == ".pt" and p.is_file())
-        if not files:
-            raise ValueError(f"calibration folder {str(path)!r} holds no .pt files")
-        return CalibrationFiles(files)
-    if not path.exists():
-        raise FileNotFoundError(f"calibration path {str(path)!r} does not exist")
-    return CalibrationFiles([path])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,9 +224,18 @@ def dense_step_count(num_steps: int, dense_fraction: float) -> int:
 
 
 def _infer_num_steps(samples) -> int:
+    """The step count the samples record (they must agree), else the last sampled step + 1."""
     if isinstance(samples, CalibrationFiles):
+        recorded = samples.recorded("num_steps")
+        if recorded is not None:
+            return recorded[0]
         steps = samples.steps()
     elif isinstance(samples, Sequence):
+        counts = sorted({s.num_steps for s in samples if s.num_steps is not None})
+        if len(counts) > 1:
+            raise ValueError(f"the calibration samples record different num_steps: {counts}")
+        if counts:
+            return counts[0]
         steps = [s.step for s in samples]
     else:
         raise ValueError("num_steps is required when samples is a plain iterable")
@@ -424,7 +281,8 @@ def build_loss_table(
         grid: the latent video grid; its tile is the PSA block.
         family / candidates: the candidate family (default ``CandidateFamily()``), or an
             explicit candidate set (kept as given when not a ``CandidateSet``).
-        num_steps: denoising steps of the schedule (default: last sampled step + 1).
+        num_steps: denoising steps of the schedule (default: the one the samples record,
+            else the last sampled step + 1); a sample recording another is refused.
         dense_fraction: samples in the first ``dense_fraction`` of the steps are skipped (they
             run dense in any plan of that fraction).
         query_fraction: fraction of query blocks the objective evaluates (``StripeObjective``).
@@ -468,7 +326,7 @@ def build_loss_table(
     for sample in bar:
         if not isinstance(sample, CalibrationSample):
             raise TypeError(f"samples must hold CalibrationSample, got {type(sample).__name__}")
-        _check_sample_grid(sample, grid)
+        _check_sample_grid(sample, grid, num_steps)
         if sample.step >= num_steps:
             raise ValueError(f"sample step {sample.step} is outside num_steps={num_steps}")
         if sample.step < dense_steps:
@@ -486,12 +344,17 @@ def build_loss_table(
     return table
 
 
-def _check_sample_grid(sample: CalibrationSample, grid: VideoGrid) -> None:
+def _check_sample_grid(sample: CalibrationSample, grid: VideoGrid, num_steps: int) -> None:
     recorded = sample.grid_shape
     if recorded is not None and recorded != grid.shape:
         raise ValueError(
             f"calibration sample (step {sample.step}, layer {sample.layer}) was captured on grid "
             f"{tuple(recorded)}, but the search grid is {grid.shape}"
+        )
+    if sample.num_steps is not None and sample.num_steps != num_steps:
+        raise ValueError(
+            f"calibration sample (step {sample.step}, layer {sample.layer}) was captured in a "
+            f"{sample.num_steps}-step schedule, but the search has num_steps={num_steps}"
         )
 
 

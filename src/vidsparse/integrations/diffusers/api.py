@@ -9,7 +9,12 @@ from pathlib import Path
 
 from torch import nn
 
-from vidsparse.integrations.diffusers.capture import CalibrationCapture, CaptureMethod, int_set
+from vidsparse.integrations.diffusers.capture import (
+    CALIBRATION_SUFFIXES,
+    CalibrationCapture,
+    CaptureMethod,
+    int_set,
+)
 from vidsparse.integrations.diffusers.gates import (
     CONFIG_KEY,
     apply_saved_config,
@@ -175,7 +180,7 @@ def capture_calibration(
     and layers, writes that call's video q/k/v (``[B, heads, S_video, head_dim]``, CPU copies
     in the model's dtype) with :func:`vidsparse.search.save_calibration_sample`, one layer's
     copy in memory at a time. One file per (step, layer, forward call):
-    ``step{s}_layer{l}_call{n}.pt`` (``n`` counts repeated forwards of one step, such as the
+    ``step{s}_layer{l}_call{n}.safetensors`` (``n`` counts repeated forwards of one step, such as the
     two passes of classifier-free guidance; the search pools them). The grid is recorded in
     every file and checked by the search. On a pipeline each transformer writes into its own
     subfolder of ``out_dir`` (``transformer/``, ``transformer_2/``) and the step comes from
@@ -183,7 +188,7 @@ def capture_calibration(
 
     Args:
         pipe_or_transformer: as :func:`apply_sparse_attention` (no sparse attention applied).
-        out_dir: a folder, created if missing; it must not hold ``.pt`` files yet.
+        out_dir: a folder, created if missing; it must not hold calibration files yet.
         steps: denoising steps to record (default all).
         layers: attention layer indices to record (default all; HunyuanVideo counts the
             dual-stream blocks, then the single-stream ones).
@@ -218,10 +223,10 @@ def capture_calibration(
 def _check_empty_folder(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"out_dir {str(out)!r} exists and is not a folder")
-    if out.is_dir() and any(p.suffix == ".pt" for p in out.iterdir()):
+    if out.is_dir() and any(p.suffix in CALIBRATION_SUFFIXES for p in out.iterdir()):
         raise ValueError(
-            f"out_dir {str(out)!r} already holds .pt files; capture into an empty folder (the "
-            "search reads every .pt file of it)"
+            f"out_dir {str(out)!r} already holds calibration files; capture into an empty "
+            "folder (the search reads every calibration file of it)"
         )
 
 

@@ -1,5 +1,6 @@
 """Calibration capture for the PSA search: dense attention that writes the video q/k/v of the
-selected (step, layer) calls to a folder (``capture_calibration`` in ``api.py`` installs it)."""
+selected (step, layer) calls to a folder (``capture_calibration`` in ``api.py`` installs it),
+one ``.safetensors`` file each that records the grid and, on a pipeline, the step count."""
 
 from __future__ import annotations
 
@@ -11,7 +12,21 @@ from torch import nn
 
 from vidsparse.integrations.diffusers.hooks import uninstall
 from vidsparse.integrations.diffusers.state import STATE_ATTR, Method
-from vidsparse.search.search import CalibrationSample, save_calibration_sample
+from vidsparse.search.calibration import (
+    CALIBRATION_SUFFIXES,
+    CalibrationSample,
+    save_calibration_sample,
+)
+
+# CALIBRATION_SUFFIXES (".pt", ".safetensors"): the suffixes of calibration files; a
+# capture's folder must hold none yet, since the search reads every such file of it.
+__all__ = [
+    "CALIBRATION_SUFFIXES",
+    "CaptureMethod",
+    "CalibrationCapture",
+    "int_set",
+    "scheduler_steps",
+]
 
 
 class CaptureMethod(Method):
@@ -26,6 +41,7 @@ class CaptureMethod(Method):
         self.layers: frozenset[int] | None = None
         self.paths: list[Path] = []
         self._calls: dict[tuple[int, int], int] = {}  # forward calls seen per (step, layer)
+        self._scheduler = None  # the pipeline's scheduler (the state's), if a pipeline was patched
 
     def check_model(self, num_layers, heads):
         if self.raw_layers is None:
@@ -38,6 +54,9 @@ class CaptureMethod(Method):
                 f"(0 .. {num_layers - 1})"
             )
         self.layers = layers
+
+    def before_forward(self, state, device):
+        self._scheduler = state.scheduler
 
     def attend(self, q, k, v, call):
         if (self.steps is None or call.step in self.steps) and (
@@ -54,10 +73,30 @@ class CaptureMethod(Method):
         q, k, v = (x[:, :, :video].detach().to("cpu").contiguous() for x in (q, k, v))
         key = (call.step, call.layer)
         n = self._calls[key] = self._calls.get(key, -1) + 1  # CFG runs a step several times
-        path = self.out_dir / f"step{call.step:05d}_layer{call.layer:04d}_call{n:03d}.pt"
-        sample = CalibrationSample(call.step, call.layer, q, k, v, grid_shape=call.shape)
-        save_calibration_sample(sample, path)
-        self.paths.append(path)
+        name = f"step{call.step:05d}_layer{call.layer:04d}_call{n:03d}.safetensors"
+        num_steps = scheduler_steps(self._scheduler)
+        if num_steps is not None and call.step >= num_steps:
+            num_steps = None  # a step outside the schedule: record no step count
+        sample = CalibrationSample(
+            call.step, call.layer, q, k, v, grid_shape=call.shape, num_steps=num_steps
+        )
+        save_calibration_sample(sample, self.out_dir / name)
+        self.paths.append(self.out_dir / name)
+
+
+def scheduler_steps(scheduler) -> int | None:
+    """The denoising steps of a scheduler's schedule (``len(scheduler.timesteps)`` after the
+    pipeline's ``set_timesteps``, on the scale of its ``step_index``), or ``None`` if unknown."""
+    timesteps = getattr(scheduler, "timesteps", None)
+    # diffusers' schedulers hold the training timesteps until set_timesteps, which also sets
+    # num_inference_steps (None or absent before)
+    if timesteps is None or getattr(scheduler, "num_inference_steps", None) is None:
+        return None
+    try:
+        count = len(timesteps)
+    except TypeError:  # a 0-d tensor or an object without a length
+        return None
+    return count if count > 0 else None
 
 
 def int_set(name: str, values) -> frozenset[int]:
