@@ -180,11 +180,12 @@ def capture_calibration(
     and layers, writes that call's video q/k/v (``[B, heads, S_video, head_dim]``, CPU copies
     in the model's dtype) with :func:`vidsparse.search.save_calibration_sample`, one layer's
     copy in memory at a time. One file per (step, layer, forward call):
-    ``step{s}_layer{l}_call{n}.safetensors`` (``n`` counts repeated forwards of one step, such as the
-    two passes of classifier-free guidance; the search pools them). The grid is recorded in
-    every file and checked by the search. On a pipeline each transformer writes into its own
-    subfolder of ``out_dir`` (``transformer/``, ``transformer_2/``) and the step comes from
-    the scheduler; on a bare transformer from :func:`set_denoising_step` (0 until then).
+    ``step{s}_layer{l}_call{n}.safetensors`` (``n`` counts repeated forwards of one step, such
+    as the two passes of classifier-free guidance; the search pools them). The grid (and on a
+    pipeline the number of steps) is recorded in every file: ``vidsparse search`` reads it.
+    On a pipeline each transformer writes into its own subfolder of ``out_dir``
+    (``transformer/``, ``transformer_2/``) and the step comes from the scheduler; on a bare
+    transformer from :func:`set_denoising_step` (0 until then).
 
     Args:
         pipe_or_transformer: as :func:`apply_sparse_attention` (no sparse attention applied).
