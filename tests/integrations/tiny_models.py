@@ -156,7 +156,7 @@ def skyreels_v2():
 
 
 def chronoedit():
-    # Two latent frames (input image, edit); head_dim 24 matches its RoPE split.
+    # Two latent frames (input image, edit); head_dim 32 splits RoPE as its buffers (12/10/10).
     from diffusers import ChronoEditTransformer3DModel
 
     torch.manual_seed(0)
@@ -164,8 +164,8 @@ def chronoedit():
         in_channels=12,
         out_channels=4,
         image_dim=20,
-        added_kv_proj_dim=48,
-        **{**_WAN, "attention_head_dim": 24},
+        added_kv_proj_dim=64,
+        **{**_WAN, "attention_head_dim": 32},
     )
     g = _seeded()
     inputs = dict(
