@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks on an H200, each step under its own time limit:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|coarse|parallel [...]
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|parallel [...]
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -41,6 +41,12 @@ for what in "$@"; do
     e2e) step e2e 200 python3 -m vidsparse.bench e2e --out "$OUT/e2e_h200.json" ;;
     e2e-compiled) step e2e_compiled 400 python3 -m vidsparse.bench e2e --compile blocks \
       --out "$OUT/e2e_compiled_h200.json" ;;
+    e2e-14b-compiled) step e2e_14b_compiled 220 python3 -m vidsparse.bench e2e --model wan14b \
+      --layers 8 --compile blocks --methods dense,vsa --out "$OUT/e2e_wan14b-720p_compiled_h200.json" ;;
+    e2e-hunyuan15) step e2e_hunyuan15 220 python3 -m vidsparse.bench e2e --model hunyuan1.5 \
+      --methods dense,vsa,psa --psa-sparsities 0.6 --out "$OUT/e2e_hunyuan1.5-720p_h200.json" ;;
+    e2e-wan22-5b) step e2e_wan22_5b 140 python3 -m vidsparse.bench e2e --model wan2.2-5b \
+      --methods dense,vsa --out "$OUT/e2e_wan2.2-5b-720p_h200.json" ;;
     parallel) step parallel 400 torchrun --nproc-per-node 2 -m vidsparse.bench parallel \
       --providers vsa,comm --modes fwd --head-chunks 1,2,4 --out "$OUT/parallel_h200_2gpu.json" ;;
     coarse) step tune_coarse 250 python3 benchmarks/tuning/tune_vsa_coarse.py --selection --pooled \

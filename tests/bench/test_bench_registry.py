@@ -115,13 +115,20 @@ def test_select_and_unknown_shape():
         shapes.select("wan-nope")
 
 
-@pytest.mark.parametrize("model", ["wan1.3b", "wan14b"])
+E2E_SHAPES = {
+    "wan1.3b": "wan1.3b-480p",
+    "wan14b": "wan14b-720p",
+    "wan2.2-5b": "wan2.2-5b-720p",
+    "hunyuan1.5": "hunyuan1.5-720p",
+}
+
+
+@pytest.mark.parametrize("model", sorted(E2E_SHAPES))
 def test_e2e_model_takes_its_dims_from_the_shape_registry(model):
     from vidsparse.bench.ops import e2e_model
 
-    shape = {"wan1.3b": "wan1.3b-480p", "wan14b": "wan14b-720p"}[model]
-    m = shapes.MODELS[shape]
-    config = e2e_model.WAN_CONFIGS[model]
+    m = shapes.MODELS[E2E_SHAPES[model]]
+    config = e2e_model.CONFIGS[model]
     assert config["num_attention_heads"] == m.heads and config["num_layers"] == m.layers
     assert config["attention_head_dim"] == m.head_dim
     args = SimpleNamespace(

@@ -108,7 +108,7 @@ def _needs_fastvideo(device: torch.device) -> str | None:
 
 def _needs_diffusers(device: torch.device) -> str | None:
     if importlib.util.find_spec("diffusers") is None:
-        return "diffusers is not installed (the e2e benchmarks build its Wan transformer)"
+        return "diffusers is not installed (the e2e benchmarks build its video transformers)"
     return None
 
 
@@ -240,9 +240,10 @@ _OPS = (
     ),
     OpSpec(
         "e2e",
-        "one denoising step of diffusers' Wan 2.1 transformer: dense vs VSA vs PSA",
+        "one denoising step of a diffusers video transformer (Wan 2.1, Wan 2.2 5B, HunyuanVideo"
+        " 1.5): dense vs VSA vs PSA",
         "vidsparse.bench.ops.e2e",
-        shapes=("wan1.3b-480p", "wan14b-720p"),
+        shapes=("wan1.3b-480p", "wan14b-720p", "wan2.2-5b-720p", "hunyuan1.5-720p"),
         providers=(
             _P("dense", "stock diffusers attention (SDPA, cuDNN first)", ("diffusers",),
                reference=True),
@@ -252,7 +253,7 @@ _OPS = (
             _P("psa-plan", "a searched plan file (--psa-plan)", ("diffusers",), default=False),
         ),
         inputs="make_inputs",
-        results="e2e[_compiled]_<gpu>.json",
+        results="e2e[_<model>-<res>][_compiled]_<gpu>.json",
     ),
     OpSpec(
         "e2e_ulysses",

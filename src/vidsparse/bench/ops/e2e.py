@@ -1,16 +1,19 @@
-"""End-to-end benchmark: one denoising step of the real-architecture Wan 2.1 transformer.
+"""End-to-end benchmark: one denoising step of a real-architecture diffusers video transformer.
 
-diffusers' ``WanTransformer3DModel`` built from the published Wan 2.1 config (random weights,
-bf16, eval mode): stock dense attention (SDPA, cuDNN first) against VSA and PSA through
-``vidsparse.integrations.diffusers``, all on the same model object and inputs. Per method: the
-step's latency, the video self-attention's time and share of the step, speedups over dense,
-relative L2 of the output against dense, peak memory. Run (``vidsparse bench e2e -- OPTIONS``
-is the same)::
+The transformer is built from its published config (random weights, bf16, eval mode; the
+models are ``e2e_model.MODELS``: Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V-5B, HunyuanVideo 1.5):
+stock dense attention (SDPA, cuDNN first) against VSA and PSA through
+``vidsparse.integrations.diffusers``' public ``apply_sparse_attention``, all on the same model
+object and inputs. Per method: the step's latency, the video self-attention's time and share of
+the step, speedups over dense, relative L2 of the output against dense, peak memory. Run
+(``vidsparse bench e2e -- OPTIONS`` is the same)::
 
-    python -m vidsparse.bench e2e                              # Wan 1.3B, 480p
-    python -m vidsparse.bench e2e --model wan14b --layers 8    # Wan 14B, 720p
+    python -m vidsparse.bench e2e                              # Wan 2.1 1.3B, 480p
+    python -m vidsparse.bench e2e --model wan14b --layers 8    # Wan 2.1 14B, 720p
+    python -m vidsparse.bench e2e --model wan2.2-5b            # Wan 2.2 TI2V-5B, 704x1280
+    python -m vidsparse.bench e2e --model hunyuan1.5           # HunyuanVideo 1.5, 720p, 8 blocks
     python -m vidsparse.bench e2e --compile blocks             # every block torch.compile'd
-    python -m vidsparse.bench e2e --device cpu --tiny          # CPU smoke run
+    python -m vidsparse.bench e2e --device cpu --tiny          # CPU smoke run (any --model)
 
 Needs diffusers >= 0.36. ``benchmarks/README.md`` ("End to end in diffusers") says what each
 number covers and how to install diffusers on a GPU machine without network access.
@@ -20,10 +23,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 import random
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,8 +40,10 @@ import torch.nn.functional as F
 from vidsparse.bench import harness
 from vidsparse.bench.harness import Column
 from vidsparse.bench.ops.e2e_model import (
+    CLASS_NAMES,
     DEFAULT_PSA_TILE,
     LATENT_HW,
+    MODELS,
     PSA_SLACK,
     PSA_TOLERANCE,
     TIMESTEP,
@@ -44,6 +51,7 @@ from vidsparse.bench.ops.e2e_model import (
     WAN_CONFIGS,
     Workload,
     build_model,
+    import_model,
     import_wan,
     make_inputs,
     make_workload,
@@ -54,7 +62,9 @@ from vidsparse.testing import rel_l2
 
 # Re-exported: the e2e op's model, inputs and plans, as the registry and e2e_ulysses use them.
 __all__ = [
+    "DEFAULT_PSA_TILE",
     "LATENT_HW",
+    "MODELS",
     "PSA_SLACK",
     "PSA_TOLERANCE",
     "build_model",
@@ -63,6 +73,7 @@ __all__ = [
     "make_workload",
     "main",
     "synthetic_plan",
+    "WAN_CONFIGS",
 ]
 
 METHODS = ("dense", "vsa", "psa", "psa-plan")
@@ -206,68 +217,96 @@ def time_steps(fn: Callable[[], Any], device: torch.device, reps: int) -> list[f
     return [watch.elapsed_ms(a, b) for a, b in marks]
 
 
+DISPATCH_NAME = "dispatch_attention_fn"
+
+
 class AttentionTimer:
     """Marks around every attention call during the steps run inside it.
 
-    Stock attention (dense's self-attention, every method's cross-attention) is timed by
-    wrapping diffusers' ``dispatch_attention_fn`` as the Wan module calls it (self- and cross-
-    attention told apart by the key length); a vidsparse method by wrapping its ``attend``.
+    Every diffusers processor computes attention through ``dispatch_attention_fn`` as imported
+    into its own module (``type(attn.processor).__module__``), and while vidsparse patches a
+    model its shim sits under that very name, routing the video self-attention to the method.
+    Wrapping the name in each processor module therefore times every attention call once,
+    stock or sparse: for a method, its whole replacement (gate, tiling, top-k, kernels,
+    untiling) and nothing else. Calls are told apart by their q and k lengths: one length that
+    holds the video tokens is the video self-attention (HunyuanVideo 1.5's is joint video +
+    text attention, q and k of one length too), different lengths are cross-attention, one
+    shorter length is ``other`` (a text-only self-attention).
     """
 
-    def __init__(self, model, device: torch.device):
-        self.model, self.watch = model, _Stopwatch(device)
-        self.marks: dict[str, list] = {"self": [], "cross": []}
+    def __init__(self, model, device: torch.device, video_tokens: int):
+        self.model, self.watch, self.video_tokens = model, _Stopwatch(device), video_tokens
+        self.marks: dict[str, list] = {"self": [], "cross": [], "other": []}
 
-    def _timed(self, fn: Callable, kind: Callable[..., str]) -> Callable:
+    def kind(self, query, key) -> str:
+        q, k = query.shape[1], key.shape[1]  # [B, S, H, D]
+        if q != k:
+            return "cross"
+        return "self" if q >= self.video_tokens else "other"
+
+    def modules(self) -> list:
+        """The modules of the model's attention processors that call ``dispatch_attention_fn``."""
+        names = {
+            type(m.processor).__module__
+            for m in self.model.modules()
+            if getattr(m, "processor", None) is not None
+        }
+        found = [importlib.import_module(name) for name in sorted(names)]
+        found = [m for m in found if callable(getattr(m, DISPATCH_NAME, None))]
+        if not found:
+            raise RuntimeError(
+                f"no attention processor module of {type(self.model).__name__} has "
+                f"{DISPATCH_NAME}: nothing to time"
+            )
+        return found
+
+    def _timed(self, fn: Callable) -> Callable:
         def wrapper(*args, **kwargs):
+            query = args[0] if args else kwargs["query"]
+            key = args[1] if len(args) > 1 else kwargs["key"]
             start = self.watch.mark()
             out = fn(*args, **kwargs)
-            self.marks[kind(*args, **kwargs)].append((start, self.watch.mark()))
+            self.marks[self.kind(query, key)].append((start, self.watch.mark()))
             return out
 
         return wrapper
 
     @contextlib.contextmanager
     def active(self) -> Iterator[AttentionTimer]:
-        from diffusers.models.transformers import transformer_wan
-
-        def dispatch_kind(query, key, *args, **kwargs):
-            return "self" if query.shape[1] == key.shape[1] else "cross"
-
-        original = transformer_wan.dispatch_attention_fn
-        transformer_wan.dispatch_attention_fn = self._timed(original, dispatch_kind)
-        # The integration keeps its state on the transformer; its method's ``attend`` is the
-        # whole replaced attention (there is no public hook to time it).
-        state = getattr(self.model, "_vidsparse_state", None)
-        method = None if state is None else state.method
-        if method is not None:
-            method.attend = self._timed(method.attend, lambda *a, **k: "self")
+        # What each module holds now: diffusers' function, or vidsparse's shim while patched.
+        originals = [(m, getattr(m, DISPATCH_NAME)) for m in self.modules()]
+        for module, original in originals:
+            setattr(module, DISPATCH_NAME, self._timed(original))
         try:
             yield self
         finally:
-            transformer_wan.dispatch_attention_fn = original
-            if method is not None:
-                del method.attend  # the instance attribute; the class's method shows again
+            for module, original in originals:
+                setattr(module, DISPATCH_NAME, original)
 
     def total_ms(self, kind: str) -> float:
         return sum(self.watch.elapsed_ms(a, b) for a, b in self.marks[kind])
 
 
-def attention_share(model, step: Callable[[], Any], device: torch.device, reps: int) -> dict:
+def attention_share(
+    model, step: Callable[[], Any], device: torch.device, reps: int, video_tokens: int
+) -> dict:
     """Self- and cross-attention time per step and the self-attention share, over ``reps``
     instrumented steps (``benchmarks/README.md``, "End to end in diffusers")."""
-    timer = AttentionTimer(model, device)
+    timer = AttentionTimer(model, device, video_tokens)
     with timer.active():
         step_ms = sum(time_steps(step, device, reps))
     attn, cross = timer.total_ms("self"), timer.total_ms("cross")
-    calls = len(timer.marks["self"]) // reps
-    return {
+    out = {
         "attn_ms": attn / reps,
         "cross_attn_ms": cross / reps,
         "attn_share": attn / step_ms if step_ms > 0 else None,
         "instr_step_ms": step_ms / reps,
-        "attn_calls_per_step": calls,
+        "attn_calls_per_step": len(timer.marks["self"]) // reps,
+        "cross_attn_calls_per_step": len(timer.marks["cross"]) // reps,
     }
+    if timer.marks["other"]:
+        out["other_attn_ms"] = timer.total_ms("other") / reps
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,41 +314,70 @@ def attention_share(model, step: Callable[[], Any], device: torch.device, reps: 
 # ---------------------------------------------------------------------------------------------
 
 
-def sdpa_context(device: torch.device):
-    """cuDNN first for every SDPA call on the GPU (falls back only where cuDNN refuses a call;
-    ``check_cudnn`` verifies it takes the step's shapes). On the CPU: SDPA's default."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _sdpa_order():
+    from torch.nn.attention import SDPBackend
 
-    order = [
+    return [
         SDPBackend.CUDNN_ATTENTION,
         SDPBackend.FLASH_ATTENTION,
         SDPBackend.EFFICIENT_ATTENTION,
         SDPBackend.MATH,
     ]
-    return sdpa_kernel(order, set_priority=True)
+
+
+def sdpa_context(device: torch.device):
+    """cuDNN first for every SDPA call on the GPU (falls back only where cuDNN refuses a call;
+    ``check_cudnn`` verifies it takes the step's shapes). On the CPU: SDPA's default."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import sdpa_kernel
+
+    return sdpa_kernel(_sdpa_order(), set_priority=True)
+
+
+def _backend_taking(q, k, mask) -> str:
+    """The first backend of the priority order that takes ``sdpa(q, k, k, attn_mask=mask)``:
+    ``"cudnn"``, or the one that does with why the ones before it refused."""
+    from torch.nn.attention import sdpa_kernel
+
+    refused = []
+    for backend in _sdpa_order()[:-1]:
+        name = backend.name.lower().removesuffix("_attention")
+        try:
+            with warnings.catch_warnings(), sdpa_kernel(backend):
+                warnings.simplefilter("ignore")  # each refusal also warns
+                F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        except RuntimeError as exc:
+            refused.append(f"{name}: {harness.error_message(exc, 120)}")
+            continue
+        return f"{name} (refused: {'; '.join(refused)})" if refused else name
+    return f"math (refused: {'; '.join(refused)})"
 
 
 def check_cudnn(work: Workload, device: torch.device, dtype: torch.dtype) -> dict:
-    """Does cuDNN alone take the self- and cross-attention shapes of the step?"""
+    """Does cuDNN alone take the self- and cross-attention calls of the step (HunyuanVideo
+    1.5: the joint sequence with its [1, 1, S, S] bool mask)? Where it does not, which backend
+    of the priority order does."""
     if device.type != "cuda":
         return {"backend": "default (CPU)"}
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     d = work.config["attention_head_dim"]
-    shapes = {"self": work.tokens, "cross": work.text[1]}
+    calls = {"self": (work.self_attn_len, work.joint_text > 0)}
+    if work.cross_keys is not None:
+        calls["cross"] = (work.cross_keys, False)
     out = {"backend": "cuDNN first (sdpa_kernel priority)"}
-    q = torch.randn(1, work.heads, work.tokens, d, device=device, dtype=dtype)
-    for kind, keys in shapes.items():
-        k = torch.randn(1, work.heads, keys, d, device=device, dtype=dtype)
+    q = torch.randn(1, work.heads, work.self_attn_len, d, device=device, dtype=dtype)
+    for kind, (keys, masked) in calls.items():
+        k = mask = None
         try:
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                F.scaled_dot_product_attention(q, k, k)
-            out[kind] = "cudnn"
-        except RuntimeError as exc:
-            out[kind] = f"not cudnn ({harness.error_message(exc, 120)})"
-        del k
+            k = torch.randn(1, work.heads, keys, d, device=device, dtype=dtype)
+            if masked:  # the model's mask: the real tokens (video, then real text) a prefix
+                real = torch.arange(keys, device=device) < work.tokens + work.joint_text_real
+                mask = (real[:, None] & real[None, :])[None, None]  # S x S bools: 13 GB at 720p
+            out[kind] = _backend_taking(q, k, mask)
+        except torch.OutOfMemoryError as exc:  # building the mask
+            out[kind] = f"not checked ({harness.error_message(exc, 120)})"
+        del k, mask
+        harness.release_memory(device)
     del q
     harness.release_memory(device)
     return out
@@ -366,7 +434,7 @@ def run_method(method: Method, model, inputs, work: Workload, device, args, ref)
             row["peak_mem_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         if args.share_reps > 0:
             try:
-                row.update(attention_share(model, step, device, args.share_reps))
+                row.update(attention_share(model, step, device, args.share_reps, work.tokens))
             except Exception as exc:  # noqa: BLE001 - the latency stands without the share
                 row["attn_share_error"] = harness.error_message(exc)
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
@@ -442,11 +510,26 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", choices=sorted(WAN_CONFIGS), default="wan1.3b")
-    ap.add_argument("--resolution", choices=sorted(LATENT_HW), default=None)
-    ap.add_argument("--frames", type=int, default=81, help="video frames (81 -> 21 latent)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="wan1.3b")
+    resolutions = sorted({r for entry in MODELS.values() for r in entry.latent_hw})
     ap.add_argument(
-        "--layers", type=int, default=None, help="transformer blocks to build (1.3B: 30, 14B: 8)"
+        "--resolution",
+        choices=resolutions,
+        default=None,
+        help="default: 480p for wan1.3b, 720p for the others (wan2.2-5b: 704x1280 only)",
+    )
+    ap.add_argument(
+        "--frames",
+        type=int,
+        default=None,
+        help="video frames (default 81 -> 21 latent for Wan 2.1, 121 -> 31 for the others)",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="transformer blocks to build (default wan1.3b 30 of 30, wan14b 8 of 40, wan2.2-5b "
+        "30 of 30, hunyuan1.5 8 of 54)",
     )
     ap.add_argument(
         "--methods", default="dense,vsa,psa", help="of dense,vsa,psa (dense always runs)"
@@ -454,7 +537,11 @@ def parse_args(argv=None):
     ap.add_argument("--vsa-sparsity", type=float, default=0.875)
     ap.add_argument("--no-vsa-gate", action="store_true", help="VSA without the gate projection")
     ap.add_argument("--psa-sparsities", default="0.6,0.75")
-    ap.add_argument("--psa-tile", default=DEFAULT_PSA_TILE, help="PSA block TxHxW")
+    ap.add_argument(
+        "--psa-tile",
+        default=None,
+        help=f"PSA block TxHxW (default {DEFAULT_PSA_TILE}; wan2.2-5b: 2x8x8)",
+    )
     ap.add_argument("--psa-tolerance", type=float, default=PSA_TOLERANCE)
     ap.add_argument("--psa-plan", default=None, help="also run this searched plan file")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps after the first")
@@ -486,7 +573,7 @@ def main(argv=None) -> list[dict]:
     device = torch.device(args.device)
     if device.type == "cpu" and not args.tiny:
         raise SystemExit("the full-size models need a GPU; use --device cpu --tiny on the CPU")
-    import_wan()  # fail now, in one line, if diffusers is missing
+    import_model(MODELS[args.model].family)  # fail now, in one line, if diffusers is missing
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     work = make_workload(args)
     out = Path(args.out) if args.out else default_out(device, work, args.compile)
@@ -494,24 +581,16 @@ def main(argv=None) -> list[dict]:
         return _run(args, work, device, dtype, out)
 
 
-def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
+def _metadata(args, work: Workload, device, dtype, weights_gb, sdpa, build_s) -> dict:
     import diffusers
 
-    start = time.perf_counter()
-    model = build_model(work, device, dtype, args.seed)
-    build_s = time.perf_counter() - start
-    if args.compile == "blocks":
-        compile_blocks(model)
-    inputs = make_inputs(work, device, dtype, args.seed)
-    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
-    sdpa = check_cudnn(work, device, dtype)
-    methods = make_methods(args, work)
     truncated = work.layers < work.full_layers
     meta = harness.collect_metadata(
         device,
         benchmark="e2e",
         workload=work.name,
         model=work.model_name,
+        model_class=CLASS_NAMES[work.family],
         config={k: list(v) if isinstance(v, tuple) else v for k, v in work.config.items()},
         layers=work.layers,
         full_layers=work.full_layers,
@@ -526,8 +605,12 @@ def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
         latent_shape=list(work.latent),
         text_shape=list(work.text),
         timestep=TIMESTEP,
+        inputs=work.inputs_note,
         grid=list(work.grid_shape),
         tokens=work.tokens,
+        joint_text_tokens=work.joint_text,
+        joint_text_real=work.joint_text_real,
+        self_attention_tokens=work.self_attn_len,
         heads=work.heads,
         head_dim=work.config["attention_head_dim"],
         dtype=str(dtype),
@@ -550,16 +633,34 @@ def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
             + f": 1 + {args.warmup} untimed steps, median of {args.reps} timed steps"
         ),
         attention_share=(
-            "event pair around every self-attention call (dense: diffusers' "
-            "dispatch_attention_fn; vidsparse methods: the integration method's attend) over "
-            f"the step's event pair, summed over {args.share_reps} instrumented steps"
+            "event pair around every call of dispatch_attention_fn in the modules of the "
+            "model's attention processors (stock: diffusers' function; patched: vidsparse's "
+            "shim there, whose sparse path is the whole replaced attention) over the step's "
+            "event pair, summed over "
+            f"{args.share_reps} instrumented steps; self-attention: q and k of one length "
+            "holding the video tokens, cross: different lengths"
         ),
         complete=False,
     )
     meta.pop("flops_convention", None)  # no FLOP rates here
+    return meta
+
+
+def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
+    start = time.perf_counter()
+    model = build_model(work, device, dtype, args.seed)
+    build_s = time.perf_counter() - start
+    if args.compile == "blocks":
+        compile_blocks(model)
+    inputs = make_inputs(work, device, dtype, args.seed)
+    weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
+    sdpa = check_cudnn(work, device, dtype)
+    methods = make_methods(args, work)
+    meta = _metadata(args, work, device, dtype, weights_gb, sdpa, build_s)
+    joint = f" + {work.joint_text} text ({work.joint_text_real} real)" if work.joint_text else ""
     print(
         f"{work.name}: {work.layers}/{work.full_layers} layers, grid {work.grid_shape} "
-        f"({work.tokens} tokens), {work.heads} heads, {dtype}, built in {build_s:.1f} s; "
+        f"({work.tokens} tokens{joint}), {work.heads} heads, {dtype}, built in {build_s:.1f} s; "
         f"SDPA {sdpa}",
         flush=True,
     )

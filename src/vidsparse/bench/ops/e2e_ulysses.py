@@ -126,7 +126,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--methods", default="dense,vsa")
     p.add_argument("--model", choices=sorted(bench_e2e.WAN_CONFIGS), default="wan1.3b")
     p.add_argument("--resolution", choices=sorted(bench_e2e.LATENT_HW), default=None)
-    p.add_argument("--frames", type=int, default=81)
+    p.add_argument("--frames", type=int, default=None, help="default: the model's (e2e's)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--head-chunks", type=lambda t: [int(x) for x in t.split(",")], default=[1, 2])
     p.add_argument("--warmup", type=int, default=2)
@@ -134,7 +134,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    args.tiny, args.psa_tile = False, bench_e2e.DEFAULT_PSA_TILE
+    args.tiny, args.psa_tile = False, None  # None: the model's default PSA block
     return args
 
 
