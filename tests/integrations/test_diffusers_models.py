@@ -127,3 +127,22 @@ def test_routes_are_closed_after_every_forward(tiny, patched):
     model, inputs = tiny
     run(patched("vsa", sparsity=0.5), inputs)
     assert dispatch.ROUTES == []
+
+
+@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video15"])
+def test_padded_text_lengths_are_read_once_per_forward(name, monkeypatch):
+    # One host sync per forward for the text padding, not one per layer (HunyuanVideo hands
+    # every layer the same mask tensor; HunyuanVideo 1.5 builds the same mask in every layer).
+    from vidsparse.integrations.diffusers import methods
+
+    model, inputs = TINY_MODELS[name]()
+    reads = []
+    real = methods.real_lengths
+    monkeypatch.setattr(methods, "real_lengths", lambda mask: reads.append(1) or real(mask))
+    apply_sparse_attention(model.eval(), "vsa", sparsity=0.5)
+    try:
+        run(model, inputs)
+        run(model, inputs)
+    finally:
+        remove_sparse_attention(model)
+    assert len(reads) == 2  # two forwards, each over several layers

@@ -153,6 +153,7 @@ class _GridHook:
         shape = state.spec.grid(module, args, kwargs)
         state.method.check_grid(shape)
         state.shape = shape
+        state.forwards += 1
         if state.method.uses_step:
             state.step = state.current_step()
         state.method.before_forward(state, _device_of(args, kwargs))
@@ -212,7 +213,7 @@ class Route:
             return dense_fn(query, key, value)
         if state.ulysses is not None:
             shape = state.video_shape(query.shape[1] * state.ulysses.world_size)
-            call = self._call(shape, 0, None, args.scale, dense_fn)
+            call = self._call(shape, 0, None, None, args.scale, dense_fn)
             return state.method.attend_sharded(query, key, value, call, state.ulysses)
         mask, reason = _key_mask(args.attn_mask, state.spec, query.shape[0], query.shape[1])
         if reason is not None:
@@ -225,14 +226,16 @@ class Route:
                 "kernels", "vidsparse: %s runs on the %s kernels (%s)", state.method.name,
                 resolve_backend(query.device), query.device, level=logging.INFO,
             )  # fmt: skip
-        call = self._call(shape, text, mask, args.scale, dense_fn)
+        mask_id = ("forward", state.forwards) if state.spec.square_key_mask else args.attn_mask
+        call = self._call(shape, text, mask, mask_id, args.scale, dense_fn)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         return state.method.attend(q, k, v, call).transpose(1, 2)
 
-    def _call(self, shape, text, mask, scale, dense_fn) -> Call:
+    def _call(self, shape, text, mask, mask_id, scale, dense_fn) -> Call:
         return Call(
-            self.attn, self.state.step, shape, text, self.hidden_states, mask, scale, dense_fn
-        )
+            self.attn, self.state.step, shape, text, self.hidden_states, mask, mask_id, scale,
+            dense_fn,
+        )  # fmt: skip
 
     @property
     def attn_path(self) -> str:

@@ -68,6 +68,11 @@ class _Dense(Method):
         return call.dense(q, k, v)
 
 
+def real_lengths(mask: torch.Tensor) -> list[int]:
+    """Real (True) keys per sample of a ``[B, 1, 1, S]`` key mask: one host sync."""
+    return [int(n) for n in mask.reshape(mask.shape[0], -1).sum(dim=1).tolist()]
+
+
 class _SparseMethod(Method):
     """Shared by the sparse methods: one ``VideoGrid`` per latent shape, and text-padding
     handling."""
@@ -84,19 +89,24 @@ class _SparseMethod(Method):
         return grid
 
     def attend(self, q, k, v, call):
-        if call.mask is None or all(n == q.shape[2] for n in self._real_lengths(call.mask)):
+        lengths = None if call.mask is None else self._real_lengths(call.mask, call.mask_id)
+        if lengths is None or all(n == q.shape[2] for n in lengths):
             return self.sparse(q, k, v, call, call.text_tokens)
         return self._attend_unpadded(q, k, v, call)
 
-    def _real_lengths(self, mask) -> list[int]:
+    @torch.compiler.disable  # reads lengths back to the host: a graph break under compile
+    def _real_lengths(self, mask, mask_id=None) -> list[int]:
         """Real tokens per sample of the ``[B, 1, 1, S]`` key mask, read back to the host once
-        per mask: HunyuanVideo hands the same mask tensor to every layer of a forward, so this
-        is one GPU sync per forward instead of one per layer (keyed on the tensor and its
-        in-place version counter)."""
-        seen, version, lengths = self._mask_lengths
-        if mask is not seen or mask._version != version:
-            lengths = [int(n) for n in mask.reshape(mask.shape[0], -1).sum(dim=1).tolist()]
-            self._mask_lengths = (mask, mask._version, lengths)
+        per mask rather than once per layer: keyed on ``mask_id`` (``Call.mask_id``: the
+        model's mask tensor and its in-place version, or the forward where the model builds
+        the same mask in every layer)."""
+        key = mask_id if mask_id is not None else mask
+        version = key._version if isinstance(key, torch.Tensor) else None
+        seen, seen_version, lengths = self._mask_lengths
+        same = seen is key if isinstance(key, torch.Tensor) else seen == key
+        if not same or seen_version != version:
+            lengths = real_lengths(mask)
+            self._mask_lengths = (key, version, lengths)
         return lengths
 
     def _attend_unpadded(self, q, k, v, call):
@@ -107,7 +117,7 @@ class _SparseMethod(Method):
         # sample's real tokens are its first n.
         video = q.shape[2] - call.text_tokens
         out = torch.zeros_like(q)
-        for b, n in enumerate(self._real_lengths(call.mask)):
+        for b, n in enumerate(self._real_lengths(call.mask, call.mask_id)):
             qb, kb, vb = (x[b : b + 1, :, :n] for x in (q, k, v))
             call_b = dataclasses.replace(call, hidden_states=call.hidden_states[b : b + 1])
             out[b : b + 1, :, :n] = self.sparse(qb, kb, vb, call_b, n - video)

@@ -29,6 +29,9 @@ class Call:
     text_tokens: int  # tokens after the video tokens (text, ...), attended densely
     hidden_states: torch.Tensor | None  # the attention module's input [B, S, dim] (the gate's)
     mask: torch.Tensor | None  # bool key mask [B, 1, 1, S] (padded text keys are False)
+    # what identifies the mask across layers (to read its real lengths once): the model's mask
+    # tensor, or ("forward", n) where the model rebuilds one mask in every layer
+    mask_id: Any
     scale: float | None  # softmax scale the model asked for (None: 1/sqrt(D))
     dense_fn: Callable  # diffusers' attention of [B, S, H, D] q/k/v, as the processor asked
 
