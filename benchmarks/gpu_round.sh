@@ -42,11 +42,14 @@ for what in "$@"; do
     e2e-compiled) step e2e_compiled 400 python3 -m vidsparse.bench e2e --compile blocks \
       --out "$OUT/e2e_compiled_h200.json" ;;
     e2e-14b-compiled) step e2e_14b_compiled 220 python3 -m vidsparse.bench e2e --model wan14b \
-      --layers 8 --compile blocks --methods dense,vsa --out "$OUT/e2e_wan14b-720p_compiled_h200.json" ;;
+      --layers 8 --compile blocks --methods dense,vsa --no-vsa-gate \
+      --out "$OUT/e2e_wan14b-720p_compiled_h200.json" ;;
     e2e-hunyuan15) step e2e_hunyuan15 220 python3 -m vidsparse.bench e2e --model hunyuan1.5 \
-      --methods dense,vsa,psa --psa-sparsities 0.6 --out "$OUT/e2e_hunyuan1.5-720p_h200.json" ;;
+      --methods dense,vsa,psa --psa-sparsities 0.6,0.75 --no-vsa-gate \
+      --out "$OUT/e2e_hunyuan1.5-720p_h200.json" ;;
     e2e-wan22-5b) step e2e_wan22_5b 140 python3 -m vidsparse.bench e2e --model wan2.2-5b \
-      --methods dense,vsa --out "$OUT/e2e_wan2.2-5b-720p_h200.json" ;;
+      --methods dense,vsa,psa --psa-sparsities 0.6,0.75 --no-vsa-gate \
+      --out "$OUT/e2e_wan2.2-5b-720p_h200.json" ;;
     parallel) step parallel 400 torchrun --nproc-per-node 2 -m vidsparse.bench parallel \
       --providers vsa,comm --modes fwd --head-chunks 1,2,4 --out "$OUT/parallel_h200_2gpu.json" ;;
     coarse) step tune_coarse 250 python3 benchmarks/tuning/tune_vsa_coarse.py --selection --pooled \
