@@ -19,10 +19,22 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("triton_backend")]
 REL = 2e-2  # bf16 rounding of a different attention computation, through the whole model
 
 
+def to_bf16(model):
+    """``model`` on the GPU in bf16 as ``from_pretrained(torch_dtype=torch.bfloat16)`` loads
+    it: the parameters of its ``_keep_in_fp32_modules`` stay in float32 (Kandinsky 5's time
+    embedding only runs that way)."""
+    model = model.to("cuda", torch.bfloat16)
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, param in model.named_parameters():
+        if keep & set(name.split(".")):
+            param.data = param.data.float()
+    return model.eval()
+
+
 @pytest.fixture(scope="module", params=sorted(TINY_MODELS))
 def tiny(request):
     model, inputs = TINY_MODELS[request.param]()
-    model = model.to("cuda", torch.bfloat16).eval()
+    model = to_bf16(model)
     inputs = {
         k: v.to("cuda", torch.bfloat16 if v.is_floating_point() else v.dtype)
         if isinstance(v, torch.Tensor)
