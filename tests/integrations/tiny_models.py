@@ -39,11 +39,12 @@ def _text_mask(batch: int, length: int, real_in_last: int) -> torch.Tensor:
     return mask
 
 
-def wan_t2v():
-    from diffusers import WanTransformer3DModel
+def _text_to_video(class_name: str):
+    """A Wan-shaped text-to-video model of diffusers class ``class_name`` and its inputs."""
+    import diffusers
 
     torch.manual_seed(0)
-    model = WanTransformer3DModel(in_channels=4, out_channels=4, **_WAN)
+    model = getattr(diffusers, class_name)(in_channels=4, out_channels=4, **_WAN)
     g = _seeded()
     inputs = dict(
         hidden_states=_randn(1, 4, T, H, W, g=g),
@@ -51,6 +52,10 @@ def wan_t2v():
         encoder_hidden_states=_randn(1, TEXT, 24, g=g),
     )
     return model, inputs
+
+
+def wan_t2v():
+    return _text_to_video("WanTransformer3DModel")
 
 
 def wan_i2v():
@@ -142,17 +147,7 @@ def wan_animate():
 
 
 def skyreels_v2():
-    from diffusers import SkyReelsV2Transformer3DModel
-
-    torch.manual_seed(0)
-    model = SkyReelsV2Transformer3DModel(in_channels=4, out_channels=4, **_WAN)
-    g = _seeded()
-    inputs = dict(
-        hidden_states=_randn(1, 4, T, H, W, g=g),
-        timestep=torch.tensor([500]),
-        encoder_hidden_states=_randn(1, TEXT, 24, g=g),
-    )
-    return model, inputs
+    return _text_to_video("SkyReelsV2Transformer3DModel")
 
 
 def chronoedit():
