@@ -146,3 +146,47 @@ def test_padded_text_lengths_are_read_once_per_forward(name, monkeypatch):
     finally:
         remove_sparse_attention(model)
     assert len(reads) == 2  # two forwards, each over several layers
+
+
+def all_dense_plan(plan):
+    """``plan`` with every head's choice replaced by the dense pattern."""
+    import dataclasses
+
+    from vidsparse.search.plan import HeadChoice
+
+    dense = HeadChoice(StripeSpec.dense(), "block", 0.0, 0.0, 1.0)
+    buckets = tuple(
+        dataclasses.replace(b, layers={i: (dense,) * plan.num_heads for i in b.layers})
+        for b in plan.buckets
+    )
+    return dataclasses.replace(plan, buckets=buckets)
+
+
+def test_capture_search_plan_apply(tiny, tmp_path):
+    from vidsparse.integrations.diffusers import capture_calibration, set_denoising_step
+    from vidsparse.layout.grid import VideoGrid
+    from vidsparse.search import load_calibration, search
+
+    model, inputs = tiny
+    stock = run(model, inputs)
+    with capture_calibration(model, tmp_path):
+        for step in (0, 1):
+            set_denoising_step(model, step)
+            assert torch.equal(run(model, inputs), stock)
+    (shape,) = {s.grid_shape for s in load_calibration(tmp_path)}
+    result = search(
+        tmp_path, VideoGrid(shape, (4, 4, 4)), target_sparsity=0.5, num_steps=2,
+        dense_fraction=0.5, model=type(model).__name__, device="cpu", progress=False,
+    )  # fmt: skip
+    choices = [c for b in result.plan.buckets for layer in b.layers.values() for c in layer]
+    assert any(c.spec != StripeSpec.dense() for c in choices)  # the search found sparse heads
+    for plan, dense in ((result.plan, False), (all_dense_plan(result.plan), True)):
+        apply_sparse_attention(model, "psa", plan=plan)
+        try:
+            set_denoising_step(model, 1)  # the plan's sparse step
+            out = run(model, inputs)
+        finally:
+            remove_sparse_attention(model)
+        assert torch.isfinite(out).all()
+        if dense:
+            torch.testing.assert_close(out, stock, atol=ATOL, rtol=0)
