@@ -364,6 +364,15 @@ def ltx2_video():
     return model, inputs
 
 
+def randomize_zero_parameters(model) -> None:
+    """Draw the parameters that are all zero at random (small, seeded)."""
+    g = _seeded(2)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and not param.any():
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+
+
 def _nonzero(factory):
     """``factory`` with the zero-initialised parameters drawn at random instead: adaLN-Zero
     style modulations start at zero (Kandinsky 5's make every block an identity), which would
@@ -371,11 +380,7 @@ def _nonzero(factory):
 
     def build():
         model, inputs = factory()
-        g = _seeded(2)
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.is_floating_point() and not param.any():
-                    param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+        randomize_zero_parameters(model)
         return model, inputs
 
     build.__name__ = factory.__name__
