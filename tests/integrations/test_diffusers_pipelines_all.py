@@ -17,6 +17,7 @@ import torch
 pytest.importorskip("diffusers", minversion="0.36")
 
 import diffusers  # noqa: E402
+import tiny_models  # noqa: E402
 from tiny_models import TINY_MODELS, randomize_zero_parameters  # noqa: E402
 
 from vidsparse.integrations.diffusers import (  # noqa: E402
@@ -190,22 +191,8 @@ class _NoGuardrail(diffusers.ModelMixin, diffusers.ConfigMixin):
 
 
 def cosmos():
-    # CosmosTextToWorldPipeline: no condition mask, so 4 input channels (TINY_MODELS' has 5).
-    torch.manual_seed(0)
-    model = diffusers.CosmosTransformer3DModel(
-        in_channels=4,
-        out_channels=4,
-        num_attention_heads=2,
-        attention_head_dim=16,
-        num_layers=2,
-        mlp_ratio=2.0,
-        text_embed_dim=24,
-        adaln_lora_dim=8,
-        max_size=(8, 32, 32),
-        patch_size=(1, 2, 2),
-        concat_padding_mask=False,
-        extra_pos_embed_type="learnable",
-    )
+    # CosmosTextToWorldPipeline: no condition mask, so the 4-channel tiny model.
+    model, _ = tiny_models.cosmos(condition_mask=False)
     randomize_zero_parameters(model)
     pipe = diffusers.CosmosTextToWorldPipeline(
         text_encoder=None,

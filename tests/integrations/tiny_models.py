@@ -172,13 +172,14 @@ def chronoedit():
     return model, inputs
 
 
-def cosmos():
+def cosmos(condition_mask: bool = True):
     # concat_padding_mask=False: the padding-mask channel needs torchvision (not a dependency).
+    # condition_mask: Video2World's mask channel (Text2World has none: 4 input channels).
     from diffusers import CosmosTransformer3DModel
 
     torch.manual_seed(0)
     model = CosmosTransformer3DModel(
-        in_channels=5,
+        in_channels=5 if condition_mask else 4,
         out_channels=4,
         num_attention_heads=2,
         attention_head_dim=16,
@@ -197,8 +198,9 @@ def cosmos():
         timestep=torch.tensor([0.5]),
         encoder_hidden_states=_randn(1, TEXT, 24, g=g),
         fps=24,
-        condition_mask=torch.zeros(1, 1, T, H, W),
     )
+    if condition_mask:
+        inputs["condition_mask"] = torch.zeros(1, 1, T, H, W)
     return model, inputs
 
 
