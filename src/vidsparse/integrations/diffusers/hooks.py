@@ -9,7 +9,6 @@ patched transformer gives hooks bound to the copy's own state.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
@@ -30,7 +29,6 @@ from vidsparse.integrations.diffusers.state import (
     logger,
     state_of,
 )
-from vidsparse.utils.backend import resolve_backend
 
 
 def install(
@@ -221,11 +219,7 @@ class Route:
             return dense_fn(query, key, value)
         text = self._extra_tokens(query.shape[1])
         shape = state.video_shape(query.shape[1] - text)
-        if not torch.compiler.is_compiling():
-            state.log_once(
-                "kernels", "vidsparse: %s runs on the %s kernels (%s)", state.method.name,
-                resolve_backend(query.device), query.device, level=logging.INFO,
-            )  # fmt: skip
+        state.log_kernels_once(query.device)
         mask_id = ("forward", state.forwards) if state.spec.square_key_mask else args.attn_mask
         call = self._call(shape, text, mask, mask_id, args.scale, dense_fn)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vidsparse.utils.backend import resolve_backend
+
 logger = logging.getLogger("vidsparse.integrations.diffusers")
 
 STATE_ATTR = "_vidsparse_state"
@@ -123,6 +125,16 @@ class SparseState:
         if key not in self._logged:
             self._logged.add(key)
             logger.log(level, message, *args)
+
+    def log_kernels_once(self, device: torch.device) -> None:
+        """Log, once, which kernels the method runs on (checked before anything is computed:
+        this sits on every routed call)."""
+        if "kernels" in self._logged or torch.compiler.is_compiling():
+            return
+        self.log_once(
+            "kernels", "vidsparse: %s runs on the %s kernels (%s)", self.method.name,
+            resolve_backend(device), device, level=logging.INFO,
+        )  # fmt: skip
 
     def current_step(self) -> int:
         """The denoising step: the scheduler's (when a pipeline was patched), else the one set
