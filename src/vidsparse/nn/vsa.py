@@ -50,7 +50,25 @@ def check_sparsity(name: str, value) -> float:
     return float(value)
 
 
-class VideoSparseAttention(nn.Module):
+class _Sparsity:
+    """The checked ``sparsity`` attribute that :class:`SparsitySchedule` sets."""
+
+    @property
+    def sparsity(self) -> float:
+        return self._sparsity
+
+    @sparsity.setter
+    def sparsity(self, value: float) -> None:
+        self._sparsity = check_sparsity("sparsity", value)
+
+
+def _zero_(linear: nn.Linear) -> None:
+    nn.init.zeros_(linear.weight)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+
+
+class VideoSparseAttention(_Sparsity, nn.Module):
     """Trainable Video Sparse Attention with a learned, zero-initialised coarse-branch gate.
 
     Args:
@@ -98,19 +116,9 @@ class VideoSparseAttention(nn.Module):
         self.gate_proj = nn.Linear(dim, heads * head_dim, bias=bias, device=device, dtype=dtype)
         self.reset_parameters()
 
-    @property
-    def sparsity(self) -> float:
-        return self._sparsity
-
-    @sparsity.setter
-    def sparsity(self, value: float) -> None:
-        self._sparsity = check_sparsity("sparsity", value)
-
     def reset_parameters(self) -> None:
         """Zero the gate projection: the output is the fine stage alone (dense at sparsity 0)."""
-        nn.init.zeros_(self.gate_proj.weight)
-        if self.gate_proj.bias is not None:
-            nn.init.zeros_(self.gate_proj.bias)
+        _zero_(self.gate_proj)
 
     def forward(
         self,
@@ -199,7 +207,7 @@ class VideoSparseAttention(nn.Module):
         )
 
 
-class VSAGate(nn.Linear):
+class VSAGate(_Sparsity, nn.Linear):
     """VSA's coarse-branch gate as a projection of its own: ``gate = W x + b``, shaped
     ``[B, S, heads * head_dim]``, weighting the coarse output per head and channel
     (``o = o_fine + gate * o_coarse``). FastVideo's VSA checkpoints of Wan hold it per block as
@@ -236,19 +244,9 @@ class VSAGate(nn.Linear):
             self.register_parameter("bias", None)
         self.sparsity = sparsity
 
-    @property
-    def sparsity(self) -> float:
-        return self._sparsity
-
-    @sparsity.setter
-    def sparsity(self, value: float) -> None:
-        self._sparsity = check_sparsity("sparsity", value)
-
     def reset_parameters(self) -> None:
         """Zero weight and bias: the fine stage alone."""
-        nn.init.zeros_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
+        _zero_(self)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
