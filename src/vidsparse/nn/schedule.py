@@ -38,16 +38,9 @@ import dataclasses
 from torch import nn
 
 from vidsparse.nn.vsa import VideoSparseAttention, VSAGate, check_sparsity
+from vidsparse.utils.checks import check_non_negative_int
 
 __all__ = ["SparsitySchedule"]
-
-
-def _check_non_negative_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be a non-negative int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value}")
-    return value
 
 
 @dataclasses.dataclass
@@ -76,15 +69,15 @@ class SparsitySchedule:
 
     def __post_init__(self) -> None:
         self.target = check_sparsity("target", self.target)
-        _check_non_negative_int("warmup_steps", self.warmup_steps)
-        _check_non_negative_int("ramp_steps", self.ramp_steps)
-        _check_non_negative_int("num_levels", self.num_levels)
+        check_non_negative_int("warmup_steps", self.warmup_steps)
+        check_non_negative_int("ramp_steps", self.ramp_steps)
+        check_non_negative_int("num_levels", self.num_levels)
         if self.num_levels < 1:
             raise ValueError(f"num_levels must be at least 1, got {self.num_levels}")
 
     def __call__(self, step: int) -> float:
         """Sparsity at optimiser step ``step`` (a non-negative int)."""
-        _check_non_negative_int("step", step)
+        check_non_negative_int("step", step)
         if step < self.warmup_steps:
             return 0.0
         into_ramp = step - self.warmup_steps

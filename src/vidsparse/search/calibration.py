@@ -40,7 +40,11 @@ from typing import Any
 
 import torch
 
-from vidsparse.utils.checks import check_positive_int, check_positive_ints
+from vidsparse.utils.checks import (
+    check_non_negative_int,
+    check_positive_int,
+    check_positive_ints,
+)
 from vidsparse.utils.files import atomic_write
 
 __all__ = [
@@ -67,18 +71,10 @@ _V2_KEYS = {"format", "version", "step", "layer", "tiled"}
 _V2_OPTIONAL = {"grid_shape", "num_steps"}
 
 
-def _check_nonneg_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
-
-
 def _check_fields(step, layer, tiled, grid_shape, num_steps) -> tuple | None:
     """Validate the small fields of a sample; returns ``grid_shape`` as a tuple (or None)."""
-    _check_nonneg_int("step", step)
-    _check_nonneg_int("layer", layer)
+    check_non_negative_int("step", step)
+    check_non_negative_int("layer", layer)
     if not isinstance(tiled, bool):
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
     if num_steps is not None:

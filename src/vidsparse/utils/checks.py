@@ -60,6 +60,14 @@ def check_positive_int(name: str, value) -> int:
     return value
 
 
+def check_non_negative_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
 def check_bool(name: str, value) -> bool:
     """``value`` must be a bool (not a truthy string or int); the error names ``name``."""
     if not isinstance(value, bool):
