@@ -245,3 +245,32 @@ def test_capture_over_a_pipeline_writes_a_folder_per_transformer(pipe, stock, tm
         assert all(s.grid_shape == GRID for s in samples)
     assert steps["transformer"] | steps["transformer_2"] == set(range(STEPS))
     assert min(steps["transformer_2"]) > 0
+
+
+def test_load_sparse_attention_on_a_pipeline_follows_its_scheduler_and_is_all_or_nothing(pipe):
+    from vidsparse.integrations.diffusers import load_sparse_attention
+
+    def gates(model, rows):
+        dim = model.config.num_attention_heads * model.config.attention_head_dim
+        return {
+            f"blocks.{i}.to_gate_compress.{p}": torch.ones(rows, dim)
+            if p == "weight"
+            else torch.ones(rows)
+            for i in range(len(model.blocks))
+            for p in ("weight", "bias")
+        }
+
+    good = {name: gates(getattr(pipe, name), 32) for name in ("transformer", "transformer_2")}
+    bad = {**good, "transformer_2": gates(pipe.transformer_2, 64)}  # another model's shape
+    with pytest.raises(ValueError, match="another model"):
+        load_sparse_attention(pipe, bad, sparsity=0.5)
+    assert not hasattr(pipe.transformer, "_vidsparse_state")
+    assert not hasattr(pipe.transformer_2, "_vidsparse_state")
+    load_sparse_attention(pipe, good, sparsity=0.5)
+    try:
+        for name in ("transformer", "transformer_2"):
+            state = state_of(getattr(pipe, name))
+            assert state.scheduler is pipe.scheduler and state.name == name
+            assert torch.equal(getattr(pipe, name).blocks[0].to_gate_compress.bias, torch.ones(32))
+    finally:
+        remove_sparse_attention(pipe)

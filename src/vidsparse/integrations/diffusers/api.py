@@ -68,6 +68,12 @@ def apply_sparse_attention(pipe_or_transformer, method: str = "vsa", *, ulysses=
     """
     targets = transformers_of(pipe_or_transformer)
     per_target = split_options(options, [name for name, _ in targets])
+    _install_all(pipe_or_transformer, targets, method, per_target, ulysses)
+
+
+def _install_all(pipe_or_transformer, targets, method: str, per_target: dict, ulysses=None):
+    """Build every target's method (all options checked first), then patch them all; on any
+    failure none stays patched."""
     methods = {name: make_method(method, per_target[name]) for name, _ in targets}
     scheduler = pipeline_scheduler(pipe_or_transformer)
     done = []
@@ -80,6 +86,7 @@ def apply_sparse_attention(pipe_or_transformer, method: str = "vsa", *, ulysses=
     except BaseException:
         for transformer in done:
             uninstall(transformer)
+            _forget_config(transformer)
         raise
 
 
@@ -106,14 +113,18 @@ def load_sparse_attention(pipe_or_transformer, source, method: str = "vsa", **op
     """
     targets = transformers_of(pipe_or_transformer)
     sources = read_gate_source(source, [name for name, _ in targets], len(targets) > 1)
-    for name, transformer in targets:
-        opts = apply_saved_config(sources[name], method, options)
-        apply_sparse_attention(transformer, method, **{**opts, "gate": True})
-        try:
+    per_target = {
+        name: {**apply_saved_config(sources[name], method, options), "gate": True}
+        for name, _ in targets
+    }
+    _install_all(pipe_or_transformer, targets, method, per_target)
+    try:
+        for name, transformer in targets:
             load_gate_state(transformer, sources[name].state_dict)
-        except BaseException:
-            remove_sparse_attention(transformer)
-            raise
+    except BaseException:
+        remove_sparse_attention(pipe_or_transformer)
+        raise
+    for name, transformer in targets:
         logger.info(
             "vidsparse: loaded %d VSA gates into %s", len(state_of(transformer).layers), name
         )
