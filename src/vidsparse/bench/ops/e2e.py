@@ -483,7 +483,7 @@ def compile_blocks(model) -> None:
     """``torch.compile(fullgraph=True)`` of every transformer block, in place (diffusers'
     regional compilation: blocks share one compiled graph while their code sees the same
     Python constants). A graph break anywhere in a block is an error. Every method recompiles
-    the blocks once (its processors are new objects); torch's recompile limit stays as users
+    the blocks once (its hooks are new objects); torch's recompile limit stays as users
     have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
     the excess layers eagerly)."""
     model.compile_repeated_blocks(fullgraph=True)

@@ -1,4 +1,4 @@
-"""A diffusers Wan step on P GPUs: diffusers' context parallelism with vidsparse's processors.
+"""A diffusers Wan step on P GPUs: diffusers' context parallelism with vidsparse's routing.
 
     torchrun --nproc-per-node 2 -m vidsparse.bench e2e_ulysses
     torchrun --nproc-per-node 2 -m vidsparse.bench e2e_ulysses --methods vsa \\

@@ -3,8 +3,8 @@
 Each method is a subclass of :class:`~vidsparse.integrations.diffusers.state.Method` declared
 here with ``@_register``; its constructor's parameters are the options ``apply_sparse_attention``
 accepts for it and its docstring says what they mean (``apply_sparse_attention``'s help lists
-them all). Adding a method is a class in this file: the processors, the pre-hook and the state
-call it through the hooks of ``Method`` (``state.py``, with their defaults).
+them all). Adding a method is a class in this file: the routed attention call, the pre-hook and
+the state call it through the hooks of ``Method`` (``state.py``, with their defaults).
 
 - ``"dense"``: diffusers' own attention call, routed through vidsparse; equals the stock model
   bit for bit under any attention backend (the proof that the routing changes nothing).
@@ -335,7 +335,7 @@ class _PSA(_SparseMethod):
         cache, and the buffers hold one step bucket's lists at a time. Only done eagerly and
         for models without text tokens in the self-attention (Wan): when this hook is itself
         traced (the whole transformer compiled), under sequence parallelism, or with text
-        tokens (HunyuanVideo), the processors take the specs path instead."""
+        tokens (HunyuanVideo), the routed calls take the specs path instead."""
         self._warn_if_never_sparse(state)
         if (
             state.ulysses is not None
