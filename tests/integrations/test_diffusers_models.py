@@ -118,9 +118,16 @@ def test_deepcopy_of_a_patched_model_is_independent(tiny):
         assert torch.equal(run(twin, inputs), stock)  # the copy is stock again ...
         assert torch.equal(run(model, inputs), sparse)  # ... the original still sparse
         assert twin._forward_pre_hooks == {} and model._forward_pre_hooks
+        # The other order: the original removed first, the copy still routes.
+        twin = copy.deepcopy(model)
     finally:
         remove_sparse_attention(model)
     assert torch.equal(run(model, inputs), stock)
+    try:
+        assert torch.equal(run(twin, inputs), sparse)
+    finally:
+        remove_sparse_attention(twin)
+    assert torch.equal(run(twin, inputs), stock)
 
 
 def test_routes_are_closed_after_every_forward(tiny, patched):

@@ -59,7 +59,9 @@ def install(
         )
     impl.check_model(num_layers=len(layers), heads=heads)
 
-    state = SparseState(spec=spec, method=impl, ulysses=ulysses, scheduler=scheduler)
+    state = SparseState(
+        spec=spec, method=impl, ulysses=ulysses, scheduler=scheduler, owner=transformer
+    )
     state.layers = list(layers)
     state.dispatch_modules = tuple(modules)
     enter, leave = _Enter(state), _Exit()

@@ -5,14 +5,16 @@ table of them is in ``models``), and the state of one patched transformer."""
 from __future__ import annotations
 
 import abc
+import copy
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from torch import nn
 
+from vidsparse.integrations.diffusers import dispatch
 from vidsparse.utils.backend import resolve_backend
 
 logger = logging.getLogger("vidsparse.integrations.diffusers")
@@ -119,7 +121,20 @@ class SparseState:
     added: list = field(default_factory=list)  # (module, attribute name) we registered
     ulysses: Any = None  # a vidsparse.parallel.UlyssesAttention: inputs are sequence shards
     forwards: int = 0
+    owner: Any = None  # the patched transformer
     _logged: set = field(default_factory=set)
+
+    def __deepcopy__(self, memo):
+        """A deep copy (of the transformer, normally) that routes like the original: the copy
+        is registered with the shims too, so removing the original cannot turn the copy's
+        sparse attention silently dense."""
+        copied = SparseState.__new__(SparseState)
+        memo[id(self)] = copied
+        for f in fields(self):
+            setattr(copied, f.name, copy.deepcopy(getattr(self, f.name), memo))
+        for name in copied.dispatch_modules:
+            dispatch.attach(name, copied.owner)
+        return copied
 
     def log_once(self, key: str, message: str, *args, level: int = logging.WARNING) -> None:
         if key not in self._logged:
