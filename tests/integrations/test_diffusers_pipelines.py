@@ -4,6 +4,7 @@ per-transformer options, the step callback as a composable diffusers PipelineCal
 diffusers' own switches (set_attention_backend) keeping their meaning."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -243,8 +244,28 @@ def test_capture_over_a_pipeline_writes_a_folder_per_transformer(pipe, stock, tm
         samples = list(load_calibration(tmp_path / name))
         steps[name] = {s.step for s in samples}
         assert all(s.grid_shape == GRID for s in samples)
+        assert {s.transformer for s in samples} == {name}  # recorded for its plan
     assert steps["transformer"] | steps["transformer_2"] == set(range(STEPS))
     assert min(steps["transformer_2"]) > 0
+
+
+def test_a_plan_searched_on_one_expert_is_refused_for_the_other(pipe):
+    # Wan 2.2 A14B's experts share every shape: only the recorded member tells their plans
+    # apart, and swapping them would run the wrong masks without a word.
+    plans = {
+        "transformer": replace(plan_for(), transformer="transformer_2"),
+        "transformer_2": replace(plan_for(), transformer="transformer"),
+    }
+    with pytest.raises(ValueError, match="searched on the pipeline's 'transformer_2'"):
+        apply_sparse_attention(pipe, "psa", plan=plans)
+    assert not hasattr(pipe.transformer, "_vidsparse_state")
+    assert not hasattr(pipe.transformer_2, "_vidsparse_state")
+    matching = {name: replace(plan_for(), transformer=name) for name in plans}
+    apply_sparse_attention(pipe, "psa", plan=matching)
+    remove_sparse_attention(pipe)
+    # A bare transformer has no pipeline name to compare: the user's choice stands.
+    apply_sparse_attention(pipe.transformer_2, "psa", plan=matching["transformer"])
+    remove_sparse_attention(pipe.transformer_2)
 
 
 def test_load_sparse_attention_on_a_pipeline_follows_its_scheduler_and_is_all_or_nothing(pipe):

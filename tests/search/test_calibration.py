@@ -117,6 +117,22 @@ def test_save_refuses(tmp_path, name, kwargs, match):
     assert not list(tmp_path.iterdir())
 
 
+def test_the_pipeline_member_is_recorded_and_read_back(tmp_path):
+    save_calibration_sample(_sample(transformer="transformer_2"), tmp_path / "a.safetensors")
+    with safe_open(str(tmp_path / "a.safetensors"), framework="pt") as f:
+        assert f.metadata()["transformer"] == '"transformer_2"'
+    files = load_calibration(tmp_path)
+    assert files[0].transformer == "transformer_2"
+    assert files.recorded("transformer") == ("transformer_2", tmp_path / "a.safetensors")
+    with pytest.raises(ValueError, match="cannot record num_steps or transformer"):
+        save_calibration_sample(_sample(transformer="transformer"), tmp_path / "b.pt")
+    with pytest.raises(TypeError, match="transformer must be a non-empty str"):
+        _sample(transformer=2)
+    save_calibration_sample(_sample(transformer="transformer"), tmp_path / "c.safetensors")
+    with pytest.raises(ValueError, match="disagree on transformer"):
+        load_calibration(tmp_path).recorded("transformer")
+
+
 def test_sample_checks_its_step_count():
     with pytest.raises(ValueError, match="step 3 is outside num_steps=3"):
         _sample(num_steps=3)
@@ -205,6 +221,7 @@ def test_recorded_values_that_disagree_name_two_files(tmp_path, field):
         (_meta(grid_shape="[2, 0, 4]"), "qkv", "grid_shape must be positive"),
         (_meta(num_steps="3"), "qkv", "step 3 is outside num_steps=3"),
         (_meta(num_steps="true"), "qkv", "num_steps must be an int"),
+        (_meta(transformer="3"), "qkv", "transformer must be a non-empty str"),
         (_meta(), "qv", r"missing tensors \['k'\]"),
         (_meta(), "qkvx", r"unexpected tensors \['x'\]"),
     ],
@@ -260,3 +277,21 @@ def test_search_takes_num_steps_from_the_files_and_refuses_another(torch_backend
         build_loss_table(in_memory, GRID, candidates=_dense_only(), progress=False)
     one = build_loss_table(in_memory[:1], GRID, candidates=_dense_only(), progress=False)
     assert one.num_steps == 10
+
+
+def test_the_table_and_plan_carry_the_pipeline_member(torch_backend, tmp_path):
+    from vidsparse.search import LossTable, plan_from_table
+
+    for step in (2, 3):
+        sample = _sample(step=step, transformer="transformer_2")
+        save_calibration_sample(sample, tmp_path / f"s{step}.safetensors", num_steps=10)
+    table = build_loss_table(tmp_path, GRID, candidates=_dense_only(), progress=False)
+    assert table.transformer == "transformer_2"
+    table.save(tmp_path / "table.pt")
+    again = LossTable.load(tmp_path / "table.pt")
+    assert again.transformer == "transformer_2"
+    plan = plan_from_table(again, alpha=0.1)
+    assert plan.transformer == "transformer_2"
+    both = [_sample(step=2, transformer="transformer"), _sample(step=3, transformer="x")]
+    with pytest.raises(ValueError, match="came from 'x', earlier samples from 'transformer'"):
+        build_loss_table(both, GRID, candidates=_dense_only(), num_steps=10, progress=False)

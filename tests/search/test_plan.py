@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from dataclasses import replace
 
 import pytest
 
@@ -66,6 +67,25 @@ def test_round_trip(tmp_path):
     loaded = load_plan(path, expect_grid=GRID, expect_model="toy-model")
     assert loaded == plan
     assert loaded.to_dict() == plan.to_dict()
+
+
+def test_the_pipeline_member_is_optional_and_typed(tmp_path):
+    plan = replace(make_plan(), transformer="transformer_2")
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    data = json.loads(path.read_text())
+    assert data["transformer"] == "transformer_2"
+    assert load_plan(path) == plan
+    assert "(transformer_2)" in plan.format_summary()
+    del data["transformer"]  # plans written before the field, or from a bare transformer
+    path.write_text(json.dumps(data))
+    assert load_plan(path).transformer is None
+    save_plan(make_plan(), path)
+    assert "transformer" not in json.loads(path.read_text())
+    data["transformer"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="field 'transformer': expected a string"):
+        load_plan(path)
 
 
 def test_specs_for_dense_steps_and_row_conversion():

@@ -14,6 +14,7 @@ Version 2, ``*.safetensors`` (what the capture writes): the tensors ``q``, ``k``
     tiled       "false"         "true": S is in tile order (VideoGrid.padded_len tokens)
     grid_shape  "[21, 30, 52]"  optional: the latent grid (T, H, W) in tokens
     num_steps   "50"            optional: the denoising steps of the schedule it came from
+    transformer "\"transformer_2\""  optional: the pipeline member it came from (a JSON string)
 
 Version 1, ``*.pt`` (older, still read): ``torch.save`` of a dict (read back with
 ``weights_only=True``, memory-mapped)::
@@ -68,7 +69,8 @@ _TENSORS = ("q", "k", "v")
 _V1_KEYS = {"format", "version", "step", "layer", *_TENSORS}
 _V1_OPTIONAL = {"tiled", "grid_shape"}
 _V2_KEYS = {"format", "version", "step", "layer", "tiled"}
-_V2_OPTIONAL = {"grid_shape", "num_steps"}
+_V2_OPTIONAL = {"grid_shape", "num_steps", "transformer"}
+_RECORDED = ("grid_shape", "num_steps", "transformer")  # fields the search takes from files
 
 
 def _check_fields(step, layer, tiled, grid_shape, num_steps) -> tuple | None:
@@ -86,6 +88,11 @@ def _check_fields(step, layer, tiled, grid_shape, num_steps) -> tuple | None:
     return check_positive_ints("grid_shape", grid_shape, length=3)
 
 
+def _check_transformer(transformer) -> None:
+    if transformer is not None and (not isinstance(transformer, str) or not transformer):
+        raise TypeError(f"transformer must be a non-empty str or None, got {transformer!r}")
+
+
 @dataclass
 class CalibrationSample:
     """q/k/v of one attention layer at one denoising step (one prompt).
@@ -94,7 +101,8 @@ class CalibrationSample:
     (``S == grid.num_tokens``) or tile order (``tiled=True``, ``S == grid.padded_len``).
     Several samples may share a (step, layer): their statistics are pooled. ``grid_shape``
     and ``num_steps``: where it was captured (the latent grid, the schedule's step count),
-    when recorded; the search checks them against its own.
+    when recorded; the search checks them against its own. ``transformer``: the pipeline
+    member it came from (``"transformer_2"``), when recorded; the plan carries it.
     """
 
     step: int
@@ -105,11 +113,13 @@ class CalibrationSample:
     tiled: bool = False
     grid_shape: tuple[int, int, int] | None = None  # where it was captured, if recorded
     num_steps: int | None = None  # denoising steps of the schedule it came from, if recorded
+    transformer: str | None = None  # the pipeline member it came from, if recorded
 
     def __post_init__(self) -> None:
         self.grid_shape = _check_fields(
             self.step, self.layer, self.tiled, self.grid_shape, self.num_steps
         )
+        _check_transformer(self.transformer)
         shapes = set()
         for name in _TENSORS:
             x = getattr(self, name)
@@ -139,9 +149,11 @@ class CalibrationInfo:
     tiled: bool = False
     grid_shape: tuple[int, int, int] | None = None
     num_steps: int | None = None
+    transformer: str | None = None
 
     def __post_init__(self) -> None:
         shape = _check_fields(self.step, self.layer, self.tiled, self.grid_shape, self.num_steps)
+        _check_transformer(self.transformer)
         object.__setattr__(self, "grid_shape", shape)
 
 
@@ -160,8 +172,9 @@ def save_calibration_sample(
     """Write one sample as a calibration file (atomically).
 
     ``path`` ending in ``.safetensors`` writes version 2 (q/k/v and string metadata); ``.pt``
-    the older version 1 (``torch.save``; it cannot record ``num_steps``). ``grid`` (a
-    ``VideoGrid``) and ``num_steps`` default to the sample's ``grid_shape`` and ``num_steps``.
+    the older version 1 (``torch.save``; it cannot record ``num_steps`` or ``transformer``).
+    ``grid`` (a ``VideoGrid``) and ``num_steps`` default to the sample's ``grid_shape`` and
+    ``num_steps``.
     """
     path = Path(path)
     shape = tuple(grid.shape) if grid is not None else sample.grid_shape
@@ -170,10 +183,10 @@ def save_calibration_sample(
     if path.suffix == ".safetensors":
         _write_v2(sample, path, shape, steps)
     elif path.suffix == ".pt":
-        if steps is not None:
+        if steps is not None or sample.transformer is not None:
             raise ValueError(
                 f"{str(path)!r}: the .pt calibration format (version 1) cannot record "
-                "num_steps; write a .safetensors file"
+                "num_steps or transformer; write a .safetensors file"
             )
         _write_v1(sample, path, shape)
     else:
@@ -206,6 +219,8 @@ def _write_v2(sample: CalibrationSample, path: Path, shape, num_steps) -> None:
         meta["grid_shape"] = json.dumps(list(shape))
     if num_steps is not None:
         meta["num_steps"] = json.dumps(num_steps)
+    if sample.transformer is not None:
+        meta["transformer"] = json.dumps(sample.transformer)
     data = _safetensors().torch.save(_cpu_tensors(sample), meta)
     atomic_write(path, lambda f: f.write(data))
 
@@ -311,7 +326,7 @@ def _check_v2_header(where: str, meta: dict[str, str], names: set[str]) -> None:
 
 
 def _info_fields(fields: dict[str, Any]) -> dict[str, Any]:
-    return {k: fields.get(k) for k in ("step", "layer", "grid_shape", "num_steps")} | {
+    return {k: fields.get(k) for k in ("step", "layer", *_RECORDED)} | {
         "tiled": fields.get("tiled", False)
     }
 
@@ -363,13 +378,14 @@ class CalibrationFiles(Sequence):
         return [info.step for info in self.infos()]
 
     def recorded(self, field: str) -> tuple[Any, Path] | None:
-        """``(value, first file recording it)`` of ``field`` (``"grid_shape"`` or
-        ``"num_steps"``) across the files that record it; ``None`` if none does.
+        """``(value, first file recording it)`` of ``field`` (``"grid_shape"``,
+        ``"num_steps"`` or ``"transformer"``) across the files that record it; ``None`` if none
+        does.
 
         ``ValueError`` naming two files when they record different values.
         """
-        if field not in ("grid_shape", "num_steps"):
-            raise ValueError(f"field must be 'grid_shape' or 'num_steps', got {field!r}")
+        if field not in _RECORDED:
+            raise ValueError(f"field must be one of {list(_RECORDED)}, got {field!r}")
         first: tuple[Any, Path] | None = None
         for info in self.infos():
             value = getattr(info, field)

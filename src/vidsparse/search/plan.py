@@ -8,6 +8,7 @@ field). Version 1::
       "format": "vidsparse-psa-plan",
       "version": 1,
       "model": "wan2.1-t2v-1.3b",                     free string, checked by expect_model
+      "transformer": "transformer_2",                optional: the pipeline member searched
       "grid": {"shape": [21, 30, 52], "tile": [4, 4, 4], "block_grid": [6, 8, 13]},
       "spatial_units": ["block", "row"],             units of the searched family
       "num_heads": 12,
@@ -127,6 +128,10 @@ class Plan:
     search: dict[str, Any] = field(
         default_factory=lambda: {"num_candidates": 1, "query_fraction": 1.0, "num_samples": 0}
     )
+    # The pipeline member it was searched on ("transformer", "transformer_2" of Wan 2.2
+    # A14B), where the calibration recorded one: the experts share a shape, so only this tells
+    # their plans apart. None: not recorded (a bare transformer's capture, older files).
+    transformer: str | None = None
 
     # ---- lookups -------------------------------------------------------------------------
 
@@ -217,6 +222,7 @@ class Plan:
         ]
         return {
             "model": self.model,
+            "transformer": self.transformer,
             "grid": {"shape": list(self.grid.shape), "tile": list(self.grid.tile_shape)},
             "num_heads": self.num_heads,
             "num_layers": len(self.layers),
@@ -239,8 +245,10 @@ class Plan:
             if sel["mode"] == "alpha"
             else f"target={sel['target_sparsity']}"
         )
+        member = f" ({s['transformer']})" if s["transformer"] else ""
         lines = [
-            f"PSA plan for {s['model'] or '(unnamed model)'}: grid {tuple(s['grid']['shape'])}, "
+            f"PSA plan for {s['model'] or '(unnamed model)'}{member}: grid "
+            f"{tuple(s['grid']['shape'])}, "
             f"tile {tuple(s['grid']['tile'])}, {s['num_heads']} heads, {s['num_layers']} layers",
             f"selection {rule}; steps [0, {s['dense_steps']}) dense of {s['num_steps']}; "
             f"sparsity {s['sparsity']:.3f} on searched steps, {s['schedule_sparsity']:.3f} over "
@@ -262,10 +270,11 @@ class Plan:
     # ---- (de)serialisation ---------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "format": PLAN_FORMAT,
             "version": PLAN_VERSION,
             "model": self.model,
+            **({} if self.transformer is None else {"transformer": self.transformer}),
             "grid": {
                 "shape": list(self.grid.shape),
                 "tile": list(self.grid.tile_shape),
@@ -279,6 +288,7 @@ class Plan:
             "search": dict(self.search),
             "buckets": [b.to_dict() for b in self.buckets],
         }
+        return out
 
     @classmethod
     def from_dict(
@@ -325,17 +335,18 @@ class _PlanReader:
     # ---- primitives ----------------------------------------------------------------------
 
     @staticmethod
-    def obj(value, path: str, keys: tuple[str, ...]) -> dict:
+    def obj(value, path: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
         if not isinstance(value, dict):
             raise _field_error(path, f"expected an object, got {_type_name(value)}")
         missing = [k for k in keys if k not in value]
         if missing:
             where = f"{path}.{missing[0]}" if path != "<root>" else missing[0]
             raise _field_error(where, f"missing (required fields here: {list(keys)})")
-        extra = sorted(set(value) - set(keys))
+        extra = sorted(set(value) - set(keys) - set(optional))
         if extra:
             where = f"{path}.{extra[0]}" if path != "<root>" else extra[0]
-            raise _field_error(where, f"unexpected field (allowed here: {list(keys)})")
+            allowed = list(keys) + list(optional)
+            raise _field_error(where, f"unexpected field (allowed here: {allowed})")
         return value
 
     @staticmethod
@@ -407,8 +418,11 @@ class _PlanReader:
             "search",
             "buckets",
         )
-        self.obj(data, "<root>", keys)
+        self.obj(data, "<root>", keys, optional=("transformer",))
         model = self.str_(data["model"], "model")
+        transformer = data.get("transformer")
+        if transformer is not None:
+            transformer = self.str_(transformer, "transformer")
         if self.expect_model is not None and model != self.expect_model:
             raise _field_error(
                 "model", f"the plan is for model {model!r}, expected {self.expect_model!r}"
@@ -435,6 +449,7 @@ class _PlanReader:
             selection=selection,
             spatial_units=units,
             search=search,
+            transformer=transformer,
         )
 
     def grid(self, value) -> VideoGrid:

@@ -97,6 +97,7 @@ class LossTable:
     num_steps: int | None = None
     query_fraction: float = 1.0
     skipped_steps: set[int] = field(default_factory=set)
+    transformer: str | None = None  # the pipeline member the samples came from, if recorded
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -165,6 +166,7 @@ class LossTable:
             "num_steps": self.num_steps,
             "query_fraction": float(self.query_fraction),
             "skipped_steps": sorted(self.skipped_steps),
+            "transformer": self.transformer,
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -199,6 +201,7 @@ class LossTable:
             num_steps=state["num_steps"],
             query_fraction=state["query_fraction"],
             skipped_steps=set(state["skipped_steps"]),
+            transformer=state.get("transformer"),  # absent from tables written before it
         )
         for e, (step, layer) in enumerate(zip(state["steps"], state["layers"])):
             stats = LossStats(state["err_sq"][e], state["cand_sq"][e], state["ref_sq"][e])
@@ -327,6 +330,7 @@ def build_loss_table(
         if not isinstance(sample, CalibrationSample):
             raise TypeError(f"samples must hold CalibrationSample, got {type(sample).__name__}")
         _check_sample_grid(sample, grid, num_steps)
+        _check_sample_transformer(sample, table)
         if sample.step >= num_steps:
             raise ValueError(f"sample step {sample.step} is outside num_steps={num_steps}")
         if sample.step < dense_steps:
@@ -342,6 +346,21 @@ def build_loss_table(
             f"{dense_steps} of {num_steps} steps run dense): nothing to search"
         )
     return table
+
+
+def _check_sample_transformer(sample: CalibrationSample, table: LossTable) -> None:
+    """The table takes the pipeline member the samples record; samples of two are refused
+    (Wan 2.2 A14B's experts need a plan each)."""
+    if sample.transformer is None:
+        return
+    if table.transformer is None:
+        table.transformer = sample.transformer
+    elif sample.transformer != table.transformer:
+        raise ValueError(
+            f"calibration sample (step {sample.step}, layer {sample.layer}) came from "
+            f"{sample.transformer!r}, earlier samples from {table.transformer!r}: search each "
+            "transformer's samples (its own subfolder of the capture) separately"
+        )
 
 
 def _check_sample_grid(sample: CalibrationSample, grid: VideoGrid, num_steps: int) -> None:
@@ -527,6 +546,7 @@ def plan_from_table(
             "metric": "rel_l2",
         },
         spatial_units=tuple(units),
+        transformer=table.transformer,
         search={
             "num_candidates": len(table.candidates),
             "query_fraction": float(table.query_fraction),

@@ -25,6 +25,7 @@ from vidsparse.integrations.diffusers.hooks import install, uninstall
 from vidsparse.integrations.diffusers.methods import describe_methods, make_method
 from vidsparse.integrations.diffusers.pipelines import (
     StepCallbackBase,
+    is_pipeline,
     pipeline_scheduler,
     split_options,
     transformers_of,
@@ -75,6 +76,9 @@ def _install_all(pipe_or_transformer, targets, method: str, per_target: dict, ul
     """Build every target's method (all options checked first), then patch them all; on any
     failure none stays patched."""
     methods = {name: make_method(method, per_target[name]) for name, _ in targets}
+    if is_pipeline(pipe_or_transformer):
+        for name, built in methods.items():
+            built.check_target(name)
     scheduler = pipeline_scheduler(pipe_or_transformer)
     done = []
     try:
@@ -216,11 +220,15 @@ def capture_calibration(
     for folder in folders.values():
         _check_empty_folder(folder)
     scheduler = pipeline_scheduler(pipe_or_transformer)
+    on_pipeline = is_pipeline(pipe_or_transformer)
     captures = []
     try:
         for name, transformer in targets:
             method = CaptureMethod(
-                folders[name], step_set, None if layers is None else list(layers)
+                folders[name],
+                step_set,
+                None if layers is None else list(layers),
+                transformer=name if on_pipeline else None,
             )
             folders[name].mkdir(parents=True, exist_ok=True)
             install(transformer, lambda spec, method=method: method, None, scheduler)

@@ -36,8 +36,15 @@ class CaptureMethod(Method):
     name = "capture"
     uses_step = True
 
-    def __init__(self, out_dir: Path, steps: frozenset[int] | None, layers: Sequence | None):
+    def __init__(
+        self,
+        out_dir: Path,
+        steps: frozenset[int] | None,
+        layers: Sequence | None,
+        transformer: str | None = None,
+    ):
         self.out_dir, self.steps, self.raw_layers = out_dir, steps, layers
+        self.transformer = transformer  # the pipeline member, recorded in every file
         self.layers: frozenset[int] | None = None
         self.paths: list[Path] = []
         self._calls: dict[tuple[int, int], int] = {}  # forward calls seen per (step, layer)
@@ -78,7 +85,14 @@ class CaptureMethod(Method):
         if num_steps is not None and call.step >= num_steps:
             num_steps = None  # a step outside the schedule: record no step count
         sample = CalibrationSample(
-            call.step, call.layer, q, k, v, grid_shape=call.shape, num_steps=num_steps
+            call.step,
+            call.layer,
+            q,
+            k,
+            v,
+            grid_shape=call.shape,
+            num_steps=num_steps,
+            transformer=self.transformer,
         )
         save_calibration_sample(sample, self.out_dir / name)
         self.paths.append(self.out_dir / name)

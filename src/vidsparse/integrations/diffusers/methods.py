@@ -310,6 +310,14 @@ class _PSA(_SparseMethod):
                 f"transformer got {T}x{H}x{W}: search a plan for this resolution and frame count"
             )
 
+    def check_target(self, name):
+        searched = None if self.plan is None else self.plan.transformer
+        if searched is not None and searched != name:
+            raise ValueError(
+                f"the PSA plan was searched on the pipeline's {searched!r} but is given to its "
+                f"{name!r}: pass one plan per transformer ({{{searched!r}: plan, ...}})"
+            )
+
     def check_num_steps(self, num_steps):
         if self.plan is not None and num_steps != self.plan.num_steps:
             raise ValueError(

@@ -68,6 +68,10 @@ class Method(abc.ABC):
     def check_num_steps(self, num_steps: int) -> None:  # noqa: B027
         return None
 
+    def check_target(self, name: str) -> None:  # noqa: B027
+        """Called with the transformer's name when it is patched through its pipeline."""
+        return None
+
     def add_modules(self, parent, attn, *, dim, heads, head_dim) -> list[tuple[nn.Module, str]]:
         """Modules or buffers to register (on ``parent``, the block that holds ``attn``, or on
         ``attn``); returns ``(module, name)`` pairs that removal deletes."""
