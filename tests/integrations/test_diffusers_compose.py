@@ -1,5 +1,6 @@
 """diffusers' own features on a patched model (CPU, tiny random weights): group offloading,
-FirstBlockCache, LoRA load/fuse/unload; and a diffusers without the dispatch function this
+FirstBlockCache, LoRA load/fuse/unload, regional compilation of the models with padded text;
+and a diffusers without the dispatch function this
 integration routes through is refused with the versions supported."""
 
 import pytest
@@ -106,3 +107,62 @@ def test_a_dispatch_replaced_by_another_library_is_refused(monkeypatch):
     model, _ = wan()
     with pytest.raises(TypeError, match="another library replaced it"):
         apply_sparse_attention(model, "vsa", sparsity=0.5)
+
+
+def _counting_regional_compile(model) -> list:
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend=backend)
+    return graphs
+
+
+def _band(heads: int) -> list:
+    from vidsparse.masks.stripe import StripeSpec
+
+    spec = StripeSpec(t_width=1, t_offset=0, t_stride=1, s_width=1, s_offset=0, s_stride=None)
+    return [spec] * heads
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video15"])
+@pytest.mark.parametrize("method", ["vsa", "psa"])
+def test_regional_compile_fullgraph_with_padded_text(name, method):
+    # The batch's second sample pads its text: the real lengths come from the forward's inputs
+    # in the transformer's pre-hook, so no layer reads the mask back (a graph break).
+    model, inputs = TINY_MODELS[name]()
+    model.eval()
+    options = {"sparsity": 0.5} if method == "vsa" else {"specs": _band(2)}
+    apply_sparse_attention(model, method, **options)
+    try:
+        eager = run(model, inputs)
+        graphs = _counting_regional_compile(model)
+        torch.testing.assert_close(run(model, inputs), eager, atol=1e-5, rtol=0)
+    finally:
+        remove_sparse_attention(model)
+        torch._dynamo.reset()
+    assert graphs
+
+
+def test_text_lengths_that_disagree_with_the_mask_are_refused(monkeypatch):
+    # A diffusers that built HunyuanVideo's mask another way than its inputs say must fail
+    # loudly, not attend padded text.
+    import dataclasses
+
+    from vidsparse.integrations.diffusers import models
+
+    spec = models.MODELS["HunyuanVideoTransformer3DModel"]
+    wrong = dataclasses.replace(spec, text_lengths=lambda m, a, kw: spec.text_lengths(m, a, kw) - 1)
+    monkeypatch.setitem(models.MODELS, spec.name, wrong)
+    model, inputs = TINY_MODELS["hunyuan_video"]()
+    apply_sparse_attention(model.eval(), "vsa", sparsity=0.5)
+    try:
+        with pytest.raises(RuntimeError, match="builds the mask differently"):
+            run(model, inputs)
+    finally:
+        remove_sparse_attention(model)

@@ -3,6 +3,7 @@ changes nothing under "dense" (bit for bit, under two attention backends), VSA a
 PSA with dense specs equal dense within fp32 rounding, and removal restores the stock model."""
 
 import copy
+import dataclasses
 import importlib
 
 import pytest
@@ -138,21 +139,30 @@ def test_routes_are_closed_after_every_forward(tiny, patched):
 
 @pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video15"])
 def test_padded_text_lengths_are_read_once_per_forward(name, monkeypatch):
-    # One host sync per forward for the text padding, not one per layer (HunyuanVideo hands
-    # every layer the same mask tensor; HunyuanVideo 1.5 builds the same mask in every layer).
-    from vidsparse.integrations.diffusers import methods
+    # One host sync per forward for the text padding, not one per layer: the transformer's
+    # pre-hook reads the lengths from the forward's text masks; the mask the model builds is
+    # read back once per patched model, to check that the two agree.
+    from vidsparse.integrations.diffusers import methods, models
 
     model, inputs = TINY_MODELS[name]()
-    reads = []
+    mask_reads, input_reads = [], []
     real = methods.real_lengths
-    monkeypatch.setattr(methods, "real_lengths", lambda mask: reads.append(1) or real(mask))
+    monkeypatch.setattr(methods, "real_lengths", lambda mask: mask_reads.append(1) or real(mask))
+    spec = models.MODELS[type(model).__name__]
+
+    def counted(module, args, kwargs):
+        input_reads.append(1)
+        return spec.text_lengths(module, args, kwargs)
+
+    monkeypatch.setitem(models.MODELS, spec.name, dataclasses.replace(spec, text_lengths=counted))
     apply_sparse_attention(model.eval(), "vsa", sparsity=0.5)
     try:
         run(model, inputs)
         run(model, inputs)
     finally:
         remove_sparse_attention(model)
-    assert len(reads) == 2  # two forwards, each over several layers
+    assert len(input_reads) == 2  # two forwards, each over several layers
+    assert len(mask_reads) == 1
 
 
 def all_dense_plan(plan):

@@ -154,6 +154,9 @@ class _GridHook:
         state.method.check_grid(shape)
         state.shape = shape
         state.forwards += 1
+        if state.spec.text_lengths is not None:
+            lengths = state.spec.text_lengths(module, args, kwargs)
+            state.text_lengths = tuple(int(n) for n in lengths.tolist())  # one host read
         if state.method.uses_step:
             state.step = state.current_step()
         state.method.before_forward(state, _device_of(args, kwargs))
@@ -223,14 +226,20 @@ class Route:
         shape = state.video_shape(query.shape[1] - text)
         state.log_kernels_once(query.device)
         mask_id = ("forward", state.forwards) if state.spec.square_key_mask else args.attn_mask
-        call = self._call(shape, text, mask, mask_id, args.scale, dense_fn)
+        lengths = None
+        if mask is not None and state.text_lengths is not None:
+            video = shape[0] * shape[1] * shape[2]
+            lengths = tuple(video + n for n in state.text_lengths)
+        call = self._call(shape, text, mask, mask_id, args.scale, dense_fn, lengths)
+        if lengths is not None and not state.lengths_checked:
+            _check_lengths(state, call)
         q, k, v = (x.transpose(1, 2) for x in (query, key, value))
         return state.method.attend(q, k, v, call).transpose(1, 2)
 
-    def _call(self, shape, text, mask, mask_id, scale, dense_fn) -> Call:
+    def _call(self, shape, text, mask, mask_id, scale, dense_fn, lengths=None) -> Call:
         return Call(
-            self.attn, self.state.step, shape, text, self.hidden_states, mask, mask_id, scale,
-            dense_fn,
+            self.attn, self.state.step, shape, text, self.hidden_states, mask, lengths, mask_id,
+            scale, dense_fn,
         )  # fmt: skip
 
     @property
@@ -243,6 +252,22 @@ class Route:
         if self.state.spec.extra_tokens == "none" or seq <= video:
             return 0
         return seq - video
+
+
+@torch.compiler.disable  # a host read, once per patched model; eager under torch.compile
+def _check_lengths(state: SparseState, call: Call) -> None:
+    """The real lengths the model's inputs gave must be those of the mask it built (a
+    diffusers version that builds its mask differently would otherwise attend padding)."""
+    from vidsparse.integrations.diffusers.methods import real_lengths
+
+    from_mask = tuple(real_lengths(call.mask))
+    if from_mask != call.real_lengths:
+        raise RuntimeError(
+            f"vidsparse: {state.spec.name}'s attention mask keeps {list(from_mask)} tokens per "
+            f"sample, but its inputs give {list(call.real_lengths)}: this diffusers version "
+            "builds the mask differently from the one vidsparse's models table was written for"
+        )
+    state.lengths_checked = True
 
 
 def _not_sparse_reason(query, key, value, args) -> str | None:

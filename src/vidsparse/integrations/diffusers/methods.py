@@ -89,10 +89,19 @@ class _SparseMethod(Method):
         return grid
 
     def attend(self, q, k, v, call):
-        lengths = None if call.mask is None else self._real_lengths(call.mask, call.mask_id)
+        lengths = self._lengths(call)
         if lengths is None or all(n == q.shape[2] for n in lengths):
             return self.sparse(q, k, v, call, call.text_tokens)
-        return self._attend_unpadded(q, k, v, call)
+        return self._attend_unpadded(q, k, v, call, lengths)
+
+    def _lengths(self, call) -> tuple[int, ...] | list[int] | None:
+        """Real tokens per sample: from the model's inputs where its spec reads them (no host
+        read in the layer), else from the mask."""
+        if call.mask is None:
+            return None
+        if call.real_lengths is not None:
+            return call.real_lengths
+        return self._real_lengths(call.mask, call.mask_id)
 
     @torch.compiler.disable  # reads lengths back to the host: a graph break under compile
     def _real_lengths(self, mask, mask_id=None) -> list[int]:
@@ -109,7 +118,7 @@ class _SparseMethod(Method):
             self._mask_lengths = (key, version, lengths)
         return lengths
 
-    def _attend_unpadded(self, q, k, v, call):
+    def _attend_unpadded(self, q, k, v, call, lengths):
         # The sparse kernels take no key mask, so each sample runs on its real text tokens
         # only. Padded text queries get 0: they feed nothing but padded text tokens, which
         # every later attention masks out as keys, so the video output is unaffected.
@@ -117,7 +126,7 @@ class _SparseMethod(Method):
         # sample's real tokens are its first n.
         video = q.shape[2] - call.text_tokens
         out = torch.zeros_like(q)
-        for b, n in enumerate(self._real_lengths(call.mask, call.mask_id)):
+        for b, n in enumerate(lengths):
             qb, kb, vb = (x[b : b + 1, :, :n] for x in (q, k, v))
             call_b = dataclasses.replace(call, hidden_states=call.hidden_states[b : b + 1])
             out[b : b + 1, :, :n] = self.sparse(qb, kb, vb, call_b, n - video)

@@ -81,6 +81,27 @@ def _grid_ltx2(model, args, kwargs):
 
 
 # ---------------------------------------------------------------------------------------------
+# real text tokens from the forward's inputs (models whose self-attention holds text)
+# ---------------------------------------------------------------------------------------------
+
+
+def _text_hunyuan(model, args, kwargs):
+    """HunyuanVideo keeps, after the video, the text tokens ``encoder_attention_mask`` marks."""
+    return _argument(args, kwargs, "encoder_attention_mask", 3).bool().sum(dim=1)
+
+
+def _text_hunyuan15(model, args, kwargs):
+    """HunyuanVideo 1.5 moves the real tokens of its three streams first: the Qwen2.5-VL and
+    byT5 tokens their masks mark, and the image tokens unless every image embedding is zero
+    (text-to-video)."""
+    text = _argument(args, kwargs, "encoder_attention_mask", 3).bool().sum(dim=1)
+    text_2 = _argument(args, kwargs, "encoder_attention_mask_2", 6).bool().sum(dim=1)
+    image = _argument(args, kwargs, "image_embeds", 7)
+    image_tokens = (image != 0).any().to(text.dtype) * image.shape[1]
+    return text + text_2 + image_tokens
+
+
+# ---------------------------------------------------------------------------------------------
 # which modules are the video self-attention
 # ---------------------------------------------------------------------------------------------
 
@@ -134,13 +155,20 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("WanAnimateTransformer3DModel", _wan_layers, _grid_from_patch_size),
         ModelSpec("SkyReelsV2Transformer3DModel", _wan_layers, _grid_from_patch_size),
         ModelSpec("ChronoEditTransformer3DModel", _wan_layers, _grid_from_patch_size),
-        ModelSpec("HunyuanVideoTransformer3DModel", _hunyuan_layers, _grid_from_patch_t, "after"),
+        ModelSpec(
+            "HunyuanVideoTransformer3DModel",
+            _hunyuan_layers,
+            _grid_from_patch_t,
+            "after",
+            text_lengths=_text_hunyuan,
+        ),
         ModelSpec(
             "HunyuanVideo15Transformer3DModel",
             _hunyuan15_layers,
             _grid_from_patch_t,
             "after",
             square_key_mask=True,
+            text_lengths=_text_hunyuan15,
         ),
         ModelSpec("LTXVideoTransformer3DModel", _transformer_blocks_attn1, _grid_ltx),
         ModelSpec("LTX2VideoTransformer3DModel", _transformer_blocks_attn1, _grid_ltx2),

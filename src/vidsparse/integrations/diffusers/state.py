@@ -33,6 +33,9 @@ class Call:
     text_tokens: int  # tokens after the video tokens (text, ...), attended densely
     hidden_states: torch.Tensor | None  # the attention module's input [B, S, dim] (the gate's)
     mask: torch.Tensor | None  # bool key mask [B, 1, 1, S] (padded text keys are False)
+    # real (unpadded) tokens per sample, video + real text, where the model's inputs tell them
+    # before any layer runs (ModelSpec.text_lengths); None: read from ``mask`` when needed
+    real_lengths: tuple[int, ...] | None
     # what identifies the mask across layers (to read its real lengths once): the model's mask
     # tensor, or ("forward", n) where the model rebuilds one mask in every layer
     mask_id: Any
@@ -107,6 +110,10 @@ class ModelSpec:
     # the model's mask is [B, 1, S, S] = m_i & m_j (HunyuanVideo 1.5): its first row (a video
     # query, always real) is the key mask
     square_key_mask: bool = False
+    # real text tokens per sample ([B] tensor) from the forward's inputs, read once per forward
+    # by the transformer's pre-hook (outside compiled blocks: no graph break in a layer); the
+    # routing checks it once against the model's own mask
+    text_lengths: Callable[[nn.Module, tuple, dict], torch.Tensor] | None = None
 
 
 @dataclass
@@ -125,6 +132,8 @@ class SparseState:
     added: list = field(default_factory=list)  # (module, attribute name) we registered
     ulysses: Any = None  # a vidsparse.parallel.UlyssesAttention: inputs are sequence shards
     forwards: int = 0
+    text_lengths: tuple[int, ...] | None = None  # this forward's, from ModelSpec.text_lengths
+    lengths_checked: bool = False  # text_lengths agreed with the model's mask once
     owner: Any = None  # the patched transformer
     _logged: set = field(default_factory=set)
 
