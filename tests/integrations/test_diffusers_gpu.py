@@ -1,6 +1,6 @@
 """Every covered model on the GPU's Triton kernels (bf16, tiny random weights): "dense" bit for
 bit stock, VSA at sparsity 0 and PSA with dense specs equal to dense within bf16 rounding, a
-sparse VSA run finite; Wan under regional compilation."""
+sparse VSA run finite; Wan under regional compilation; a pipeline under model CPU offload."""
 
 import pytest
 import torch
@@ -109,3 +109,43 @@ def test_wan_regional_compile():
         assert rel(run(model, inputs), eager) < 1e-2
     finally:
         remove_sparse_attention(model)
+
+
+def test_pipeline_under_model_cpu_offload():
+    # accelerate's offload hook moves the whole transformer (gates included) to the GPU for
+    # its forward and back afterwards; the routing and a gate made on the CPU weights follow.
+    from test_diffusers_pipelines_all import BUILDERS
+
+    pipe, kwargs = BUILDERS["wan22_ti2v"]()
+    pipe.transformer.to(torch.bfloat16)
+    kwargs = {
+        k: v.to("cuda", torch.bfloat16) if isinstance(v, torch.Tensor) else v
+        for k, v in kwargs.items()
+    }
+    pipe.enable_model_cpu_offload()
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate():
+        out = pipe(
+            **kwargs,
+            num_inference_steps=2,
+            generator=torch.Generator().manual_seed(0),
+            output_type="latent",
+            return_dict=False,
+        )[0]
+        return out.float()
+
+    stock = generate()
+    apply_sparse_attention(pipe, "dense")
+    try:
+        assert torch.equal(generate(), stock)
+    finally:
+        remove_sparse_attention(pipe)
+    apply_sparse_attention(pipe, "vsa", sparsity=0.5, gate=True)
+    try:
+        sparse = generate()
+        assert next(pipe.transformer.parameters()).device.type == "cpu"  # offloaded again
+    finally:
+        remove_sparse_attention(pipe)
+    assert torch.isfinite(sparse).all() and not torch.allclose(sparse, stock, atol=1e-3)
+    assert torch.equal(generate(), stock)
