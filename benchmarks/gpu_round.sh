@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks on an H200, each step under its own time limit:
 #   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|parallel [...]
+#   e2e for the other diffusers families: e2e-hunyuanvideo|e2e-ltx|e2e-ltx2|e2e-cosmos|
+#   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace, compiled: e2e-skyreels-v2-compiled|
+#   e2e-wan-vace-compiled (JSON under $OUT, named as in benchmarks/results/);
+#   e2e-dry: each of those models at full width, 1 block, one dense step; e2e-dry-all: the
+#   same with all blocks (does the whole model fit?), JSON under $OUT
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -19,6 +24,10 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== $name exit $? ; last lines:"
   tail -n 15 "$OUT/$name.log"
 }
+
+E2E_NEW="hunyuanvideo ltx ltx2 cosmos kandinsky5 skyreels-v2 wan-vace"
+E2E_SPARSE=(--methods dense,vsa,psa --psa-sparsities 0.6,0.75 --no-vsa-gate)
+E2E_DENSE_ONCE=(--methods dense --warmup 0 --reps 1 --share-reps 0)
 
 [ $# -eq 0 ] && set -- tests demo
 for what in "$@"; do
@@ -50,6 +59,39 @@ for what in "$@"; do
     e2e-wan22-5b) step e2e_wan22_5b 140 python3 -m vidsparse.bench e2e --model wan2.2-5b \
       --methods dense,vsa,psa --psa-sparsities 0.6,0.75 --no-vsa-gate \
       --out "$OUT/e2e_wan2.2-5b-720p_h200.json" ;;
+    e2e-hunyuanvideo) step e2e_hunyuanvideo 300 python3 -m vidsparse.bench e2e \
+      --model hunyuanvideo "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_hunyuanvideo-720p_h200.json" ;;
+    e2e-ltx) step e2e_ltx 180 python3 -m vidsparse.bench e2e --model ltx "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_ltx-1216x704_h200.json" ;;
+    e2e-ltx2) step e2e_ltx2 300 python3 -m vidsparse.bench e2e --model ltx2 "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_ltx2-1536x1024_h200.json" ;;
+    e2e-cosmos) step e2e_cosmos 300 python3 -m vidsparse.bench e2e --model cosmos \
+      "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_cosmos-720p_h200.json" ;;
+    e2e-kandinsky5) step e2e_kandinsky5 240 python3 -m vidsparse.bench e2e --model kandinsky5 \
+      "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_kandinsky5-768x512_h200.json" ;;
+    e2e-skyreels-v2) step e2e_skyreels_v2 300 python3 -m vidsparse.bench e2e --model skyreels-v2 \
+      "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_skyreels-v2-720p_h200.json" ;;
+    e2e-wan-vace) step e2e_wan_vace 240 python3 -m vidsparse.bench e2e --model wan-vace \
+      "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_wan-vace-720p_h200.json" ;;
+    e2e-skyreels-v2-compiled) step e2e_skyreels_v2_compiled 300 python3 -m vidsparse.bench e2e \
+      --model skyreels-v2 --compile blocks --methods dense,vsa --no-vsa-gate \
+      --out "$OUT/e2e_skyreels-v2-720p_compiled_h200.json" ;;
+    e2e-wan-vace-compiled) step e2e_wan_vace_compiled 300 python3 -m vidsparse.bench e2e \
+      --model wan-vace --compile blocks --methods dense,vsa --no-vsa-gate \
+      --out "$OUT/e2e_wan-vace-720p_compiled_h200.json" ;;
+    e2e-dry) for m in $E2E_NEW; do
+        step "e2e_dry_$m" 150 python3 -m vidsparse.bench e2e --model "$m" --layers 1 \
+          "${E2E_DENSE_ONCE[@]}" --out "$OUT/e2e_dry_$m.json"
+      done ;;
+    e2e-dry-all) for m in $E2E_NEW; do
+        step "e2e_dry_all_$m" 300 python3 -m vidsparse.bench e2e --model "$m" --layers all \
+          "${E2E_DENSE_ONCE[@]}" --out "$OUT/e2e_dry_all_$m.json"
+      done ;;
     parallel) step parallel 400 torchrun --nproc-per-node 2 -m vidsparse.bench parallel \
       --providers vsa,comm --modes fwd --head-chunks 1,2,4 --out "$OUT/parallel_h200_2gpu.json" ;;
     coarse) step tune_coarse 250 python3 benchmarks/tuning/tune_vsa_coarse.py --selection --pooled \

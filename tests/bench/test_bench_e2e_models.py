@@ -1,6 +1,7 @@
-"""The e2e benchmark's Wan 2.2 TI2V-5B and HunyuanVideo 1.5 workloads: tiny runs of the same
-diffusers classes on the CPU (numbers meaningless, code paths real), the full-size workloads'
-shapes, and the attention timer counting every call once."""
+"""The e2e benchmark's workloads beyond Wan 2.1 (Wan 2.2 TI2V-5B, HunyuanVideo 1.5,
+HunyuanVideo, LTX-Video, LTX-2, Cosmos, Kandinsky 5, SkyReels-V2, Wan VACE): tiny runs of the
+same diffusers classes on the CPU (numbers meaningless, code paths real), the full-size
+workloads' shapes, configs and inputs, and the attention timer counting every call once."""
 
 from __future__ import annotations
 
@@ -24,9 +25,17 @@ FAST = ["--device", "cpu", "--tiny", "--warmup", "0", "--reps", "2", "--share-re
 METHODS = ["--methods", "dense,vsa,psa", "--psa-sparsities", "0.6"]
 
 
+NEW_MODELS = ["hunyuanvideo", "ltx", "ltx2", "cosmos", "kandinsky5", "skyreels-v2", "wan-vace"]
+
+
+def _work(*argv):
+    return bench_e2e.make_workload(bench_e2e.parse_args(["--device", "cpu", *argv]))
+
+
 def _tiny_run(model: str, tmp_path) -> dict:
     out = tmp_path / f"e2e_{model}.json"
     rows = bench_e2e.main([*FAST, *METHODS, "--model", model, "--out", str(out)])
+    work = _work("--tiny", "--model", model)
     data = json.loads(out.read_text())
     assert data["rows"] == json.loads(json.dumps(rows))
     assert [(r["method"], r["target"]) for r in rows] == [
@@ -43,8 +52,9 @@ def _tiny_run(model: str, tmp_path) -> dict:
         for key in ("step_ms", "attn_ms", "attn_share", "rel_l2", "speedup"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (r["method"], key)
         assert r["attn_ms"] > 0 and r["out_finite"] is True
-        # every block's video self-attention, timed once (not once more inside the method)
-        assert r["attn_calls_per_step"] == meta["layers"]
+        # every block's video self-attention, timed once (not once more inside the method);
+        # Wan VACE: its VACE blocks' too
+        assert r["attn_calls_per_step"] == work.attention_layers
         if r["method"] != "dense":
             assert 0.0 < r["rel_l2"] < 0.5, r
     return data
@@ -175,3 +185,304 @@ def test_default_out_names_the_workload():
     for model, stem in (("wan2.2-5b", "e2e_wan2.2-5b-720p"), ("hunyuan1.5", "e2e_hunyuan1.5-720p")):
         args = bench_e2e.parse_args(["--device", "cpu", "--model", model])
         assert bench_e2e.default_out(cpu, bench_e2e.make_workload(args)).name == f"{stem}_cpu.json"
+
+
+# ---- the other covered families ---------------------------------------------------------------
+
+
+def _meta_and_rows(model, tmp_path):
+    data = _tiny_run(model, tmp_path)
+    return data["meta"], data["rows"]
+
+
+@pytest.mark.slow
+def test_hunyuanvideo_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("hunyuanvideo", tmp_path)
+    assert meta["model_class"] == "HunyuanVideoTransformer3DModel"
+    assert meta["dual_stream_layers"] == 1 and meta["single_stream_layers"] == 1
+    assert meta["joint_text_tokens"] == 16 and meta["joint_text_real"] == 10
+    assert meta["self_attention_tokens"] == 300 + 16
+    for r in rows:
+        # joint video + text attention (q and k both video + text long) in both block kinds
+        assert r["attn_calls_per_step"] == 2 and r["cross_attn_calls_per_step"] == 0
+        assert "other_attn_ms" not in r
+
+
+@pytest.mark.slow
+def test_ltx_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("ltx", tmp_path)
+    assert meta["model_class"] == "LTXVideoTransformer3DModel"
+    assert meta["grid"] == [5, 6, 10] and "packed to [1, 300, 8]" in meta["inputs"]["latents"]
+    for r in rows:
+        assert r["cross_attn_calls_per_step"] == meta["layers"]  # attn2, T5 text keys
+        assert "other_attn_ms" not in r
+
+
+@pytest.mark.slow
+def test_ltx2_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("ltx2", tmp_path)
+    assert meta["model_class"] == "LTX2VideoTransformer3DModel"
+    assert meta["audio_tokens"] == 11
+    for r in rows:
+        # per block: video and audio text cross-attention, audio->video and video->audio
+        assert r["cross_attn_calls_per_step"] == 4 * meta["layers"]
+        assert r["other_attn_calls_per_step"] == meta["layers"]  # the audio self-attention
+
+
+@pytest.mark.slow
+def test_cosmos_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("cosmos", tmp_path)
+    assert meta["model_class"] == "CosmosTransformer3DModel"
+    assert meta["config"]["concat_padding_mask"] is False and meta["latent_shape"][1] == 5
+    for r in rows:
+        assert r["cross_attn_calls_per_step"] == meta["layers"]
+        assert "other_attn_ms" not in r
+
+
+@pytest.mark.slow
+def test_kandinsky5_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("kandinsky5", tmp_path)
+    assert meta["model_class"] == "Kandinsky5Transformer3DModel"
+    assert meta["heads"] == 2 and meta["head_dim"] == 32  # model_dim / sum(axes_dims)
+    for r in rows:
+        assert r["cross_attn_calls_per_step"] == meta["layers"]
+        # the text blocks' self-attention: text only, not the video's
+        assert r["other_attn_calls_per_step"] == meta["config"]["num_text_blocks"]
+
+
+@pytest.mark.slow
+def test_skyreels_v2_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("skyreels-v2", tmp_path)
+    assert meta["model_class"] == "SkyReelsV2Transformer3DModel"
+    for r in rows:
+        assert r["cross_attn_calls_per_step"] == meta["layers"]
+        assert "other_attn_ms" not in r
+
+
+@pytest.mark.slow
+def test_wan_vace_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("wan-vace", tmp_path)
+    assert meta["model_class"] == "WanVACETransformer3DModel"
+    assert meta["config"]["vace_layers"] == [0, 1]
+    for r in rows:
+        # the blocks' and the VACE blocks' self- (control tokens: the video grid) and
+        # cross-attention
+        assert r["attn_calls_per_step"] == r["cross_attn_calls_per_step"] == 2 + 2
+    psa = next(r for r in rows if r["method"] == "psa")
+    assert sum(psa["patterns"].values()) == (2 + 2) * meta["heads"]
+
+
+def test_new_full_size_workloads():
+    """Token grids, heads, default layers and PSA blocks at the published resolutions."""
+    want = {
+        # model: (name, latent, grid, heads, head_dim, layers, full layers, psa tile)
+        "hunyuanvideo": ("hunyuanvideo-720p", (1, 16, 33, 90, 160), (33, 45, 80), 24, 128, 9,
+                         60, (1, 16, 8)),
+        "ltx": ("ltx-1216x704", (1, 128, 16, 22, 38), (16, 22, 38), 32, 64, 28, 28, (2, 8, 8)),
+        "ltx2": ("ltx2-1536x1024", (1, 128, 16, 32, 48), (16, 32, 48), 32, 128, 48, 48,
+                 (1, 16, 8)),
+        "cosmos": ("cosmos-720p", (1, 17, 16, 88, 160), (16, 44, 80), 32, 128, 28, 28,
+                   (1, 16, 8)),
+        "kandinsky5": ("kandinsky5-768x512", (1, 33, 31, 64, 96), (31, 32, 48), 28, 64, 32, 32,
+                       (1, 16, 8)),
+        "skyreels-v2": ("skyreels-v2-720p", (1, 16, 31, 90, 160), (31, 45, 80), 40, 128, 8, 40,
+                        (1, 16, 8)),
+        "wan-vace": ("wan-vace-720p", (1, 16, 21, 90, 160), (21, 45, 80), 40, 128, 10, 40,
+                     (1, 16, 8)),
+    }  # fmt: skip
+    for model, (name, latent, grid, heads, head_dim, layers, full, tile) in want.items():
+        w = _work("--model", model)
+        got = (w.name, w.latent, w.grid_shape, w.heads, w.head_dim, w.layers, w.full_layers)
+        assert got == (name, latent, grid, heads, head_dim, layers, full), model
+        assert w.psa_tile == tile == e2e_model.least_padding_tile(grid), model
+    hy = _work("--model", "hunyuanvideo")
+    assert hy.tokens == 118_800 and hy.joint_text == 256 and hy.joint_text_real == 96
+    assert hy.self_attn_len == 118_800 + 256 and hy.cross_keys is None
+    assert (hy.config["num_layers"], hy.config["num_single_layers"]) == (3, 6)
+    ltx2 = _work("--model", "ltx2")
+    assert ltx2.tokens == 24_576 and ltx2.extra["audio_tokens"] == 126 and ltx2.cross_keys == 1024
+    assert (
+        _work("--model", "ltx").cross_keys == 128 and _work("--model", "cosmos").cross_keys == 512
+    )
+    vace = _work("--model", "wan-vace")
+    assert vace.config["vace_layers"] == [0, 5] and vace.attention_layers == 12
+    assert _work("--model", "ltx", "--resolution", "768x512").grid_shape == (16, 16, 24)
+    assert _work("--model", "ltx2", "--resolution", "768x512").grid_shape == (16, 16, 24)
+    # --layers all; HunyuanVideo keeps its dual:single proportion, at least one dual block
+    assert _work("--model", "wan-vace", "--layers", "all").attention_layers == 48
+    for layers, split in ((1, (1, 0)), (2, (1, 1)), (8, (3, 5)), (60, (20, 40))):
+        c = _work("--model", "hunyuanvideo", "--layers", str(layers)).config
+        assert (c["num_layers"], c["num_single_layers"]) == split
+    with pytest.raises(SystemExit, match="1216x704"):
+        _work("--model", "ltx", "--resolution", "720p")
+
+
+def test_existing_psa_tiles_pad_least():
+    for model in ("wan1.3b", "wan14b", "wan2.2-5b", "hunyuan1.5"):
+        w = _work("--model", model)
+        assert w.psa_tile == e2e_model.least_padding_tile(w.grid_shape), model
+
+
+@pytest.mark.parametrize("model", NEW_MODELS)
+def test_config_keys_are_the_class_parameters(model):
+    """Every key of the config is a parameter of the installed class; where the comment says
+    the published config is the class defaults, it is."""
+    import diffusers
+
+    entry = e2e_model.MODELS[model]
+    cls = getattr(diffusers, e2e_model.CLASS_NAMES[entry.family])
+    params = inspect.signature(cls.__init__).parameters
+    assert set(entry.config) <= set(params) - {"self"}
+    defaults = {"hunyuanvideo": (), "ltx": (), "ltx2": (), "wan-vace": ()}
+    defaults["cosmos"] = ("in_channels", "concat_padding_mask")  # COSMOS_CONFIG says why
+    if model in defaults:
+        for key, value in entry.config.items():
+            want = params[key].default
+            got = tuple(value) if isinstance(value, tuple) else value
+            want = tuple(want) if isinstance(want, tuple) else want
+            assert (got == want) != (key in defaults[model]), key
+
+
+@pytest.mark.parametrize(
+    "model, billions",
+    [("hunyuanvideo", 12.8), ("ltx", 1.9), ("ltx2", 18.9), ("cosmos", 7.2), ("kandinsky5", 2.0),
+     ("skyreels-v2", 14.3), ("wan-vace", 17.3)],
+)  # fmt: skip
+def test_full_size_models_build_at_their_published_size(model, billions):
+    """The whole model (all blocks) on the meta device: its parameter count (bf16 weights
+    are twice it in GB)."""
+    import diffusers
+
+    work = _work("--model", model, "--layers", "all")
+    with torch.device("meta"):
+        net = getattr(diffusers, e2e_model.CLASS_NAMES[work.family])(**work.config)
+    assert sum(p.numel() for p in net.parameters()) / 1e9 == pytest.approx(billions, abs=0.05)
+
+
+def _small(work, grid=(2, 2, 2)):
+    """``work`` on a tiny video grid (full-size conditioning), to check the inputs cheaply."""
+    patch = work.spec.patch(work.config)
+    latent = (*work.latent[:2], *(n * p for n, p in zip(grid, patch)))
+    return dataclasses.replace(work, latent=latent, grid_shape=grid)
+
+
+def _inputs(model):
+    work = _small(_work("--model", model))
+    return work, bench_e2e.make_inputs(work, torch.device("cpu"), torch.bfloat16, 0)
+
+
+def test_new_inputs_match_the_pipelines():
+    work, x = _inputs("hunyuanvideo")
+    assert x["encoder_hidden_states"].shape == (1, 256, 4096)
+    assert x["encoder_attention_mask"].sum() == 96 and x["encoder_attention_mask"][0, :96].all()
+    assert (
+        x["pooled_projections"].shape == (1, 768)
+        and x["guidance"] == torch.tensor([6000.0]).bfloat16()
+    )
+    assert x["timestep"].dtype == torch.float32 and x["hidden_states"].shape == (1, 16, 2, 4, 4)
+
+    work, x = _inputs("ltx")
+    assert x["hidden_states"].shape == (1, 8, 128)  # packed [B, S, C]
+    assert (x["num_frames"], x["height"], x["width"]) == (2, 2, 2)
+    assert x["encoder_hidden_states"].shape == (1, 128, 4096)
+    assert (
+        x["encoder_attention_mask"].dtype == torch.bool and x["encoder_attention_mask"].sum() == 100
+    )
+    assert x["timestep"].dtype == torch.float32 and x["rope_interpolation_scale"] == (
+        8 / 25,
+        32,
+        32,
+    )
+
+    work, x = _inputs("ltx2")
+    assert x["hidden_states"].shape == (1, 8, 128) and x["audio_hidden_states"].shape == (
+        1,
+        126,
+        128,
+    )
+    for key in ("encoder_hidden_states", "audio_encoder_hidden_states"):
+        assert x[key].shape == (1, 1024, 3840)
+    assert x["encoder_attention_mask"].all() and x["sigma"] is x["timestep"]
+    assert x["fps"] == 24.0 and x["audio_num_frames"] == 126 and x["use_cross_timestep"] is False
+
+    work, x = _inputs("cosmos")
+    assert x["hidden_states"].shape == (1, 16, 2, 4, 4)
+    assert not x["condition_mask"].any() and x["condition_mask"].shape == (1, 1, 2, 4, 4)
+    text = x["encoder_hidden_states"]
+    assert text.shape == (1, 512, 1024) and not text[:, 128:].any() and text[:, :128].any()
+    assert x["timestep"].item() == pytest.approx(0.25 * math.log(4.0), rel=1e-2) and x["fps"] == 30
+
+    work, x = _inputs("kandinsky5")
+    assert x["hidden_states"].shape == (1, 2, 4, 4, 33)  # channels-last
+    assert not x["hidden_states"][..., 16:].any()  # T2V: zero visual condition and mask
+    assert x["encoder_hidden_states"].shape == (1, 128, 3584) and len(x["text_rope_pos"]) == 128
+    assert x["pooled_projections"].shape == (1, 768) and x["sparse_params"] is None
+    assert [len(p) for p in x["visual_rope_pos"]] == [2, 2, 2]
+
+    work, x = _inputs("skyreels-v2")
+    assert x["encoder_hidden_states"].shape == (1, 512, 4096) and x["timestep"].tolist() == [500]
+
+    work, x = _inputs("wan-vace")
+    control = x["control_hidden_states"]
+    assert control.shape == (1, 96, 2, 4, 4) and (control[:, 32:] == 1).all()
+    assert x["control_hidden_states_scale"].shape == (2,)  # VACE blocks 0 and 5 of 10
+
+
+def test_kandinsky5_modulations_are_not_zero():
+    """Kandinsky 5's adaLN-zero modulations are drawn at random, or every block would be an
+    identity and the attention invisible in the output."""
+    work = _work("--tiny", "--model", "kandinsky5")
+    model = bench_e2e.build_model(work, torch.device("cpu"), torch.float32, 0)
+    mods = [m for m in model.modules() if type(m).__name__ == "Kandinsky5Modulation"]
+    assert mods and all(m.out_layer.weight.any() for m in mods)
+
+
+@pytest.mark.parametrize("model", NEW_MODELS)
+@pytest.mark.parametrize("target", [0.6, 0.75])
+def test_synthetic_plan_covers_every_attention_layer(model, target):
+    work = _work("--model", model)
+    plan, achieved, patterns = bench_e2e.synthetic_plan(
+        work, target, random.Random(0), bench_e2e.PSA_TOLERANCE
+    )
+    assert abs(achieved - target) <= 2 * bench_e2e.PSA_SLACK
+    assert plan.grid.shape == work.grid_shape and plan.num_heads == work.heads
+    assert sum(patterns.values()) == work.attention_layers * work.heads
+
+
+def test_head_dims_the_kernels_do_not_take_are_reported(monkeypatch):
+    """On the GPU path: head_dim 64 (LTX-Video, Kandinsky 5) runs, noted; one the Triton
+    kernels do not take makes the sparse rows record why, without running."""
+    import vidsparse.utils.backend as backend
+
+    monkeypatch.setattr(backend, "resolve_backend", lambda device: "triton")
+    cuda = torch.device("cuda")
+    skip, note = bench_e2e.kernel_support(_work("--model", "ltx"), cuda)
+    assert skip is None and "head_dim 64" in note and "Triton" in note
+    assert bench_e2e.kernel_support(_work("--model", "cosmos"), cuda) == (None, None)
+    odd = _work("--model", "ltx")
+    odd = dataclasses.replace(odd, config={**odd.config, "attention_head_dim": 48})
+    skip, _ = bench_e2e.kernel_support(odd, cuda)
+    assert "head_dim 48 is not supported" in skip
+    args = bench_e2e.parse_args(["--device", "cuda", "--model", "ltx", "--psa-sparsities", "0.6"])
+    methods = bench_e2e.make_methods(args, dataclasses.replace(_small(odd, (4, 16, 16))))
+    assert [m.skip is not None for m in methods] == [False, True, True]
+    row, ref = bench_e2e.run_method(methods[1], None, {}, odd, cuda, args, None)
+    assert row["error"] == skip and ref is None
+    assert bench_e2e.kernel_support(odd, torch.device("cpu")) == (None, None)  # torch path
+
+
+def test_cosmos_blocks_compile_regionally():
+    """CosmosTransformer3DModel declares no _repeated_blocks: the benchmark names its block
+    class, so --compile blocks compiles each block."""
+    work = _work("--tiny", "--model", "cosmos")
+    model = bench_e2e.build_model(work, torch.device("cpu"), torch.float32, 0)
+    bench_e2e.compile_blocks(model, work)
+    assert model._repeated_blocks == ["CosmosTransformerBlock"]
+    assert all(b._compiled_call_impl is not None for b in model.transformer_blocks)
+
+
+def test_new_default_out_names():
+    cpu = torch.device("cpu")
+    for model in NEW_MODELS:
+        work = _work("--model", model)
+        assert bench_e2e.default_out(cpu, work).name == f"e2e_{work.name}_cpu.json"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from vidsparse.layout import VideoGrid
 
-HEAD_DIM = 128  # every model below
+HEAD_DIM = 128  # every model of MODELS (MORE_MODELS: LTX-Video and Kandinsky 5 have 64)
 
 
 @dataclass(frozen=True)
@@ -105,6 +105,42 @@ _MODELS = (
 
 MODELS: dict[str, ModelShape] = {m.name: m for m in _MODELS}
 
+# Further published shapes, the e2e benchmark's other diffusers families (selectable by name;
+# not in MODELS, whose set the committed results and the ops' default shape lists pin). Their
+# VAEs differ from the note at the top: LTX-Video and LTX-2 compress 32x32 spatially and 8x
+# in time (patch 1), Cosmos 1.0 8x8x8 (CV8x8x8 tokenizer, patch 1x2x2); Kandinsky 5 uses the
+# HunyuanVideo VAE (8x8x4, patch 1x2x2). LTX-Video and Kandinsky 5 Lite have head_dim 64.
+_MORE = (
+    ModelShape(
+        "skyreels-v2-14b-720p", "SkyReels-V2 T2V 14B", (31, 45, 80), heads=40, layers=40,
+        resolution="720p (1280x720)", frames=121,
+    ),
+    ModelShape(
+        "wan-vace-14b-720p", "Wan 2.1 VACE 14B", (21, 45, 80), heads=40, layers=40,
+        resolution="720p (1280x720)", frames=81,
+        layers_note="40 blocks + 8 VACE blocks (at 0, 5, ..., 35) on the control video's tokens",
+    ),
+    ModelShape(
+        "ltx-2b-1216x704", "LTX-Video 2B", (16, 22, 38), heads=32, layers=28, head_dim=64,
+        resolution="1216x704", frames=121,
+    ),
+    ModelShape(
+        "ltx2-19b-1536x1024", "LTX-2 19B (video stream)", (16, 32, 48), heads=32, layers=48,
+        resolution="1536x1024", frames=121,
+        layers_note="48 audio-video blocks; the audio stream (32 heads x 64) is not counted",
+    ),
+    ModelShape(
+        "cosmos-7b-720p", "Cosmos-1.0-Diffusion-7B-Text2World", (16, 44, 80), heads=32,
+        layers=28, resolution="720p (1280x704)", frames=121,
+    ),
+    ModelShape(
+        "kandinsky5-lite-768x512", "Kandinsky 5.0 Video Lite 2B", (31, 32, 48), heads=28,
+        layers=32, head_dim=64, resolution="768x512", frames=121,
+        layers_note="32 visual blocks (+ 2 text-only blocks)",
+    ),
+)  # fmt: skip
+MORE_MODELS: dict[str, ModelShape] = {m.name: m for m in _MORE}
+
 SYNTHETIC_32K = SyntheticShape("synthetic-32k", batch=1, heads=12, seq_len=32768, head_dim=128)
 SYNTHETIC: dict[str, SyntheticShape] = {SYNTHETIC_32K.name: SYNTHETIC_32K}
 
@@ -124,7 +160,7 @@ TINY: dict[str, ModelShape] = {
 
 def get(name: str) -> ModelShape | SyntheticShape:
     """A model, synthetic or tiny shape by name; ``KeyError`` lists the names."""
-    for table in (MODELS, SYNTHETIC, TINY):
+    for table in (MODELS, MORE_MODELS, SYNTHETIC, TINY):
         if name in table:
             return table[name]
     raise KeyError(

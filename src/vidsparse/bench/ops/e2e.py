@@ -1,7 +1,9 @@
 """End-to-end benchmark: one denoising step of a real-architecture diffusers video transformer.
 
 The transformer is built from its published config (random weights, bf16, eval mode; the
-models are ``e2e_model.MODELS``: Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V-5B, HunyuanVideo 1.5):
+models are ``e2e_model.MODELS``: Wan 2.1 T2V 1.3B and 14B, Wan 2.2 TI2V-5B, HunyuanVideo 1.5,
+HunyuanVideo, LTX-Video, LTX-2, Cosmos 1.0 7B, Kandinsky 5.0 Video Lite, SkyReels-V2 14B, Wan
+2.1 VACE 14B):
 stock dense attention (SDPA, cuDNN first) against VSA and PSA through
 ``vidsparse.integrations.diffusers``' public ``apply_sparse_attention``, all on the same model
 object and inputs. Per method: the step's latency, the video self-attention's time and share of
@@ -12,6 +14,10 @@ the step, speedups over dense, relative L2 of the output against dense, peak mem
     python -m vidsparse.bench e2e --model wan14b --layers 8    # Wan 2.1 14B, 720p
     python -m vidsparse.bench e2e --model wan2.2-5b            # Wan 2.2 TI2V-5B, 704x1280
     python -m vidsparse.bench e2e --model hunyuan1.5           # HunyuanVideo 1.5, 720p, 8 blocks
+    python -m vidsparse.bench e2e --model ltx2                 # also hunyuanvideo, ltx, cosmos,
+                                                               # kandinsky5, skyreels-v2, wan-vace
+    python -m vidsparse.bench e2e --model cosmos --layers all --methods dense --warmup 0 \
+        --reps 1 --share-reps 0                                # does the whole model fit?
     python -m vidsparse.bench e2e --compile blocks             # every block torch.compile'd
     python -m vidsparse.bench e2e --device cpu --tiny          # CPU smoke run (any --model)
 
@@ -46,7 +52,6 @@ from vidsparse.bench.ops.e2e_model import (
     MODELS,
     PSA_SLACK,
     PSA_TOLERANCE,
-    TIMESTEP,
     VSA_TILE,
     WAN_CONFIGS,
     Workload,
@@ -109,6 +114,31 @@ class Method:
     kind: str = "dense"
     step: int = 0  # denoising step to set (PSA plans)
     info: dict | None = None  # row fields known before running (sparsity, tiles, ...)
+    skip: str | None = None  # why the method cannot run here: the row records it as its error
+
+
+def kernel_support(work: Workload, device: torch.device) -> tuple[str | None, str | None]:
+    """``(why VSA/PSA cannot run, what their rows should know)`` for this head_dim: the Triton
+    kernels take ``SUPPORTED_HEAD_DIMS``, the engine's Hopper (Gluon) forward head_dim 128 only
+    (other head dims run the Triton kernels); the torch reference takes any."""
+    from vidsparse.ops.block_sparse_attn.configs import GLUON_HEAD_DIMS, SUPPORTED_HEAD_DIMS
+    from vidsparse.utils.backend import resolve_backend
+
+    d = work.head_dim
+    if device.type != "cuda" or resolve_backend(device) == "torch":
+        return None, None
+    if d not in SUPPORTED_HEAD_DIMS:
+        return (
+            f"head_dim {d} is not supported by the VSA/PSA Triton kernels (supported: "
+            f"{SUPPORTED_HEAD_DIMS}); not run",
+            None,
+        )
+    if d not in GLUON_HEAD_DIMS:
+        return None, (
+            f"head_dim {d}: the block-sparse engine's Hopper (Gluon) forward takes head_dim "
+            f"{GLUON_HEAD_DIMS} only, so this row runs its Triton kernels"
+        )
+    return None, None
 
 
 def make_methods(args, work: Workload) -> list[Method]:
@@ -120,6 +150,8 @@ def make_methods(args, work: Workload) -> list[Method]:
     if unknown:
         raise SystemExit(f"--methods takes dense, vsa, psa; got {sorted(unknown)}")
     methods = [Method("dense", info={"sparsity": 0.0, "attention": "stock diffusers SDPA"})]
+    skip, kernels = kernel_support(work, torch.device(args.device))
+    sparse_info = {"kernels": kernels} if kernels else {}
     if "vsa" in wanted:
         grid = VideoGrid(work.grid_shape, VSA_TILE)
         topk = resolve_topk(grid.num_tiles, sparsity=args.vsa_sparsity)
@@ -136,7 +168,9 @@ def make_methods(args, work: Workload) -> list[Method]:
                     "tile": "x".join(map(str, VSA_TILE)),
                     "padded_tokens": grid.padded_len,
                     "gate": not args.no_vsa_gate,
+                    **sparse_info,
                 },
+                skip=skip,
             )
         )
     if "psa" in wanted:
@@ -157,7 +191,9 @@ def make_methods(args, work: Workload) -> list[Method]:
                         "padded_tokens": grid.padded_len,
                         "plan": "synthetic: family candidates near the target, per (layer, head)",
                         "patterns": patterns,
+                        **sparse_info,
                     },
+                    skip=skip,
                 )
             )
     if args.psa_plan:
@@ -175,7 +211,9 @@ def make_methods(args, work: Workload) -> list[Method]:
                     "plan": str(args.psa_plan),
                     "plan_step": step,
                     "patterns": patterns,
+                    **sparse_info,
                 },
+                skip=skip,
             )
         )
     return methods
@@ -229,9 +267,11 @@ class AttentionTimer:
     Wrapping the name in each processor module therefore times every attention call once,
     stock or sparse: for a method, its whole replacement (gate, tiling, top-k, kernels,
     untiling) and nothing else. Calls are told apart by their q and k lengths: one length that
-    holds the video tokens is the video self-attention (HunyuanVideo 1.5's is joint video +
-    text attention, q and k of one length too), different lengths are cross-attention, one
-    shorter length is ``other`` (a text-only self-attention).
+    holds the video tokens is the video self-attention (HunyuanVideo's and HunyuanVideo 1.5's
+    is joint video + text attention, q and k of one length too; Wan VACE's VACE blocks attend
+    the control tokens, the video's grid), different lengths are cross-attention (text, and
+    LTX-2's audio<->video), one shorter length is ``other`` (a text-only self-attention, as
+    Kandinsky 5's text blocks; LTX-2's audio self-attention).
     """
 
     def __init__(self, model, device: torch.device, video_tokens: int):
@@ -304,8 +344,9 @@ def attention_share(
         "attn_calls_per_step": len(timer.marks["self"]) // reps,
         "cross_attn_calls_per_step": len(timer.marks["cross"]) // reps,
     }
-    if timer.marks["other"]:
+    if timer.marks["other"]:  # text-only self-attention (Kandinsky 5), LTX-2's audio one
         out["other_attn_ms"] = timer.total_ms("other") / reps
+        out["other_attn_calls_per_step"] = len(timer.marks["other"]) // reps
     return out
 
 
@@ -356,23 +397,26 @@ def _backend_taking(q, k, mask) -> str:
 
 def check_cudnn(work: Workload, device: torch.device, dtype: torch.dtype) -> dict:
     """Does cuDNN alone take the self- and cross-attention calls of the step (HunyuanVideo
-    1.5: the joint sequence with its [1, 1, S, S] bool mask)? Where it does not, which backend
-    of the priority order does."""
+    1.5: the joint sequence with its [1, 1, S, S] bool mask; HunyuanVideo: with its [1, 1, 1,
+    S] key mask)? Where it does not, which backend of the priority order does."""
     if device.type != "cuda":
         return {"backend": "default (CPU)"}
-    d = work.config["attention_head_dim"]
-    calls = {"self": (work.self_attn_len, work.joint_text > 0)}
+    d = work.head_dim
+    calls = {"self": (work.self_attn_len, work.spec.self_mask)}
     if work.cross_keys is not None:
-        calls["cross"] = (work.cross_keys, False)
+        calls["cross"] = (work.cross_keys, "none")
     out = {"backend": "cuDNN first (sdpa_kernel priority)"}
     q = torch.randn(1, work.heads, work.self_attn_len, d, device=device, dtype=dtype)
     for kind, (keys, masked) in calls.items():
         k = mask = None
         try:
             k = torch.randn(1, work.heads, keys, d, device=device, dtype=dtype)
-            if masked:  # the model's mask: the real tokens (video, then real text) a prefix
+            if masked != "none":  # the model's mask: the real tokens (video, real text) a prefix
                 real = torch.arange(keys, device=device) < work.tokens + work.joint_text_real
-                mask = (real[:, None] & real[None, :])[None, None]  # S x S bools: 13 GB at 720p
+                if masked == "key":
+                    mask = real[None, None, None, :]
+                else:  # S x S bools: 13 GB at 720p
+                    mask = (real[:, None] & real[None, :])[None, None]
             out[kind] = _backend_taking(q, k, mask)
         except torch.OutOfMemoryError as exc:  # building the mask
             out[kind] = f"not checked ({harness.error_message(exc, 120)})"
@@ -399,6 +443,9 @@ def run_method(method: Method, model, inputs, work: Workload, device, args, ref)
     row: dict[str, Any] = {"method": method.name, "target": method.target, **(method.info or {})}
     out_ref = None
     patched = False
+    if method.skip:
+        row["error"] = method.skip
+        return row, None
     try:
         if method.options is not None:
             apply_sparse_attention(model, method.kind, **method.options)
@@ -407,7 +454,7 @@ def run_method(method: Method, model, inputs, work: Workload, device, args, ref)
 
         def step():
             with torch.no_grad(), sdpa_context(device):
-                return model(**inputs)[0]
+                return video_output(model(**inputs))
 
         started = time.perf_counter()
         first = step()  # compiles kernels (and the blocks under --compile), builds lists
@@ -446,6 +493,12 @@ def run_method(method: Method, model, inputs, work: Workload, device, args, ref)
     return row, out_ref
 
 
+def video_output(out) -> torch.Tensor:
+    """The video output of a ``return_dict=False`` forward: the first element of the tuple
+    (LTX-2: (video, audio)), or the tensor itself (Kandinsky 5 returns one)."""
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
 def add_relative(rows: list[dict]) -> None:
     """Speedups against the dense row."""
     dense = next((r for r in rows if r["method"] == "dense" and "step_ms" in r), None)
@@ -479,13 +532,17 @@ def default_out(device: torch.device, work: Workload, compile_mode: str = "none"
 COMPILE_MODES = ("none", "blocks")
 
 
-def compile_blocks(model) -> None:
+def compile_blocks(model, work: Workload | None = None) -> None:
     """``torch.compile(fullgraph=True)`` of every transformer block, in place (diffusers'
     regional compilation: blocks share one compiled graph while their code sees the same
     Python constants). A graph break anywhere in a block is an error. Every method recompiles
     the blocks once (its hooks are new objects); torch's recompile limit stays as users
     have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
-    the excess layers eagerly)."""
+    the excess layers eagerly). A class that declares no ``_repeated_blocks`` (Cosmos) gets
+    its family's block class on the instance."""
+    names = work.spec.repeated_blocks if work is not None else ()
+    if names and not getattr(model, "_repeated_blocks", None):
+        model._repeated_blocks = list(names)
     model.compile_repeated_blocks(fullgraph=True)
 
 
@@ -506,6 +563,10 @@ def cpu_backend(device: torch.device) -> Iterator[None]:
             os.environ[key] = old
 
 
+def _layers(text: str):
+    return "all" if text == "all" else int(text)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -516,20 +577,25 @@ def parse_args(argv=None):
         "--resolution",
         choices=resolutions,
         default=None,
-        help="default: 480p for wan1.3b, 720p for the others (wan2.2-5b: 704x1280 only)",
+        help="default: 480p for wan1.3b, 720p for wan14b, wan2.2-5b (704x1280 only), hunyuan1.5,"
+        " hunyuanvideo, cosmos (704x1280), skyreels-v2, wan-vace; WIDTHxHEIGHT for ltx "
+        "(1216x704, or 768x512), ltx2 (1536x1024, or 768x512), kandinsky5 (768x512)",
     )
     ap.add_argument(
         "--frames",
         type=int,
         default=None,
-        help="video frames (default 81 -> 21 latent for Wan 2.1, 121 -> 31 for the others)",
+        help="video frames (default 81 for Wan 2.1 and wan-vace, 129 for hunyuanvideo, 121 for "
+        "the others)",
     )
     ap.add_argument(
         "--layers",
-        type=int,
+        type=_layers,
         default=None,
-        help="transformer blocks to build (default wan1.3b 30 of 30, wan14b 8 of 40, wan2.2-5b "
-        "30 of 30, hunyuan1.5 8 of 54)",
+        help="transformer blocks to build, or 'all' (default wan1.3b 30 of 30, wan14b 8 of 40, "
+        "wan2.2-5b 30 of 30, hunyuan1.5 8 of 54, hunyuanvideo 9 of 60 (3 dual + 6 single), ltx "
+        "28 of 28, ltx2 48 of 48, cosmos 28 of 28, kandinsky5 32 of 32, skyreels-v2 8 of 40, "
+        "wan-vace 10 of 40)",
     )
     ap.add_argument(
         "--methods", default="dense,vsa,psa", help="of dense,vsa,psa (dense always runs)"
@@ -540,7 +606,8 @@ def parse_args(argv=None):
     ap.add_argument(
         "--psa-tile",
         default=None,
-        help=f"PSA block TxHxW (default {DEFAULT_PSA_TILE}; wan2.2-5b: 2x8x8)",
+        help=f"PSA block TxHxW (default {DEFAULT_PSA_TILE}; wan2.2-5b and ltx: 2x8x8, the "
+        "128-token block that pads their grids least)",
     )
     ap.add_argument("--psa-tolerance", type=float, default=PSA_TOLERANCE)
     ap.add_argument("--psa-plan", default=None, help="also run this searched plan file")
@@ -594,7 +661,8 @@ def _metadata(args, work: Workload, device, dtype, weights_gb, sdpa, build_s) ->
         config={k: list(v) if isinstance(v, tuple) else v for k, v in work.config.items()},
         layers=work.layers,
         full_layers=work.full_layers,
-        layers_note=(
+        layers_note=work.spec.layers_note(work)
+        or (
             f"first {work.layers} of {work.full_layers} transformer blocks: a step of the whole "
             "model takes about full_layers / layers times as long (step_ms_per_layer); chosen "
             "for run time, memory would hold more (weights_gb is this build's)"
@@ -604,7 +672,7 @@ def _metadata(args, work: Workload, device, dtype, weights_gb, sdpa, build_s) ->
         weights_gb=weights_gb,
         latent_shape=list(work.latent),
         text_shape=list(work.text),
-        timestep=TIMESTEP,
+        timestep=work.timestep,
         inputs=work.inputs_note,
         grid=list(work.grid_shape),
         tokens=work.tokens,
@@ -612,7 +680,8 @@ def _metadata(args, work: Workload, device, dtype, weights_gb, sdpa, build_s) ->
         joint_text_real=work.joint_text_real,
         self_attention_tokens=work.self_attn_len,
         heads=work.heads,
-        head_dim=work.config["attention_head_dim"],
+        head_dim=work.head_dim,
+        **work.extra,
         dtype=str(dtype),
         diffusers=diffusers.__version__,
         tiny=args.tiny,
@@ -651,7 +720,7 @@ def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
     model = build_model(work, device, dtype, args.seed)
     build_s = time.perf_counter() - start
     if args.compile == "blocks":
-        compile_blocks(model)
+        compile_blocks(model, work)
     inputs = make_inputs(work, device, dtype, args.seed)
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     sdpa = check_cudnn(work, device, dtype)
