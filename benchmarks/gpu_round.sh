@@ -2,8 +2,9 @@
 # One round of GPU checks and benchmarks on an H200, each step under its own time limit:
 #   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|parallel [...]
 #   e2e for the other diffusers families: e2e-hunyuanvideo|e2e-ltx|e2e-ltx2|e2e-cosmos|
-#   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace, compiled: e2e-skyreels-v2-compiled|
-#   e2e-wan-vace-compiled (JSON under $OUT, named as in benchmarks/results/);
+#   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace|e2e-chronoedit|e2e-wan-animate, compiled:
+#   e2e-skyreels-v2-compiled|e2e-wan-vace-compiled (JSON under $OUT, named as in
+#   benchmarks/results/);
 #   e2e-dry: each of those models at full width, 1 block, one dense step; e2e-dry-all: the
 #   same with all blocks (does the whole model fit?), JSON under $OUT
 #   (default: tests demo; parallel needs 2 GPUs)
@@ -25,7 +26,7 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 15 "$OUT/$name.log"
 }
 
-E2E_NEW="hunyuanvideo ltx ltx2 cosmos kandinsky5 skyreels-v2 wan-vace"
+E2E_NEW="hunyuanvideo ltx ltx2 cosmos kandinsky5 skyreels-v2 wan-vace chronoedit wan-animate"
 E2E_SPARSE=(--methods dense,vsa,psa --psa-sparsities 0.6,0.75 --no-vsa-gate)
 E2E_DENSE_ONCE=(--methods dense --warmup 0 --reps 1 --share-reps 0)
 
@@ -78,6 +79,12 @@ for what in "$@"; do
     e2e-wan-vace) step e2e_wan_vace 240 python3 -m vidsparse.bench e2e --model wan-vace \
       "${E2E_SPARSE[@]}" \
       --out "$OUT/e2e_wan-vace-720p_h200.json" ;;
+    e2e-chronoedit) step e2e_chronoedit 240 python3 -m vidsparse.bench e2e --model chronoedit \
+      "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_chronoedit-720p_h200.json" ;;
+    e2e-wan-animate) step e2e_wan_animate 300 python3 -m vidsparse.bench e2e --model wan-animate \
+      "${E2E_SPARSE[@]}" \
+      --out "$OUT/e2e_wan-animate-720p_h200.json" ;;
     e2e-skyreels-v2-compiled) step e2e_skyreels_v2_compiled 300 python3 -m vidsparse.bench e2e \
       --model skyreels-v2 --compile blocks --methods dense,vsa --no-vsa-gate \
       --out "$OUT/e2e_skyreels-v2-720p_compiled_h200.json" ;;

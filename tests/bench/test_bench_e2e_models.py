@@ -1,5 +1,6 @@
 """The e2e benchmark's workloads beyond Wan 2.1 (Wan 2.2 TI2V-5B, HunyuanVideo 1.5,
-HunyuanVideo, LTX-Video, LTX-2, Cosmos, Kandinsky 5, SkyReels-V2, Wan VACE): tiny runs of the
+HunyuanVideo, LTX-Video, LTX-2, Cosmos, Kandinsky 5, SkyReels-V2, Wan VACE, ChronoEdit,
+Wan-Animate): tiny runs of the
 same diffusers classes on the CPU (numbers meaningless, code paths real), the full-size
 workloads' shapes, configs and inputs, and the attention timer counting every call once."""
 
@@ -25,7 +26,10 @@ FAST = ["--device", "cpu", "--tiny", "--warmup", "0", "--reps", "2", "--share-re
 METHODS = ["--methods", "dense,vsa,psa", "--psa-sparsities", "0.6"]
 
 
-NEW_MODELS = ["hunyuanvideo", "ltx", "ltx2", "cosmos", "kandinsky5", "skyreels-v2", "wan-vace"]
+NEW_MODELS = [
+    "hunyuanvideo", "ltx", "ltx2", "cosmos", "kandinsky5", "skyreels-v2", "wan-vace",
+    "chronoedit", "wan-animate",
+]  # fmt: skip
 
 
 def _work(*argv):
@@ -346,7 +350,7 @@ def test_config_keys_are_the_class_parameters(model):
 @pytest.mark.parametrize(
     "model, billions",
     [("hunyuanvideo", 12.8), ("ltx", 1.9), ("ltx2", 18.9), ("cosmos", 7.2), ("kandinsky5", 2.0),
-     ("skyreels-v2", 14.3), ("wan-vace", 17.3)],
+     ("skyreels-v2", 14.3), ("wan-vace", 17.3), ("chronoedit", 16.4), ("wan-animate", 17.3)],
 )  # fmt: skip
 def test_full_size_models_build_at_their_published_size(model, billions):
     """The whole model (all blocks) on the meta device: its parameter count (bf16 weights
@@ -486,3 +490,89 @@ def test_new_default_out_names():
     for model in NEW_MODELS:
         work = _work("--model", model)
         assert bench_e2e.default_out(cpu, work).name == f"e2e_{work.name}_cpu.json"
+
+
+# ---- ChronoEdit and Wan-Animate ---------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_chronoedit_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("chronoedit", tmp_path)
+    assert meta["model_class"] == "ChronoEditTransformer3DModel"
+    assert meta["grid"] == [2, 6, 10] and meta["image_tokens"] == 4  # the 2-frame edit
+    for r in rows:
+        # per block: the video self-attention; the image and the text cross-attention
+        assert r["attn_calls_per_step"] == meta["layers"]
+        assert r["cross_attn_calls_per_step"] == 2 * meta["layers"]
+        assert "other_attn_ms" not in r
+
+
+@pytest.mark.slow
+def test_wan_animate_tiny_run(tmp_path):
+    meta, rows = _meta_and_rows("wan-animate", tmp_path)
+    assert meta["model_class"] == "WanAnimateTransformer3DModel"
+    assert meta["grid"] == [5, 6, 10] and meta["face_frames"] == 13
+    assert meta["face_adapter_blocks"] == [0]
+    for r in rows:
+        # the face adapter (frame tokens -> face tokens) is cross-attention, not the video's
+        # self-attention: only the blocks' self-attention reaches the method
+        assert r["attn_calls_per_step"] == meta["layers"]
+        assert r["cross_attn_calls_per_step"] == 2 * meta["layers"] + 1
+        assert "other_attn_ms" not in r
+    psa = next(r for r in rows if r["method"] == "psa")
+    assert sum(psa["patterns"].values()) == meta["layers"] * meta["heads"]
+
+
+def test_chronoedit_and_wan_animate_full_size():
+    chrono = _work("--model", "chronoedit")
+    assert chrono.name == "chronoedit-720p" and chrono.latent == (1, 36, 2, 90, 160)
+    assert chrono.grid_shape == (2, 45, 80) and chrono.tokens == 7_200 and chrono.heads == 40
+    assert (chrono.layers, chrono.full_layers) == (40, 40) and chrono.psa_tile == (1, 16, 8)
+    assert chrono.image == (1, 257, 1280) and chrono.cross_keys == 512
+    c = chrono.config
+    assert (c["in_channels"], c["image_dim"], c["added_kv_proj_dim"]) == (36, 1280, 5120)
+    # temporal reasoning's 29 frames: 8 latent frames
+    assert _work("--model", "chronoedit", "--frames", "29").grid_shape == (8, 45, 80)
+    assert _work("--model", "chronoedit", "--resolution", "480p").grid_shape == (2, 30, 52)
+
+    anim = _work("--model", "wan-animate")
+    assert anim.name == "wan-animate-720p" and anim.latent == (1, 36, 21, 90, 160)
+    assert anim.grid_shape == (21, 45, 80) and anim.tokens == 75_600 and anim.heads == 40
+    assert (anim.layers, anim.full_layers) == (10, 40) and anim.psa_tile == (1, 16, 8)
+    assert anim.extra["face_frames"] == 77 and anim.extra["face_size"] == 512
+    assert anim.extra["face_adapter_blocks"] == [0, 5] and anim.attention_layers == 10
+    assert "face adapters" in anim.spec.layers_note(anim)
+    assert _work("--model", "wan-animate", "--layers", "8").extra["face_adapter_blocks"] == [0, 5]
+    full = _work("--model", "wan-animate", "--layers", "all")
+    assert full.extra["face_adapter_blocks"] == list(range(0, 40, 5))
+
+
+def test_chronoedit_and_wan_animate_inputs_match_the_pipelines():
+    work, x = _inputs("chronoedit")
+    h = x["hidden_states"]
+    assert h.shape == (1, 36, 2, 4, 4) and x["timestep"].tolist() == [500]
+    assert (h[:, 16:20, 0] == 1).all() and not h[:, 16:20, 1:].any()  # the input image's mask
+    assert x["encoder_hidden_states"].shape == (1, 512, 4096)
+    assert x["encoder_hidden_states_image"].shape == (1, 257, 1280)
+
+    work, x = _inputs("wan-animate")
+    h = x["hidden_states"]
+    assert h.shape == (1, 36, 2, 4, 4) and (h[:, 16:20, 0] == 1).all()
+    assert not h[:, 16:20, 1:].any()  # the reference frame's mask; the segment's all zeros
+    assert x["pose_hidden_states"].shape == (1, 16, 1, 4, 4)
+    assert x["encoder_hidden_states_image"].shape == (1, 257, 1280)
+    face = x["face_pixel_values"]
+    assert face.shape == (1, 3, 77, 512, 512) and face.min() >= -1 and face.max() <= 1
+
+
+def test_wan_animate_cut_to_any_layers_keeps_its_face_adapters():
+    """A cut that is no multiple of inject_face_latents_blocks still has an adapter after every
+    adapted block (the class alone would build one too few) and runs."""
+    work = _work("--tiny", "--model", "wan-animate", "--layers", "1")
+    assert work.extra["face_adapter_blocks"] == [0]
+    model = bench_e2e.build_model(work, torch.device("cpu"), torch.float32, 0)
+    assert len(model.blocks) == 1 and len(model.face_adapter) == 1
+    inputs = bench_e2e.make_inputs(work, torch.device("cpu"), torch.float32, 0)
+    with torch.no_grad():
+        out = model(**inputs)[0]
+    assert out.shape == (1, 4, *work.latent[2:]) and torch.isfinite(out).all()

@@ -120,6 +120,19 @@ _MORE = (
         resolution="720p (1280x720)", frames=81,
         layers_note="40 blocks + 8 VACE blocks (at 0, 5, ..., 35) on the control video's tokens",
     ),
+    # ChronoEdit-14B's edit: the input image's and the edited image's latent frames (5 frames);
+    # with temporal reasoning (29 frames) the reasoning frames between them too: 8x45x80.
+    ModelShape(
+        "chronoedit-14b-720p", "ChronoEdit-14B (Wan 2.1 I2V 14B)", (2, 45, 80), heads=40,
+        layers=40, resolution="720p (1280x720)", frames=5,
+    ),
+    # A 77-frame segment (20 latent frames) after the reference character's latent frame.
+    ModelShape(
+        "wan-animate-14b-720p", "Wan 2.2 Animate 14B", (21, 45, 80), heads=40, layers=40,
+        resolution="720p (1280x720)", frames=77,
+        layers_note="40 blocks + 8 face adapters (after blocks 0, 5, ..., 35), cross-attention "
+        "to the face motion tokens",
+    ),
     ModelShape(
         "ltx-2b-1216x704", "LTX-Video 2B", (16, 22, 38), heads=32, layers=28, head_dim=64,
         resolution="1216x704", frames=121,

@@ -17,7 +17,11 @@ Workloads (``--model``), one table entry each (``MODELS``), one family per diffu
 - ``kandinsky5`` (Kandinsky 5.0 Video Lite 2B, 768x512): ``Kandinsky5Transformer3DModel``,
   head_dim 64, channels-last latents;
 - ``skyreels-v2`` (SkyReels-V2 T2V 14B 720P): ``SkyReelsV2Transformer3DModel``;
-- ``wan-vace`` (Wan 2.1 VACE 14B, 720p): ``WanVACETransformer3DModel`` with control states.
+- ``wan-vace`` (Wan 2.1 VACE 14B, 720p): ``WanVACETransformer3DModel`` with control states;
+- ``chronoedit`` (ChronoEdit-14B, 720p edit): ``ChronoEditTransformer3DModel``, Wan 2.1 I2V-14B
+  blocks (CLIP image and text cross-attention) on the input and edited frames' latents;
+- ``wan-animate`` (Wan 2.2 Animate 14B, 720p, 77-frame segment): ``WanAnimateTransformer3DModel``,
+  Wan I2V-14B blocks plus pose latents, a motion/face encoder and face adapters.
 """
 
 from __future__ import annotations
@@ -268,6 +272,44 @@ WAN_VACE_CONFIG = dict(
     vace_in_channels=96,
 )
 
+# ChronoEdit-14B (nvidia/ChronoEdit-14B-Diffusers): a fine-tune of Wan 2.1 I2V-14B-720P, whose
+# diffusers config (scripts/convert_wan_to_diffusers.py, "Wan-I2V-14B-720p") it keeps: 40 heads x
+# 128, 40 blocks, ffn 13824, in_channels 36 (16 noisy latents, 4 mask channels, 16 condition
+# latents), image_dim 1280 (CLIP ViT-H/14 penultimate states, 257 tokens), added_kv_proj_dim
+# 5120 (the image cross-attention's k/v); rope_temporal_skip_len 8, the class default (a
+# 2-frame edit takes RoPE positions 0 and 7: input image and edited frame).
+_CHRONO_SHAPE = shapes.MORE_MODELS["chronoedit-14b-720p"]
+_WAN_I2V_14B = dict(
+    _WAN_COMMON,
+    num_attention_heads=_CHRONO_SHAPE.heads,
+    ffn_dim=13824,
+    num_layers=_CHRONO_SHAPE.layers,
+    in_channels=36,
+    out_channels=16,
+    image_dim=1280,
+    added_kv_proj_dim=5120,
+    pos_embed_seq_len=None,
+)
+CHRONOEDIT_CONFIG = dict(_WAN_I2V_14B, rope_temporal_skip_len=8)
+
+# Wan 2.2 Animate 14B (Wan-AI/Wan2.2-Animate-14B-Diffusers): diffusers' conversion script
+# (scripts/convert_wan_to_diffusers.py, "Wan2.2-Animate-14B"): the Wan I2V-14B blocks above plus
+# the motion encoder (512x512 face frames, style 512, motion 20, out 512; channel sizes the class
+# default), the face encoder (hidden 1024, 4 heads) and a face adapter after every 5th block
+# (inject_face_latents_blocks 5: after blocks 0, 5, ..., 35).
+_ANIMATE_SHAPE = shapes.MORE_MODELS["wan-animate-14b-720p"]
+WAN_ANIMATE_CONFIG = dict(
+    _WAN_I2V_14B,
+    num_layers=_ANIMATE_SHAPE.layers,
+    motion_encoder_size=512,
+    motion_style_dim=512,
+    motion_dim=20,
+    motion_encoder_dim=512,
+    face_encoder_hidden_dim=1024,
+    face_encoder_num_heads=4,
+    inject_face_latents_blocks=5,
+)
+
 CONFIGS = {
     **WAN_CONFIGS,
     "hunyuan1.5": HUNYUAN15_CONFIG,
@@ -278,6 +320,8 @@ CONFIGS = {
     "kandinsky5": KANDINSKY5_CONFIG,
     "skyreels-v2": SKYREELS_V2_CONFIG,
     "wan-vace": WAN_VACE_CONFIG,
+    "chronoedit": CHRONOEDIT_CONFIG,
+    "wan-animate": WAN_ANIMATE_CONFIG,
 }
 
 # The conditioning HunyuanVideo15Pipeline hands the transformer for a text-to-video step:
@@ -348,16 +392,23 @@ _COSMOS_HW = {"720p": _latent_hw(_COSMOS_SHAPE, PATCH)}
 _K5_HW = {"768x512": _latent_hw(_K5_SHAPE, PATCH)}
 _SKYREELS_HW = {"720p": _latent_hw(_SKYREELS_SHAPE, PATCH)}
 _VACE_HW = {"720p": _latent_hw(_VACE_SHAPE, PATCH)}
+# ChronoEdit: its script's target area 720x1280 (a 16:9 input stays 1280x720), also 480p
+# (832x480, ChronoEditPipeline's signature default); Wan-Animate: WanAnimatePipeline's 1280x720.
+_CHRONO_HW = {"720p": _latent_hw(_CHRONO_SHAPE, PATCH), "480p": LATENT_HW["480p"]}
+_ANIMATE_HW = {"720p": _latent_hw(_ANIMATE_SHAPE, PATCH)}
 
 # Default --layers: all blocks where a dense step of them takes a few seconds. Memory is not
 # the limit: the largest model, LTX-2, has 18.9B parameters (37.8 GB in bf16; HunyuanVideo
-# 12.8B, 25.6 GB; SkyReels-V2 14.3B, 28.6 GB; Wan VACE 17.3B, 34.7 GB; Cosmos 7.2B, 14.5 GB;
-# LTX-Video 1.9B, Kandinsky 5 2.0B) and a step's activations take a few GB more, well within a
-# 141 GB H200. The 13-17B models at 720p (75,600-118,800 tokens, a dense step of all their
-# blocks roughly 10-30 s) are cut for run time, as Wan 14B is: HunyuanVideo to 9 of 60 blocks
-# (3 dual + 6 single, the full model's proportion), SkyReels-V2 to 8 of 40, Wan VACE to 10 of
-# 40 with the VACE blocks at 0 and 5 (the full model's one per five). LTX-2 runs all 48
-# (24,576 video tokens), LTX-Video, Cosmos and Kandinsky 5 all theirs.
+# 12.8B, 25.6 GB; SkyReels-V2 14.3B, 28.6 GB; Wan VACE 17.3B, 34.7 GB; Wan-Animate 17.3B, 34.5
+# GB; ChronoEdit 16.4B, 32.8 GB; Cosmos 7.2B, 14.5 GB; LTX-Video 1.9B, Kandinsky 5 2.0B) and a
+# step's activations take a few GB more, well within a 141 GB H200. The 13-17B models at 720p
+# (75,600-118,800 tokens, a dense step of all their blocks roughly 10-30 s) are cut for run
+# time, as Wan 14B is: HunyuanVideo to 9 of 60 blocks (3 dual + 6 single, the full model's
+# proportion), SkyReels-V2 to 8 of 40, Wan VACE to 10 of 40 with the VACE blocks at 0 and 5
+# (the full model's one per five), Wan-Animate to 10 of 40 with the face adapters after blocks
+# 0 and 5 (likewise one per five; 8 blocks would also hold two, after 0 and 5, over fewer
+# blocks). ChronoEdit's default edit is 2 latent frames (7,200 tokens): all 40 blocks. LTX-2
+# runs all 48 (24,576 video tokens), LTX-Video, Cosmos and Kandinsky 5 all theirs.
 MODELS = {
     "wan1.3b": ModelEntry(
         "wan", "wan2.1-t2v-1.3b", WAN_CONFIGS["wan1.3b"], 30, 16, LATENT_HW, "480p", 81,
@@ -414,6 +465,18 @@ MODELS = {
     "wan-vace": ModelEntry(
         "wan-vace", "wan2.1-vace-14b", WAN_VACE_CONFIG, 10, 16, _VACE_HW, "720p",
         _VACE_SHAPE.frames,
+    ),
+    # ChronoEditPipeline without temporal reasoning: 5 frames (2 latent frames: the input image
+    # and the edit) at 720p; --frames 29 is its temporal-reasoning video (8 latent frames).
+    "chronoedit": ModelEntry(
+        "chronoedit", "chronoedit-14b", CHRONOEDIT_CONFIG, _CHRONO_SHAPE.layers, 36, _CHRONO_HW,
+        "720p", _CHRONO_SHAPE.frames,
+    ),
+    # WanAnimatePipeline's defaults: 1280x720, segment_frame_length 77 (20 latent frames) after
+    # the reference character's latent frame.
+    "wan-animate": ModelEntry(
+        "wan-animate", "wan2.2-animate-14b", WAN_ANIMATE_CONFIG, 10, 36, _ANIMATE_HW, "720p",
+        _ANIMATE_SHAPE.frames,
     ),
 }  # fmt: skip
 MODEL_NAMES = {name: entry.model_name for name, entry in MODELS.items()}
@@ -593,8 +656,8 @@ def make_workload(args) -> Workload:
                 f"{sorted(entry.latent_hw)}"
             )
         h, w = entry.latent_hw[resolution]
-        frames = (getattr(args, "frames", None) or entry.default_frames) - 1
-        latent = (1, entry.latent_channels, frames // spec.vae_t + 1, h, w)
+        frames = getattr(args, "frames", None) or entry.default_frames
+        latent = (1, entry.latent_channels, spec.latent_frames(frames), h, w)
         config = dict(entry.config)
         names = dict(name=f"{model}-{resolution}", model_name=entry.model_name)
         psa_tile = getattr(args, "psa_tile", None) or entry.psa_tile
@@ -706,6 +769,10 @@ class Family:
 
     def tiny_latent(self, entry: ModelEntry) -> tuple[int, ...]:
         return TINY_LATENT
+
+    def latent_frames(self, frames: int) -> int:
+        """Latent frames of a ``frames``-frame video (``--frames``)."""
+        return (frames - 1) // self.vae_t + 1
 
     def heads(self, config: dict) -> int:
         return config["num_attention_heads"]
@@ -890,6 +957,209 @@ class _WanVACE(_Wan):
             f"VACE blocks ({vace}) of {full} that feed them: a step of the whole model takes "
             "about full_layers / layers times as long (step_ms_per_layer); chosen for run "
             "time, memory would hold more (weights_gb is this build's)"
+        )
+
+
+class _ChronoEdit(_Wan):
+    """ChronoEditTransformer3DModel: Wan 2.1 I2V-14B's blocks on the edit's latent frames (the
+    input image's and the edited frame's; with temporal reasoning the frames between), each
+    block's cross-attention over the CLIP image tokens and the umT5 text (two calls, attn2)."""
+
+    name, class_name = "chronoedit", "ChronoEditTransformer3DModel"
+    pipeline = "ChronoEditPipeline"
+    image_tokens = 257  # CLIP ViT-H/14 penultimate hidden states: 256 patches + CLS
+    tiny_image = (4, 16)  # tokens, width
+    mask_channels = 4  # the VAE's temporal factor: the first frame's mask repeated 4 times
+
+    def tiny_config(self, entry):
+        c = TINY_CONFIG["in_channels"]
+        inner = TINY_CONFIG["num_attention_heads"] * TINY_CONFIG["attention_head_dim"]
+        return dict(
+            TINY_CONFIG,
+            in_channels=2 * c + self.mask_channels,
+            out_channels=c,
+            image_dim=self.tiny_image[1],
+            added_kv_proj_dim=inner,
+        )
+
+    def tiny_latent(self, entry):
+        # ChronoEdit's 2-frame edit (its 2-frame RoPE path), 2x6x10 tokens
+        c = TINY_LATENT[1]
+        return (TINY_LATENT[0], 2 * c + self.mask_channels, 2, *TINY_LATENT[3:])
+
+    def conditioning(self, config, latent, tiny):
+        fields = super().conditioning(config, latent, tiny)
+        tokens = self.tiny_image[0] if tiny else self.image_tokens
+        fields.update(image=(1, tokens, config["image_dim"]), extra={"image_tokens": tokens})
+        return fields
+
+    def _hidden(self, work, g) -> torch.Tensor:
+        """[noisy latents | mask | condition latents], as the pipeline concatenates them: the
+        mask marks the first latent frame (the input image / the reference) as given."""
+        B, C, F, H, W = work.latent
+        noisy = work.config["out_channels"]
+        latents = torch.randn(B, noisy, F, H, W, generator=g)
+        mask = torch.zeros(B, self.mask_channels, F, H, W)
+        mask[:, :, 0] = 1
+        condition = torch.randn(B, C - noisy - self.mask_channels, F, H, W, generator=g)
+        return torch.cat([latents, mask, condition], dim=1)
+
+    def inputs(self, work, device, dtype, g):
+        return {
+            "hidden_states": self._hidden(work, g).to(device, dtype),
+            "timestep": torch.tensor([TIMESTEP], device=device),
+            "encoder_hidden_states": _randn(work.text, g, device, dtype),
+            "encoder_hidden_states_image": _randn(work.image, g, device, dtype),
+            "return_dict": False,
+        }
+
+    def _latents_note(self, work, given: str) -> str:
+        B, C, F, H, W = work.latent
+        noisy = work.config["out_channels"]
+        cond = C - noisy - self.mask_channels
+        return (
+            f"{list(work.latent)}: {noisy} random noisy-latent channels, {self.mask_channels} mask "
+            f"channels (ones on latent frame 0, {given}; zeros after) and {cond} random condition-"
+            "latent channels (the VAE latents of the conditioning video)"
+        )
+
+    def note(self, work):
+        frames = work.latent[2]
+        return {
+            **super().note(work),
+            "latents": self._latents_note(work, "the input image"),
+            "frames": f"{frames} latent frames: "
+            + (
+                "the input image and the edited frame (ChronoEditPipeline without temporal "
+                "reasoning runs 5 frames)"
+                if frames == 2
+                else "the input image, temporal-reasoning frames and the edited frame"
+            ),
+            "encoder_hidden_states_image": f"{list(work.image)} random (CLIP ViT-H/14 "
+            "penultimate states of the input image)",
+            "attention": f"video self-attention over {work.tokens} tokens made sparse; per block "
+            f"two cross-attention calls (the {work.image[1]} image tokens, the {work.text[1]} text "
+            "tokens) stay stock",
+        }
+
+
+class _WanAnimate(_ChronoEdit):
+    """WanAnimateTransformer3DModel: Wan I2V-14B blocks over [reference character frame |
+    segment frames], the pose latents added to the segment frames' patch embeddings, and after
+    every ``inject_face_latents_blocks``-th block a face adapter: a per-latent-frame
+    cross-attention from that frame's tokens to its face motion tokens (the motion and face
+    encoders' output of the face video), not a video self-attention."""
+
+    name, class_name = "wan-animate", "WanAnimateTransformer3DModel"
+    pipeline = "WanAnimatePipeline"
+
+    def tiny_config(self, entry):
+        return dict(
+            super().tiny_config(entry),
+            latent_channels=TINY_CONFIG["in_channels"],
+            motion_encoder_channel_sizes={"16": 8, "8": 8, "4": 8},
+            motion_encoder_size=16,
+            motion_style_dim=8,
+            motion_dim=4,
+            motion_encoder_dim=8,
+            face_encoder_hidden_dim=8,
+            face_encoder_num_heads=2,
+            inject_face_latents_blocks=2,
+        )
+
+    def tiny_latent(self, entry):
+        # the reference frame + 4 segment latent frames (13 face frames), 5x6x10 tokens
+        c = TINY_LATENT[1]
+        return (TINY_LATENT[0], 2 * c + self.mask_channels, *TINY_LATENT[2:])
+
+    def latent_frames(self, frames):
+        """The segment's latent frames after the reference character's one."""
+        return super().latent_frames(frames) + 1
+
+    @staticmethod
+    def face_adapters(config: dict) -> list[int]:
+        """The blocks a face adapter follows: 0, inject, 2 inject, ... below num_layers."""
+        return list(range(0, config["num_layers"], config["inject_face_latents_blocks"]))
+
+    def after_init(self, model):
+        """A face adapter for every adapted block of the cut model: the class builds
+        num_layers // inject of them, one short where ``--layers`` is no multiple of inject
+        (8 blocks: adapters after 0 and 5, the class builds 1); the missing ones are built as
+        the class builds its own (random, seeded)."""
+        from diffusers.models.transformers.transformer_wan_animate import (
+            WanAnimateFaceBlockAttnProcessor,
+            WanAnimateFaceBlockCrossAttention,
+        )
+
+        c = model.config
+        inner = c.num_attention_heads * c.attention_head_dim
+        while len(model.face_adapter) < len(self.face_adapters(dict(c))):
+            model.face_adapter.append(
+                WanAnimateFaceBlockCrossAttention(
+                    dim=inner,
+                    heads=c.num_attention_heads,
+                    dim_head=c.attention_head_dim,
+                    eps=c.eps,
+                    cross_attention_dim_head=c.attention_head_dim,
+                    processor=WanAnimateFaceBlockAttnProcessor(),
+                )
+            )
+
+    def conditioning(self, config, latent, tiny):
+        fields = super().conditioning(config, latent, tiny)
+        F = latent[2]
+        fields["extra"].update(
+            face_frames=4 * (F - 2) + 1,  # the segment's frames: the face video's length
+            face_size=config["motion_encoder_size"],
+            face_adapter_blocks=self.face_adapters(config),
+        )
+        return fields
+
+    def inputs(self, work, device, dtype, g):
+        inputs = super().inputs(work, device, dtype, g)
+        B, C, F, H, W = work.latent
+        pose = work.config["out_channels"]
+        size, frames = work.extra["face_size"], work.extra["face_frames"]
+        face = torch.rand(B, 3, frames, size, size, generator=g) * 2 - 1  # pixels in [-1, 1]
+        inputs.update(
+            pose_hidden_states=_randn((B, pose, F - 1, H, W), g, device, dtype),
+            face_pixel_values=face.to(device, dtype),
+        )
+        return inputs
+
+    def note(self, work):
+        B, C, F, H, W = work.latent
+        e = work.extra
+        return {
+            **super().note(work),
+            "latents": self._latents_note(work, "the reference character")
+            + f"; latent frame 0 is the reference character, frames 1-{F - 1} the segment",
+            "frames": f"1 reference + {F - 1} segment latent frames (segment_frame_length "
+            f"{e['face_frames']}; WanAnimatePipeline, mode 'animate', first segment)",
+            "encoder_hidden_states_image": f"{list(work.image)} random (CLIP ViT-H/14 "
+            "penultimate states of the character image)",
+            "pose_hidden_states": f"{[B, work.config['out_channels'], F - 1, H, W]} random (the "
+            "pose video's VAE latents)",
+            "face_pixel_values": f"{[B, 3, e['face_frames'], e['face_size'], e['face_size']]} "
+            "uniform in [-1, 1] (the face video's pixels; guidance_scale 1: no blanked pass)",
+            "attention": f"video self-attention over {work.tokens} tokens made sparse; per block "
+            f"the image and text cross-attention, and after blocks {e['face_adapter_blocks']} the "
+            f"face adapter (per latent frame, {H * W // 4} tokens to "
+            f"{work.config['face_encoder_num_heads'] + 1} face tokens), counted as "
+            "cross-attention, stay stock",
+        }
+
+    def layers_note(self, work):
+        if work.layers == work.full_layers:
+            return None
+        adapted = self.face_adapters(work.config)
+        full = len(self.face_adapters(WAN_ANIMATE_CONFIG))
+        return (
+            f"first {work.layers} of {work.full_layers} transformer blocks and the "
+            f"{len(adapted)} of {full} face adapters after them (after blocks {adapted}): a step "
+            "of the whole model takes about full_layers / layers times as long "
+            "(step_ms_per_layer); chosen for run time, memory would hold more (weights_gb is "
+            "this build's)"
         )
 
 
@@ -1404,6 +1674,8 @@ FAMILIES: dict[str, Family] = {
         _Kandinsky5(),
         _SkyReelsV2(),
         _WanVACE(),
+        _ChronoEdit(),
+        _WanAnimate(),
     )
 }
 CLASS_NAMES = {name: f.class_name for name, f in FAMILIES.items()}
