@@ -3,6 +3,7 @@ classes (``e2e_families_more`` holds the others and the ``FAMILIES`` table)."""
 
 from __future__ import annotations
 
+import abc
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ def text_note(work: Any, what: str) -> str:
     return f"{list(work.text)} random, {work.text_real} real ({what})"
 
 
-class Family:
+class Family(abc.ABC):
     """How one diffusers class is configured, cut to ``--layers`` blocks and called for one
     text-to-video step. The base holds what most classes share; each subclass overrides what
     its class does differently (``FAMILIES`` holds one instance per class)."""
@@ -56,10 +57,12 @@ class Family:
     self_mask = "none"  # the self-attention's mask: "none", "key" [B,1,1,S], "square" [B,1,S,S]
     timestep = TIMESTEP
     repeated_blocks: tuple[str, ...] = ()  # --compile blocks, where the class declares none
+    text_dim_key = "text_dim"  # the config key of the text states' width
 
     # -- config --------------------------------------------------------------------------------
+    @abc.abstractmethod
     def tiny_config(self, entry: ModelEntry) -> dict:
-        raise NotImplementedError
+        """The tiny CPU config of this family's class."""
 
     def tiny_latent(self, entry: ModelEntry) -> tuple[int, ...]:
         return TINY_LATENT
@@ -93,7 +96,8 @@ class Family:
 
     # -- conditioning and attention ------------------------------------------------------------
     def text_dim(self, config: dict) -> int:
-        raise NotImplementedError
+        """Width of the text states the transformer takes (its config's ``text_dim_key``)."""
+        return config[self.text_dim_key]
 
     def conditioning(self, config: dict, latent: tuple[int, ...], tiny: bool) -> dict:
         """Workload fields of the conditioning (``text``, ``text_real``, ``extra``...), for the
@@ -114,12 +118,13 @@ class Family:
         return work.layers
 
     # -- inputs --------------------------------------------------------------------------------
+    @abc.abstractmethod
     def inputs(self, work: Any, device, dtype, g: torch.Generator) -> dict:
-        raise NotImplementedError
+        """The forward's keyword arguments for one step of one CFG branch."""
 
+    @abc.abstractmethod
     def note(self, work: Any) -> dict:
         """``meta.inputs``: the inputs in words."""
-        raise NotImplementedError
 
     def layers_note(self, work: Any) -> str | None:
         """``meta.layers_note`` where "the first N blocks" is not what was built."""
@@ -143,9 +148,6 @@ class Wan(Family):
         if entry.per_token_timestep:
             return (TINY_LATENT[0], entry.latent_channels, *TINY_LATENT[2:])
         return TINY_LATENT
-
-    def text_dim(self, config):
-        return config["text_dim"]
 
     def conditioning(self, config, latent, tiny):
         return dict(text=TINY_TEXT if tiny else (1, TEXT_TOKENS, config["text_dim"]))

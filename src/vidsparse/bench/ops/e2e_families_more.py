@@ -145,8 +145,7 @@ class _HunyuanVideo(Family):
         keep = max(keep, layers - single)
         config.update(num_layers=keep, num_single_layers=layers - keep)
 
-    def text_dim(self, config):
-        return config["text_embed_dim"]
+    text_dim_key = "text_embed_dim"
 
     def conditioning(self, config, latent, tiny):
         fields = super().conditioning(config, latent, tiny)
@@ -246,8 +245,7 @@ class _LTX(Family):
     def tiny_latent(self, entry):
         return TINY_PATCH1_LATENT
 
-    def text_dim(self, config):
-        return config["caption_channels"]
+    text_dim_key = "caption_channels"
 
     def _grid_kwargs(self, work) -> dict:
         T, H, W = work.grid_shape
@@ -403,8 +401,7 @@ class _Cosmos(Family):
     def tiny_latent(self, entry):
         return (TINY_LATENT[0], TINY_LATENT[1] + 1, *TINY_LATENT[2:])
 
-    def text_dim(self, config):
-        return config["text_embed_dim"]
+    text_dim_key = "text_embed_dim"
 
     def inputs(self, work, device, dtype, g):
         B, C, F, H, W = work.latent
@@ -485,8 +482,7 @@ class _Kandinsky5(Family):
             if type(module).__name__ == "Kandinsky5Modulation":
                 module.out_layer.reset_parameters()
 
-    def text_dim(self, config):
-        return config["in_text_dim"]
+    text_dim_key = "in_text_dim"
 
     def _scale_factor(self, work) -> tuple[float, float, float]:
         """Kandinsky5T2VPipeline._get_scale_factor: (1, 2, 2) for sides within 480..854 px."""
