@@ -18,6 +18,25 @@ import pytest  # noqa: E402
 os.environ.setdefault("VIDSPARSE_BACKEND", "auto")
 
 
+def pytest_configure(config):
+    """Stop at once, saying why, where the interpreter cannot run (else every interpreter
+    test fails with a numpy TypeError deep inside Triton)."""
+    if HAS_GPU:
+        return
+    import numpy
+
+    from vidsparse.utils.device import triton_version
+
+    version = triton_version()
+    numpy_version = tuple(int(x) for x in numpy.__version__.split(".")[:2])
+    if version is not None and version < (3, 7) and numpy_version >= (2, 4):
+        raise pytest.UsageError(
+            f"Triton {'.'.join(map(str, version))}'s interpreter needs numpy < 2.4 (installed: "
+            f"{numpy.__version__}): pip install 'numpy<2.4' (CI pins it in "
+            ".ci/constraints-triton3.6.txt)"
+        )
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_GPU:
         return

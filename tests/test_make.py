@@ -20,10 +20,14 @@ pytestmark = pytest.mark.skipif(
 
 
 def _make(venv: Path, *args: str) -> subprocess.CompletedProcess:
+    # Not the variables of a make that runs this suite (`make test CONSTRAINTS=...` in CI):
+    # make hands its command-line variables to every make below it through MAKEFLAGS.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKEOVERRIDES", "MFLAGS")}
     return subprocess.run(
         ["make", "--no-print-directory", "-C", str(ROOT), f"VENV={venv}", "PYTHON=true", *args],
         capture_output=True,
         text=True,
+        env=env,
     )
 
 
@@ -82,3 +86,37 @@ def test_an_empty_stamp_or_a_newer_pyproject_reinstalls(venv):
     older = newer - 3600
     os.utime(stamp, (older, older))
     assert not _up_to_date(venv, "torch==2.13.0")
+
+
+def test_constraints_are_used_recorded_and_a_newer_file_reinstalls(venv, tmp_path):
+    """CI's toolchains: CONSTRAINTS goes to pip as -c, the stamp records it with TORCH, and
+    another value or a newer constraints file reinstalls."""
+    stamp = _stamp(venv)
+    pins = tmp_path / "pins.txt"
+    pins.write_text("triton==3.6.0\n")
+    args = ("TORCH=torch==2.13.0", f"CONSTRAINTS={pins}")
+    dry = _make(venv, "-n", "install", *args).stdout
+    assert f'pip install -q --upgrade -c "{pins}" "torch==2.13.0" -e ".[test]"' in dry
+    proc = _make(venv, "install", *args)
+    assert proc.returncode == 0, proc.stderr
+    assert stamp.read_text() == f"torch==2.13.0 {pins}\n"
+    assert _make(venv, "-q", *args, str(stamp)).returncode == 0  # up to date
+    assert _make(venv, "-q", "TORCH=torch==2.13.0", str(stamp)).returncode == 1  # no constraints
+    newer = stamp.stat().st_mtime + 60
+    os.utime(pins, (newer, newer))
+    assert _make(venv, "-q", *args, str(stamp)).returncode == 1  # the file changed
+
+
+def test_ci_runs_make_test_on_both_toolchains():
+    """.ci/run: `make test` (the README's command) with each toolchain's constraints file."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "make test" in script
+    for name in ("triton3.6", "newest"):
+        path = ROOT / ".ci" / f"constraints-{name}.txt"
+        assert f"CONSTRAINTS=.ci/constraints-{name}.txt" in script
+        pins = [line for line in path.read_text().splitlines() if line and line[0] != "#"]
+        assert pins and all("==" in pin for pin in pins), pins
+        # every pin says why: a comment right above it
+        lines = path.read_text().splitlines()
+        for pin in pins:
+            assert lines[lines.index(pin) - 1].startswith("#"), pin

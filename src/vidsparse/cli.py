@@ -5,7 +5,9 @@
     vidsparse inspect PLAN [--json] [--png PATH]
     vidsparse bench [OP|all] [--out DIR] [--tiny] [--json] [--list] [-- OP OPTIONS]
 
-Exit codes: 0 ok, 1 failure, 2 bad usage (including unreadable or invalid input files).
+Exit codes: 0 ok, 1 failure, 2 bad usage (including unreadable or invalid input files),
+130 interrupted (Ctrl-C / SIGINT, at any point, torch's import included: one line, no
+traceback; files are written atomically, so none is left half-written).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ EXAMPLES = """examples:
   vidsparse search calib/ --tile 2 8 8 --alpha 0.05 --out plan.json   # grid from the files
   vidsparse inspect plan.json --png masks.png
   vidsparse bench engine --tiny       # kernel benchmark smoke run
+
+exit codes: 0 ok, 1 failure, 2 bad usage or input, 130 interrupted (Ctrl-C)
 """
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report a command that Ctrl-C stopped
 
 
 class _Parser(argparse.ArgumentParser):
@@ -202,6 +208,14 @@ def _add_bench_parser(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # anywhere: parsing, torch's import, a run, a write
+        print("vidsparse: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     # Options `vidsparse bench` does not know are its op's own (passed through).
     args, op_args = parser.parse_known_args(argv)
@@ -222,9 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     except _BadInput as exc:
         print(f"vidsparse: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("vidsparse: interrupted", file=sys.stderr)
-        return 1
     except (ValueError, TypeError, OSError) as exc:
         print(f"vidsparse: error: {exc}", file=sys.stderr)
         return 1

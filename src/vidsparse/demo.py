@@ -42,7 +42,7 @@ import torch.nn.functional as F
 import vidsparse
 from vidsparse.data import CLIP_ATTRIBUTION, load_clip
 from vidsparse.masks.stripe import StripeSpec
-from vidsparse.plots import plot_attention_vs_mask, save_png
+from vidsparse.plots import SPEC_NOTATION, plot_attention_vs_mask, save_png
 from vidsparse.search import Candidate, CandidateFamily, StripeObjective, select_candidates
 from vidsparse.testing import rel_l2
 from vidsparse.utils.checks import check_device
@@ -326,6 +326,7 @@ def _psa_row(q, k, v, ref, grid_shape, psa_target, seed, dense_ms, timing, log):
         " (not part of the attention time"
         + ("; a first GPU run includes kernel compilation)" if on_gpu else ")")
     )
+    log(f"  (notation: {SPEC_NOTATION}; [block]/[row]: the spatial period's unit)")
     for h, (cand, sp, err) in enumerate(zip(psa.candidates, psa.sparsity, psa.search_rel_l2)):
         log(f"  head {h:>2}: {cand}  sparsity {sp:.3f}, search rel L2 {err:.4f}")
     psa_ms, out = _time(lambda: vidsparse.stripe_attn(q, k, v, psa_grid, psa.specs), **timing)
@@ -420,8 +421,10 @@ def run_demo(
     )
     if not on_gpu:
         log(
-            "on the CPU, VSA and PSA run their PyTorch reference paths: the speedups are"
-            " for the GPU to show"
+            "CPU times are not meaningful: VSA and PSA run their PyTorch reference paths"
+            " (no kernels) on a CPU shared with everything else, so the times and speedups"
+            " above say nothing of the method; sparsity and rel L2 hold. Speedups are for a"
+            " GPU to show"
         )
     report = dict(
         workload=dict(
@@ -452,20 +455,52 @@ MAX_HEADS_SHOWN, MAX_FRAMES_SHOWN = 4, 4
 PSA_MASKS_PNG = "psa_masks.png"
 
 
-def _query_tile(grid, frames) -> tuple[int, tuple[int, int, int]]:
+def _query_tile(grid, frames, kept: torch.Tensor) -> tuple[int, tuple[int, int, int]]:
     """The query tile the pictures show: id and (t', h', w').
 
-    In the middle tile-slab of time, the tile where the clip moves most: in this clip that is
-    the bunny, whose attention is more telling than that of a patch of static grass.
+    A representative one: the tile whose kept mass (``kept``, ``[heads, num_tiles]``, averaged
+    over the heads shown) is nearest the mean over all query tiles; among the nearest (within
+    2 points of it), the one where the clip moves most, whose attention is more telling than
+    that of a patch of static grass.
     """
     _, motion = latent_pixels(frames, grid.shape)  # [T, 3, 2H, 2W]
     moving = F.avg_pool2d(motion.abs().mean(1, keepdim=True), 2)[:, 0]  # [T, H, W]
     per_tile = grid.tile(moving.reshape(-1, 1), dim=0)  # zero-padded, tile order
     per_tile = per_tile.reshape(grid.num_tiles, grid.tile_volume).sum(1)
-    nt, nh, nw = grid.tiles
-    middle = slice((nt // 2) * nh * nw, (nt // 2 + 1) * nh * nw)
-    tile = middle.start + int(per_tile[middle].argmax())
+    mass = kept.mean(0)  # [num_tiles]
+    gap = (mass - mass.mean()).abs()
+    near = gap <= max(float(gap.min()), 0.02)
+    tile = int(torch.where(near, per_tile, per_tile.new_full((), -1.0)).argmax())
     return tile, tuple(grid.tile_coords()[tile].tolist())
+
+
+def vsa_kept_mass(q, k, grid, heads: list[int], sparsity: float, rows: int = 2048):
+    """Dense attention mass VSA's selection keeps, per head and query tile: float
+    ``[len(heads), num_tiles]``, each the mean over the tile's real queries of the softmax
+    mass on the key tiles VSA picks for that query tile (reference coarse stage: tile means,
+    coarse scores, top-k). Query rows go ``rows`` at a time (480p on a GPU: 32k keys a row)."""
+    from vidsparse.ops.video_sparse_attn.reference import tile_means
+    from vidsparse.ops.video_sparse_attn.topk import resolve_topk
+
+    qt, kt = grid.tile(q[0, heads].float()), grid.tile(k[0, heads].float())  # [h, P, D]
+    qc, kc = tile_means(qt, grid), tile_means(kt, grid)  # [h, Nt, D]
+    scores = qc @ kc.transpose(-1, -2)  # [h, Nt, Nt]
+    topk = resolve_topk(grid.num_tiles, sparsity=sparsity)
+    chosen = torch.zeros_like(scores).scatter_(2, scores.topk(topk, dim=2).indices, 1.0)
+    valid = grid.real_token_mask(q.device)  # [P]
+    V, Nt = grid.tile_volume, grid.num_tiles
+    per_row = torch.zeros(len(heads), grid.padded_len, device=q.device)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    for start in range(0, grid.padded_len, rows):
+        stop = min(start + rows, grid.padded_len)
+        s = (qt[:, start:stop] @ kt.transpose(-1, -2)) * scale  # [h, r, P]
+        p = torch.softmax(s.masked_fill(~valid, float("-inf")), dim=-1)
+        p_tiles = p.reshape(len(heads), stop - start, Nt, V).sum(-1)  # [h, r, Nt]
+        row_tiles = torch.arange(start, stop, device=q.device) // V
+        per_row[:, start:stop] = (p_tiles * chosen[:, row_tiles]).sum(-1)
+    per_row = per_row * valid  # padding rows count nothing
+    sizes = grid.tile_sizes_on(q.device).float()
+    return (per_row.reshape(len(heads), Nt, V).sum(-1) / sizes).cpu()
 
 
 def _tile_tokens(grid, tile: int) -> torch.Tensor:
@@ -526,22 +561,41 @@ def _query_box(grid, coords) -> tuple[int, int, int, int]:
     return coords[1] * th, coords[2] * tw, th, tw
 
 
-def _grid_figure(maps, heads, frames_shown, query_t, box, title, cmap):
+GRID_LEGEND = (
+    "each panel: one latent frame t of the key grid (T x H x W tokens), h down, w across;"
+    " red box: the query tile (in its own frame)"
+)
+
+
+def _grid_figure(maps, heads, frames_shown, query_t, box, title, cmap, *, colorbar: str,
+                 boolean: bool = False):  # fmt: skip
+    """One row per head, one column per key frame shown; a colorbar per row (``colorbar``:
+    its label; ``boolean``: two ticks, dropped / kept), t/h/w named on the axes."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(2.6 * len(frames_shown), 2.0 * len(heads) + 0.6), layout="constrained")
+    fig = Figure(figsize=(2.6 * len(frames_shown) + 0.9, 2.0 * len(heads) + 0.9),
+                 layout="constrained")  # fmt: skip
     axes = fig.subplots(len(heads), len(frames_shown), squeeze=False)
     for row, head in enumerate(heads):
-        vmax = float(maps[row].max())
+        vmax = 1.0 if boolean else float(maps[row].max())
         for col, t in enumerate(frames_shown):
             ax = axes[row][col]
-            ax.imshow(maps[row, t].float().numpy(), cmap=cmap, vmin=0, vmax=vmax)
+            image = ax.imshow(maps[row, t].float().numpy(), cmap=cmap, vmin=0, vmax=vmax)
             ax.set_xticks([])
             ax.set_yticks([])
             ax.set_title(f"head {head}, key frame t={t}", fontsize=8)
+            if row == len(heads) - 1:
+                ax.set_xlabel("w (tokens) ->", fontsize=7)
+            if col == 0:
+                ax.set_ylabel("<- h (tokens)", fontsize=7)
             if t == query_t:
                 _outline(ax, box)
-    fig.suptitle(title, fontsize=9)
+        bar = fig.colorbar(image, ax=list(axes[row]), shrink=0.85)
+        bar.set_label(colorbar, fontsize=7)
+        bar.ax.tick_params(labelsize=6)
+        if boolean:
+            bar.set_ticks([0, 1], labels=["dropped", "kept"])
+    fig.suptitle(f"{title}\n{GRID_LEGEND}", fontsize=8)
     return fig
 
 
@@ -578,17 +632,24 @@ def write_figures(
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        log("matplotlib is not installed: no PNGs (pip install 'vidsparse[plots]')")
+        log("matplotlib is not installed: no PNGs (pip install matplotlib)")
         return []
     out_dir.mkdir(parents=True, exist_ok=True)
-    tile, coords = _query_tile(grid, frames)
     heads = list(range(min(q.shape[1], MAX_HEADS_SHOWN)))
+    kept_all = vsa_kept_mass(q, k, grid, heads, sparsity)  # [heads, num_tiles]
+    tile, coords = _query_tile(grid, frames, kept_all)
     frames_shown = _frames_shown(grid, coords[0] * grid.tile_shape[0])
     query_t, box = coords[0] * grid.tile_shape[0], _query_box(grid, coords)
     dense = dense_attention_to(q, k, grid, tile, heads)
     chosen = vsa_selected_tiles(q, k, grid, tile, heads, sparsity)
     kept = (dense * chosen).flatten(1).sum(1)  # dense attention mass VSA keeps, per head
     kept_text = ", ".join(f"head {h}: {m:.0%}" for h, m in zip(heads, kept.tolist()))
+    mean_text = ", ".join(f"head {h}: {m:.0%}" for h, m in zip(heads, kept_all.mean(1).tolist()))
+    log(
+        f"VSA picture: query tile {tuple(coords)}, a representative one (its kept dense mass"
+        f" nearest the mean over all {grid.num_tiles} query tiles); kept there: {kept_text};"
+        f" mean over all query tiles: {mean_text}"
+    )
     figures = {
         "attention_dense.png": _grid_figure(
             dense,
@@ -598,6 +659,7 @@ def write_figures(
             box,
             f"dense attention of query tile {tuple(coords)} (red) over the keys",
             "magma",
+            colorbar="attention probability (mean over the tile's queries)",
         ),
         "vsa_selection.png": _grid_figure(
             chosen,
@@ -605,8 +667,12 @@ def write_figures(
             frames_shown,
             query_t,
             box,
-            f"key tiles VSA keeps at sparsity {sparsity} (yellow); dense mass kept: {kept_text}",
+            f"key tiles VSA keeps at sparsity {sparsity} for query tile {tuple(coords)};"
+            f" dense mass kept there: {kept_text}\nmean over all {grid.num_tiles} query"
+            f" tiles: {mean_text}",
             "viridis",
+            colorbar="VSA's selection",
+            boolean=True,
         ),
         "clip_frame.png": _clip_frame_figure(frames, grid, query_t, box),
     }

@@ -8,8 +8,8 @@
 - ``block_attention_map(q, k, grid, heads)``: that map as a tensor, ``[len(heads), N, N]``:
   the mean attention probability of each (query block, key block) pair.
 
-matplotlib is optional (``pip install vidsparse[plots]``): it is imported inside the plotting
-functions, which raise ``PlotsUnavailable`` without it, so importing this module never fails.
+matplotlib is a dependency, imported lazily inside the plotting functions (cheap imports);
+where it is missing they raise ``PlotsUnavailable``, so importing this module never fails.
 Figures are drawn with the object-oriented API (no pyplot, no global backend switch) and
 written atomically.
 """
@@ -50,8 +50,7 @@ def _figure_class():
         from matplotlib.figure import Figure
     except ImportError:
         raise PlotsUnavailable(
-            "matplotlib is not installed, so no PNG was drawn "
-            "(pip install matplotlib, or vidsparse[plots])"
+            "matplotlib is not installed, so no PNG was drawn (pip install matplotlib)"
         ) from None
     return Figure
 
@@ -160,12 +159,28 @@ def _mass_kept(attn: torch.Tensor, mask: torch.Tensor, grid: VideoGrid) -> float
 # ---------------------------------------------------------------------------------------------
 
 
+# How a StripeSpec reads in the figures' labels (str(StripeSpec)); the demo logs it too.
+SPEC_NOTATION = (
+    "t(w,o,s): stripes along time, w block-frames wide, offset o, period s (inf: one stripe);"
+    " s(w,o,s): the same over the flattened spatial block index h*Wb+w"
+)
+
+
+def _integer_ticks(ax) -> None:
+    """Block indices are whole numbers: no 2.5 on the axes of a small grid."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _draw_mask(ax, mask: torch.Tensor, title: str) -> None:
     ax.imshow(mask.float().numpy(), cmap="Greys", vmin=0, vmax=1, interpolation="nearest")
     ax.set_title(title, fontsize=7)
     ax.set_xlabel("key block", fontsize=7)
     ax.set_ylabel("query block", fontsize=7)
     ax.tick_params(labelsize=6)
+    _integer_ticks(ax)
 
 
 def _draw_attention(ax, attn: torch.Tensor, title: str):
@@ -178,6 +193,7 @@ def _draw_attention(ax, attn: torch.Tensor, title: str):
     ax.set_xlabel("key block", fontsize=7)
     ax.set_ylabel("query block", fontsize=7)
     ax.tick_params(labelsize=6)
+    _integer_ticks(ax)
     return image
 
 
@@ -222,10 +238,19 @@ def plot_attention_vs_mask(
         label = f"head {h}: {_spec_label(specs[h], sparsities[row])}, mass kept {kept:.2f}"
         _draw_mask(axes[row][1], masks[row], label)
     fig.suptitle(
-        (title or f"dense attention vs stripe mask, blocks {grid.tiles}") + " (black: attended)",
-        fontsize=9,
+        (title or f"dense attention vs stripe mask, blocks {grid.tiles}")
+        + " (black: attended)"
+        + "\n"
+        + _wrapped(SPEC_NOTATION),
+        fontsize=8,
     )
     return save_png(fig, out_png)
+
+
+def _wrapped(text: str, width: int = 90) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, max(width, 60)))
 
 
 def _plan_step(plan, step: int | None) -> int:
@@ -263,7 +288,7 @@ def plot_plan_masks(
             _draw_mask(axes[row][h], masks[h], label)
     fig.suptitle(
         f"PSA plan {plan.model or '(unnamed model)'}: step {step}, blocks {plan.grid.tiles}"
-        " (black: attended)",
-        fontsize=9,
+        " (black: attended)\n" + _wrapped(SPEC_NOTATION, 40 * cols),
+        fontsize=8,
     )
     return save_png(fig, out_png)

@@ -30,6 +30,6 @@ def test_bench_psa_tiny_cpu(tmp_path):
     )
     data = json.loads(out.read_text())
     providers = {r["provider"] for r in data["rows"]}
-    assert providers == {"cudnn", "ours", "search"}
+    assert providers == {"ours", "search"}  # no cuDNN on the CPU: skipped with a note
     assert all("error" not in r for r in data["rows"])
     assert data["meta"]["benchmark"] == "psa"

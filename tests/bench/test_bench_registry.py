@@ -54,7 +54,13 @@ def test_unavailable_provider_gives_a_one_line_reason(monkeypatch):
     assert registry.unavailable("sta", "ours", cpu) == "ours: not in this build"
     with pytest.raises(registry.ProviderUnavailable, match="ours: not in this build"):
         registry.require("sta", "ours", cpu)
-    assert registry.unavailable("sta", "cudnn", cpu) is None  # math SDPA on the CPU
+    # cuDNN and flash are GPU backends of SDPA: on the CPU they are skipped, not substituted.
+    assert "GPU backend" in registry.unavailable("sta", "cudnn", cpu)
+    assert "GPU backend" in registry.unavailable("block_sparse", "flash", cpu)
+    assert registry.unavailable("block_sparse", "flex", cpu) is None  # eager forward on CPU
+    assert "no backward" in registry.mode_unavailable("block_sparse", "flex", "fwd+bwd", cpu)
+    assert registry.mode_unavailable("block_sparse", "flex", "fwd", cpu) is None
+    assert registry.mode_unavailable("block_sparse", "ours", "bwd", cpu) is None
     assert registry.unavailable("e2e_ulysses", "vsa", cpu).startswith("vsa: needs a CUDA GPU")
 
 

@@ -81,6 +81,57 @@ def test_demo_unknown_device_exits_2_without_traceback():
     assert proc.stderr.count("\n") == 1 and "--device" in proc.stderr
 
 
+# A SIGINT while torch is being imported: a meta-path finder sends it when `torch` is looked
+# up, i.e. in the middle of the first heavy import `vidsparse demo` makes.
+_INTERRUPT_AT_TORCH_IMPORT = """
+import os, signal, sys
+
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+from vidsparse.cli import main
+assert "torch" not in sys.modules, "the CLI module must not import torch itself"
+sys.meta_path.insert(0, Interrupt())
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_sigint_during_torch_import_is_one_line_and_exit_130(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _INTERRUPT_AT_TORCH_IMPORT, "demo", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr == "vidsparse: interrupted\n"
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_sigint_during_a_run_is_one_line_and_exit_130(tmp_path):
+    """Ctrl-C while the demo runs (its first line printed): the exit code the CLI documents."""
+    import signal
+
+    from vidsparse import cli
+
+    assert "130 interrupted" in cli.__doc__ and cli.EXIT_INTERRUPTED == 130
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vidsparse", "demo", "--out", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert proc.stdout.readline()  # torch imported, the run under way
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err == "vidsparse: interrupted\n"
+    assert not (tmp_path / "demo" / "report.json").exists()
+
+
 def test_inspect_deeply_nested_plan_exits_2(tmp_path, capsys):
     bad = tmp_path / "plan.json"
     bad.write_text("[" * 100_000)
@@ -300,10 +351,16 @@ def test_missing_matplotlib_is_a_note_not_a_failure(
 def test_bench_tiny_engine_runs_on_cpu(tmp_path, torch_backend, capsys):
     start = time.perf_counter()
     assert main(["bench", "engine", "--tiny", "--out", str(tmp_path), "--json"]) == 0
-    assert time.perf_counter() - start < 30
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # progress: stderr
+    assert time.perf_counter() - start < 90  # CI runs two suites side by side on 2 cores
+    out, err = capsys.readouterr()
+    printed = json.loads(out.strip().splitlines()[-1])  # progress: stderr
     (result,) = printed["results"]
     assert result["target"] == "engine" and result["rows"]
+    # What cannot run on a CPU is skipped with a note: no error rows, no cuDNN or flash rows.
+    assert not any(r.get("error") for r in result["rows"]), result["rows"]
+    assert {r["provider"] for r in result["rows"]} <= {"ours", "flex", "flex64"}
+    assert "note: skipped cudnn" in err and "note: skipped flash" in err
+    assert "CPU timings are not meaningful" in err
     written = json.loads((tmp_path / "engine.json").read_text())
     assert len(written["rows"]) == len(result["rows"])
 

@@ -118,7 +118,7 @@ def check_psa_row(row, heads: int, target: float = 0.75) -> None:
 def test_cpu_demo_runs_fast_and_writes_pngs(tmp_path, torch_backend):
     start = time.perf_counter()
     report = run_demo(device="cpu", log=None, out_dir=tmp_path)
-    assert time.perf_counter() - start < 30
+    assert time.perf_counter() - start < 90  # CI runs two suites side by side on 2 cores
     assert "Big Buck Bunny" in report["workload"]["inputs"]
     methods = [r["method"] for r in report["results"]]
     assert [m.split()[0] for m in methods] == ["dense", "VSA", "PSA"]
@@ -132,6 +132,37 @@ def test_cpu_demo_runs_fast_and_writes_pngs(tmp_path, torch_backend):
         assert report["figures"] == names  # relative to the output folder
     else:
         assert report["figures"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="the pictures need matplotlib")
+def test_cpu_demo_pictures_a_representative_tile_and_says_cpu_times_mean_nothing(
+    tmp_path, torch_backend
+):
+    """The VSA picture's query tile keeps about the mean dense mass over all query tiles (not
+    the least), and the log gives that mean; the CPU run says its times are not meaningful;
+    PSA's spec notation is explained."""
+    from vidsparse import demo
+
+    lines = []
+    run_demo(device="cpu", log=lines.append, out_dir=tmp_path)
+    text = "\n".join(lines)
+    assert "CPU times are not meaningful" in text
+    assert "notation: t(w,o,s)" in text
+    (picture,) = [line for line in lines if line.startswith("VSA picture:")]
+    assert "mean over all query tiles" in picture
+    # The same choice, recomputed (the demo's seed-0 q and k): nearest the mean, not the worst.
+    frames = load_clip()
+    grid = vidsparse.VideoGrid(CPU_GRID)
+    q, k, _ = _clip_keys()
+    kept = demo.vsa_kept_mass(q, k, grid, [0, 1], 0.875)
+    assert kept.shape == (2, grid.num_tiles) and bool(((kept > 0) & (kept <= 1 + 1e-5)).all())
+    tile, coords = demo._query_tile(grid, frames, kept)
+    mass = kept.mean(0)
+    assert abs(float(mass[tile] - mass.mean())) <= max(float((mass - mass.mean()).abs().min()),
+                                                       0.02) + 1e-6  # fmt: skip
+    assert float(mass[tile]) > float(mass.min())
+    assert str(tuple(coords)) in picture
 
 
 @pytest.mark.slow

@@ -124,3 +124,27 @@ def test_missing_matplotlib_raises_plots_unavailable(tmp_path, monkeypatch):
     with pytest.raises(PlotsUnavailable, match="pip install matplotlib"):
         plot_plan_masks(_plan(), tmp_path / "masks.png")
     assert not (tmp_path / "masks.png").exists()
+
+
+def _captured_figure(monkeypatch):
+    """The Figure the next plot saves (``save_png`` captured)."""
+    saved = []
+    real = plots.save_png
+    monkeypatch.setattr(plots, "save_png", lambda fig, out, dpi=100: saved.append(fig)
+                        or real(fig, out, dpi))  # fmt: skip
+    return saved
+
+
+def test_block_axes_have_integer_ticks_and_the_spec_notation_is_explained(tmp_path,
+                                                                         monkeypatch):  # fmt: skip
+    """`inspect --png` draws these: block indices as whole numbers, even on a small grid where
+    matplotlib would put 0.5 steps, and the figure says how to read t(w,o,s) / s(w,o,s)."""
+    pytest.importorskip("matplotlib")
+    saved = _captured_figure(monkeypatch)
+    plot_plan_masks(_plan(), tmp_path / "masks.png", heads=2)
+    (fig,) = saved
+    fig.canvas.draw()
+    for ax in fig.axes:
+        for tick in (*ax.get_xticks(), *ax.get_yticks()):
+            assert float(tick).is_integer(), (ax.get_title(), tick)
+    assert "t(w,o,s)" in fig._suptitle.get_text() and "period" in fig._suptitle.get_text()

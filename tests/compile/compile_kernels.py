@@ -1,8 +1,10 @@
 """Compile every block-sparse attention kernel for GPUs this machine does not have.
 
 The triton wheel carries the NVIDIA and AMD compilers, so a CPU machine can compile the kernels
-for ``cuda:90`` (H100/H200) and ``hip:gfx942`` / ``hip:gfx950`` (MI300 / MI350) and read what
-each one costs: registers, spills, shared memory. Run by
+for ``cuda:90`` (H100/H200), ``cuda:100`` (B200) and ``hip:gfx942`` / ``hip:gfx950`` (MI300 /
+MI350) and read what each one costs: registers, spills, shared memory. ptxas runs as the
+installed Triton runs it (its own ptxas for the target, its own flags), so the report is that
+of the cubin a launch would load with this Triton. Run by
 ``tests/compile/test_compile_targets.py`` in a subprocess, because the test suite sets
 ``TRITON_INTERPRET=1`` and ``@triton.jit`` takes that decision at import; it also runs by
 hand::
@@ -40,7 +42,6 @@ import inspect  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import re  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -55,6 +56,7 @@ import torch  # noqa: E402
 # name -> (vidsparse Target args, triton GPUTarget args, shared-memory limit in bytes per block)
 TARGETS = {
     "cuda:90": (("cuda", 90), ("cuda", 90, 32), 227 * 1024),  # H100 / H200
+    "cuda:100": (("cuda", 100), ("cuda", 100, 32), 227 * 1024),  # B200: the Triton kernels
     "hip:gfx942": (("hip", "gfx942"), ("hip", "gfx942", 64), 64 * 1024),  # MI300X: 64 KB LDS
     "hip:gfx950": (("hip", "gfx950"), ("hip", "gfx950", 64), 160 * 1024),  # MI350X: 160 KB LDS
 }
@@ -82,28 +84,23 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 # --------------------------------------------------------------------------------------------
 # Availability of the compilers in the installed triton wheel
 
-
 def unavailable_reason(name: str) -> str | None:
     """Why ``name`` cannot be compiled for with this wheel, or None when it can."""
     try:
         from triton.backends import backends
     except Exception as e:  # pragma: no cover - triton missing or broken
         return f"triton backends cannot be imported: {e!r}"
-    backend = TARGETS[name][1][0]
+    backend, arch = TARGETS[name][1][:2]
     plugin = {"cuda": "nvidia", "hip": "amd"}[backend]
     if plugin not in backends:
         return f"the installed triton has no {plugin} backend (has {sorted(backends)})"
     if backend == "cuda":
-        path = _ptxas()
+        from vidsparse.bench.compile import ptxas_path
+
+        path = ptxas_path(arch)
         if not os.access(path, os.X_OK):
             return f"the installed triton has no ptxas at {path}"
     return None
-
-
-def _ptxas() -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
 # --------------------------------------------------------------------------------------------
@@ -515,7 +512,7 @@ def _compile(job, log) -> dict:
         "shared": int(compiled.metadata.shared),
     }
     if target.backend == "cuda":
-        usage.update(_ptxas_usage(compiled.asm["ptx"], target.arch))
+        usage.update(_ptxas_usage(backend, compiled.asm["ptx"], job["options"]))
     else:
         usage.update(_amdgcn_usage(compiled.asm["amdgcn"]))
     return usage
@@ -538,15 +535,12 @@ def _stderr_to(file):
         os.close(saved)
 
 
-def _ptxas_usage(ptx: str, arch: int) -> dict:
-    """Registers and spills as ptxas reports them, with Triton's own flags."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        suffix = "a" if arch >= 90 else ""
-        cmd = [_ptxas(), "-lineinfo", "-v", f"--gpu-name=sm_{arch}{suffix}", src, "-o", os.devnull]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+def _ptxas_usage(backend, ptx: str, options: dict) -> dict:
+    """Registers and spills as ptxas reports them, run as the installed Triton runs it (its
+    own ptxas for the target, its own flags: ``vidsparse.bench.compile.ptxas_log``)."""
+    from vidsparse.bench.compile import ptxas_log
+
+    log = ptxas_log(backend, ptx, options)
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
@@ -594,7 +588,7 @@ def run_jobs(jobs, workers):
     order = sorted(
         range(len(jobs)),
         key=lambda i: (
-            jobs[i]["target"] != "cuda:90",
+            not jobs[i]["target"].startswith("cuda:"),
             not jobs[i]["kernel"].startswith(("bwd_d", "bwd_fused")),
         ),
     )

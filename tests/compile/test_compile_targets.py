@@ -1,5 +1,8 @@
 """Every kernel compiles, spill-free, for the GPUs CI does not have: H100/H200 (``cuda:90``),
-MI300 (``hip:gfx942``) and MI350 (``hip:gfx950``).
+B200 (``cuda:100``: the Triton kernels; the Gluon forward is Hopper's, checked for sm_90 in
+``tests/ops/block_sparse_attn/test_gluon_fwd.py``), MI300 (``hip:gfx942``) and MI350
+(``hip:gfx950``). ptxas is the installed Triton's own, run with its flags, so the check holds
+for the Triton installed (CI runs it on two).
 
 The compiling happens in ``tests/compile/compile_kernels.py``, in a subprocess: this suite runs with
 ``TRITON_INTERPRET=1`` on CPU machines, and ``@triton.jit`` decides at import whether to
@@ -21,22 +24,31 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from vidsparse.ops.block_sparse_attn.configs import lookup  # noqa: E402
 from vidsparse.utils.device import Target  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "compile" / "compile_kernels.py"
-TARGETS = {"cuda:90": Target("cuda", 90), "hip:gfx942": Target("hip", "gfx942"),
+TARGETS = {"cuda:90": Target("cuda", 90), "cuda:100": Target("cuda", 100),
+           "hip:gfx942": Target("hip", "gfx942"),
            "hip:gfx950": Target("hip", "gfx950")}  # fmt: skip
 BLOCKS = ((64, 64), (128, 64), (128, 128))
 HEAD_DIMS = (64, 128)
 
-# Spills of HOPPER entries (measured on the H200, so not retuned here blind), reported to their
-# owner; (target, kernel, block_q, block_kv, head_dim, has_kv_sizes). Strict: an entry that no
-# longer spills fails the test until it is removed, and any spill not listed fails it too.
-KNOWN_SPILLS: set = {
+# The installed Triton, major.minor: spills depend on its LLVM and ptxas as much as on the
+# kernels (Triton 3.8 runs ptxas 12.9 for sm_90 and 13.3 for sm_100, with other flags than 3.6).
+TRITON = ".".join(triton.__version__.split(".")[:2])
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spill_policy import CHECKED_TRITONS, spills_unchecked  # noqa: E402
+
+# Accepted spills: (target, kernel, block_q, block_kv, head_dim, has_kv_sizes) -> {Triton
+# major.minor: why it is kept}. Hopper rows were measured on the H200 (so not retuned here
+# blind) and are reported to their owner. Strict, per Triton: an entry that no longer spills on
+# the Triton it names fails the test until it is removed, and any spill not listed for the
+# installed Triton fails it too (a Triton not listed at all must be checked and listed first).
+KNOWN_SPILLS: dict[tuple, dict[str, str]] = {
     # The fused backward (dK/dV and dQ programs in one launch) at Hopper's 128x128 TMA config,
     # D=128: the dK/dV kernel alone just fits (255 registers, the uniform ones all taken); in
     # the fused kernel ptxas spills 24 bytes of stores and 24 of loads, all outside the loop
@@ -44,9 +56,30 @@ KNOWN_SPILLS: set = {
     # (2-D or 3-D grids without the id division, dQ branch first, one K/V argument for both
     # halves) spill 40-64 bytes. Kept for its measured gain over the two spill-free launches:
     # whole backward 5.33 -> 5.24 ms at density 1/8, 2.90 -> 2.81 ms at 1/16 (H200,
-    # benchmarks/tuning/compare_bwd_launch.py).
-    ("cuda:90", "bwd_fused", 128, 128, 128, False),
+    # benchmarks/tuning/compare_bwd_launch.py). Triton 3.8 compiles it spill-free.
+    ("cuda:90", "bwd_fused", 128, 128, 128, False): {"3.6": "48 B, measured gain (above)"},
+    # Hopper's dK/dV at D=128 by pointer loads, 4 warps, 64-row steps: Triton 3.8 spills one
+    # 4-byte pair (8 B, 255 registers); 3.6 fits. 128x64 is the row's main path (its config
+    # has no TMA), 64x64 the fallback for inputs TMA cannot read. The rows were measured on the
+    # H200 with 3.6; 3.8's cost is not measured (no GPU in this check): an 8-byte spill outside
+    # the hottest loop is expected to be noise, to be confirmed on the GPU before a retune.
+    ("cuda:90", "bwd_dkdv", 64, 64, 128, False): {"3.8": "8 B, unmeasured (above)"},
+    ("cuda:90", "bwd_dkdv", 128, 64, 128, False): {"3.8": "8 B, unmeasured (above)"},
+    # MI350's 128x128 forward at D=128 with key-block sizes, 4 warps at occupancy 1: Triton
+    # 3.8's AMD backend allocates 384 VGPRs and spills 22 (3.6: none). The AMD rows follow the
+    # vendor's guidance and are compile-checked, never timed: listed until an MI350 measures it.
+    ("hip:gfx950", "fwd", 128, 128, 128, True): {"3.8": "22 VGPRs, unmeasured (above)"},
 }
+
+
+def known_spills(version: str = TRITON) -> set:
+    return {key for key, tritons in KNOWN_SPILLS.items() if version in tritons}
+
+
+# ~330 compiles: 6 minutes on 2 free cores with Triton 3.6, more with 3.8 (its ptxas 13 is
+# slower) and while CI runs the other toolchain's suite beside it.
+COMPILE_TIMEOUT_S = 1500
+pytestmark = pytest.mark.timeout(COMPILE_TIMEOUT_S + 120)  # the first test builds the fixture
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +92,7 @@ def compile_run():
         env=env,
         capture_output=True,
         text=True,
-        timeout=540,
+        timeout=COMPILE_TIMEOUT_S,
     )
     if proc.returncode != 0:
         pytest.fail(f"compile_kernels.py exited with {proc.returncode}:\n{proc.stderr[-8000:]}")
@@ -118,13 +151,17 @@ def test_no_register_spills(compile_run, target):
     """CUDA: bytes of spill stores + loads (ptxas -v); AMD: VGPRs + SGPRs spilled."""
     reports = [r for r in _reports(compile_run, target) if r["ok"]]
     spilling = [r for r in reports if r["spills"] > 0]
-    new = [r for r in spilling if _key(r) not in KNOWN_SPILLS]
-    assert not new, "register spills:\n" + "\n".join(
+    unchecked = spills_unchecked([f"{_label(r)}: {r['spills']}" for r in spilling])
+    if unchecked:
+        pytest.skip(unchecked)
+    known = known_spills()
+    new = [r for r in spilling if _key(r) not in known]
+    assert not new, f"register spills with Triton {TRITON}:\n" + "\n".join(
         f"{_label(r)}: {r['spills']} spilled, {r['registers']} registers" for r in new
     )
     still = {_key(r) for r in spilling}
-    fixed = sorted(k for k in KNOWN_SPILLS if k[0] == target and k not in still)
-    assert not fixed, f"no longer spill, remove from KNOWN_SPILLS: {fixed}"
+    fixed = sorted(k for k in known if k[0] == target and k not in still)
+    assert not fixed, f"no longer spill with Triton {TRITON}, remove from KNOWN_SPILLS: {fixed}"
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -157,3 +194,10 @@ def test_layout_permute_kernels_are_covered(compile_run, target):
     }
     missing = expected - compiled
     assert not missing, f"not compiled for {target}: {sorted(missing)}"
+
+
+def test_known_spills_name_checked_tritons():
+    """Every accepted spill names a Triton the checks run on, with its reason."""
+    for key, tritons in KNOWN_SPILLS.items():
+        assert tritons and set(tritons) <= set(CHECKED_TRITONS), key
+        assert all(reason.strip() for reason in tritons.values()), key

@@ -14,6 +14,8 @@ library takes must count zero such writes.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -98,23 +100,13 @@ def compile_sm90(
             attrs[(i,)] = backend.parse_attr(attr)
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=target, options=launch_options)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    log = ptxas_log(backend, compiled.asm["ptx"], launch_options)
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(compiled.asm["ptx"])
-        log = subprocess.run(
-            [ptxas, "-v", "--gpu-name=sm_90a", path, "-o", os.devnull],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stderr
         cubin = os.path.join(tmp, "k.cubin")
         with open(cubin, "wb") as f:
             f.write(compiled.asm["cubin"])
-        cuobjdump = os.path.join(os.path.dirname(ptxas), "cuobjdump")
         sass = subprocess.run(
-            [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
+            [cuda_tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True
         ).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {
@@ -125,6 +117,37 @@ def compile_sm90(
         "ptxas_warnings": re.findall(r"\(C7\d+\)[^\n]*", log),
         "sass_a_operand_hazards": len(a_operand_hazards(sass)),
     }
+
+
+def ptxas_path(arch: int) -> str:
+    """The ptxas the installed Triton runs for ``sm_<arch>`` (its own choice: Triton 3.9 takes
+    its CUDA 13 ptxas from sm_90 on, earlier ones from sm_100; ``TRITON_PTXAS_PATH`` and
+    ``TRITON_PTXAS_BLACKWELL_PATH`` honoured)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(arch).path
+
+
+def cuda_tool(name: str) -> str:
+    """A CUDA binary Triton's wheel ships beside its ptxas (``cuobjdump``, ``nvdisasm``)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return os.path.join(os.path.dirname(get_ptxas(90).path), name)
+
+
+def ptxas_log(backend, ptx: str, options: dict) -> str:
+    """ptxas's ``-v`` report (registers, spills, warnings) of ``ptx``, as the installed
+    Triton's own ``make_cubin`` runs it: its ptxas for the backend's arch and its flags
+    (``--regAllocOptLevel``, ``-lineinfo``, ... as that Triton passes them), so the report is
+    that of the cubin a launch would load. ``options``: the launch options of the compile."""
+    from triton import knobs
+
+    opt = backend.parse_options(dict(options))
+    out = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(out):
+        knobs.nvidia.dump_ptxas_log = True  # make_cubin prints the log it read back
+        backend.make_cubin(ptx, {}, opt, backend.target.arch)
+    return out.getvalue()
 
 
 def a_operand_hazards(sass: str) -> list[tuple[int, int, str]]:

@@ -48,6 +48,12 @@ DO_BENCH_WARMUP_MS = 25
 DO_BENCH_REP_MS = 100
 
 CPU_TIMER_LABEL = "cpu-dry-run"
+# Printed after every benchmark that ran on the CPU (``runner.run``): its numbers say that the
+# code runs, nothing about speed.
+CPU_CAVEAT = (
+    f"{CPU_TIMER_LABEL}: CPU timings are not meaningful (the PyTorch reference paths on a CPU "
+    "shared with everything else): a smoke run of the code, not a measurement"
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -339,6 +345,21 @@ def gpu_name(device: torch.device) -> str:
     return "cpu"
 
 
+def device_name(device: torch.device) -> str:
+    """The device in words, for titles: the GPU's name, or ``CPU (<model>, N cores)``."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), model)  # fmt: skip
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"CPU ({model}, {cores} cores)" if model else f"CPU ({cores} cores)"
+
+
 def slug(text: str) -> str:
     """'NVIDIA H200' -> 'nvidia-h200' (for file names)."""
     out = "".join(c.lower() if c.isalnum() else "-" for c in text)
@@ -502,12 +523,13 @@ def plot(
     if not panel_keys:
         print(f"nothing to plot: no successful rows for {path}", flush=True)
         return None
+    styles = series_styles(good, series)
     ncols = min(3, len(panel_keys))
     nrows = math.ceil(len(panel_keys) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.5 * ncols, 4.2 * nrows), squeeze=False)
     for ax, pkey in zip(axes.flat, panel_keys):
         in_panel = [r for r in good if tuple(r.get(k) for k in panels) == pkey]
-        _plot_panel(ax, in_panel, x=x, y=y, series=series, reference=reference)
+        _plot_panel(ax, in_panel, x=x, y=y, series=series, reference=reference, styles=styles)
         ax.set_title(" / ".join(str(v) for v in pkey), fontsize=9)
         ax.set_xlabel(xlabel or x)
         ax.set_ylabel(ylabel or y)
@@ -527,15 +549,37 @@ def plot(
     return path
 
 
-def _plot_panel(ax, rows, *, x, y, series, reference):
+_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+            "tab:pink", "tab:gray", "tab:olive", "tab:cyan")  # fmt: skip
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1, 1, 1)), (0, (3, 1)))
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def series_styles(rows: list[dict], series: Sequence[str]) -> dict[tuple, dict]:
+    """One style per series over all panels: its own colour, line style and marker, so that
+    no two lines look alike and a provider keeps its colour from panel to panel."""
+    names = sorted({tuple(r.get(k) for k in series) for r in rows}, key=str)
+    return {
+        name: {
+            "color": _COLOURS[i % len(_COLOURS)],
+            "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+            "marker": _MARKERS[i % len(_MARKERS)],
+        }
+        for i, name in enumerate(names)
+    }
+
+
+def _plot_panel(ax, rows, *, x, y, series, reference, styles):
     refs = [r for r in rows if reference is not None and reference(r)]
     lines = [r for r in rows if r not in refs]
     names = sorted({tuple(r.get(k) for k in series) for r in lines}, key=str)
     for name in names:
         pts = sorted((r[x], r[y]) for r in lines if tuple(r.get(k) for k in series) == name)
-        ax.plot(
-            [p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(map(str, name))
-        )
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=" ".join(map(str, name)),
+                **styles[name])  # fmt: skip
     for r in refs:
-        label = " ".join(str(r.get(k)) for k in series) + " (dense)"
-        ax.axhline(r[y], linestyle="--", linewidth=1, label=label)
+        name = tuple(r.get(k) for k in series)
+        style = styles[name]
+        label = " ".join(map(str, name)) + " (dense)"
+        ax.axhline(r[y], linewidth=1.2, label=label, color=style["color"],
+                   linestyle=style["linestyle"])  # fmt: skip

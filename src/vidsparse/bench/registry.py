@@ -8,8 +8,11 @@ The measuring code lives in ``vidsparse.bench.ops.<module>``, imported only when
 it defines ``main(argv) -> rows``, ``build_parser()``, ``PROVIDERS`` (the same names as here)
 and the input builder named by ``inputs``.
 
-A provider whose needs are not met here gets a row with a one-line ``error`` saying what is
-missing (``unavailable``), never a traceback. Importing this module does not import torch.
+A provider whose needs are not met here is skipped with a one-line note saying what is
+missing (``runnable_providers``; a mode it cannot run here, such as FlexAttention's backward on
+the CPU, likewise: ``mode_unavailable``), never an error row or a traceback. On a CPU that
+leaves no cuDNN or flash rows: those are GPU backends of SDPA. Importing this module does not
+import torch.
 """
 
 from __future__ import annotations
@@ -94,9 +97,16 @@ def _needs_flex(device: torch.device) -> str | None:
 def _needs_cudnn(device: torch.device) -> str | None:
     import torch
 
-    # On the CPU the dense providers substitute SDPA's math backend (a dry run, labelled).
-    if device.type == "cuda" and not torch.backends.cudnn.is_available():
+    if device.type != "cuda":
+        return "cuDNN is a GPU backend of SDPA (skipped on the CPU)"
+    if not torch.backends.cudnn.is_available():
         return "cuDNN is not available to this torch build"
+    return None
+
+
+def _needs_flash(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "flash is a GPU backend of SDPA (skipped on the CPU)"
     return None
 
 
@@ -134,6 +144,7 @@ REQUIREMENTS: dict[str, Callable[[torch.device], str | None]] = {
     "cuda": _needs_cuda,
     "flex": _needs_flex,
     "cudnn": _needs_cudnn,
+    "flash": _needs_flash,
     "fastvideo": _needs_fastvideo,
     "diffusers": _needs_diffusers,
     "sta": _needs_sta,
@@ -149,6 +160,33 @@ def unavailable(op: str, provider: str, device: torch.device) -> str | None:
         if reason:
             return f"{provider}: {reason}"
     return None
+
+
+def mode_unavailable(op: str, provider: str, mode: str, device: torch.device) -> str | None:
+    """``None`` if ``provider`` of ``op`` can run ``mode`` on ``device``, else a one-line
+    reason (FlexAttention has no backward on the CPU)."""
+    spec = get(op).provider(provider)
+    if "flex" in spec.needs and mode != "fwd" and device.type != "cuda":
+        return f"{provider} {mode}: FlexAttention has no backward on the CPU"
+    return None
+
+
+def note_skipped(reason: str) -> None:
+    """The one-line note of a provider (or mode) skipped because it cannot run here."""
+    print(f"note: skipped {reason}", flush=True)
+
+
+def runnable_providers(op: str, providers, device: torch.device) -> list[str]:
+    """``providers`` less those whose needs are not met on ``device``, each dropped one with
+    a one-line note (``note_skipped``)."""
+    kept = []
+    for name in providers:
+        reason = unavailable(op, name, device)
+        if reason:
+            note_skipped(reason)
+        else:
+            kept.append(name)
+    return kept
 
 
 class ProviderUnavailable(RuntimeError):
@@ -178,7 +216,7 @@ _OPS = (
             _P("ours-op", "the registered custom op called directly (kernels alone)",
                default=False),
             _P("cudnn", "dense SDPA pinned to cuDNN, real tokens", ("cudnn",), reference=True),
-            _P("flash", "dense SDPA pinned to the flash backend, real tokens"),
+            _P("flash", "dense SDPA pinned to the flash backend, real tokens", ("flash",)),
             _P("flex", "compiled flex_attention, BlockMask of ours' lists at 128x128", ("flex",)),
             _P("flex64", "compiled flex_attention at 64x64 blocks (kernel_options 64)",
                ("flex",)),

@@ -68,6 +68,10 @@ def run(name: str, argv: Sequence[str] = (), *, quiet: bool = False) -> list[dic
     try:
         with redirect:
             rows = module.main(list(argv))
+            if _ran_on_cpu(argv) and not {"-h", "--help"} & set(argv):
+                from vidsparse.bench.harness import CPU_CAVEAT
+
+                print(f"\n{CPU_CAVEAT}", flush=True)
     except SystemExit as exc:  # the op's own usage checks and one-line refusals
         if exc.code in (None, 0):  # e.g. --help
             return []
@@ -86,6 +90,17 @@ def run(name: str, argv: Sequence[str] = (), *, quiet: bool = False) -> list[dic
         else:
             os.environ["VIDSPARSE_BACKEND"] = backend
     return list(rows or [])
+
+
+def _ran_on_cpu(argv: Sequence[str]) -> bool:
+    """Did the op run on the CPU: no GPU visible, or one asked for by ``--device cpu`` (or
+    ``--dry-run``)?"""
+    import torch
+
+    args = list(argv)
+    asked = "--dry-run" in args or "--device=cpu" in args
+    asked = asked or any(a == "--device" and b == "cpu" for a, b in zip(args, args[1:]))
+    return asked or not torch.cuda.is_available()
 
 
 def tiny_argv(op: registry.OpSpec) -> list[str]:

@@ -36,7 +36,7 @@ import torch
 
 from vidsparse.layout import permute_ops
 from vidsparse.utils import ceil_div
-from vidsparse.utils.checks import check_positive_ints, check_tensor
+from vidsparse.utils.checks import bshd_hint, check_positive_ints, check_tensor
 from vidsparse.utils.dynamo import host_constant
 
 __all__ = ["VideoGrid", "TileIndex", "grid_key", "check_video_qkv"]
@@ -301,4 +301,10 @@ def check_video_qkv(grid, q, k, v, dtypes) -> None:
         raise ValueError(
             f"q, k, v must have the same shape [B, H, S, D], got {tuple(q.shape)},"
             f" {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    # A [B, S, H, D] tensor: its dim 1 holds the video's tokens, its dim 2 fewer than that.
+    if q.shape[1] >= grid.num_tokens > q.shape[2]:
+        raise ValueError(
+            f"q's sequence length (dim 2) {q.shape[2]} is shorter than the grid's "
+            f"{grid.num_tokens} tokens{bshd_hint('q', q)}"
         )

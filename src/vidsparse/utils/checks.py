@@ -25,6 +25,15 @@ def check_tensor(name: str, x, *, ndim: int | None = None, dtypes=None) -> torch
     return x
 
 
+def bshd_hint(name: str, x: torch.Tensor) -> str:
+    """The sentence to add when ``x`` looks like ``[B, S, H, D]`` where ``[B, H, S, D]`` is
+    expected (the caller has judged that dim 2 is wrong and dim 1 would fit as S)."""
+    return (
+        f"; {name} of shape {tuple(x.shape)} looks like [B, S, H, D]: vidsparse takes "
+        f"[B, H, S, D] tensors, as SDPA does (pass {name}.transpose(1, 2))"
+    )
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     present = {k: v for k, v in tensors.items() if v is not None}
     devices = {k: v.device for k, v in present.items()}

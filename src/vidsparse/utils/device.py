@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import re
 from dataclasses import dataclass
 
 import torch
@@ -44,3 +46,19 @@ def num_sms(device: torch.device) -> int:
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.cache
+def triton_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the installed Triton, read from its package metadata (Triton is
+    not imported), or None without one. Configs that depend on the compiler read it: the same
+    kernel can spill with one Triton's LLVM and ptxas and not with another's."""
+    for dist in ("triton", "pytorch-triton-rocm", "pytorch-triton"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        match = re.match(r"(\d+)\.(\d+)", version)
+        if match:
+            return int(match.group(1)), int(match.group(2))
+    return None

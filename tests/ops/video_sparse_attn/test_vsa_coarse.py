@@ -1,7 +1,8 @@
 """VSA coarse stage (``ops/video_sparse_attn/coarse.py`` and ``kernels/``): tile-mean pooling,
 coarse attention and top-k selection kernels against the PyTorch reference (``tile_means``,
 ``coarse_attention``, ``select_topk``), in the interpreter on CPU CI and compiled on a GPU; plus
-a cross-target compile check (``cuda:90``, ``hip:gfx942``) of the kernels, spill-free.
+a cross-target compile check (``cuda:90``, ``cuda:100``, ``hip:gfx942``) of the kernels,
+spill-free.
 
 Run as a script it prints the compile reports (one JSON line per kernel)::
 
@@ -347,7 +348,7 @@ def test_topk_above_num_tiles_is_clamped(torch_backend):
 # ----------------------------------------------------------------------------- compile check
 
 
-COMPILE_TARGETS = ("cuda:90", "hip:gfx942")
+COMPILE_TARGETS = ("cuda:90", "cuda:100", "hip:gfx942")
 
 
 def compile_reports(targets, head_dims=(128,)):
@@ -422,7 +423,7 @@ def compiled():
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--targets", ",".join(COMPILE_TARGETS)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     if proc.returncode != 0:
         pytest.fail(f"compile check exited with {proc.returncode}:\n{proc.stderr[-6000:]}")
@@ -436,6 +437,7 @@ MEASURED_SPILLS = {("cuda:90", "coarse_attn_topk_fwd_kernel", 128): 64}
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # the first one builds the fixture (a subprocess, up to 900 s)
 @pytest.mark.parametrize("target", COMPILE_TARGETS)
 def test_kernels_compile_spill_free(compiled, target):
     reports = [r for r in compiled if r["target"] == target]
@@ -447,6 +449,13 @@ def test_kernels_compile_spill_free(compiled, target):
                        "tile_mean_pool_bwd_kernel"}, kernels  # fmt: skip
     failed = [f"{r['kernel']}: {r['error']}" for r in reports if not r["ok"]]
     assert not failed, "\n\n".join(failed)
+    sys.path.insert(0, str(ROOT / "tests" / "compile"))
+    from spill_policy import spills_unchecked
+
+    unchecked = spills_unchecked([f"{r['kernel']} D={r['head_dim']}: {r['spills']}"
+                                  for r in reports if r["spills"]])  # fmt: skip
+    if unchecked:
+        pytest.skip(unchecked)
     for r in reports:
         label = f"{r['kernel']} D={r['head_dim']} {r['config']}"
         allowed = MEASURED_SPILLS.get((target, r["kernel"], r["head_dim"]), 0)

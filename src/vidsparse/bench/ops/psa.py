@@ -110,9 +110,16 @@ def bench_attention(args, device, dtype, rows):
         q, k, v = make_inputs(grid_shape, heads, D, device, dtype)
         S = q.shape[2]
         base = dict(shape=name, heads=heads, tokens=S, head_dim=D)
-        dense_ms, dense_error = _time_dense(q, k, v, device)
+        skipped = registry.unavailable("psa", "cudnn", device)
+        if skipped:  # on the CPU: no cuDNN, no dense row (and no speedups)
+            registry.note_skipped(skipped)
+            dense_ms, dense_error = None, None
+        else:
+            dense_ms, dense_error = _time_dense(q, k, v, device)
         dense_row = dict(base, provider="cudnn", tile="dense", target=0.0, sparsity=0.0)
-        if dense_error:
+        if skipped:
+            pass
+        elif dense_error:
             rows.append(dict(dense_row, error=dense_error))
             print(f"{name}: cuDNN dense ERROR {dense_error}", flush=True)
         else:
@@ -219,7 +226,7 @@ def main(argv=None):
     harness.print_table([r for r in rows if r.get("provider") != "search"], COLUMNS)
     print(f"wrote {out}")
     if not args.no_plot:
-        png = draw(rows, Path(out).with_suffix(".png"), meta["gpu"])
+        png = draw(rows, Path(out).with_suffix(".png"), harness.device_name(device))
         if png:
             print(f"wrote {png}")
     return rows

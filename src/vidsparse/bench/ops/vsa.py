@@ -376,6 +376,7 @@ def main(argv=None) -> list[dict]:
         os.environ.setdefault("VIDSPARSE_BACKEND", "torch")
     # bf16 is the benchmark's dtype; the CPU smoke run uses fp32 (CPU bf16 matmuls are slow).
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.providers = registry.runnable_providers("vsa", args.providers, device)
     rows: list[dict] = []
     for name, (grid_shape, heads) in args.shape_table.items():
         rows.extend(bench_shape(name, grid_shape, heads, args, device, dtype))
@@ -385,7 +386,7 @@ def main(argv=None) -> list[dict]:
     harness.print_table(rows, COLUMNS)
     print(f"wrote {out}", flush=True)
     if args.plot:
-        png = draw(rows, Path(out).with_suffix(".png"), meta["gpu"])
+        png = draw(rows, Path(out).with_suffix(".png"), harness.device_name(device))
         if png:
             print(f"wrote {png}", flush=True)
     return rows

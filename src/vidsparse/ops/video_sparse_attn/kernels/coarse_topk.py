@@ -371,7 +371,10 @@ def _bracket_topk(
         collect = open_rows & (count_lo - count_hi <= BRACKET_CAPACITY)
         narrowing = open_rows & ~collect
         pivots = _pivots(lo, hi, guess_lo, guess_hi, NUM_PIVOTS)  # [BM, C]
-        speculate = narrowing & (passes == 0) & SPECULATE
+        # `where`, not `narrowing & (passes == 0)`: Triton's interpreter broadcasts a scalar
+        # bool as int32 data, which the store mask in _selection_pass then carries and Triton
+        # >= 3.9 refuses ("mask has unsupported dtype"). Compiled, both are one `and`.
+        speculate = tl.where(passes == 0, narrowing, False) & SPECULATE
         window_lo, window_hi = _middle_score_pivots(pivots, NUM_PIVOTS)  # [BM] int32 each
         gather = collect | speculate
         gather_lo = tl.where(speculate, window_lo, lo.to(tl.int32))

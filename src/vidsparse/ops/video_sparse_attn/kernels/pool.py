@@ -98,15 +98,20 @@ def _unpool_tiles(
         tile = first_tile + i
         tile_real = tile < num_tiles
         size = tl.load(SIZES + tile, mask=tile_real, other=0)
-        dmean = tl.load(DMEAN + tile * stride_gn + offs_d * stride_gd, mask=tile_real, other=0.0)
+        d_real = tl.where(tile_real, offs_d < HEAD_DIM, False)  # [D] (see the store below)
+        dmean = tl.load(DMEAN + tile * stride_gn + offs_d * stride_gd, mask=d_real, other=0.0)
         share = dmean / tl.maximum(size, 1).to(dmean.dtype)  # [D]: d mean / d token
         real = offs_slot < size  # [V']
         dx = tl.where(real[:, None], share[None, :], 0.0)  # [V', D]: padding slots get 0
         rows = tile * TILE_VOLUME + offs_slot
+        # `where`, not `in_tile & tile_real` (or the scalar as a mask): the interpreter
+        # broadcasts a scalar bool as int32 data, a mask Triton >= 3.9's interpreter refuses
+        # (compiled, both are one `and`).
+        rows_real = tl.where(tile_real, in_tile, False)  # [V']
         tl.store(
             DX + rows[:, None] * stride_xs + offs_d[None, :] * stride_xd,
             dx.to(DX.dtype.element_ty),
-            mask=(in_tile & tile_real)[:, None] & (offs_d < HEAD_DIM)[None, :],
+            mask=rows_real[:, None] & (offs_d < HEAD_DIM)[None, :],
         )
 
 

@@ -1,0 +1,188 @@
+"""Which kernels a GPU of each generation gets, with the GPU faked (no GPU needed).
+
+The capability query (``torch.cuda.get_device_properties``) is monkeypatched to report an
+Ampere (sm_80), a Hopper (sm_90) or a Blackwell (sm_100) GPU, ``utils.device.target_of``
+reads it as it would on that GPU, and the engine's launchers run on meta tensors with every
+kernel swapped for a recorder: the kernels they would launch are what is checked. Only Hopper
+may take the TMA kernels and the Gluon forward (``fwd_sm90.py``: wgmma and Hopper's TMA); every
+other NVIDIA GPU takes the Triton pointer kernels, with configs that compile spill-free for
+``cuda:100`` (``tests/compile/test_compile_targets.py``).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from vidsparse.ops.block_sparse_attn import bwd, configs, fwd, fwd_sm90, lists  # noqa: E402
+from vidsparse.ops.video_sparse_attn import configs as vsa_configs  # noqa: E402
+from vidsparse.utils import device as device_module  # noqa: E402
+from vidsparse.utils.device import Target  # noqa: E402
+
+GPUS = {  # name -> (major, minor)
+    "A100 (sm_80)": (8, 0),
+    "H100 (sm_90)": (9, 0),
+    "B200 (sm_100)": (10, 0),
+    "RTX 5090 (sm_120)": (12, 0),
+}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """``fake_gpu(major, minor)``: the Target ``target_of`` reads for CUDA device 0 of that
+    capability; the engine's launchers see it for every tensor."""
+    device_module.target_of.cache_clear()
+
+    def install(major, minor):
+        props = SimpleNamespace(major=major, minor=minor, name=f"fake sm_{major}{minor}",
+                                multi_processor_count=132, gcnArchName="")  # fmt: skip
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.version, "hip", None)
+        target = device_module.target_of(torch.device("cuda", 0))
+        for module in (fwd, bwd):
+            monkeypatch.setattr(module, "target_of", lambda device: target)
+        return target
+
+    yield install
+    device_module.target_of.cache_clear()
+
+
+class _Recorder:
+    def __init__(self, name, sink):
+        self.name, self.sink = name, sink
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.sink.append((self.name, kwargs))
+
+
+def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=True):
+    """Kernel names (and launch kwargs) of one forward and one backward on meta tensors."""
+    sink = []
+    for module in (fwd, bwd, lists):
+        for attr in dir(module):
+            if attr.endswith("_kernel"):
+                monkeypatch.setattr(module, attr, _Recorder(attr, sink))
+    monkeypatch.setattr(fwd_sm90, "block_sparse_attn_fwd_sm90",
+                        lambda *args, **kwargs: sink.append(("gluon_fwd_sm90", {})) or (
+                            torch.empty_like(args[0]), None))  # fmt: skip
+    meta = torch.device("meta")
+    B, H, S = 1, 2, 4 * block
+    q, k, v, do = (torch.empty(B, H, S, head_dim, dtype=dtype, device=meta) for _ in range(4))
+    idx = torch.empty(1, H, S // block, 2, dtype=torch.int32, device=meta)
+    cnt = torch.empty(1, H, S // block, dtype=torch.int32, device=meta)
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, block, block, head_dim**-0.5)
+    if backward:
+        lse = torch.empty(B, H, S, dtype=torch.float32, device=meta)
+        bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, None, block, block,
+                                  head_dim**-0.5)  # fmt: skip
+    return sink
+
+
+def test_target_of_reads_the_capability(fake_gpu):
+    assert fake_gpu(8, 0) == Target("cuda", 80) and not Target("cuda", 80).is_hopper
+    device_module.target_of.cache_clear()
+    assert fake_gpu(9, 0) == Target("cuda", 90) and Target("cuda", 90).is_hopper
+    device_module.target_of.cache_clear()
+    assert fake_gpu(10, 0) == Target("cuda", 100) and not Target("cuda", 100).is_hopper
+
+
+@pytest.mark.parametrize("gpu", [g for g in GPUS if "sm_90" not in g])
+@pytest.mark.parametrize("block", [64, 128])
+def test_non_hopper_gpus_take_the_triton_pointer_kernels(monkeypatch, fake_gpu, gpu, block):
+    """Ampere and Blackwell (and later): no Gluon, no TMA, no fused backward; 128-row forward
+    blocks with 8 warps (4 spill on sm_100)."""
+    target = fake_gpu(*GPUS[gpu])
+    names = [name for name, _ in _launches(monkeypatch, block)]
+    assert "gluon_fwd_sm90" not in names
+    assert "block_sparse_attn_fwd_kernel" in names
+    assert not any("tma" in n or "fused" in n for n in names), names
+    assert {"block_sparse_attn_bwd_dkdv_kernel", "block_sparse_attn_bwd_dq_kernel"} <= set(names)
+    fwd_kwargs = dict(_launches(monkeypatch, block, backward=False))["block_sparse_attn_fwd_kernel"]
+    assert fwd_kwargs["num_warps"] == (8 if block == 128 else 4)
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        cfg = configs.lookup(target, kernel, block, block, 128)
+        assert not (cfg.use_tma or cfg.gluon or cfg.fused), (kernel, cfg)
+    # VSA's coarse kernels: the generic NVIDIA table, not Hopper's tuned one.
+    assert vsa_configs._tables_for(target) == [vsa_configs.NVIDIA_GENERIC]
+
+
+def test_hopper_configs_are_untouched_by_the_other_gpus_rows(monkeypatch):
+    """The non-Hopper rows (masked ones among them) never reach a Hopper's lookup: every
+    Hopper config is the same with that table emptied."""
+    hopper = Target("cuda", 90)
+    cases = [(kernel, *block, d, masked) for kernel in ("fwd", "bwd_dkdv", "bwd_dq")
+             for block in ((64, 64), (128, 64), (128, 128)) for d in (64, 128)
+             for masked in (False, True)]  # fmt: skip
+    with_rows = [configs.lookup(hopper, *case) for case in cases]
+    monkeypatch.setattr(configs, "NVIDIA_NON_HOPPER", {})
+    assert with_rows == [configs.lookup(hopper, *case) for case in cases]
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_hopper_takes_the_gluon_forward_and_tma(monkeypatch, fake_gpu, block):
+    """The control: on sm_90 the same calls reach the Gluon forward and the TMA backward."""
+    fake_gpu(9, 0)
+    names = [name for name, _ in _launches(monkeypatch, block)]
+    assert names.count("gluon_fwd_sm90") == 1 and "block_sparse_attn_fwd_kernel" not in names
+    bwd_names = [n for n in names if "_bwd_" in n and "preprocess" not in n]
+    assert bwd_names == (
+        ["block_sparse_attn_bwd_fused_kernel"]
+        if block == 128
+        else ["block_sparse_attn_bwd_dkdv_kernel", "block_sparse_attn_bwd_dq_kernel"]
+    )
+
+
+@pytest.mark.parametrize("version, warps", [((3, 6), 4), ((3, 8), 8), ((3, 9), 8), (None, 4)])
+def test_vsa_coarse_config_on_hopper_follows_the_triton(monkeypatch, version, warps):
+    """Hopper's coarse top-k: 4 warps as measured with Triton 3.6; from 3.8 on (whose compiler
+    spills 424-520 B there) the spill-free 8 warps. Other GPUs: the generic 8 warps."""
+    monkeypatch.setattr(vsa_configs, "triton_version", lambda: version)
+    for tiles in (624, 1440):  # the small-grid row and the large one
+        cfg = vsa_configs.coarse_attn_config(Target("cuda", 90), 128, tiles)
+        assert cfg.num_warps == warps, (tiles, cfg)
+        assert vsa_configs.coarse_attn_config(Target("cuda", 100), 128, tiles).num_warps == 8
+
+
+def test_a_gluon_api_that_differs_switches_gluon_off_with_a_reason(monkeypatch, fake_gpu,
+                                                                    caplog):  # fmt: skip
+    """Where the Gluon launcher cannot be imported (a Triton whose Gluon API moved), a Hopper
+    takes the Triton TMA kernel, and the log says why, once."""
+    import sys
+
+    fake_gpu(9, 0)
+    fwd._gluon_launcher.cache_clear()
+    monkeypatch.setitem(sys.modules, "vidsparse.ops.block_sparse_attn.fwd_sm90", None)
+    try:
+        with caplog.at_level("WARNING", logger="vidsparse"):
+            names = [name for name, _ in _launches(monkeypatch, 128, backward=False)]
+            _launches(monkeypatch, 128, backward=False)
+    finally:
+        fwd._gluon_launcher.cache_clear()
+    assert names == ["block_sparse_attn_fwd_tma_kernel"]
+    notes = [r.getMessage() for r in caplog.records if "Gluon forward is off" in r.getMessage()]
+    assert len(notes) == 1 and "TMA kernel runs instead" in notes[0]
+
+
+@pytest.mark.parametrize("version", [(3, 9), (3, 5), None])
+def test_a_triton_outside_the_gluon_span_switches_gluon_off(monkeypatch, fake_gpu, caplog,
+                                                            version):  # fmt: skip
+    """Triton 3.9 removed a Gluon TMA call the kernel makes: there (and before 3.6) the Hopper
+    forward is the Triton TMA kernel, with one log line naming the Triton."""
+    from vidsparse.utils import device as device_mod
+
+    fake_gpu(9, 0)
+    fwd._gluon_launcher.cache_clear()
+    monkeypatch.setattr(device_mod, "triton_version", lambda: version)
+    try:
+        with caplog.at_level("WARNING", logger="vidsparse"):
+            names = [name for name, _ in _launches(monkeypatch, 128, backward=False)]
+    finally:
+        fwd._gluon_launcher.cache_clear()
+    assert names == ["block_sparse_attn_fwd_tma_kernel"]
+    (note,) = [r.getMessage() for r in caplog.records if "Gluon forward is off" in r.getMessage()]
+    assert "written for the Gluon API of Triton 3.6-3.8" in note
