@@ -33,7 +33,7 @@ E2E_DENSE_ONCE=(--methods dense --warmup 0 --reps 1 --share-reps 0)
 [ $# -eq 0 ] && set -- tests demo
 for what in "$@"; do
   case $what in
-    tests) step gpu_tests 300 bash benchmarks/gpu_tests_parallel.sh ;;
+    tests) step gpu_tests 480 bash benchmarks/gpu_tests_parallel.sh ;;
     profile) step profile 150 python3 benchmarks/profile/profile_methods.py ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
     engine) step engine 540 python3 -m vidsparse.bench block_sparse --shapes default \

@@ -6,12 +6,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG="${OUT:-out/gpu}"
 mkdir -p "$LOG"
-# tests/ mirrors src/: the engine's and VSA's folders apart, every other folder together.
+# tests/ mirrors src/: the engine's and VSA's folders apart, the GPU fuzz run (a compile per
+# case) apart, every other folder together.
 parts=(
   "tests/ops/block_sparse_attn"
   "tests/ops/video_sparse_attn"
+  "tests/fuzz"
   "$(ls -d tests/*/ tests/ops/*/ | grep -v -e '^tests/ops/$' -e __pycache__ \
-      -e block_sparse_attn -e video_sparse_attn | tr '\n' ' ')"
+      -e block_sparse_attn -e video_sparse_attn -e fuzz | tr '\n' ' ')"
 )
 pids=()
 for i in "${!parts[@]}"; do

@@ -10,6 +10,7 @@ import torch
 
 from vidsparse.masks.block_sparse import dense_from_lists
 from vidsparse.masks.stripe import (
+    MAX_GRID_EXTENT,
     StripeSpec,
     clear_stripe_cache,
     stripe_block_lists,
@@ -203,3 +204,60 @@ def test_mask_argument_errors():
         stripe_block_mask([spec], (2, 2))
     with pytest.raises(ValueError, match="sink_frames"):
         stripe_block_mask([spec], (2, 2, 2), sink_frames=-1)
+
+
+# --------------------------------------------------------------------------- bounds (issue 22)
+
+M = MAX_GRID_EXTENT
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("t_width", 10**30), ("t_width", M + 1), ("s_width", 2**63), ("t_stride", M + 1),
+     ("s_stride", 10**30), ("t_offset", 2**63 - 1), ("t_offset", -(2**63 - 1)),
+     ("s_offset", M + 1), ("s_offset", -M - 1)],
+)  # fmt: skip
+def test_spec_fields_are_range_checked_naming_the_field(field, value):
+    """Values past MAX_GRID_EXTENT were accepted: t_width=10**30 ended in torch's "Overflow
+    when unpacking long long" naming no field, offsets of +-(2**63 - 1) wrapped in int64 and
+    gave silently wrong masks."""
+    fields = dict(t_width=1, t_offset=0, t_stride=None, s_width=1, s_offset=0, s_stride=None)
+    fields[field] = value
+    with pytest.raises(ValueError, match=rf"{field} must lie in \[-?[0-9]+, {M}\]"):
+        StripeSpec(**fields)
+    with pytest.raises(ValueError, match=field):
+        StripeSpec.from_dict(fields)
+
+
+def test_extreme_legal_specs_give_exact_masks():
+    """At the bounds the int64 maths cannot overflow: the masks equal the Python-int
+    predicate (a farther offset, with no stride, attends to nothing on any grid)."""
+    grid = (2, 2, 3)
+    specs = [StripeSpec(M, -M, M, M, M, M), StripeSpec(1, M, None, 1, -M, None),
+             StripeSpec(2, -M, 3, 1, M, 5), StripeSpec(1, 0, M, 1, 0, M)]  # fmt: skip
+    for unit in ("block", "row"):
+        for spec in specs:
+            got = stripe_block_mask([spec], grid, unit)[0]
+            assert torch.equal(got, _brute_mask(spec, grid, unit)), (spec, unit)
+    assert not stripe_block_mask([specs[1]], grid)[0].any()
+
+
+def test_block_grid_and_distances_are_bounded():
+    with pytest.raises(ValueError, match="block_grid must hold at most MAX_GRID_EXTENT"):
+        stripe_block_mask([StripeSpec.dense()], (2**11, 2**11, 2**10))
+    spec = StripeSpec(1, 0, None, 1, 0, None)
+    with pytest.raises(ValueError, match=r"dt must lie in \[-2147483647, 2147483647\]"):
+        stripe_predicate(torch.tensor([2**62]), torch.tensor([0]), spec, wb=1)
+    with pytest.raises(ValueError, match="wb must be <= MAX_GRID_EXTENT"):
+        stripe_predicate(torch.tensor([0]), torch.tensor([0]), spec, wb=M + 1)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:7", "bogus", 3.5])
+def test_mask_device_this_process_cannot_use_is_a_value_error(device):
+    """stripe_block_mask(device="cuda") on a CPU build raised torch's AssertionError."""
+    if torch.cuda.is_available() and device == "cuda":
+        pytest.skip("CUDA is usable here")
+    with pytest.raises(ValueError, match="device"):
+        stripe_block_mask([StripeSpec.dense()], (1, 2, 2), device=device)
+    with pytest.raises(ValueError, match="device"):
+        stripe_block_lists([StripeSpec.dense()], (1, 2, 2), device=device)

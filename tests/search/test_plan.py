@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
+import random
 from dataclasses import replace
 
 import pytest
 
 from vidsparse.layout.grid import VideoGrid
-from vidsparse.masks.stripe import StripeSpec, stripe_block_mask
+from vidsparse.masks.stripe import MAX_GRID_EXTENT, StripeSpec, stripe_block_mask
 from vidsparse.search import (
     PLAN_FORMAT,
     PLAN_VERSION,
@@ -78,6 +80,7 @@ def test_the_pipeline_member_is_optional_and_typed(tmp_path):
     assert load_plan(path) == plan
     assert "(transformer_2)" in plan.format_summary()
     del data["transformer"]  # plans written before the field, or from a bare transformer
+    del data["checksum"]  # ... and before checksums
     path.write_text(json.dumps(data))
     assert load_plan(path).transformer is None
     save_plan(make_plan(), path)
@@ -256,3 +259,128 @@ def test_corrupted_json(tmp_path):
         load_plan(path)
     with pytest.raises(FileNotFoundError):
         load_plan(tmp_path / "missing.json")
+
+
+# --------------------------------------------------------------------------- integrity (issue 22)
+
+
+def test_saved_plans_carry_a_checksum_of_their_content(tmp_path):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(), path)
+    data = json.loads(path.read_text())
+    assert data["checksum"] == plan_module.plan_checksum(data)
+    assert list(data)[:3] == ["format", "version", "checksum"]
+
+
+def test_random_single_byte_flips_never_load_changed_numbers(tmp_path):
+    """Before checksums 5 of 300 random single-byte flips loaded with changed numbers: now a
+    flip is refused (ValueError) or leaves the plan as it was (white space)."""
+    path = tmp_path / "plan.json"
+    plan = make_plan()
+    save_plan(plan, path)
+    original = path.read_bytes()
+    rng = random.Random(22)
+    refused = 0
+    for _ in range(300):
+        flipped = bytearray(original)
+        flipped[rng.randrange(len(flipped))] ^= rng.randrange(1, 256)
+        path.write_bytes(bytes(flipped))
+        try:
+            loaded = load_plan(path)
+        except ValueError:
+            refused += 1
+            continue
+        assert loaded == plan and loaded.to_dict() == plan.to_dict()
+    assert refused >= 290
+
+
+def test_a_changed_number_is_refused_by_the_checksum(tmp_path):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(), path)
+    data = json.loads(path.read_text())
+    data["buckets"][0]["layers"][0]["heads"][0]["sparsity"] = 0.5  # still a valid plan
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="'checksum': does not match"):
+        load_plan(path)
+    data["checksum"] = "md5:1234"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="'checksum': expected 'sha256:'"):
+        load_plan(path)
+
+
+def test_a_plan_without_checksum_loads_with_a_note(tmp_path, caplog):
+    """Older plan files (and hand-edited ones, their checksum deleted) still load."""
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(), path)
+    data = json.loads(path.read_text())
+    del data["checksum"]
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.INFO, logger="vidsparse.search.plan"):
+        assert load_plan(path) == make_plan()
+    assert "has no checksum" in caplog.text and "plan.json" in caplog.text
+    caplog.clear()
+    save_plan(make_plan(), path)
+    with caplog.at_level(logging.INFO, logger="vidsparse.search.plan"):
+        load_plan(path)
+    assert "checksum" not in caplog.text
+
+
+def test_oversized_plan_file_is_a_value_error(tmp_path, monkeypatch):
+    path = tmp_path / "plan.json"
+    save_plan(make_plan(), path)
+    monkeypatch.setattr(plan_module, "MAX_PLAN_BYTES", path.stat().st_size - 1)
+    with pytest.raises(ValueError, match="larger than MAX_PLAN_BYTES"):
+        load_plan(path)
+
+
+def test_endless_file_is_read_only_up_to_the_limit(monkeypatch):
+    """/dev/zero has no end: load_plan reads MAX_PLAN_BYTES + 1 bytes and stops."""
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    monkeypatch.setattr(plan_module, "MAX_PLAN_BYTES", 1 << 16)
+    with pytest.raises(ValueError, match="larger than MAX_PLAN_BYTES"):
+        load_plan("/dev/zero")
+
+
+M = MAX_GRID_EXTENT
+SPEC = ("buckets", 0, "layers", 0, "heads", 0, "spec")
+OUT_OF_BOUNDS = {
+    "huge t_width": (_set(*SPEC, "t_width", 10**30), r"heads\[0\]\.spec\.t_width'.*must lie"),
+    "huge offset": (_set(*SPEC, "t_offset", 2**63 - 1), r"spec\.t_offset'.*-2147483647"),
+    "negative offset": (_set(*SPEC, "s_offset", -(2**63 - 1)), r"spec\.s_offset'"),
+    "stride past max": (_set(*SPEC, "s_stride", M + 1), r"spec\.s_stride'.*must lie"),
+    "huge heads": (_set("num_heads", 10**30), r"'num_heads': must be <= 2147483647"),
+    "huge grid": (_set("grid", "shape", [10**12, 8, 12]), r"'grid.shape\[0\]': must be <="),
+    "many tiles": (
+        lambda d: d["grid"].update(shape=[2**22, 2**12, 4], block_grid=[2**22, 2**10, 1]),
+        r"'grid.shape': .* more than MAX_GRID_EXTENT",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUT_OF_BOUNDS))
+def test_the_plan_reader_applies_the_spec_bounds_naming_the_field(tmp_path, case):
+    """Such values loaded and failed only at the first forward (torch's overflow message)."""
+    edit, field = OUT_OF_BOUNDS[case]
+    data = copy.deepcopy(make_plan().to_dict())
+    edit(data)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=field):
+        load_plan(path)
+
+
+def test_errors_quote_hostile_values_in_short(tmp_path):
+    data = copy.deepcopy(make_plan().to_dict())
+    data["model"] = ["x" * 10**5] * 100
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="'model': expected a string") as info:
+        load_plan(path)
+    assert len(str(info.value)) < 500
+    data["model"] = "m"
+    data["num_heads"] = [[[[[[[[[[[[1]]]]]]]]]]]]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="'num_heads'") as info:
+        load_plan(path)
+    assert len(str(info.value)) < 500

@@ -181,6 +181,28 @@ def test_objective_matches_brute_force(torch_backend, grid):
     assert float(stats.rel_l2[:, 0].abs().max()) == 0.0  # dense candidate == dense reference
 
 
+def test_objective_on_a_tile_with_no_power_of_two_engine_block(torch_backend):
+    """The engine's public entry takes powers of two only, on every backend (issue 22); the
+    objective runs 18-token tiles on the torch reference through the internal entry, and the
+    Triton path refuses them before any launch, naming block_size."""
+    grid = VideoGrid((2, 6, 9), tile=(1, 3, 6))  # 18-token tiles, a partial one
+    cands = CandidateFamily().on_grid(grid.tiles)
+    cands = CandidateSet.build([cands[0], cands[len(cands) // 2]], grid.tiles, dedupe=False)
+    q, k, v = _random_qkv(grid, batch=1)
+    stats = stripe_losses(q, k, v, grid, cands)
+    err, cand, ref = _brute_force_stats(q, k, v, grid, cands)
+    torch.testing.assert_close(stats.err_sq, err, rtol=1e-4, atol=1e-5)
+    assert float(stats.rel_l2[:, 0].abs().max()) == 0.0
+
+
+def test_objective_on_such_a_tile_is_refused_on_the_triton_path(triton_backend):
+    grid = VideoGrid((2, 6, 9), tile=(1, 3, 6))
+    q, k, v = _random_qkv(grid, batch=1)
+    cands = CandidateFamily().on_grid(grid.tiles)
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        stripe_losses(q, k, v, grid, CandidateSet.build([cands[0]], grid.tiles))
+
+
 def test_engine_block_size():
     assert engine_block_size(64) == 64
     assert engine_block_size(384) == 128  # 3x8x16 PSA blocks -> 3 engine blocks

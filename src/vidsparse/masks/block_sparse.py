@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from vidsparse.utils.checks import check_positive_int, check_tensor
+from vidsparse.utils.checks import check_non_negative_int, check_positive_int, check_tensor
 
 __all__ = [
     "validate_block_lists",
@@ -131,14 +131,15 @@ def _check_values(kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv_bloc
         )
 
 
-def _check_block_grid(batch, heads, num_q_blocks, num_kv_blocks) -> None:
+def _check_block_grid(batch, heads, num_q_blocks, num_kv_blocks, *, allow_empty=False) -> None:
+    check = check_non_negative_int if allow_empty else check_positive_int
     for name, value in (
         ("batch", batch),
         ("heads", heads),
         ("num_q_blocks", num_q_blocks),
         ("num_kv_blocks", num_kv_blocks),
     ):
-        check_positive_int(name, value)
+        check(name, value)
 
 
 def validate_block_lists(
@@ -161,9 +162,10 @@ def validate_block_lists(
     With ``check_values`` (one GPU sync; switch off in hot loops once the lists are trusted):
     every count in ``[0, K]``, and the first ``count`` entries of each row in
     ``[0, num_kv_blocks)`` and distinct. Entries past the count are not looked at.
-    Values are not checked on the ``meta`` device.
+    Values are not checked on the ``meta`` device. Sizes of 0 are legal (an empty problem;
+    with ``num_kv_blocks = 0`` every count must be 0).
     """
-    _check_block_grid(batch, heads, num_q_blocks, num_kv_blocks)
+    _check_block_grid(batch, heads, num_q_blocks, num_kv_blocks, allow_empty=True)
     bi, h, nq, _ = _check_structure(kv_indices, kv_counts)
     if bi not in (1, batch):
         raise ValueError(
@@ -267,7 +269,8 @@ def transpose_block_lists(
     ``q_offsets[b, h, NK]`` are 0. Memory is ``O(Bi * H * NQ * K)``; deterministic; no GPU sync.
 
     Only shapes and dtypes are checked here: this runs in backward passes, after the public
-    interface validated the values (out-of-range indices give a wrong result, not an error).
+    interface validated the values; an entry out of ``[0, NK)`` (lists changed behind the
+    validation's back) is left out, as the forward kernels give it no weight.
     """
     bi, h, nq, k = _check_structure(kv_indices, kv_counts)
     check_positive_int("num_kv_blocks", num_kv_blocks)
@@ -279,8 +282,9 @@ def transpose_block_lists(
     sentinel = num_kv_blocks * nq
     key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
     q_rows = torch.arange(nq, device=device, dtype=key_dtype).view(nq, 1)  # [NQ, 1]
-    keys = kv_indices.to(key_dtype) * nq + q_rows  # [Bi, H, NQ, K]
-    keys = torch.where(_valid_slots(kv_counts, k), keys, sentinel)
+    in_range = (kv_indices >= 0) & (kv_indices < num_kv_blocks)
+    keys = torch.where(in_range, kv_indices, 0).to(key_dtype) * nq + q_rows  # [Bi, H, NQ, K]
+    keys = torch.where(_valid_slots(kv_counts, k) & in_range, keys, sentinel)
     keys = keys.reshape(bi * h, nq * k)
     keys = keys.sort(dim=-1, stable=True).values  # [Bi*H, NQ*K]
 

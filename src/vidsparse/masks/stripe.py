@@ -21,6 +21,14 @@ and 6 spatial blocks gives, per query row, the key blocks at spatial distance 0,
 The predicate is separable (a time factor times a space factor), so a whole ``[H, N, N]`` mask
 is built from ``[H, Tb, Tb]`` and ``[H, S, S]`` factors without ``[H, N, N]`` integer temporaries.
 Block order is raster, ``n = (t*Hb + h)*Wb + w``, the tile order of ``VideoGrid``.
+
+**Bounds.** A block grid holds at most ``MAX_GRID_EXTENT = 2**31 - 1`` blocks (the engine's
+block indices are int32), so every distance ``dt``, ``ds`` lies within ``±MAX_GRID_EXTENT``.
+``StripeSpec`` fields are bounded by the same extent: widths and strides in
+``[1, MAX_GRID_EXTENT]``, offsets in ``[-MAX_GRID_EXTENT, MAX_GRID_EXTENT]`` (a wider band or
+a farther offset means nothing more on any grid with a single band). Then the predicate's int64
+arithmetic cannot overflow: ``|d - offset| <= 2**32`` and the row unit's period
+``s_stride * Wb < 2**62``.
 """
 
 from __future__ import annotations
@@ -34,9 +42,10 @@ from typing import Any
 import torch
 
 from vidsparse.masks.block_sparse import lists_from_dense
-from vidsparse.utils.checks import check_positive_ints, check_tensor
+from vidsparse.utils.checks import check_device, check_positive_ints, check_tensor
 
 __all__ = [
+    "MAX_GRID_EXTENT",
     "SPATIAL_UNITS",
     "StripeSpec",
     "stripe_predicate",
@@ -47,6 +56,10 @@ __all__ = [
 ]
 
 SPATIAL_UNITS = ("block", "row")
+
+# Blocks of a block grid at most (int32 block indices): the bound of every axis extent, distance
+# and StripeSpec field (module docstring).
+MAX_GRID_EXTENT = 2**31 - 1
 
 _CACHE_SIZE = 32
 
@@ -62,8 +75,10 @@ def _check_int(name: str, value) -> int:
 class StripeSpec:
     """Stripe parameters of one head (one PSA candidate).
 
-    ``*_width >= 1``: band width; ``*_offset`` (any int, negative allowed): band centre shift;
-    ``*_stride >= 1`` or ``None`` (infinite, a single band): band period. Hashable, so it can key
+    ``*_width`` in ``[1, MAX_GRID_EXTENT]``: band width; ``*_offset`` in
+    ``[-MAX_GRID_EXTENT, MAX_GRID_EXTENT]``: band centre shift; ``*_stride`` in
+    ``[1, MAX_GRID_EXTENT]`` or ``None`` (infinite, a single band): band period
+    (``MAX_GRID_EXTENT = 2**31 - 1``, the module docstring says why). Hashable, so it can key
     caches; ``to_dict``/``from_dict`` round-trip through plan files (JSON: ``null`` = infinite).
     """
 
@@ -81,8 +96,14 @@ class StripeSpec:
             if name.endswith("_stride") and value is None:
                 continue
             value = _check_int(name, value)
-            if not name.endswith("_offset") and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+            lo = -MAX_GRID_EXTENT if name.endswith("_offset") else 1
+            if not lo <= value <= MAX_GRID_EXTENT:
+                if value < 1 and lo == 1:  # the message tests and users know
+                    raise ValueError(f"{name} must be >= 1, got {value}")
+                raise ValueError(
+                    f"{name} must lie in [{lo}, {MAX_GRID_EXTENT}] (MAX_GRID_EXTENT, the most "
+                    f"blocks a grid holds), got {value}"
+                )
             object.__setattr__(self, name, value)  # normalise numpy ints to int
 
     @classmethod
@@ -116,7 +137,7 @@ class StripeSpec:
 
     def is_dense(self, block_grid: Sequence[int], spatial_unit: str = "block") -> bool:
         """True when this spec attends to every pair of blocks of ``block_grid``."""
-        tb, hb, wb = check_positive_ints("block_grid", block_grid, length=3)
+        tb, hb, wb = _check_block_grid(block_grid)
         _check_spatial_unit(spatial_unit)
         # Every (dt, ds) combination occurs in the grid, so dense <=> every dt and every ds pass.
         dt = torch.arange(-(tb - 1), tb).view(-1, 1)
@@ -142,6 +163,27 @@ def _check_spatial_unit(spatial_unit) -> str:
     if spatial_unit not in SPATIAL_UNITS:
         raise ValueError(f"spatial_unit must be one of {SPATIAL_UNITS}, got {spatial_unit!r}")
     return spatial_unit
+
+
+def _check_block_grid(block_grid) -> tuple[int, int, int]:
+    tb, hb, wb = check_positive_ints("block_grid", block_grid, length=3)
+    if tb * hb * wb > MAX_GRID_EXTENT:
+        raise ValueError(
+            f"block_grid must hold at most MAX_GRID_EXTENT = {MAX_GRID_EXTENT} blocks (int32 "
+            f"block indices), got {(tb, hb, wb)} = {tb * hb * wb} blocks"
+        )
+    return tb, hb, wb
+
+
+def _check_distances(name: str, d: torch.Tensor) -> None:
+    """Distances between blocks of a grid lie within ``±MAX_GRID_EXTENT`` (int64-safe maths)."""
+    if d.numel() and d.device.type != "meta":
+        lo, hi = (int(x) for x in torch.aminmax(d))
+        if max(-lo, hi) > MAX_GRID_EXTENT:
+            raise ValueError(
+                f"{name} must lie in [-{MAX_GRID_EXTENT}, {MAX_GRID_EXTENT}] (MAX_GRID_EXTENT: "
+                f"distances within a block grid), got values in [{lo}, {hi}]"
+            )
 
 
 def _check_specs(specs) -> tuple[StripeSpec, ...]:
@@ -197,15 +239,20 @@ def stripe_predicate(
 
     With one ``StripeSpec`` the result has the broadcast shape of ``dt`` and ``ds``; with a
     sequence of ``H`` specs it gains a leading head dim, ``[H, *broadcast_shape]``.
-    ``wb`` (blocks per grid row) only matters for ``spatial_unit="row"``.
+    ``wb`` (blocks per grid row) only matters for ``spatial_unit="row"``. Distances and ``wb``
+    lie within ``MAX_GRID_EXTENT`` (``ValueError`` otherwise).
     """
     _check_spatial_unit(spatial_unit)
     single = isinstance(spec, StripeSpec)
     specs = (spec,) if single else _check_specs(spec)
+    check_positive_ints("wb", (wb,))
+    if wb > MAX_GRID_EXTENT:
+        raise ValueError(f"wb must be <= MAX_GRID_EXTENT = {MAX_GRID_EXTENT}, got {wb}")
     dt, ds = torch.as_tensor(dt), torch.as_tensor(ds)
     for name, t in (("dt", dt), ("ds", ds)):
-        if t.is_floating_point() or t.dtype == torch.bool:
+        if t.is_floating_point() or t.dtype == torch.bool or t.is_complex():
             raise TypeError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+        _check_distances(name, t)
     shape = torch.broadcast_shapes(dt.shape, ds.shape)
     pass_t, pass_s = _predicate_factors(dt.long(), ds.long(), specs, wb, spatial_unit)
     out = pass_t & pass_s  # [H, *shape]
@@ -237,7 +284,9 @@ def _predicate_factors(dt, ds, specs, wb: int, spatial_unit: str):
 
 
 def _normalise_device(device) -> torch.device:
-    device = torch.device("cpu") if device is None else torch.device(device)
+    # A device this process cannot use (cuda on a CPU-only torch, a bogus name): a ValueError
+    # naming the argument, not torch's AssertionError from deep inside the build.
+    device = torch.device("cpu") if device is None else check_device("device", device)
     if device.type == "cuda" and device.index is None:
         # "cuda" and "cuda:0" must hit the same cache entry.
         device = torch.device("cuda", torch.cuda.current_device())
@@ -255,7 +304,7 @@ def _check_sink_frames(sink_frames) -> int:
 def _normalise_args(specs, block_grid, spatial_unit, device, sink_frames):
     return (
         _check_specs(specs),
-        check_positive_ints("block_grid", block_grid, length=3),
+        _check_block_grid(block_grid),
         _check_spatial_unit(spatial_unit),
         _check_sink_frames(sink_frames),
         _normalise_device(device),

@@ -85,8 +85,8 @@ def ulysses_block_sparse_attn(
             ``[B or 1, H, S // block_q, K]`` and ``[B or 1, H, S // block_q]``; each rank uses
             its ``H/P`` heads (the batch dim is kept).
         engine_kwargs: ``block_size``, ``kv_block_sizes`` (full sequence), ``scale``,
-            ``return_lse`` as for the engine; ``lse`` comes back ``[B, S/P, H]`` (bshd) or
-            ``[B, H, S/P]`` (bhsd).
+            ``return_lse``, ``validate`` as for the engine; ``lse`` comes back ``[B, S/P, H]``
+            (bshd) or ``[B, H, S/P]`` (bhsd).
         head_chunks: pipelined exchange for inference (see :func:`ulysses_attention`).
     """
     from vidsparse.ops.block_sparse_attn import block_sparse_attn
@@ -96,6 +96,8 @@ def ulysses_block_sparse_attn(
     check_head_chunks(head_chunks, H, ctx.world_size)
     block_q = _block_q(engine_kwargs.get("block_size", 64))
     _check_block_lists(kv_indices, kv_counts, H, S_local * ctx.world_size, block_q)
+    if engine_kwargs.get("validate") is True:  # the lists may have changed behind the cache
+        _list_slices.discard((kv_indices, kv_counts))
 
     def attn_fn(heads, q_h, k_h, v_h):
         idx, cnt = _head_slice(kv_indices, heads), _head_slice(kv_counts, heads)

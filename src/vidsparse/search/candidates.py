@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec, stripe_predicate
+from vidsparse.masks.stripe import MAX_GRID_EXTENT, SPATIAL_UNITS, StripeSpec, stripe_predicate
 from vidsparse.utils.checks import check_positive_ints
 
 __all__ = [
@@ -80,7 +80,17 @@ class Candidate:
         """
         if self.spatial_unit == "block" or self.spec.s_stride is None:
             return self.spec
-        return replace(self.spec, s_stride=self.spec.s_stride * wb)
+        period = self.spec.s_stride * wb
+        if period > MAX_GRID_EXTENT:
+            # Longer than any |ds - s_offset| of any grid (ds within MAX_GRID_EXTENT - 1): the
+            # mod never wraps, a single band.
+            if period >= MAX_GRID_EXTENT + abs(self.spec.s_offset):
+                return replace(self.spec, s_stride=None)
+            raise ValueError(
+                f"s_stride={self.spec.s_stride} rows of {wb} blocks is a period of {period} "
+                f"blocks, beyond MAX_GRID_EXTENT = {MAX_GRID_EXTENT}"
+            )
+        return replace(self.spec, s_stride=period)
 
     def __str__(self) -> str:
         if self == Candidate.dense():

@@ -37,6 +37,8 @@ import torch
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.stripe import stripe_block_lists
 from vidsparse.search.candidates import Candidate, CandidateSet
+from vidsparse.utils.backend import resolve_backend
+from vidsparse.utils.checks import softmax_scale
 
 __all__ = [
     "LossStats",
@@ -302,7 +304,8 @@ class StripeObjective:
     ) -> LossStats:
         """Loss statistics of every candidate for q/k/v ``[H, S, D]`` or ``[B, H, S, D]``
         (natural order, or tile order with ``tiled=True``). Summed over the batch."""
-        from vidsparse.ops.block_sparse_attn import block_sparse_attn  # picks its backend
+        # the engine picks its backend
+        from vidsparse.ops.block_sparse_attn import block_sparse_attn, block_sparse_attn_unchecked
 
         shapes = {tuple(_as_bhsd(n, x).shape) for n, x in (("q", q), ("k", k), ("v", v))}
         if len(shapes) != 1:
@@ -317,21 +320,28 @@ class StripeObjective:
         kt, vt = kt.unsqueeze(1), vt.unsqueeze(1)  # [BH, 1, Skv, D]
         pad_rows = ~real.view(1, 1, -1, 1)
 
+        eb = self.engine_block
+        # A tile with no power-of-two engine block runs on the torch backend only; on the
+        # Triton path the public entry refuses it (naming block_size) before any launch.
+        internal = bool(eb & (eb - 1)) and resolve_backend(device) == "torch"
+        scale = softmax_scale(self.scale, d)
+
         def attend(idx, cnt):
             c = idx.shape[1]
             # Candidates are engine heads; expand shares q/k/v memory across them. Key-block
             # sizes are always passed: besides masking padding, they keep the engine on its
             # generic-stride kernel, which accepts the zero strides of the expanded inputs.
-            o = block_sparse_attn(
-                q_sel.expand(-1, c, -1, -1),
-                kt.expand(-1, c, -1, -1),
-                vt.expand(-1, c, -1, -1),
-                idx,
-                cnt,
-                block_size=self.engine_block,
-                kv_block_sizes=sizes,
-                scale=self.scale,
-            )
+            args = (q_sel.expand(-1, c, -1, -1), kt.expand(-1, c, -1, -1),
+                    vt.expand(-1, c, -1, -1), idx, cnt)  # fmt: skip
+            if internal:
+                # The public entry takes powers of two only (on every backend); the torch
+                # reference takes any block, through the internal entry (these lists are the
+                # objective's own, valid by construction).
+                o, _ = block_sparse_attn_unchecked(
+                    *args, block_q=eb, block_kv=eb, kv_block_sizes=sizes, scale=scale
+                )
+            else:
+                o = block_sparse_attn(*args, block_size=eb, kv_block_sizes=sizes, scale=scale)
             return o.masked_fill_(pad_rows, 0)  # padding query rows do not count
 
         ref = attend(dense_idx, dense_cnt)  # [BH, 1, Sq, D]

@@ -7,6 +7,7 @@ field). Version 1::
     {
       "format": "vidsparse-psa-plan",
       "version": 1,
+      "checksum": "sha256:4be1...",                  optional: of every other field (below)
       "model": "wan2.1-t2v-1.3b",                     free string, checked by expect_model
       "transformer": "transformer_2",                optional: the pipeline member searched
       "grid": {"shape": [21, 30, 52], "tile": [4, 4, 4], "block_grid": [6, 8, 13]},
@@ -31,27 +32,40 @@ bucket's calibration samples. ``Plan.specs_for(step, layer)`` gives the specs to
 ``spatial_unit="block"`` (row-unit specs are converted exactly for the plan's grid).
 
 ``save_plan`` writes atomically: a temporary file in the target folder, then ``os.replace``;
-on any error the previous file is left as it was and no temporary file remains.
+on any error the previous file is left as it was and no temporary file remains (and the
+temporaries that an interrupted save left behind are removed by the next save of that file).
+
+**Integrity.** ``save_plan`` writes a ``checksum``: the SHA-256 of the canonical JSON of every
+other field (keys sorted, no spaces), so a flipped byte that would load as other numbers is
+refused (``ValueError``). Files without one (written before checksums, or by hand: delete the
+field after editing a plan) load unverified, with a logged note. Integers are bounded as the
+grids they describe are (``MAX_GRID_EXTENT`` for stripe fields, ``2**31 - 1`` for counts);
+``load_plan`` refuses files over ``MAX_PLAN_BYTES`` and nesting its parser cannot follow.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import os
+import re
+import reprlib
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from vidsparse.layout.grid import VideoGrid
-from vidsparse.masks.stripe import SPATIAL_UNITS, StripeSpec
+from vidsparse.masks.stripe import MAX_GRID_EXTENT, SPATIAL_UNITS, StripeSpec
 from vidsparse.search.candidates import Candidate
 from vidsparse.utils.files import atomic_write
 
 __all__ = [
     "PLAN_FORMAT",
     "PLAN_VERSION",
+    "MAX_PLAN_BYTES",
+    "plan_checksum",
     "HeadChoice",
     "PlanBucket",
     "Plan",
@@ -63,6 +77,14 @@ __all__ = [
 PLAN_FORMAT = "vidsparse-psa-plan"
 PLAN_VERSION = 1
 SELECTION_MODES = ("alpha", "target")
+# The largest plan file load_plan reads: a plan of 60 layers x 48 heads x 100 step buckets is
+# ~60 MB; a bigger file is no plan (and would take its size in memory many times over).
+MAX_PLAN_BYTES = 256 << 20
+# Bound of the plan's counts (heads, steps, layers, candidates, samples): int32, as elsewhere.
+_MAX_COUNT = 2**31 - 1
+_CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
+
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,6 +338,28 @@ def _field_error(path: str, message: str) -> ValueError:
     return ValueError(f"plan field '{path}': {message}")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong = 40
+
+
+def _short(value) -> str:
+    """``repr`` cut to a line (a hostile file's value may be megabytes long, or deeply nested)."""
+    return _REPR.repr(value)
+
+
+def _short_text(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def plan_checksum(data: dict[str, Any]) -> str:
+    """``"sha256:<hex>"`` of a plan's fields other than ``checksum``, as canonical JSON (sorted
+    keys, no spaces, ASCII): what ``save_plan`` writes and ``load_plan`` checks."""
+    body = {k: v for k, v in data.items() if k != "checksum"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
 def _type_name(value) -> str:
     return "null" if value is None else type(value).__name__
 
@@ -331,6 +375,7 @@ class _PlanReader:
         self.expect_grid = expect_grid
         self.expect_model = expect_model
         self._specs: dict[tuple, StripeSpec] = {}
+        self.checksummed = False  # set by read()
 
     # ---- primitives ----------------------------------------------------------------------
 
@@ -350,17 +395,21 @@ class _PlanReader:
         return value
 
     @staticmethod
-    def int_(value, path: str, lo: int | None = None) -> int:
+    def int_(value, path: str, lo: int | None = None, hi: int = _MAX_COUNT) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _field_error(path, f"expected an integer, got {_type_name(value)} {value!r}")
+            raise _field_error(
+                path, f"expected an integer, got {_type_name(value)} {_short(value)}"
+            )
         if lo is not None and value < lo:
-            raise _field_error(path, f"must be >= {lo}, got {value}")
+            raise _field_error(path, f"must be >= {lo}, got {_short(value)}")
+        if value > hi:
+            raise _field_error(path, f"must be <= {hi}, got {_short(value)}")
         return value
 
     @staticmethod
     def float_(value, path: str, lo: float | None = None, hi: float | None = None) -> float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _field_error(path, f"expected a number, got {_type_name(value)} {value!r}")
+            raise _field_error(path, f"expected a number, got {_type_name(value)} {_short(value)}")
         value = float(value)
         if not math.isfinite(value):
             raise _field_error(path, f"must be finite, got {value}")
@@ -371,7 +420,7 @@ class _PlanReader:
     @staticmethod
     def str_(value, path: str) -> str:
         if not isinstance(value, str):
-            raise _field_error(path, f"expected a string, got {_type_name(value)} {value!r}")
+            raise _field_error(path, f"expected a string, got {_type_name(value)} {_short(value)}")
         return value
 
     @staticmethod
@@ -383,8 +432,9 @@ class _PlanReader:
     def ints3(self, value, path: str) -> tuple[int, int, int]:
         value = self.list_(value, path)
         if len(value) != 3:
-            raise _field_error(path, f"expected 3 integers, got {value!r}")
-        return tuple(self.int_(v, f"{path}[{i}]", lo=1) for i, v in enumerate(value))
+            raise _field_error(path, f"expected 3 integers, got {_short(value)}")
+        hi = MAX_GRID_EXTENT
+        return tuple(self.int_(v, f"{path}[{i}]", lo=1, hi=hi) for i, v in enumerate(value))
 
     # ---- sections ------------------------------------------------------------------------
 
@@ -402,7 +452,7 @@ class _PlanReader:
         if isinstance(version, bool) or not isinstance(version, int) or version != PLAN_VERSION:
             raise _field_error(
                 "version",
-                f"unsupported plan version {version!r}; this vidsparse reads version "
+                f"unsupported plan version {_short(version)}; this vidsparse reads version "
                 f"{PLAN_VERSION} (re-run `vidsparse search` to regenerate the plan)",
             )
         keys = (
@@ -418,7 +468,14 @@ class _PlanReader:
             "search",
             "buckets",
         )
-        self.obj(data, "<root>", keys, optional=("transformer",))
+        self.obj(data, "<root>", keys, optional=("transformer", "checksum"))
+        checksum = data.get("checksum")
+        if checksum is not None and not (
+            isinstance(checksum, str) and _CHECKSUM.fullmatch(checksum)
+        ):
+            raise _field_error(
+                "checksum", f"expected 'sha256:' and 64 hex digits, got {_short(checksum)}"
+            )
         model = self.str_(data["model"], "model")
         transformer = data.get("transformer")
         if transformer is not None:
@@ -439,6 +496,14 @@ class _PlanReader:
         selection = self.selection(data["selection"])
         search = self.search(data["search"])
         buckets = self.buckets(data["buckets"], num_heads, num_steps, dense_steps, units)
+        # Last: every field is checked (and nests as a plan does), so the canonical dump is safe.
+        self.checksummed = checksum is not None
+        if checksum is not None and plan_checksum(data) != checksum:
+            raise _field_error(
+                "checksum",
+                "does not match the plan's content: the file is corrupted (or was edited by "
+                "hand: delete the checksum field to load an edited plan unverified)",
+            )
         return Plan(
             model=model,
             grid=grid,
@@ -457,6 +522,12 @@ class _PlanReader:
         shape = self.ints3(value["shape"], "grid.shape")
         tile = self.ints3(value["tile"], "grid.tile")
         grid = VideoGrid(shape, tile)
+        if grid.num_tiles > MAX_GRID_EXTENT:
+            raise _field_error(
+                "grid.shape",
+                f"{list(shape)} in tiles {list(tile)} is {grid.num_tiles} blocks, more than "
+                f"MAX_GRID_EXTENT = {MAX_GRID_EXTENT}",
+            )
         block_grid = self.ints3(value["block_grid"], "grid.block_grid")
         if block_grid != grid.tiles:
             raise _field_error(
@@ -478,19 +549,23 @@ class _PlanReader:
         for i, u in enumerate(value):
             if u not in SPATIAL_UNITS:
                 raise _field_error(
-                    f"spatial_units[{i}]", f"expected one of {SPATIAL_UNITS}, got {u!r}"
+                    f"spatial_units[{i}]", f"expected one of {SPATIAL_UNITS}, got {_short(u)}"
                 )
         if not value or len(set(value)) != len(value):
-            raise _field_error("spatial_units", f"expected distinct units, got {value!r}")
+            raise _field_error("spatial_units", f"expected distinct units, got {_short(value)}")
         return tuple(value)
 
     def selection(self, value) -> dict[str, Any]:
         value = self.obj(value, "selection", ("mode", "alpha", "target_sparsity", "metric"))
         mode = value["mode"]
         if mode not in SELECTION_MODES:
-            raise _field_error("selection.mode", f"expected one of {SELECTION_MODES}, got {mode!r}")
+            raise _field_error(
+                "selection.mode", f"expected one of {SELECTION_MODES}, got {_short(mode)}"
+            )
         if value["metric"] != "rel_l2":
-            raise _field_error("selection.metric", f"expected 'rel_l2', got {value['metric']!r}")
+            raise _field_error(
+                "selection.metric", f"expected 'rel_l2', got {_short(value['metric'])}"
+            )
         alpha, target = value["alpha"], value["target_sparsity"]
         if mode == "alpha":
             alpha = self.float_(alpha, "selection.alpha", lo=0.0)
@@ -570,10 +645,18 @@ class _PlanReader:
             key = cached = None
         if cached is not None:
             return cached
+        if isinstance(value, dict):  # each field by its own path, with the StripeSpec bounds
+            for name, v in value.items():
+                if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_GRID_EXTENT:
+                    lo = -MAX_GRID_EXTENT if str(name).endswith("_offset") else 1
+                    raise _field_error(
+                        f"{path}.{name}",
+                        f"must lie in [{lo}, {MAX_GRID_EXTENT}] (MAX_GRID_EXTENT), got {_short(v)}",
+                    )
         try:
             spec = StripeSpec.from_dict(value)
         except (TypeError, ValueError) as exc:
-            raise _field_error(path, str(exc)) from None
+            raise _field_error(path, _short_text(str(exc))) from None
         if key is not None:
             self._specs[key] = spec
         return spec
@@ -585,7 +668,8 @@ class _PlanReader:
         unit = value["spatial_unit"]
         if unit not in units:
             raise _field_error(
-                f"{path}.spatial_unit", f"expected one of spatial_units {list(units)}, got {unit!r}"
+                f"{path}.spatial_unit",
+                f"expected one of spatial_units {list(units)}, got {_short(unit)}",
             )
         return HeadChoice(
             spec=spec,
@@ -607,6 +691,9 @@ def save_plan(plan: Plan, path: str | os.PathLike) -> None:
         raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
     data = plan.to_dict()
     Plan.from_dict(data)  # never write a file that load_plan would refuse
+    checksum = plan_checksum(data)
+    data = {"format": data.pop("format"), "version": data.pop("version"), "checksum": checksum,
+            **data}  # fmt: skip
     text = _plan_json(data)
     atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
@@ -643,10 +730,17 @@ def load_plan(
     """Read and strictly validate a plan file.
 
     ``expect_grid`` / ``expect_model``: refuse a plan made for another grid or model.
-    Raises ``ValueError`` naming the offending field (or saying the JSON is corrupt);
-    ``OSError`` if the file cannot be read.
+    Raises ``ValueError`` naming the offending field (or saying the JSON is corrupt, its
+    checksum does not match, or the file is larger than ``MAX_PLAN_BYTES``); ``OSError`` if the
+    file cannot be read. A file without a checksum loads with a logged note.
     """
-    text = Path(path).read_bytes()
+    with open(path, "rb") as f:
+        text = f.read(MAX_PLAN_BYTES + 1)  # never more: a hostile "file" may be endless
+    if len(text) > MAX_PLAN_BYTES:
+        raise ValueError(
+            f"plan file {str(path)!r} is larger than MAX_PLAN_BYTES = {MAX_PLAN_BYTES} bytes: "
+            "not a plan (corrupted?)"
+        )
     try:
         data = json.loads(text.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -655,4 +749,12 @@ def load_plan(
         raise ValueError(
             f"plan file {str(path)!r} nests too deeply to be a plan (corrupted?)"
         ) from None
-    return Plan.from_dict(data, expect_grid=expect_grid, expect_model=expect_model)
+    reader = _PlanReader(expect_grid, expect_model)
+    plan = reader.read(data)
+    if not reader.checksummed:
+        logger.info(
+            "plan file %r has no checksum (written by an older vidsparse, or edited by hand): "
+            "loaded unverified; save_plan writes one",
+            str(path),
+        )
+    return plan

@@ -5,11 +5,17 @@ Block lists are usually built once and used by many calls (every layer of a step
 of a plan, a forward and its backward); what is derived from them (a validation's verdict, the
 transposed lists, a rank's head slice) can be reused while the sources are unchanged. An entry
 is keyed by the sources' identity and checked against their version counters, so a source
-modified in place is derived again; a finalizer drops the entry when the first of its sources
+modified in place is derived again (as is one whose data pointer, shape or strides changed:
+``t.data = other``, ``t.set_(...)``); a finalizer drops the entry when the first of its sources
 is freed, so a new tensor at a recycled address never hits. Bypassed (``make`` runs every
 time, nothing is stored) while tracing for torch.compile (fake tensors), during CUDA-graph
 capture (the value would live in the graph's memory pool) and for inference tensors (they
 carry no version counter, so an in-place change could not be seen).
+
+Writes that bypass the version counter (through ``t.numpy()``, ``t.data[...] = ...``, DLPack)
+are not seen: callers that must not trust a stale value then ``discard`` the sources' entries
+(``block_sparse_attn(..., validate=True)`` does), and kernels stay memory-safe whatever the
+lists hold.
 """
 
 from __future__ import annotations
@@ -40,8 +46,10 @@ class TensorCache:
         return (name, *(None if t is None else id(t) for t in sources), *params)
 
     @staticmethod
-    def _versions(sources) -> tuple[int, ...]:
-        return tuple(t._version for t in sources if t is not None)
+    def _versions(sources) -> tuple:
+        return tuple(
+            (t._version, t.data_ptr(), tuple(t.shape), t.stride()) for t in sources if t is not None
+        )
 
     def contains(self, name: str, sources, params: tuple = ()) -> bool:
         """Whether a value for ``sources`` as they are now is stored (False when bypassed)."""
@@ -70,6 +78,12 @@ class TensorCache:
         value = make()
         self.put(name, sources, params, value)
         return value
+
+    def discard(self, sources) -> None:
+        """Drop every entry derived from any of ``sources`` (whatever its name and params)."""
+        ids = {id(t) for t in sources if t is not None}
+        for key in [k for k in self._entries if ids.intersection(k[1:])]:
+            del self._entries[key]
 
     def clear(self) -> None:
         self._entries.clear()

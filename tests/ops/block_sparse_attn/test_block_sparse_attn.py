@@ -280,10 +280,17 @@ def test_gpu_unpadded_batch_lists_noncontiguous(block):
 
 
 @pytest.mark.gpu
-def test_gpu_fp32_is_accurate():
+@pytest.mark.parametrize("block", GPU_BLOCKS)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_fp32_is_accurate(block, D, padded):
+    """fp32 at every block shape and head dim (128x128 at D=128 overflowed Hopper's shared
+    memory with the 16-bit configs' pipeline stages: configs.fit_fp32)."""
+    bq, bk = block
     _check_against_reference(
-        "cuda", torch.float32, 1, 1, 2, 256, 256, 64, 64, 64, density=0.5, padded=True, empty_rows=1
-    )
+        "cuda", torch.float32, 1, 1, 2, 512, 512, D, bq, bk, density=0.5, padded=padded,
+        empty_rows=1,
+    )  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -368,14 +375,14 @@ def test_derived_lists_are_cached_per_source_and_version():
     for got, want in zip(again, transpose_block_lists(idx, cnt, 8)):
         assert torch.equal(got, want)
     sizes = torch.tensor([4, 2, 4, 4, 0, 4, 1, 4], dtype=torch.int32)
-    reordered, full = cached_full_blocks_first(idx, cnt, sizes, 4)
+    reordered, full, counts = cached_full_blocks_first(idx, cnt, sizes, 4)
     assert cached_full_blocks_first(idx, cnt, sizes, 4)[0] is reordered
-    ref, ref_full = full_blocks_first_ref(idx, cnt, sizes, 4)
-    assert torch.equal(full, ref_full)
+    ref, ref_full, ref_counts = full_blocks_first_ref(idx, cnt, sizes, 4)
+    assert torch.equal(full, ref_full) and torch.equal(counts, ref_counts)
     live = torch.arange(idx.shape[-1]) < cnt[..., None]
     assert torch.equal(reordered[live], ref[live])
     before = len(derived_lists)
-    del idx, cnt, first, again, reordered, full
+    del idx, cnt, first, again, reordered, full, counts
     gc.collect()
     assert len(derived_lists) <= before - 3
 
@@ -496,12 +503,21 @@ def test_full_blocks_first_partitions_each_list_stably(index_dtype):
     idx = idx.to(index_dtype)
     sizes = torch.randint(0, bk + 1, (nk,), dtype=torch.int32)
     sizes[::3] = bk
-    got, got_full = full_blocks_first(idx, cnt, sizes, bk)
-    ref, ref_full = full_blocks_first_ref(idx, cnt, sizes, bk)
-    assert torch.equal(got_full, ref_full)
+    got, got_full, got_counts = full_blocks_first(idx, cnt, sizes, bk)
+    ref, ref_full, ref_counts = full_blocks_first_ref(idx, cnt, sizes, bk)
+    assert torch.equal(got_full, ref_full) and torch.equal(got_counts, cnt)
+    assert torch.equal(ref_counts, cnt)
     live = torch.arange(idx.shape[-1]) < cnt[..., None]
     assert torch.equal(got[live], ref[live])
     assert 0 < int(ref_full.sum()) < int(cnt.sum())  # both groups occur
+    # Lists no check saw: counts past K clamp, entries out of [0, NK) are dropped.
+    idx[0, 0, 5, 0], idx[1, 2, 7, 1], cnt[0, 1, 3] = nk, -3, 99
+    got, got_full, got_counts = full_blocks_first(idx, cnt, sizes, bk)
+    ref, ref_full, ref_counts = full_blocks_first_ref(idx, cnt, sizes, bk)
+    assert torch.equal(got_full, ref_full) and torch.equal(got_counts, ref_counts)
+    live = torch.arange(idx.shape[-1]) < ref_counts[..., None]
+    assert torch.equal(got[live], ref[live])
+    assert int(ref_counts[0, 1, 3]) <= idx.shape[-1]
 
 
 @pytest.mark.interpreter

@@ -72,11 +72,12 @@ def block_sparse_attn_bwd(
     q_keys = (desc(k, block_kv), desc(v, block_kv)) if q_tma else (k, v)  # the dQ kernel's k, v
 
     q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
-    dq_lists, full = lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
-    sizes = kv_block_sizes if has_sizes else kv_counts  # dummy pointer when unused
+    dq_lists, dq_counts, full, checked = lists_full_first(kv_indices, kv_counts, kv_block_sizes,
+                                                          block_kv)  # fmt: skip
+    sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
-    list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(kv_counts))
+    list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   IEEE_DOT=q.dtype == torch.float32)  # fmt: skip
     scales = (scale * LOG2E, scale)
@@ -85,13 +86,13 @@ def block_sparse_attn_bwd(
         num_dq_programs = Sq // q_cfg.sub_m * B * H
         block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
             *kv_in, q, *q_keys, do, dq, dk, dv, lse2, delta,
-            q_offsets, q_indices, dq_lists, kv_counts, sizes, full, *broadcast_strides(full),
+            q_offsets, q_indices, dq_lists, dq_counts, sizes, full, *broadcast_strides(full),
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             *dq.stride(), *dk.stride(), *dv.stride(),
             *transposed_strides, *list_strides, *grad_hooks,
-            H, Sq, Sq // block_q, num_kv_blocks, B * H, *scales,
+            H, Sq, Sq // block_q, num_kv_blocks, B * H, dq_lists.shape[-1], *scales,
             SUB_M_DKDV=kv_cfg.sub_m, SUB_M_DQ=q_cfg.sub_m,
-            USE_TMA_DKDV=kv_tma, USE_TMA_DQ=q_tma, **common,
+            USE_TMA_DKDV=kv_tma, USE_TMA_DQ=q_tma, CHECK_LISTS=checked, **common,
             **kv_cfg.launch_kwargs(),
         )  # fmt: skip
         return dq, dk, dv
@@ -107,11 +108,11 @@ def block_sparse_attn_bwd(
     )  # fmt: skip
     block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
         q, *q_keys, do, dq, lse2, delta,
-        dq_lists, kv_counts, sizes, full, *broadcast_strides(full),
+        dq_lists, dq_counts, sizes, full, *broadcast_strides(full),
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *list_strides, *grad_hooks,
-        H, Sq, *scales,
-        SUB_M=q_cfg.sub_m, USE_TMA=q_tma, **common,
+        H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
+        SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **common,
         **q_cfg.launch_kwargs(),
     )  # fmt: skip
     return dq, dk, dv
@@ -135,10 +136,11 @@ def _configs(q, k, v, do, kv_block_sizes, block_q, block_kv, padding_finite):
     dK/dV kernel reads q, do (its loop's tiles) and k, v by TMA or all by pointers; the dQ
     kernel reads k, v (its loop's) by TMA or not."""
     target, D, masked = target_of(q.device), q.shape[-1], kv_block_sizes is not None
+    fp32 = q.dtype == torch.float32
     keys_by_tma = tma_reads_keys(q.dtype, kv_block_sizes, padding_finite) and tma_compatible(k, v)
-    kv_cfg = configs.lookup(target, "bwd_dkdv", block_q, block_kv, D, masked)
+    kv_cfg = configs.lookup(target, "bwd_dkdv", block_q, block_kv, D, masked, fp32)
     kv_cfg, kv_tma = kv_cfg.for_inputs(keys_by_tma and tma_compatible(q, do), block_q)
-    q_cfg = configs.lookup(target, "bwd_dq", block_q, block_kv, D, masked)
+    q_cfg = configs.lookup(target, "bwd_dq", block_q, block_kv, D, masked, fp32)
     q_cfg, q_tma = q_cfg.for_inputs(keys_by_tma, block_q)
     return kv_cfg, kv_tma, q_cfg, q_tma
 

@@ -130,6 +130,21 @@ HOPPER = {
     ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),
     ("bwd_dq_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=64),
 }
+# Every NVIDIA GPU that is not a Hopper (Ampere sm_80, Ada, Blackwell sm_100, ...): the Triton
+# pointer kernels, no TMA, no Gluon. Compile-checked for cuda:100 with Triton 3.6 and 3.8
+# (spill-free; tests/compile/), not timed: 128-row forward blocks take 8 warps (4 spill
+# 84-3,608 bytes, the S and O tiles of 128 rows in 128 threads' registers), one stage with
+# key-block sizes at 128x128 (two spill 280 B on 3.8); 64x64 with sizes three stages (two
+# spill 16 B on 3.8); the masked 128x128 backward 8 warps of 64-row steps (4 spill 8-60 B).
+# (A table of its own, ahead of NVIDIA_GENERIC: its masked rows must not reach a Hopper, whose
+# lookup would take them over its own plain rows.)
+NVIDIA_NON_HOPPER = {
+    ("fwd", 128, "*", "*"): KernelConfig(8, 2),
+    ("fwd_masked", 128, 128, "*"): KernelConfig(8, 1),
+    ("fwd_masked", 64, 64, "*"): KernelConfig(4, 3),
+    ("bwd_dkdv_masked", 128, 128, "*"): KernelConfig(8, 1, sub_m=64),
+    ("bwd_dq_masked", 128, 128, "*"): KernelConfig(8, 1, sub_m=64),
+}
 NVIDIA_GENERIC = {
     ("fwd", "*", "*", "*"): KernelConfig(4, 2),
     ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
@@ -161,7 +176,7 @@ def _tables_for(target: Target) -> list[dict]:
         return [AMD_CDNA]
     if target.is_hopper:
         return [HOPPER, NVIDIA_GENERIC]
-    return [NVIDIA_GENERIC]
+    return [NVIDIA_NON_HOPPER, NVIDIA_GENERIC]
 
 
 def _table_lookup(target, kernel, block_q, block_kv, head_dim, masked) -> KernelConfig:
@@ -214,13 +229,33 @@ def active_overrides() -> Overrides:
 
 
 def lookup(
-    target: Target, kernel: str, block_q: int, block_kv: int, head_dim: int, masked: bool = False
+    target: Target,
+    kernel: str,
+    block_q: int,
+    block_kv: int,
+    head_dim: int,
+    masked: bool = False,
+    fp32: bool = False,
 ) -> KernelConfig:
     """The config of ``kernel`` ("fwd", "bwd_dkdv" or "bwd_dq"); ``masked`` when key-block sizes
-    mask padding keys. Backward configs come with ``sub_m`` dividing ``block_q``."""
+    mask padding keys; ``fp32`` for fp32 inputs (``fit_fp32``). Backward configs come with
+    ``sub_m`` dividing ``block_q``."""
     chosen = getattr(_active, kernel)
     cfg = chosen or _table_lookup(target, kernel, block_q, block_kv, head_dim, masked)
+    if fp32 and not chosen:
+        cfg = fit_fp32(cfg)
     return cfg if kernel == "fwd" else fit_sub_m(cfg, block_q)
+
+
+def fit_fp32(cfg: KernelConfig) -> KernelConfig:
+    """The tables' configs are for 16-bit inputs; fp32 tiles take twice the shared memory, and
+    the pipelines of 128-row blocks then overflow Hopper's 227 KB (forward 128x128 at D=128:
+    262 KB with its 3 stages; dQ: 320 KB). fp32 takes one stage and backward steps of at most
+    64 rows (196 KB at 128x128, compiled for cuda:90). It is the exact path (IEEE dots), not a
+    fast one, so nothing is lost that a benchmark measures."""
+    step = None if cfg.sub_m is None else min(cfg.sub_m, 64)
+    pointer_step = None if cfg.pointer_sub_m is None else min(cfg.pointer_sub_m, 64)
+    return replace(cfg, num_stages=1, sub_m=step, pointer_sub_m=pointer_step)
 
 
 def gluon_options() -> GluonOptions:

@@ -8,6 +8,9 @@ inputs with padding keys take it only where the caller vouches them finite.
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 
 from vidsparse.ops.block_sparse_attn import configs
@@ -46,8 +49,10 @@ def block_sparse_attn_fwd(
     values, so the TMA kernels may read them (their scores are masked)."""
     B, H, Sq, D = q.shape
     masked = kv_block_sizes is not None
-    cfg = configs.lookup(target_of(q.device), "fwd", block_q, block_kv, D, masked)
-    kv_indices, full = lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
+    cfg = configs.lookup(target_of(q.device), "fwd", block_q, block_kv, D, masked,
+                         fp32=q.dtype == torch.float32)  # fmt: skip
+    kv_indices, kv_counts, full, checked = lists_full_first(kv_indices, kv_counts, kv_block_sizes,
+                                                            block_kv)  # fmt: skip
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     fns = epilogue.fns()
     tma_possible = tma_reads_keys(q.dtype, kv_block_sizes, padding_finite)
@@ -71,14 +76,15 @@ def block_sparse_attn_fwd(
     lists = (kv_indices, kv_counts, sizes, full, *broadcast_strides(full))
     hook = (fns.forward.fn, epilogue.forward_args(call))
     grid = (Sq // block_q, B * H)
+    bounds = (k.shape[2] // block_kv, kv_indices.shape[-1])  # NK, K: the kernels' memory safety
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=masked,
-                  **cfg.launch_kwargs())  # fmt: skip
+                  CHECK_LISTS=checked, **cfg.launch_kwargs())  # fmt: skip
     if use_tma:
         desc = tensor_descriptor
         block_sparse_attn_fwd_tma_kernel[grid](
             desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
             *lists, *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
-            *hook, H, Sq, scale * LOG2E,
+            *hook, H, Sq, *bounds, scale * LOG2E,
             WARP_SPECIALIZE=cfg.warp_specialize, **common,
         )  # fmt: skip
         return o, lse
@@ -86,13 +92,45 @@ def block_sparse_attn_fwd(
         q, k, v, o, lse, *lists,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
-        *hook, H, Sq, scale * LOG2E,
+        *hook, H, Sq, *bounds, scale * LOG2E,
         IEEE_DOT=q.dtype == torch.float32, **common,
     )  # fmt: skip
     return o, lse
 
 
 def _gluon_fits(q, k, v, block_q, block_kv) -> bool:
-    from vidsparse.ops.block_sparse_attn.fwd_sm90 import gluon_fits
+    launcher = _gluon_launcher()
+    return launcher is not None and launcher.gluon_fits(q, k, v, block_q, block_kv)
 
-    return gluon_fits(q, k, v, block_q, block_kv)
+
+# The Tritons whose Gluon API the Hopper forward is written for (compile-checked on 3.6 and 3.8:
+# tests/ops/block_sparse_attn/test_gluon_fwd.py). Gluon is experimental and moves: Triton 3.9
+# removed tma.async_copy_shared_to_global, which the kernel's epilogue stores with.
+GLUON_TRITONS = ((3, 6), (3, 8))
+
+
+@functools.cache
+def _gluon_launcher():
+    """The Gluon launcher (``fwd_sm90.py``), or None where this Triton's Gluon API is not the
+    one it is written for (``GLUON_TRITONS``, or the launcher does not import). Then the
+    Triton TMA kernel runs instead, and the log says why, once."""
+    from vidsparse.utils.device import triton_version
+
+    version = triton_version()
+    shown = ".".join(map(str, version)) if version else "?"
+    reason = None
+    if version is None or not GLUON_TRITONS[0] <= version <= GLUON_TRITONS[-1]:
+        span = "-".join(".".join(map(str, v)) for v in GLUON_TRITONS)
+        reason = f"it is written for the Gluon API of Triton {span}"
+    else:
+        try:
+            return importlib.import_module("vidsparse.ops.block_sparse_attn.fwd_sm90")
+        except (ImportError, AttributeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+    import logging
+
+    logging.getLogger("vidsparse").warning(
+        "vidsparse: the Hopper Gluon forward is off with Triton %s (%s); the Triton TMA kernel "
+        "runs instead", shown, reason,
+    )  # fmt: skip
+    return None

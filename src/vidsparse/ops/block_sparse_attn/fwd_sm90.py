@@ -66,7 +66,8 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
         kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
     args = (*_descriptors(q, k, v, o, block_kv), lse, kv_indices, kv_counts, sizes, full,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
-            *broadcast_strides(full), *hook, H, Sq, k.shape[2], nq, scale * LOG2E)  # fmt: skip
+            *broadcast_strides(full), *hook, H, Sq, k.shape[2], nq, kv_indices.shape[-1],
+            scale * LOG2E)  # fmt: skip
     opts = (options or configs.gluon_options()).as_kwargs()
     kwargs = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   **opts, num_warps=4)  # fmt: skip

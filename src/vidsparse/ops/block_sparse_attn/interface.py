@@ -8,6 +8,8 @@ declared epilogue (``epilogue.py``). Both pick a backend (``VIDSPARSE_BACKEND``)
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from vidsparse.masks.block_sparse import validate_block_lists
@@ -29,6 +31,7 @@ from vidsparse.ops.block_sparse_attn.reference import (
 )
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import (
+    bshd_hint,
     check_bool,
     check_head_dim,
     check_positive_int,
@@ -50,6 +53,7 @@ def block_sparse_attn(
     kv_block_sizes: torch.Tensor | None = None,
     scale: float | None = None,
     return_lse: bool = False,
+    validate: bool = False,
 ):
     """Attention of each query block over its own list of key blocks.
 
@@ -67,22 +71,38 @@ def block_sparse_attn(
         kv_indices: int32 ``[B or 1, H, Sq // block_q, K]``; the first ``kv_counts`` entries of
             each row are read and must be distinct key-block indices.
         kv_counts: int32 ``[B or 1, H, Sq // block_q]``, each in ``[0, K]``.
-        block_size: ``block`` or ``(block_q, block_kv)``; ``Sq % block_q == Skv % block_kv == 0``.
+        block_size: ``block`` or ``(block_q, block_kv)``, powers of two (the Triton kernels'
+            tile widths; checked on every backend); ``Sq % block_q == Skv % block_kv == 0``.
         kv_block_sizes: optional int32 ``[Skv // block_kv]``: real keys at the start of each key
             block; the rest are padding and get no weight, whatever they hold (NaN too).
         scale: softmax scale, default ``1 / sqrt(D)``.
         return_lse: also return the fp32 natural-log log-sum-exp ``[B, H, Sq]``.
+        validate: check the lists' values even if these tensors passed before unchanged.
 
-    Returns ``o`` (q's dtype), or ``(o, lse)``. Differentiable in q, k, v.
+    Returns ``o`` (q's dtype), or ``(o, lse)``. Differentiable in q, k, v. Empty problems
+    (``B``, ``H`` or ``Sq`` of 0) give empty results; ``Skv = 0`` needs every count 0 (o = 0,
+    lse = -inf), the same on every backend.
+
+    **List checks and memory safety.** The lists' values (counts in ``[0, K]``, entries in
+    ``[0, Skv // block_kv)``, distinct) are checked once per list tensor (a GPU sync), and
+    again when the tensor changes in place (its version counter), or its data pointer, shape or
+    strides change. Writes that bypass the version counter (through ``.numpy()``, ``.data``,
+    DLPack) are not seen: pass ``validate=True`` after such writes. Lists that escape the check
+    are still memory-safe: every kernel clamps counts to ``K`` and never reads or writes out
+    of bounds for an entry out of range, which contributes nothing (the torch path and the
+    Triton kernels skip it; the Hopper Gluon forward, on lists without ``kv_block_sizes``,
+    reads a clamped block instead); the result is then unspecified, but no fault.
     """
     block_q, block_kv = _normalize_block_size(block_size)
-    device = _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
+    check_bool("validate", validate)
+    device = _validate(
+        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, force=validate
+    )
     check_bool("return_lse", return_lse)
     scale = softmax_scale(scale, q.shape[-1])
     backend = resolve_backend(device)
     if backend == "triton":
         check_triton_supported(q)
-        check_triton_blocks(block_q, block_kv)
     o, lse = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         False, NO_EPILOGUE.name, *padded_tensors(NO_EPILOGUE),
@@ -124,16 +144,21 @@ def block_sparse_attn_unchecked(
 
 
 def _normalize_block_size(block_size) -> tuple[int, int]:
+    """``(block_q, block_kv)``: positive powers of two on every backend (the Triton kernels'
+    tile widths), so that an input runs on the torch path only if it runs on the Triton one."""
     if isinstance(block_size, int) and not isinstance(block_size, bool):
         block_size = (block_size, block_size)
     if not isinstance(block_size, (tuple, list)) or len(block_size) != 2:
         raise TypeError(f"block_size must be an int or (block_q, block_kv), got {block_size!r}")
-    return check_positive_int("block_size", block_size[0]), check_positive_int(
-        "block_size", block_size[1]
-    )
+    block_q = check_positive_int("block_size", block_size[0])
+    block_kv = check_positive_int("block_size", block_size[1])
+    check_triton_blocks(block_q, block_kv)
+    return block_q, block_kv
 
 
-def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv) -> torch.device:
+def _validate(
+    q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, *, force: bool = False
+) -> torch.device:
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, x, ndim=4, dtypes=REFERENCE_DTYPES)
     if not (q.dtype == k.dtype == v.dtype):
@@ -155,8 +180,9 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
         raise ValueError(f"k must be [B={B}, H={H}, Skv, D={D}] to match q, got {tuple(k.shape)}")
     Skv = k.shape[2]
     if Sq % block_q:
+        hint = bshd_hint("q", q) if Sq < H and not H % block_q else ""  # [B, S, H, D]?
         raise ValueError(
-            f"q's sequence length {Sq} is not a multiple of block_q={block_q} (block_size)"
+            f"q's sequence length {Sq} is not a multiple of block_q={block_q} (block_size)" + hint
         )
     if Skv % block_kv:
         raise ValueError(
@@ -165,9 +191,12 @@ def _validate(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv)
     num_kv_blocks = Skv // block_kv
     # Value checks read the lists back (a GPU sync); do them once per list tensor and version.
     lists, params = (kv_indices, kv_counts, kv_block_sizes), (num_kv_blocks, block_kv)
-    check_values = not torch.compiler.is_compiling() and not _values_checked.contains(
-        "valid", lists, params
+    check_values = not torch.compiler.is_compiling() and (
+        force or not _values_checked.contains("valid", lists, params)
     )
+    derived = sys.modules.get("vidsparse.ops.block_sparse_attn.lists")  # imports Triton
+    if force and derived is not None:  # lists derived from these (reordered, transposed) too
+        derived.forget_derived(lists)
     validate_block_lists(
         kv_indices,
         kv_counts,
@@ -216,13 +245,13 @@ def check_triton_supported(q: torch.Tensor) -> None:
 
 def check_triton_blocks(block_q: int, block_kv: int) -> None:
     """Refuse, before any launch, block sizes the Triton kernels cannot tile (``tl.arange``
-    widths are powers of two). The video ops check their tile volume instead
-    (``check_triton_tile``)."""
+    widths are powers of two): ``block_sparse_attn`` checks it on every backend. The video ops
+    check their tile volume on the Triton path instead (``check_triton_tile``)."""
     for block in (block_q, block_kv):
         if block & (block - 1):
             raise ValueError(
-                f"block_size must be a power of two on the Triton path, got (block_q, block_kv)"
-                f" = ({block_q}, {block_kv}); set VIDSPARSE_BACKEND=torch for other sizes"
+                f"block_size must be a power of two (the Triton kernels' tile widths, checked"
+                f" on every backend), got (block_q, block_kv) = ({block_q}, {block_kv})"
             )
 
 
@@ -250,6 +279,9 @@ def _block_sparse_attn_fwd_op(
     e3: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ep = epilogue_from(epilogue, (e0, e1, e2, e3))
+    if _nothing_to_attend(q, k, block_kv, epilogue):
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+        return torch.zeros_like(q), lse
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
@@ -296,6 +328,8 @@ def _block_sparse_attn_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none."""
     ep = epilogue_from(epilogue, (e0, e1, e2, e3))
+    if _nothing_to_attend(q, k, block_kv, epilogue):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _slots((), do)
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
 
@@ -307,6 +341,13 @@ def _block_sparse_attn_bwd_op(
         dq, dk, dv = _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes,
                                      block_q, block_kv, scale, ep)  # fmt: skip
     return dq, dk, dv, _slots(ep.gradients(), do)
+
+
+def _nothing_to_attend(q, k, block_kv, epilogue: str) -> bool:
+    """An empty output (B, H or Sq of 0) or no key block (Skv = 0, every count 0, as the
+    public entry checked): o = 0, lse = -inf and zero gradients on every backend, no launch.
+    Without an epilogue only (the internal callers never pass empty inputs)."""
+    return epilogue == NO_EPILOGUE.name and (q.numel() == 0 or k.shape[2] // block_kv == 0)
 
 
 def _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,

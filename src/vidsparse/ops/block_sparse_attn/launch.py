@@ -43,15 +43,20 @@ def tensor_descriptor(x: torch.Tensor, rows: int):
 
 
 def lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv):
-    """``(lists, full counts)`` for the kernels' two walks: without key-block sizes the lists
-    as given (every block full; ``kv_counts`` stands in as a dummy), else reordered full
-    blocks first (``lists.full_blocks_first``). Tuning can turn the reorder off
-    (``configs.override(full_first=False)``): every block then takes the masked walk."""
+    """``(lists, counts, full counts, checked)`` for the kernels' two walks: without key-block
+    sizes the lists as given (every block full; ``kv_counts`` stands in for the full counts),
+    else reordered full blocks first (``lists.full_blocks_first``), with their own counts.
+    ``checked``: the kernels must check each entry and count against the bounds (the caller's
+    lists, which a write behind the validation's back may have spoiled); the reordered lists
+    are valid by construction, so the kernels walk them as they are. Tuning can turn the
+    reorder off (``configs.override(full_first=False)``): every block then takes the masked
+    walk."""
     if kv_block_sizes is None:
-        return kv_indices, kv_counts
+        return kv_indices, kv_counts, kv_counts, True
     if not configs.active_overrides().full_first:
-        return kv_indices, torch.zeros_like(kv_counts, dtype=torch.int32)
-    return cached_full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
+        return kv_indices, kv_counts, torch.zeros_like(kv_counts, dtype=torch.int32), True
+    lists, full, counts = cached_full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
+    return lists, counts, full, False
 
 
 def int32_contiguous(x: torch.Tensor) -> torch.Tensor:

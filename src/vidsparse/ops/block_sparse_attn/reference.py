@@ -65,6 +65,9 @@ class _ChunkPlan:
         idx = kv_indices.long().expand(B, H, self.NQ, K)
         counts = kv_counts.long().expand(B, H, self.NQ)
         slot_ok = torch.arange(K, device=q.device) < counts[..., None]  # [B, H, NQ, K]
+        # An entry out of [0, NK) (lists changed behind the validation's back) contributes
+        # nothing, as in the kernels: never an index error.
+        slot_ok = slot_ok & (idx >= 0) & (idx < self.NK)
         self.idx = torch.where(slot_ok, idx, torch.zeros_like(idx))
         # A key is live if its slot is within the count and it is a real (non-padding) token.
         key_ok = slot_ok[..., None].expand(B, H, self.NQ, K, block_kv)  # [B, H, NQ, K, bk]

@@ -9,12 +9,18 @@ program runs the same ``_dkdv_program`` / ``_dq_program`` in either launch, so b
 the same bits. The softmax scale stays an fp32 multiplier on fp32 scores: K is never
 pre-scaled in low precision. The declared epilogue's backward hooks run in the preprocess
 (``PROLOGUE``) and on the finished gradients (``DQ_EPILOGUE``, ``DKDV_EPILOGUE``).
+
+Memory safety as in the forward: on the caller's own lists (``CHECK_LISTS``) dQ clamps counts
+to ``K`` and gives an entry out of ``[0, NK)`` no weight (it reads block 0); lists reordered
+full blocks first are valid by construction; the transposed lists of dK/dV leave such entries
+out (``masks.block_sparse.transpose_block_lists``).
 """
 
 import triton
 import triton.language as tl
 
 from vidsparse.ops.block_sparse_attn.kernels.common import num_full_blocks
+from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
 
 
 @triton.jit
@@ -203,17 +209,24 @@ def block_sparse_attn_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
+def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi, NK, b, h,
              offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
              stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-             IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
-    """dQ over list entries ``[lo, hi)``; ``MASKED``: the blocks may end in padding keys."""
+             IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+    """dQ over list entries ``[lo, hi)``; ``MASKED``: the blocks may end in padding keys;
+    ``CHECK``: entries may be out of range."""
     for j in range(lo, hi):
         kv_block = tl.load(idx_row + j * stride_ik)
+        ok = True
+        if CHECK:
+            kv_block, ok = key_block_in_range(kv_block, NK)
         real = offs_n < BLOCK_N  # [BN]
         if MASKED:
-            real = offs_n < tl.load(KV_SIZES + kv_block)
+            if CHECK:
+                real = offs_n < tl.where(ok, tl.load(KV_SIZES + kv_block), 0)
+            else:
+                real = offs_n < tl.load(KV_SIZES + kv_block)
         k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
                           stride_kb, stride_kh, stride_ks, stride_kd,
                           stride_vb, stride_vh, stride_vs, stride_vd,
@@ -224,7 +237,10 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
         else:
             qk = tl.dot(q, tl.trans(k))  # [SUB_M, BN]
             dp = tl.dot(do, tl.trans(v))  # [SUB_M, BN]
-        p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+        if CHECK and not MASKED:  # an entry out of range: subtract +inf, p = 0 (per row)
+            p = tl.math.exp2(qk * qk_scale - tl.where(ok, lse2, float("inf"))[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse2[:, None])
         if MASKED:
             p = tl.where(real[None, :], p, 0.0)
         ds = p * (dp - delta[:, None])
@@ -249,10 +265,11 @@ def _dq_program(
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
     DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
-    H, Sq,
+    H, Sq, NK, K_WIDTH,  # key blocks and list width: bounds of every entry and count
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
 ):  # fmt: skip
     """dQ of query rows ``[pid * SUB_M, (pid + 1) * SUB_M)`` of ``(batch, head) =
     divmod(pid_bh, H)``: the body of ``block_sparse_attn_bwd_dq_kernel``, a function so that
@@ -276,21 +293,23 @@ def _dq_program(
 
     idx_row = KV_IDX + b * stride_ib + h * stride_ih + q_block * stride_iq
     count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + q_block * stride_cq)
+    if CHECK_LISTS:
+        count = tl.minimum(count, K_WIDTH)
 
     dq = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
     # With key-block sizes the lists come full blocks first (lists.full_blocks_first): those
     # are walked without the padding mask, the partial ones after them with it.
     num_full = num_full_blocks(KV_FULL, b, h, q_block, stride_fb, stride_fh, stride_fq, count,
                                 HAS_KV_SIZES)  # fmt: skip
-    dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, 0, num_full, b, h,
+    dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, 0, num_full, NK, b, h,
                   offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
                   stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                  BLOCK_N, HEAD_DIM, False, IEEE_DOT, USE_TMA)  # fmt: skip
+                  BLOCK_N, HEAD_DIM, False, IEEE_DOT, USE_TMA, CHECK_LISTS)  # fmt: skip
     if HAS_KV_SIZES:
         dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, num_full,
-                      count, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+                      count, NK, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
                       stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                      BLOCK_N, HEAD_DIM, True, IEEE_DOT, USE_TMA)  # fmt: skip
+                      BLOCK_N, HEAD_DIM, True, IEEE_DOT, USE_TMA, CHECK_LISTS)  # fmt: skip
     dq = dq * scale
     dq = DQ_EPILOGUE(dq, b, h, q_block, (pid % NSUB) * SUB_M + tl.arange(0, SUB_M), offs_d,
                      *epilogue_args)  # fmt: skip
@@ -311,10 +330,11 @@ def block_sparse_attn_bwd_dq_kernel(
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
     DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
-    H, Sq,
+    H, Sq, NK, K_WIDTH,  # as in _dq_program
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    CHECK_LISTS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(Sq // SUB_M, B * H)``: one ``_dq_program`` per query sub-block."""
     _dq_program(
@@ -329,8 +349,8 @@ def block_sparse_attn_bwd_dq_kernel(
         stride_ib, stride_ih, stride_iq, stride_ik,
         stride_cb, stride_ch, stride_cq,
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
-        H, Sq, qk_scale, scale,
-        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA,
+        H, Sq, NK, K_WIDTH, qk_scale, scale,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA, CHECK_LISTS,
     )  # fmt: skip
 
 
@@ -353,12 +373,13 @@ def block_sparse_attn_bwd_fused_kernel(
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
     DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
-    H, Sq, NQ, NK, BH,
+    H, Sq, NQ, NK, BH, K_WIDTH,  # K_WIDTH: the lists' width (bound of every count)
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_M_DKDV: tl.constexpr, SUB_M_DQ: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
     USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr,
+    CHECK_LISTS: tl.constexpr,  # the dQ half reads the caller's own lists (see _dq_program)
 ):  # fmt: skip
     """Both gradient kernels in one launch, grid ``(NK * B * H + Sq // SUB_M_DQ * B * H,)``.
 
@@ -402,6 +423,6 @@ def block_sparse_attn_bwd_fused_kernel(
             stride_ib, stride_ih, stride_iq, stride_ik,
             stride_cb, stride_ch, stride_cq,
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
-            H, Sq, qk_scale, scale,
-            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DQ,
+            H, Sq, NK, K_WIDTH, qk_scale, scale,
+            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DQ, CHECK_LISTS,
         )  # fmt: skip

@@ -5,6 +5,13 @@ the key blocks listed for it with FlashAttention's online softmax in base 2 (``l
 folded into the scale). With key-block sizes the list comes full blocks first and is walked in
 two loops, the full blocks unmasked, then the partial ones masked. Before the one store of
 ``o`` the kernels call the declared epilogue (``../epilogue.py``).
+
+Memory safety whatever the lists hold (the public entry validates them, but a list written
+behind its validation's back is not seen): on the caller's own lists (``CHECK_LISTS``: no
+key-block sizes) counts are clamped to the lists' width ``K``, and an entry out of ``[0, NK)``
+reads block 0 and contributes nothing (a compare per entry and a few per-row selects). The
+lists reordered full blocks first (with key-block sizes) are valid by construction
+(``kernels/lists.py`` drops such entries) and walked unchecked, as before.
 """
 
 import triton
@@ -14,9 +21,11 @@ from vidsparse.ops.block_sparse_attn.kernels.common import num_full_blocks
 
 
 @triton.jit
-def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                         MASK_KEYS: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """One key block of the FlashAttention recurrence (base 2); ``real`` [BN] masks padding."""
+def _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
+                         MASK_KEYS: tl.constexpr, IEEE_DOT: tl.constexpr, CHECK: tl.constexpr):
+    """One key block of the FlashAttention recurrence (base 2); ``real`` [BN] masks padding.
+    ``CHECK``: ``ok`` False (an entry out of range) leaves m, l and acc as they were (with
+    ``MASK_KEYS`` through ``real``, all False then)."""
     if IEEE_DOT:
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
@@ -30,6 +39,11 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
         # A block of pure padding leaves the max at -inf: subtract 0 instead to avoid NaN.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(qk * qk_scale - m_sub[:, None])  # [BM, BN]
+    elif CHECK:
+        # An entry out of range keeps the max and subtracts +inf (p = 0): per-row selects only.
+        m_new = tl.where(ok, tl.maximum(m_i, tl.max(qk, 1) * qk_scale), m_i)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - tl.where(ok, m_sub, float("inf"))[:, None])  # [BM, BN]
     else:
         # scale > 0, so max(qk) * scale == max(qk * scale); the scaling fuses into one FMA.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
@@ -46,8 +60,26 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
 
 
 @triton.jit
-def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr):
+def key_block_in_range(kv_block, NK):
+    """``(block to read, whether the entry is in range)``: an entry out of ``[0, NK)`` reads
+    block 0 (always there) and must contribute nothing."""
+    ok = (kv_block >= 0) & (kv_block < NK)  # (NK may arrive as a constexpr 1: no casts on it)
+    return tl.where(ok, kv_block, 0), ok
+
+
+@triton.jit
+def _block_size(KV_SIZES, kv_block, ok, CHECK: tl.constexpr):
+    """Real keys of a listed block; 0 for an entry out of range (``CHECK``)."""
+    size = tl.load(KV_SIZES + kv_block)
+    if CHECK:
+        size = tl.where(ok, size, 0)
+    return size
+
+
+@triton.jit
+def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, ok, offs_n,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr,
+                   CHECK: tl.constexpr):
     """K, V tiles of one listed block by TMA, and the mask of its real keys [BN].
 
     TMA cannot mask rows, so padding keys are read: their scores are masked, and their values
@@ -55,49 +87,59 @@ def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
     k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
     v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
     if HAS_KV_SIZES:
-        real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+        real = offs_n < _block_size(KV_SIZES, kv_block, ok, CHECK)  # [BN]
     else:
         real = offs_n < BLOCK_N
     return k, v, real
 
 
 @triton.jit
-def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi,
+def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
                   m_i, l_i, acc, qk_scale, offs_n, offs_d,
                   stride_ks, stride_kd, stride_vs, stride_vd,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr):
-    """List entries ``[lo, hi)`` by pointer loads; ``MASKED``: blocks may end in padding."""
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr,
+                  CHECK: tl.constexpr):
+    """List entries ``[lo, hi)`` by pointer loads; ``MASKED``: blocks may end in padding;
+    ``CHECK``: entries may be out of range."""
     for j in range(lo, hi):
-        kv_block = tl.load(idx_row + j * stride_ik).to(tl.int64)
+        kv_block = tl.load(idx_row + j * stride_ik)
+        ok = True
+        if CHECK:
+            kv_block, ok = key_block_in_range(kv_block, NK)
+        kv_block = kv_block.to(tl.int64)
         offs_kv = kv_block * BLOCK_N + offs_n  # [BN]
         k_ptrs = k_base + offs_kv[:, None] * stride_ks + offs_d[None, :] * stride_kd
         v_ptrs = v_base + offs_kv[:, None] * stride_vs + offs_d[None, :] * stride_vd
         if MASKED:
             # Padding keys are neither read nor weighted: whatever they hold cannot leak in.
-            real = offs_n < tl.load(KV_SIZES + kv_block)  # [BN]
+            real = offs_n < _block_size(KV_SIZES, kv_block, ok, CHECK)  # [BN]
             k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
             v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
         else:
             real = offs_n < BLOCK_N
             k = tl.load(k_ptrs)  # [BN, D]
             v = tl.load(v_ptrs)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                                             MASKED, IEEE_DOT)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
+                                             MASKED, IEEE_DOT, CHECK)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, lo, hi, b, h,
+def _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, lo, hi, NK, b, h,
               m_i, l_i, acc, qk_scale, offs_n,
               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-              WARP_SPECIALIZE: tl.constexpr):
-    """List entries ``[lo, hi)`` by TMA; ``MASKED``: blocks may end in padding."""
+              WARP_SPECIALIZE: tl.constexpr, CHECK: tl.constexpr):
+    """List entries ``[lo, hi)`` by TMA; ``MASKED``: blocks may end in padding; ``CHECK``:
+    entries may be out of range."""
     for j in tl.range(lo, hi, warp_specialize=WARP_SPECIALIZE):
         kv_block = tl.load(idx_row + j * stride_ik)
-        k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, offs_n,
-                                    BLOCK_N, HEAD_DIM, MASKED)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, qk_scale,
-                                             MASKED, False)
+        ok = True
+        if CHECK:
+            kv_block, ok = key_block_in_range(kv_block, NK)
+        k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, ok, offs_n,
+                                    BLOCK_N, HEAD_DIM, MASKED, CHECK)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
+                                             MASKED, False, CHECK)
     return m_i, l_i, acc
 
 
@@ -126,9 +168,11 @@ def block_sparse_attn_fwd_kernel(
     stride_cb, stride_ch, stride_cq,
     EPILOGUE: tl.constexpr, epilogue_args,  # o = EPILOGUE(o, ..., *epilogue_args) before the store
     H, Sq,
+    NK, K_WIDTH,  # key blocks and list width: the bounds of every entry and count (memory safety)
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -146,6 +190,8 @@ def block_sparse_attn_fwd_kernel(
     v_base = V + b * stride_vb + h * stride_vh
     idx_row = KV_IDX + b * stride_ib + h * stride_ih + pid_m.to(tl.int64) * stride_iq
     count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + pid_m.to(tl.int64) * stride_cq)
+    if CHECK_LISTS:
+        count = tl.minimum(count, K_WIDTH)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (base 2)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
@@ -154,14 +200,14 @@ def block_sparse_attn_fwd_kernel(
     num_full = num_full_blocks(KV_FULL, b, h, pid_m, stride_fb, stride_fh, stride_fq, count,
                                 HAS_KV_SIZES)
     m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, 0, num_full,
-                                  m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                  NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
                                   stride_ks, stride_kd, stride_vs, stride_vd,
-                                  BLOCK_N, False, IEEE_DOT)  # fmt: skip
+                                  BLOCK_N, False, IEEE_DOT, CHECK_LISTS)  # fmt: skip
     if HAS_KV_SIZES:
         m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, num_full,
-                                      count, m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                                      count, NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
                                       stride_ks, stride_kd, stride_vs, stride_vd,
-                                      BLOCK_N, True, IEEE_DOT)  # fmt: skip
+                                      BLOCK_N, True, IEEE_DOT, CHECK_LISTS)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
@@ -179,9 +225,11 @@ def block_sparse_attn_fwd_tma_kernel(
     stride_cb, stride_ch, stride_cq,
     EPILOGUE: tl.constexpr, epilogue_args,  # as in the pointer kernel
     H, Sq,
+    NK, K_WIDTH,  # as in the pointer kernel
     qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    CHECK_LISTS: tl.constexpr,
 ):
     """Hopper variant: tiles move by the bulk-copy engine (TMA)."""
     pid_m = tl.program_id(0)
@@ -191,6 +239,8 @@ def block_sparse_attn_fwd_tma_kernel(
     q = desc_q.load([b, h, pid_m * BLOCK_M, 0]).reshape(BLOCK_M, HEAD_DIM)  # [BM, D]
     idx_row = KV_IDX + b.to(tl.int64) * stride_ib + h.to(tl.int64) * stride_ih + pid_m.to(tl.int64) * stride_iq
     count = tl.load(KV_CNT + b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch + pid_m.to(tl.int64) * stride_cq)
+    if CHECK_LISTS:
+        count = tl.minimum(count, K_WIDTH)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -199,12 +249,12 @@ def block_sparse_attn_fwd_tma_kernel(
     num_full = num_full_blocks(KV_FULL, b.to(tl.int64), h.to(tl.int64), pid_m,
                                 stride_fb, stride_fh, stride_fq, count, HAS_KV_SIZES)
     m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, 0, num_full,
-                              b, h, m_i, l_i, acc, qk_scale, offs_n,
-                              BLOCK_N, HEAD_DIM, False, WARP_SPECIALIZE)  # fmt: skip
+                              NK, b, h, m_i, l_i, acc, qk_scale, offs_n,
+                              BLOCK_N, HEAD_DIM, False, WARP_SPECIALIZE, CHECK_LISTS)  # fmt: skip
     if HAS_KV_SIZES:
         m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, num_full,
-                                  count, b, h, m_i, l_i, acc, qk_scale, offs_n,
-                                  BLOCK_N, HEAD_DIM, True, WARP_SPECIALIZE)  # fmt: skip
+                                  count, NK, b, h, m_i, l_i, acc, qk_scale, offs_n,
+                                  BLOCK_N, HEAD_DIM, True, WARP_SPECIALIZE, CHECK_LISTS)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

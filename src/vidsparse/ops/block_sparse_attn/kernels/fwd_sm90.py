@@ -8,6 +8,12 @@ query rows each issue ``Q K_j^T`` together with ``P_{j-1} V_{j-1}`` and, at 128x
 turns on the tensor cores (ping-pong) so one's softmax overlaps the other's GEMMs. The 64x64
 kernel gives each consumer its own 64-row block, list, ring and loader. docs/architecture.md
 explains the schedule and its knobs (``configs.GluonOptions``).
+
+Memory safety whatever the lists hold: counts are clamped to the lists' width ``K`` (and the
+full-block count to the count, so the loader and the consumers agree), and the loader clamps
+each entry into ``[0, NK)``. With key-block sizes the lists come reordered, valid by
+construction (``kernels/lists.py``); without, an entry out of range reads the clamped block: a
+wrong result, never a fault (the Triton kernels give it no weight instead).
 """
 
 from triton.experimental import gluon
@@ -35,7 +41,7 @@ ROWS_PER_CONSUMER = gl.constexpr(64)
 @gluon.jit
 def _loader(
     desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-    idx_row, stride_ik, count, q_row, kv_row0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    idx_row, stride_ik, count, q_row, kv_row0, NK, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     Q_TILES: gl.constexpr,
 ):  # fmt: skip
     """Q once, then K_j and V_j of every listed block j into ring slot ``j % STAGES``.
@@ -57,6 +63,7 @@ def _loader(
         # parity 1 refers to the phase "before" the first one and passes at once.
         empty_parity = ((j // STAGES) & 1) ^ 1
         kv_block = gl.load(idx_row + j * stride_ik)  # scalar int32 key-block index
+        kv_block = gl.minimum(gl.maximum(kv_block, 0), NK - 1)  # never another head's rows
         row = kv_row0 + kv_block * BLOCK_N  # first row of key block kv_block
         # K and V have separate barriers: the consumers release K as soon as Q K^T is done,
         # V only after P V, so the next K can stream in earlier.
@@ -330,21 +337,24 @@ def _consumer(
 
 
 @gluon.jit
-def _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block, valid,
+def _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block, valid, K,
              stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq,
              stride_fb, stride_fh, stride_fq, HAS_KV_SIZES: gl.constexpr):  # fmt: skip
     """``(list pointer, count, leading full blocks)`` of query block ``block`` of (b, h); an
-    invalid block (past the last one) lists nothing."""
+    invalid block (past the last one) lists nothing. The count is clamped to the list width
+    ``K``, the full blocks to the count."""
     b = b.to(gl.int64)
     h = h.to(gl.int64)
     block = block.to(gl.int64)
     idx_row = KV_IDX + b * stride_ib + h * stride_ih + block * stride_iq
     count = gl.load(KV_CNT + b * stride_cb + h * stride_ch + block * stride_cq, mask=valid,
                     other=0)  # fmt: skip
+    count = gl.minimum(count, K)
     num_full = count
     if HAS_KV_SIZES:
         num_full = gl.load(KV_FULL + b * stride_fb + h * stride_fh + block * stride_fq,
                            mask=valid, other=0)  # fmt: skip
+        num_full = gl.minimum(num_full, count)
     return idx_row, count, num_full
 
 
@@ -367,7 +377,7 @@ def block_sparse_attn_fwd_gluon_kernel(
     stride_cb, stride_ch, stride_cq,
     stride_fb, stride_fh, stride_fq,
     EPILOGUE: gl.constexpr, epilogue_args,  # o = EPILOGUE(o, ..., *epilogue_args) before the store
-    H, Sq, Skv, NQ,
+    H, Sq, Skv, NQ, K,  # K: the lists' width (bound of every count)
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr,
@@ -384,7 +394,8 @@ def block_sparse_attn_fwd_gluon_kernel(
     q_row = pid_bh * Sq + pid_m * BLOCK_M  # first row of this query block in [B*H*Sq, D]
     kv_row0 = pid_bh * Skv  # first key row of this (b, h) in [B*H*Skv, D]
     valid = pid_m < NQ  # always: the grid has NQ programs along dim 0
-    idx_row, count, num_full = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, pid_m, valid,
+    NK = Skv // BLOCK_N  # key blocks: the loader clamps every entry below it
+    idx_row, count, num_full = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, pid_m, valid, K,
                                         stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
                                         stride_cq, stride_fb, stride_fh, stride_fq,
                                         HAS_KV_SIZES)  # fmt: skip
@@ -439,7 +450,7 @@ def block_sparse_attn_fwd_gluon_kernel(
                          HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES)),  # rows 64-127
             (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        k_empty, v_empty, idx_row, stride_ik, count, q_row, kv_row0,
-                       BLOCK_N, STAGES, gl.constexpr(2))),
+                       NK, BLOCK_N, STAGES, gl.constexpr(2))),
         ],
         [4, 1],  # warps: second consumer warpgroup, loader warp
         [CONSUMER_REGS, LOADER_REGS],  # setmaxnreg: the loader gives its registers away
@@ -455,7 +466,7 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     stride_cb, stride_ch, stride_cq,
     stride_fb, stride_fh, stride_fq,
     EPILOGUE: gl.constexpr, epilogue_args,
-    H, Sq, Skv, NQ,
+    H, Sq, Skv, NQ, K,
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr,
@@ -476,11 +487,12 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     block1 = 2 * pid + 1
     valid0 = block0 < NQ
     valid1 = block1 < NQ  # false in the last program when NQ is odd
-    idx_row0, count0, num_full0 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block0, valid0,
+    NK = Skv // BLOCK_N
+    idx_row0, count0, num_full0 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block0, valid0, K,
                                            stride_ib, stride_ih, stride_iq, stride_cb,
                                            stride_ch, stride_cq, stride_fb, stride_fh,
                                            stride_fq, HAS_KV_SIZES)  # fmt: skip
-    idx_row1, count1, num_full1 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block1, valid1,
+    idx_row1, count1, num_full1 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block1, valid1, K,
                                            stride_ib, stride_ih, stride_iq, stride_cb,
                                            stride_ch, stride_cq, stride_fb, stride_fh,
                                            stride_fq, HAS_KV_SIZES)  # fmt: skip
@@ -533,10 +545,10 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
                          gl.constexpr(False), HAS_KV_SIZES)),
             (_loader, (desc_q, desc_k, desc_v, q_smem0, k_smem0, v_smem0, q_bar0, k_ready0,
                        v_ready0, k_empty0, v_empty0, idx_row0, stride_ik, count0, q_row0,
-                       kv_row0, BLOCK_N, STAGES, gl.constexpr(1))),
+                       kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1))),
             (_loader, (desc_q, desc_k, desc_v, q_smem1, k_smem1, v_smem1, q_bar1, k_ready1,
                        v_ready1, k_empty1, v_empty1, idx_row1, stride_ik, count1, q_row1,
-                       kv_row0, BLOCK_N, STAGES, gl.constexpr(1))),
+                       kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1))),
         ],
         [4, 1, 1],  # warps: second consumer warpgroup, two loader warps
         [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],

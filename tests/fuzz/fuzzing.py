@@ -1,0 +1,108 @@
+"""Shared pieces of the fuzz harness: hypothesis profiles and the case budget, backend
+switching, list builders (README.md beside this file says how to run the profiles).
+
+``VIDSPARSE_FUZZ=ci`` (the default, what ``make test`` runs): a few hundred cases in all,
+under two minutes on two cores. ``VIDSPARSE_FUZZ=long``: 40x as many (over 10,000 cases).
+Each test draws its own share (``examples(n)``: ``n`` cases in the ci profile, ``40 n`` in the
+long one); the number of cases a run executed is printed at its end (``conftest.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
+
+from helpers import masked_dense_attention
+
+# Relative error allowed against the fp64 reference, per input dtype.
+TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+PROFILES = {"ci": 1, "long": 40}
+PROFILE = os.environ.get("VIDSPARSE_FUZZ", "ci")
+if PROFILE not in PROFILES:
+    raise pytest.UsageError(f"VIDSPARSE_FUZZ must be one of {sorted(PROFILES)}, got {PROFILE!r}")
+
+for _name in PROFILES:
+    settings.register_profile(
+        f"vidsparse-{_name}",
+        deadline=None,  # interpreter cases take seconds
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+        # Failing cases are replayed first next time; kept where git ignores them.
+        database=DirectoryBasedExampleDatabase(
+            Path(__file__).resolve().parents[2] / ".pytest_cache" / "hypothesis"
+        ),
+    )
+settings.load_profile(f"vidsparse-{PROFILE}")
+
+CASES = {"count": 0}
+
+
+def examples(n: int, *, shrink: bool = True):
+    """``@settings`` giving a test ``n`` cases in the ci profile, ``40 n`` in the long one.
+    ``shrink=False``: a failure is reported as drawn (where each case compiles kernels of its
+    own, shrinking it would take many minutes)."""
+    phases = None if shrink else [Phase.explicit, Phase.reuse, Phase.generate]
+    return settings(max_examples=n * PROFILES[PROFILE], **({"phases": phases} if phases else {}))
+
+
+def count_case() -> None:
+    CASES["count"] += 1
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """``VIDSPARSE_BACKEND=name`` for one case (hypothesis runs many cases per test, so the
+    function-scoped fixtures of tests/conftest.py do not fit)."""
+    old = os.environ.get("VIDSPARSE_BACKEND")
+    os.environ["VIDSPARSE_BACKEND"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("VIDSPARSE_BACKEND", None)
+        else:
+            os.environ["VIDSPARSE_BACKEND"] = old
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@st.composite
+def block_lists(draw, bi: int, h: int, nq: int, nk: int, *, max_k: int | None = None):
+    """Valid lists ``[bi, h, nq, K]``: distinct entries in ``[0, nk)``, any count in
+    ``[0, K]`` per row (empty rows too), and garbage (anything) past each row's count."""
+    k = draw(st.integers(0, nk if max_k is None else min(max_k, nk)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = generator(seed)
+    counts = torch.randint(0, k + 1, (bi, h, nq), generator=g, dtype=torch.int32)
+    order = torch.rand(bi, h, nq, nk, generator=g).argsort(-1)[..., :k].to(torch.int32)
+    garbage = torch.randint(-(2**31), 2**31 - 1, (bi, h, nq, k), generator=g, dtype=torch.int32)
+    live = torch.arange(k) < counts[..., None]
+    return torch.where(live, order, garbage).contiguous(), counts
+
+
+def check_against_dense(out, lse, q, k, v, idx, cnt, bq, bk, sizes, scale):
+    """o and lse of a call against the fp64 dense attention of the same lists (relative
+    error of o; rows that attend to nothing: o = 0, lse = -inf)."""
+    ref, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bq, bk, sizes, scale)
+    tol = TOL[q.dtype]
+    assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
+    assert ref.norm() == 0 or err <= tol * 10, float(err)
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)  # rows that attend to nothing: -inf
+    assert (out.double()[empty] == 0).all()  # ... and o = 0
+    lse_tol = max(tol, 2e-6)  # lse is fp32 whatever the inputs
+    torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], rtol=lse_tol,
+                               atol=lse_tol * 10)  # fmt: skip
