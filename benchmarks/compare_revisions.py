@@ -136,12 +136,15 @@ def _environment() -> dict:
     import torch
     import triton
 
-    try:
-        git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()  # fmt: skip
-    except OSError:
-        git = ""
-    commit = git or os.environ.get("VIDSPARSE_GIT_COMMIT")  # a copy of the tree has no .git
+    # A copy of the tree has no .git (and git would answer for a repository above it): the
+    # commit given in VIDSPARSE_GIT_COMMIT comes first.
+    commit = os.environ.get("VIDSPARSE_GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True).stdout.strip()  # fmt: skip
+        except OSError:
+            commit = ""
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__, commit=commit or None)  # fmt: skip
 
@@ -193,7 +196,8 @@ def main(argv=None) -> int:
             runs[label].append(dict(_run_tree(path)["rows"]))
         figures = _figures(runs, trees, args.tolerance)
         if args.out:  # after every round: a run stopped at its time limit keeps what it has
-            result = dict(_environment(), trees={label: str(path) for label, path in trees},
+            # Trees as given (relative paths stay relative: no machine's folders in the JSON).
+            result = dict(_environment(), trees=dict(t.split("=", 1) for t in args.tree),
                           rounds=r + 1, tolerance=args.tolerance, figures=figures)  # fmt: skip
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")

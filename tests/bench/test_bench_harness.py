@@ -236,3 +236,20 @@ def test_results_go_to_the_checkouts_results_folder():
     root = harness.repo_root()
     assert root is not None and (root / "benchmarks" / "results").is_dir()
     assert harness.results_dir() == root / "benchmarks" / "results"
+
+
+def test_recorded_command_names_no_folder_of_the_machine(tmp_path):
+    """Result files are committed: their command line is the one a reader would type."""
+    from vidsparse.bench.harness import portable_command
+
+    main = "/opt/env/lib/python3.12/site-packages/vidsparse/bench/__main__.py"
+    out = str(tmp_path / "results" / "e2e.json")
+    assert portable_command([main, "e2e", "--out", out], cwd=str(tmp_path)) == (
+        "python -m vidsparse.bench e2e --out results/e2e.json"
+    )
+    assert portable_command(["/usr/bin/vidsparse", "bench", "--out", "/root/x.json"],
+                            cwd=str(tmp_path)) == "vidsparse bench --out x.json"  # fmt: skip
+    script = str(tmp_path / "benchmarks" / "tune.py")
+    assert portable_command([script, "--tiny"], cwd=str(tmp_path)) == (
+        "python benchmarks/tune.py --tiny"
+    )

@@ -368,6 +368,29 @@ def slug(text: str) -> str:
     return out.strip("-") or "unknown"
 
 
+def portable_command(argv: list[str], cwd: str | None = None) -> str:
+    """The command line as someone else would type it: ``python -m vidsparse.bench ...`` for
+    the package's entry, no interpreter path, and absolute paths relative to the working
+    folder (else their file name), so a result file names no folder of the machine it ran on."""
+    cwd = os.path.realpath(cwd or os.getcwd())
+
+    def portable(arg: str) -> str:
+        if not os.path.isabs(arg):
+            return arg
+        real = os.path.realpath(arg)
+        inside = os.path.commonpath([real, cwd]) == cwd
+        return os.path.relpath(real, cwd) if inside else os.path.basename(arg)
+
+    program, *args = argv or [""]
+    if program.endswith(os.path.join("vidsparse", "bench", "__main__.py")):
+        head = ["python", "-m", "vidsparse.bench"]
+    elif os.path.basename(program) == "vidsparse":
+        head = ["vidsparse"]
+    else:
+        head = ["python", portable(program)]
+    return shlex.join([*head, *(portable(a) for a in args)])
+
+
 def collect_metadata(device: torch.device, **extra) -> dict:
     """Where and how a run was made: GPU, library versions, git commit, date, command line."""
     meta = {
@@ -380,7 +403,7 @@ def collect_metadata(device: torch.device, **extra) -> dict:
         "platform": platform.platform(),
         **git_info(),
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": shlex.join([sys.executable, *sys.argv]),
+        "command": portable_command(sys.argv),
         "timer": timer_label(device),
         "flops_convention": (
             "4*D*attended (query, key) token pairs summed over batch and heads; "
