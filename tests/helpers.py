@@ -44,6 +44,18 @@ def masked_dense_attention(
     return o, lse
 
 
+def lists_without_bad_entries(kv_indices, kv_counts, num_kv_blocks):
+    """The lists as the kernels walk them whatever they hold: counts clamped to ``[0, K]``,
+    entries out of ``[0, num_kv_blocks)`` dropped (the rest kept in order)."""
+    width = kv_indices.shape[-1]
+    slots = torch.arange(width, device=kv_indices.device)
+    live = (slots < kv_counts.clamp(0, width)[..., None]) & (kv_indices >= 0)
+    live &= kv_indices < num_kv_blocks
+    order = torch.sort((~live).int(), dim=-1, stable=True).indices
+    clean = torch.where(live, kv_indices, 0).gather(-1, order)
+    return clean.contiguous(), live.sum(-1).to(torch.int32)
+
+
 # Backend fixtures of tests/conftest.py: an error must be the same on both.
 BACKENDS = ["torch_backend", "triton_backend"]
 

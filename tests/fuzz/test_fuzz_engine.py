@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vidsparse
-from helpers import masked_dense_attention
+from helpers import lists_without_bad_entries, masked_dense_attention
 from vidsparse.ops.block_sparse_attn import block_sparse_attn_unchecked
 
 
@@ -183,20 +183,13 @@ def hostile(draw, *, triton: bool):
     return q, k, v, idx, cnt, bq, bk, sizes, scale
 
 
-def _clean(idx, cnt, nk):
-    width = idx.shape[-1]
-    live = (torch.arange(width) < cnt.clamp(0, width)[..., None]) & (idx >= 0) & (idx < nk)
-    order = torch.sort((~live).int(), dim=-1, stable=True).indices
-    return torch.where(live, idx, 0).gather(-1, order), live.sum(-1).to(torch.int32)
-
-
 def _hostile_case(problem, name):
     q, k, v, idx, cnt, bq, bk, sizes, scale = problem
     scale = vidsparse.utils.checks.softmax_scale(scale, q.shape[-1])
     with backend(name):
         out, lse = block_sparse_attn_unchecked(q, k, v, idx, cnt, block_q=bq, block_kv=bk,
                                                kv_block_sizes=sizes, scale=scale)  # fmt: skip
-    clean_idx, clean_cnt = _clean(idx, cnt, k.shape[2] // bk)
+    clean_idx, clean_cnt = lists_without_bad_entries(idx, cnt, k.shape[2] // bk)
     check_against_dense(out, lse, q, k, v, clean_idx, clean_cnt, bq, bk, sizes, scale)
 
 

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import vidsparse
-from helpers import masked_dense_attention
+from helpers import lists_without_bad_entries, masked_dense_attention
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.ops.block_sparse_attn import block_sparse_attn_unchecked
 from vidsparse.ops.video_sparse_attn import coarse
@@ -80,14 +80,6 @@ def test_engine_matches_dense_fp64(problem, backward):
         assert want.norm() == 0 or err <= GRAD_TOL[q.dtype], f"d{name}: {float(err)}"
 
 
-def _without_bad_entries(idx, cnt, nk):
-    width = idx.shape[-1]
-    live = torch.arange(width, device=idx.device) < cnt.clamp(0, width)[..., None]
-    live &= (idx >= 0) & (idx < nk)
-    order = torch.sort((~live).int(), dim=-1, stable=True).indices
-    return torch.where(live, idx, 0).gather(-1, order), live.sum(-1).to(torch.int32)
-
-
 def _gluon_takes(q, k, v, bq, bk) -> bool:
     from vidsparse.ops.block_sparse_attn.fwd import _gluon_fits
 
@@ -109,7 +101,7 @@ def test_lists_no_check_saw_never_fault(problem):
     assert torch.isfinite(out).all()
     if sizes is None and _gluon_takes(q, k, v, bq, bk):
         return
-    clean_idx, clean_cnt = _without_bad_entries(idx, cnt, k.shape[2] // bk)
+    clean_idx, clean_cnt = lists_without_bad_entries(idx, cnt, k.shape[2] // bk)
     check_against_dense(out, lse, q, k, v, clean_idx, clean_cnt, bq, bk, sizes, scale)
 
 

@@ -11,7 +11,13 @@ import pytest
 import torch
 
 import vidsparse
-from helpers import BACKENDS, forbid_calls, make_qkv, masked_dense_attention
+from helpers import (
+    BACKENDS,
+    forbid_calls,
+    lists_without_bad_entries,
+    make_qkv,
+    masked_dense_attention,
+)
 from vidsparse.masks.block_sparse import random_block_lists
 from vidsparse.ops.block_sparse_attn import fwd as fwd_module
 from vidsparse.ops.block_sparse_attn import interface
@@ -147,16 +153,6 @@ def _mutated_behind_the_cache(kv_block_sizes=None):
     return q, k, v, idx, cnt
 
 
-def _without_bad_entries(idx, cnt, num_kv_blocks):
-    """The lists with every entry out of range dropped and counts clamped to K."""
-    k = idx.shape[-1]
-    cnt = cnt.clamp(0, k)
-    live = (torch.arange(k) < cnt[..., None]) & (idx >= 0) & (idx < num_kv_blocks)
-    order = torch.sort((~live).int(), dim=-1, stable=True).indices
-    clean = torch.where(live, idx, 0).gather(-1, order)
-    return clean.contiguous(), live.sum(-1).to(torch.int32)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lists_mutated_behind_the_cache_are_safe_and_skip_bad_entries(request, backend):
     """The interpreter died with SIGSEGV, the torch path raised IndexError from inside the
@@ -166,7 +162,7 @@ def test_lists_mutated_behind_the_cache_are_safe_and_skip_bad_entries(request, b
     q, k, v, idx, cnt = _mutated_behind_the_cache()
     o, lse = vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=16, return_lse=True)
     grads = torch.autograd.grad(o.sum(), (q, k, v))
-    clean_idx, clean_cnt = _without_bad_entries(idx, cnt, 4)
+    clean_idx, clean_cnt = lists_without_bad_entries(idx, cnt, 4)
     ref, ref_lse = masked_dense_attention(q, k, v, clean_idx, clean_cnt, 16, 16)
     ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
     torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-5)
@@ -250,7 +246,7 @@ def test_kernels_give_out_of_range_entries_no_weight(triton_backend, padded):
     o, lse = block_sparse_attn_unchecked(q, k, v, idx, cnt, block_q=16, block_kv=16,
                                          kv_block_sizes=sizes, scale=0.25)  # fmt: skip
     grads = torch.autograd.grad(o.sum(), (q, k, v))
-    clean_idx, clean_cnt = _without_bad_entries(idx, cnt, 5)
+    clean_idx, clean_cnt = lists_without_bad_entries(idx, cnt, 5)
     ref, ref_lse = masked_dense_attention(q, k, v, clean_idx, clean_cnt, 16, 16, sizes, 0.25)
     torch.testing.assert_close(o, ref.float(), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(lse, ref_lse.float(), rtol=1e-4, atol=1e-5)
