@@ -166,3 +166,24 @@ def test_text_lengths_that_disagree_with_the_mask_are_refused(monkeypatch):
             run(model, inputs)
     finally:
         remove_sparse_attention(model)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.parametrize("method", ["vsa", "psa"])
+def test_regional_compile_traces_once_from_a_fresh_patch(method):
+    """Compiled before any eager call: every block and every later forward reuse the first
+    graph (the method's grid lookup filled a dict that Dynamo guards on, so the second block
+    recompiled once)."""
+    model, inputs = TINY_MODELS["wan_t2v"]()
+    model.eval()
+    options = {"sparsity": 0.5} if method == "vsa" else {"specs": _band(2)}
+    apply_sparse_attention(model, method, **options)
+    try:
+        graphs = _counting_regional_compile(model)
+        first = run(model, inputs)
+        torch.testing.assert_close(run(model, inputs), first, atol=0, rtol=0)
+    finally:
+        remove_sparse_attention(model)
+        torch._dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs"

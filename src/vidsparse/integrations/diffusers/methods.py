@@ -79,14 +79,13 @@ class _SparseMethod(Method):
 
     def __init__(self, tile):
         self.tile = _check_tile(tile)
-        self._grids: dict[tuple[int, int, int], VideoGrid] = {}
         self._mask_lengths: tuple = (None, -1, [])  # (mask, its version, real tokens per sample)
 
     def grid(self, shape) -> VideoGrid:
-        grid = self._grids.get(shape)
-        if grid is None:
-            grid = self._grids[shape] = VideoGrid(shape, self.tile)
-        return grid
+        # Built on every call, not kept in a dict: Dynamo guards on a dict's contents, so its
+        # first insertion recompiled the second compiled block. A grid is a few ints; its
+        # index tensors are cached by (shape, tile) in vidsparse.layout.
+        return VideoGrid(shape, self.tile)
 
     def attend(self, q, k, v, call):
         lengths = self._lengths(call)
