@@ -1,7 +1,8 @@
 """vidsparse: sparse attention for video Diffusion Transformers.
 
-Public API: ``VideoGrid``, ``StripeSpec``, ``stripe_block_mask`` and one function per op of
-``vidsparse.ops`` (``block_sparse_attn``, ``video_sparse_attn``, ``stripe_attn``, ...); the PSA
+Public API: ``VideoGrid``, ``StripeSpec``, ``stripe_block_mask``, one function per op of
+``vidsparse.ops`` (``block_sparse_attn``, ``video_sparse_attn``, ``stripe_attn``, ...) and VSA's
+primitives ``block_mean`` and ``topk_lists``; the PSA
 search lives in ``vidsparse.search``. Importing this package needs no GPU, and the names are
 resolved lazily so that ``import vidsparse`` stays cheap (no Triton import until a kernel runs).
 """
@@ -18,6 +19,9 @@ _EXPORTS = {
     "VideoGrid": "vidsparse.layout",
     "StripeSpec": "vidsparse.masks.stripe",
     "stripe_block_mask": "vidsparse.masks.stripe",
+    # VSA's coarse-stage primitives, for composing other methods
+    "block_mean": "vidsparse.ops.video_sparse_attn",
+    "topk_lists": "vidsparse.ops.video_sparse_attn",
 }
 
 
