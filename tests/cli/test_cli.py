@@ -2,6 +2,7 @@
 
 import json
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -99,10 +100,17 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """In the child before it starts: SIGINT's default disposition. A suite run as a
+    background job of a script (CI runs two side by side) inherits SIGINT ignored, and Python
+    then installs no KeyboardInterrupt handler, so the signal would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_sigint_during_torch_import_is_one_line_and_exit_130(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-c", _INTERRUPT_AT_TORCH_IMPORT, "demo", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=120, preexec_fn=_sigint_as_in_a_terminal,
     )  # fmt: skip
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr == "vidsparse: interrupted\n"
@@ -112,14 +120,13 @@ def test_sigint_during_torch_import_is_one_line_and_exit_130(tmp_path):
 @pytest.mark.slow
 def test_sigint_during_a_run_is_one_line_and_exit_130(tmp_path):
     """Ctrl-C while the demo runs (its first line printed): the exit code the CLI documents."""
-    import signal
-
     from vidsparse import cli
 
     assert "130 interrupted" in cli.__doc__ and cli.EXIT_INTERRUPTED == 130
     proc = subprocess.Popen(
         [sys.executable, "-m", "vidsparse", "demo", "--out", str(tmp_path / "demo")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_sigint_as_in_a_terminal,
     )  # fmt: skip
     try:
         assert proc.stdout.readline()  # torch imported, the run under way
