@@ -295,3 +295,29 @@ def test_load_sparse_attention_on_a_pipeline_follows_its_scheduler_and_is_all_or
             assert torch.equal(getattr(pipe, name).blocks[0].to_gate_compress.bias, torch.ones(32))
     finally:
         remove_sparse_attention(pipe)
+
+
+def test_gates_of_a_one_transformer_pipeline_load_from_its_pipeline_folder(tmp_path):
+    """A Wan 2.1 pipeline (one transformer) saved whole: its gates load from the pipeline
+    folder, as the docs say (they were looked for in the folder itself), and from the
+    transformer's own folder too."""
+    from vidsparse.integrations.diffusers import load_sparse_attention
+
+    model, _ = TINY_MODELS["wan_t2v"]()
+    apply_sparse_attention(model, "vsa", sparsity=0.5, gate=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.to_gate_compress.bias.fill_(0.25)
+    model.save_pretrained(tmp_path / "pipeline" / "transformer")
+    remove_sparse_attention(model)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction")
+    pipe = WanPipeline(
+        tokenizer=None, text_encoder=None, vae=None, transformer=model.eval(), scheduler=scheduler
+    )
+    for source in (tmp_path / "pipeline", tmp_path / "pipeline" / "transformer"):
+        load_sparse_attention(pipe, source)
+        try:
+            bias = pipe.transformer.blocks[-1].to_gate_compress.bias
+            assert torch.equal(bias, torch.full_like(bias, 0.25)), source
+        finally:
+            remove_sparse_attention(pipe)

@@ -110,13 +110,16 @@ def load_sparse_attention(pipe_or_transformer, source, method: str = "vsa", **op
     given here), a ``.safetensors`` file, or a state dict. Gates are read from
     ``<block>.to_gate_compress.{weight,bias}``: the keys ``save_pretrained`` writes, and those
     of FastVideo's VSA checkpoints of Wan. On a pipeline, ``source`` is the pipeline folder
-    (each transformer's subfolder) or a dict keyed by transformer name.
+    (each transformer's subfolder, as ``pipe.save_pretrained`` writes it) or a dict keyed by
+    transformer name; a pipeline of one transformer also takes that transformer's own folder,
+    file or state dict.
 
     Raises ``ValueError`` for a source without gates, gates for other layers, or of another
     shape (another model), naming the mismatch; nothing stays patched then.
     """
     targets = transformers_of(pipe_or_transformer)
-    sources = read_gate_source(source, [name for name, _ in targets], len(targets) > 1)
+    on_pipeline = not isinstance(pipe_or_transformer, nn.Module)
+    sources = read_gate_source(source, [name for name, _ in targets], on_pipeline)
     per_target = {
         name: {**apply_saved_config(sources[name], method, options), "gate": True}
         for name, _ in targets

@@ -41,9 +41,15 @@ def read_gate_source(source, names: list[str], pipeline: bool) -> dict[str, Gate
             if missing:
                 raise ValueError(f"no gate source given for {missing}")
             return {n: _one_source(source[n]) for n in names}
-        root = Path(source)
-        return {n: _one_source(root / n) for n in names}
+        if len(names) > 1 or _is_pipeline_folder(source, names[0]):
+            root = Path(source)
+            return {n: _one_source(root / n) for n in names}
     return {names[0]: _one_source(source)}
+
+
+def _is_pipeline_folder(source, name: str) -> bool:
+    """A folder holding the transformer's subfolder (``pipe.save_pretrained``'s layout)."""
+    return not isinstance(source, dict) and (Path(os.fspath(source)) / name).is_dir()
 
 
 def _one_source(source) -> GateSource:
