@@ -4,7 +4,7 @@
 #   e2e for the other diffusers families: e2e-hunyuanvideo|e2e-ltx|e2e-ltx2|e2e-cosmos|
 #   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace|e2e-chronoedit|e2e-wan-animate, compiled:
 #   e2e-skyreels-v2-compiled|e2e-wan-vace-compiled (JSON under $OUT, named as in
-#   benchmarks/results/);
+#   benchmarks/results/), and e2e-<model>-compiled for any of them (e2e_<model>_compiled_h200.json);
 #   e2e-dry: each of those models at full width, 1 block, one dense step; e2e-dry-all: the
 #   same with all blocks (does the whole model fit?), JSON under $OUT
 #   (default: tests demo; parallel needs 2 GPUs)
@@ -103,6 +103,10 @@ for what in "$@"; do
       --providers vsa,comm --modes fwd --head-chunks 1,2,4 --out "$OUT/parallel_h200_2gpu.json" ;;
     coarse) step tune_coarse 250 python3 benchmarks/tuning/tune_vsa_coarse.py --selection --pooled \
       --out "$OUT/tune_coarse_selection.json" ;;
+    e2e-*-compiled) m=${what#e2e-}; m=${m%-compiled}  # the other families, compiled blocks
+      case " $E2E_NEW " in *" $m "*) ;; *) echo "unknown e2e model: $m" >&2; exit 2 ;; esac
+      step "e2e_${m}_compiled" 420 python3 -m vidsparse.bench e2e --model "$m" --compile blocks \
+        --methods dense,vsa --no-vsa-gate --out "$OUT/e2e_${m}_compiled_h200.json" ;;
     *) echo "unknown step: $what" >&2; exit 2 ;;
   esac
 done
