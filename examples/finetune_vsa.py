@@ -337,7 +337,7 @@ def make_schedule(args) -> SparsitySchedule | None:
         )
     except (TypeError, ValueError) as error:
         raise RecipeError(f"sparsity schedule: {error}") from None
-    reached = first_step_at_target(schedule)
+    reached = schedule.target_step
     if reached >= args.max_steps:
         raise RecipeError(
             f"the sparsity schedule reaches its target {schedule.target} at step {reached}, "
@@ -345,16 +345,6 @@ def make_schedule(args) -> SparsitySchedule | None:
             "or --ramp-steps, or raise --max-steps"
         )
     return schedule
-
-
-def first_step_at_target(schedule: SparsitySchedule) -> int:
-    """The first step at the target sparsity (the schedule rises monotonically to it, at the
-    latest at ``warmup_steps + ramp_steps``)."""
-    low, high = 0, schedule.warmup_steps + schedule.ramp_steps
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if schedule(middle) >= schedule.target else (middle + 1, high)
-    return low
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -687,10 +677,7 @@ def describe(args, run: Run) -> None:
         f" processes"
     )
     if run.schedule is not None:
-        print(
-            f"schedule: {run.schedule}, at the target from step "
-            f"{first_step_at_target(run.schedule)}"
-        )
+        print(f"schedule: {run.schedule}, at the target from step {run.schedule.target_step}")
     if run.start_step:
         print(f"resumed from {args.resume} at step {run.start_step}")
 

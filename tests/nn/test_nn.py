@@ -235,6 +235,17 @@ def test_schedule_uneven_ramp_and_jump():
     assert SparsitySchedule(target=0.5)(0) == 0.5  # no warmup, no ramp: the target at once
 
 
+@pytest.mark.parametrize("target", [0.0, 0.5, 0.875])
+@pytest.mark.parametrize("warmup, ramp", [(0, 0), (0, 7), (3, 0), (5, 12), (2, 400)])
+@pytest.mark.parametrize("levels", [1, 3, 4, 13])
+def test_schedule_target_step_is_the_first_step_at_the_target(target, warmup, ramp, levels):
+    schedule = SparsitySchedule(target, warmup_steps=warmup, ramp_steps=ramp, num_levels=levels)
+    values = [schedule(step) for step in range(warmup + ramp + 5)]
+    first = next(step for step, value in enumerate(values) if value == target)
+    assert schedule.target_step == first
+    assert all(value == target for value in values[first:])
+
+
 def test_schedule_apply_sets_every_module():
     class Block(nn.Module):
         def __init__(self):

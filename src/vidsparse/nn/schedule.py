@@ -86,6 +86,15 @@ class SparsitySchedule:
         level = into_ramp * self.num_levels // self.ramp_steps + 1  # 1 .. num_levels
         return self.target * level / self.num_levels
 
+    @property
+    def target_step(self) -> int:
+        """The first step at ``target``; every later step stays there (400 in the example)."""
+        if self.target == 0.0 or self.ramp_steps == 0:
+            return 0 if self.target == 0.0 else self.warmup_steps
+        # __call__ reaches the last level once into_ramp * num_levels >= (num_levels - 1) * ramp.
+        levels_below = (self.num_levels - 1) * self.ramp_steps
+        return self.warmup_steps + -(-levels_below // self.num_levels)
+
     def apply(self, model: nn.Module, step: int) -> float:
         """Set ``.sparsity`` of every :class:`VideoSparseAttention` and :class:`VSAGate` in
         ``model`` (the diffusers integration's gates are ``VSAGate``); return it.
