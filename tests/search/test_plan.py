@@ -218,12 +218,17 @@ BAD_PLANS = {
 @pytest.mark.parametrize("case", sorted(BAD_PLANS))
 def test_bad_plans_raise_naming_the_field(tmp_path, case):
     edit, field = BAD_PLANS[case]
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        load_plan(_edited_plan_file(tmp_path, edit))
+
+
+def _edited_plan_file(tmp_path, edit):
+    """A valid plan's dict, changed by ``edit``, written as a plan file."""
     data = copy.deepcopy(make_plan().to_dict())
     edit(data)
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(data))
-    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
-        load_plan(path)
+    return path
 
 
 @pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' * 100_000, "[" * 100_000 + "]" * 100_000])
@@ -362,12 +367,8 @@ OUT_OF_BOUNDS = {
 def test_the_plan_reader_applies_the_spec_bounds_naming_the_field(tmp_path, case):
     """Such values loaded and failed only at the first forward (torch's overflow message)."""
     edit, field = OUT_OF_BOUNDS[case]
-    data = copy.deepcopy(make_plan().to_dict())
-    edit(data)
-    path = tmp_path / "plan.json"
-    path.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=field):
-        load_plan(path)
+        load_plan(_edited_plan_file(tmp_path, edit))
 
 
 def test_errors_quote_hostile_values_in_short(tmp_path):
