@@ -64,8 +64,8 @@ def block_mean(x: torch.Tensor, grid: VideoGrid, *, tiled: bool = False) -> torc
             f"x must be [..., S, D] with S = the grid's {what} = {length}, got "
             f"{tuple(x.shape)}" + ("" if tiled else "; pass tiled=True for tile-order input")
         )
-    x = x.to(torch.promote_types(x.dtype, torch.float32))
-    return tile_means(x if tiled else grid.tile(x), grid)
+    x_tiled = x if tiled else grid.tile(x)  # a permutation: in x's dtype, half the bytes of fp32
+    return tile_means(x_tiled.to(torch.promote_types(x.dtype, torch.float32)), grid)
 
 
 def topk_lists(scores: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
