@@ -309,6 +309,21 @@ _OPS = (
         results="e2e_ulysses_h200.json",
     ),
     OpSpec(
+        "vsa_multi",
+        "VSA with a KV cache (kv_grid) vs cuDNN dense, a packed batch vs its videos alone, "
+        "tiles of 64/128/256 tokens",
+        "vidsparse.bench.ops.vsa_multi",
+        shapes=("wan1.3b-480p",),
+        providers=(
+            _P("ours", "vidsparse.video_sparse_attn, natural order, with a gate"),
+            _P("cudnn", "dense SDPA pinned to cuDNN, the same q, k, v", ("cudnn",),
+               reference=True),
+        ),
+        inputs="make_inputs",
+        results="vsa_multi_h200.json",
+        aliases=("vsa-multi",),
+    ),
+    OpSpec(
         "parallel",
         "one attention layer on 1 vs P GPUs (Ulysses), the exchange alone too",
         "vidsparse.bench.ops.parallel",

@@ -41,6 +41,7 @@ from vidsparse.ops.video_sparse_attn.reference import (
     tile_means_bwd,
     tile_means_of_sizes,
 )
+from vidsparse.ops.video_sparse_attn.topk import selected_quantile_z
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor
 from vidsparse.utils.device import target_of
@@ -62,13 +63,6 @@ def _pooled_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _selected_quantile_z(topk: int, num_tiles: int) -> float:
-    """Where the top-k boundary would sit, in standard deviations above the mean, if a row's
-    scores were normal: only steers the first pivots."""
-    kept = min(max(topk / num_tiles, 1e-4), 1.0 - 1e-4)
-    return NormalDist().inv_cdf(1.0 - kept)
-
-
 def speculates(cfg: CoarseAttnConfig, topk: int, num_tiles: int) -> bool:
     """Whether the first selection pass collects the middle score-pivot window
     (``SPECULATE`` in ``kernels/coarse_topk.py``): where normal scores would put at most
@@ -78,7 +72,7 @@ def speculates(cfg: CoarseAttnConfig, topk: int, num_tiles: int) -> bool:
     half = cfg.num_pivots // 2
     if cfg.speculate_fill <= 0 or half % 2:
         return False
-    z = _selected_quantile_z(topk, num_tiles)
+    z = selected_quantile_z(topk, num_tiles)
     width = 1.0 / (half + 1)  # the window spans z -+ width standard deviations
     expected = num_tiles * (NormalDist().cdf(z + width) - NormalDist().cdf(z - width))
     return expected <= cfg.speculate_fill * cfg.bracket_capacity
@@ -105,11 +99,39 @@ def tile_mean_pool_fwd(
     cfg = config or pool_config(target_of(q_t.device), D)
     grid = (triton.cdiv(num_tiles, cfg.tiles_per_program), B * H, 3)
     tile_mean_pool_fwd_kernel[grid](
-        q_t, k_t, v_t, pooled, tile_sizes,
+        q_t, k_t, v_t, pooled, tile_sizes, tile_sizes,
         *q_t.stride(), *k_t.stride(), *v_t.stride(), *pooled.stride(),
-        H, num_tiles,
+        H, num_tiles, num_tiles,
         TILE_VOLUME=tile_volume, TILE_SLOTS=pow2_at_least(tile_volume), HEAD_DIM=D,
-        TILES_PER_PROGRAM=cfg.tiles_per_program,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, SEPARATE_KV=False,
+        **cfg.launch_kwargs(),
+    )  # fmt: skip
+    return pooled
+
+
+def tile_mean_pool_fwd_separate(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    q_sizes: torch.Tensor,
+    k_sizes: torch.Tensor,
+    config: PoolConfig | None = None,
+) -> torch.Tensor:
+    """:func:`tile_mean_pool_fwd` where k and v have tiles of their own: ``q_t [B, H, Nq*V,
+    D]`` with ``q_sizes [Nq]``, ``k_t, v_t [B, H, Nk*V, D]`` with ``k_sizes [Nk]``. Returns
+    fp32 ``[B, H, Nq + 2 Nk, D]``: the q means, the k means, the v means (one launch)."""
+    B, H, _, D = q_t.shape
+    nq, nk = q_sizes.shape[0], k_sizes.shape[0]
+    tile_volume = q_t.shape[2] // nq
+    pooled = torch.empty((B, H, nq + 2 * nk, D), device=q_t.device, dtype=torch.float32)
+    cfg = config or pool_config(target_of(q_t.device), D)
+    grid = (triton.cdiv(max(nq, nk), cfg.tiles_per_program), B * H, 3)
+    tile_mean_pool_fwd_kernel[grid](
+        q_t, k_t, v_t, pooled, q_sizes, k_sizes,
+        *q_t.stride(), *k_t.stride(), *v_t.stride(), 0, *pooled.stride(),
+        H, nq, nk,
+        TILE_VOLUME=tile_volume, TILE_SLOTS=pow2_at_least(tile_volume), HEAD_DIM=D,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, SEPARATE_KV=True,
         **cfg.launch_kwargs(),
     )  # fmt: skip
     return pooled
@@ -174,20 +196,63 @@ def coarse_attn_topk_fwd(
     grid = (triton.cdiv(num_tiles, cfg.block_m), B * H)
     passes = torch.empty((B * H, grid[0]), device=qc.device, dtype=torch.int32)
     coarse_attn_topk_fwd_kernel[grid](
-        qc, kc, vc, oc, kv_indices, kv_counts, scratch, passes,
+        qc, kc, vc, oc, kv_indices, kv_counts, scratch, passes, passes, scratch,
         *qc.stride(), *kc.stride(), *vc.stride(), *oc.stride(),
         *kv_indices.stride(), *kv_counts.stride(),
         H, num_tiles, topk,
-        float(scale), float(scale) * LOG2E, _selected_quantile_z(topk, num_tiles),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=D, NUM_PIVOTS=cfg.num_pivots,
-        BRACKET_CAPACITY=cfg.bracket_capacity, INPUT_PRECISION=cfg.input_precision,
-        PACKED_COUNTS=cfg.packed_counts and cfg.num_pivots in (4, 8) and cfg.block_n < 256,
-        SPECULATE=speculates(cfg, topk, num_tiles),
-        RECORD_PASSES=record_passes,
-        **cfg.launch_kwargs(),
+        float(scale), float(scale) * LOG2E, selected_quantile_z(topk, num_tiles),
+        **_selection_constexprs(cfg, topk, num_tiles, D), RECORD_PASSES=record_passes,
+        SEGMENTED=False, **cfg.launch_kwargs(),
     )  # fmt: skip
     if record_passes:
         return oc, kv_indices, kv_counts, passes
+    return oc, kv_indices, kv_counts
+
+
+def _selection_constexprs(cfg: CoarseAttnConfig, topk: int, num_keys: int, head_dim: int):
+    return dict(
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, NUM_PIVOTS=cfg.num_pivots,
+        BRACKET_CAPACITY=cfg.bracket_capacity, INPUT_PRECISION=cfg.input_precision,
+        PACKED_COUNTS=cfg.packed_counts and cfg.num_pivots in (4, 8) and cfg.block_n < 256,
+        SPECULATE=speculates(cfg, topk, num_keys),
+    )  # fmt: skip
+
+
+def coarse_attn_topk_segments(
+    qc: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    segments: tuple,
+    scale: float,
+    config: CoarseAttnConfig | None = None,
+):
+    """:func:`coarse_attn_topk_fwd` over segments (``segments.py``): ``qc [B, H, Nq, D]``,
+    ``kc, vc [B, H, Nk, D]``; each segment's query tiles attend and select among its own key
+    range only, keeping its own ``topk``. Returns ``oc [B, H, Nq, D]``, ``kv_indices`` int32
+    ``[B, H, Nq, max topk]`` (indices into the Nk key tiles; entries past a row's count are 0)
+    and ``kv_counts`` ``[B, H, Nq]``. One launch for all segments."""
+    from vidsparse.ops.video_sparse_attn.segments import program_table
+
+    B, H, nq, D = qc.shape
+    widest = max(s.k_count for s in segments)
+    max_topk = max(s.topk for s in segments)
+    cfg = config or coarse_attn_config(target_of(qc.device), D, widest)
+    table, z = program_table(tuple(segments), cfg.block_m, qc.device)
+    oc = torch.empty((B, H, nq, D), device=qc.device, dtype=qc.dtype)
+    kv_indices = torch.zeros((B, H, nq, max_topk), device=qc.device, dtype=torch.int32)
+    kv_counts = torch.empty((B, H, nq), device=qc.device, dtype=torch.int32)
+    scratch = torch.empty((B * H * nq, cfg.bracket_capacity), device=qc.device, dtype=torch.int32)
+    grid = (table.shape[0], B * H)
+    # Speculation sized by the widest segment (a choice of speed only, never of result).
+    typical = max(segments, key=lambda s: s.k_count * (s.q_stop - s.q_start))
+    coarse_attn_topk_fwd_kernel[grid](
+        qc, kc, vc, oc, kv_indices, kv_counts, scratch, kv_counts, table, z,
+        *qc.stride(), *kc.stride(), *vc.stride(), *oc.stride(),
+        *kv_indices.stride(), *kv_counts.stride(),
+        H, nq, max_topk, float(scale), float(scale) * LOG2E, 0.0,
+        **_selection_constexprs(cfg, typical.topk, typical.k_count, D), RECORD_PASSES=False,
+        SEGMENTED=True, **cfg.launch_kwargs(),
+    )  # fmt: skip
     return oc, kv_indices, kv_counts
 
 
@@ -207,37 +272,51 @@ def coarse_attn_bwd(
     vc: torch.Tensor,
     scale: float,
     grad_dtype: torch.dtype | None = None,
+    key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Gradient of ``oc = softmax(qc kc^T * scale) vc``, chunked over query tiles (each
-    ``[B, H, chunk, Nt]`` temporary within ``BWD_CHUNK_ELEMENTS``).
+    ``[B, H, chunk, Nk]`` temporary within ``BWD_CHUNK_ELEMENTS``). ``key_range``: int32
+    ``(first, stop)`` ``[Nq]`` each, the key tiles each query tile attended (segments.py);
+    ``qc`` may then have ``Nq`` tiles and ``kc, vc`` ``Nk``.
 
     The probabilities are recomputed in qc's precision (fp32): at large input scales the
     softmax is sharp and bf16 scores would be off by ~25%. The four gradient matmuls run in
     ``grad_dtype`` (default qc's), with the products accumulated in fp32: bf16 there costs
     ~4e-3 relative error, like any bf16 gradient, and runs on the tensor cores.
 
-    Returns ``dpooled`` ``[3, B, H, Nt, D]`` = ``(dqc, dkc, dvc)`` in qc's dtype.
+    Returns ``dpooled`` ``[3, B, H, max(Nq, Nk), D]`` = ``(dqc, dkc, dvc)`` in qc's dtype.
     """
     B, H, num_tiles, D = qc.shape
+    num_keys = kc.shape[2]
     low = grad_dtype or qc.dtype
     doc_low, qc_low, kc_low, vc_t_low = (
         x.to(low) for x in (doc, qc, kc, vc.transpose(-1, -2))
     )  # fmt: skip
-    dpooled = torch.zeros((3, B, H, num_tiles, D), device=qc.device, dtype=qc.dtype)
-    dqc, dkc, dvc = dpooled.unbind(0)
-    kc_t = kc.transpose(-1, -2)  # [B, H, D, Nt]
-    chunk = max(1, BWD_CHUNK_ELEMENTS // max(1, B * H * num_tiles))
+    dpooled = torch.zeros((3, B, H, max(num_tiles, num_keys), D), device=qc.device, dtype=qc.dtype)
+    dqc, dkc, dvc = (g[:, :, :n] for g, n in zip(dpooled.unbind(0), (num_tiles,) + (num_keys,) * 2))
+    kc_t = kc.transpose(-1, -2)  # [B, H, D, Nk]
+    chunk = max(1, BWD_CHUNK_ELEMENTS // max(1, B * H * num_keys))
     for start in range(0, num_tiles, chunk):
         rows = slice(start, min(start + chunk, num_tiles))
         do_rows = doc_low[:, :, rows]  # [B, H, c, D]
-        probs = torch.softmax(torch.matmul(qc[:, :, rows], kc_t) * scale, dim=-1)  # [B, H, c, Nt]
+        scores = torch.matmul(qc[:, :, rows], kc_t) * scale  # [B, H, c, Nk]
+        if key_range is not None:
+            scores = scores.masked_fill(~_keys_in_range(key_range, rows, num_keys), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [B, H, c, Nk]
         dvc += torch.matmul(probs.to(low).transpose(-1, -2), do_rows)  # [B, H, Nt, D]
         dprobs = torch.matmul(do_rows, vc_t_low).to(qc.dtype)  # [B, H, c, Nt]
         delta = (probs * dprobs).sum(dim=-1, keepdim=True)  # [B, H, c, 1]
         dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale).to(low)  # [B, H, c, Nt]
         dqc[:, :, rows] = torch.matmul(dscores, kc_low)  # [B, H, c, D]
-        dkc += torch.matmul(dscores.transpose(-1, -2), qc_low[:, :, rows])  # [B, H, Nt, D]
+        dkc += torch.matmul(dscores.transpose(-1, -2), qc_low[:, :, rows])  # [B, H, Nk, D]
     return dpooled
+
+
+def _keys_in_range(key_range, rows: slice, num_keys: int) -> torch.Tensor:
+    """Bool ``[c, Nk]``: the key tiles each of the query tiles ``rows`` attended."""
+    first, stop = (x[rows].long().unsqueeze(-1) for x in key_range)
+    keys = torch.arange(num_keys, device=first.device)
+    return (keys >= first) & (keys < stop)
 
 
 # ============================================================================ custom ops

@@ -127,20 +127,43 @@ class CoarseCombine(Epilogue):
 
     def grad_args(self, call: EngineCall) -> tuple:
         if self.pooled is None:
-            return (self.o_coarse, 0, 0, 0, 0, self.o_coarse, 0, _constexpr(False))
-        dpool = self._pooled_grad(self._d_coarse, call).float()  # [3, B, H, NQ, D]
+            dummy = self.o_coarse
+            return (dummy, 0, 0, 0, 0, dummy, dummy, 0, _constexpr(False))
+        dpool = self._pooled_grad(self._d_coarse, call).float()  # [3, B, H, max(Nq, Nk), D]
+        q_sizes = self._q_tile_sizes(call)
+        return (dpool, *dpool.stride()[:4], q_sizes, call.kv_block_sizes, self._pooled_keys(),
+                _constexpr(True))  # fmt: skip
+
+    @property
+    def _segmented(self) -> bool:
+        """Query and key tiles apart (``segments.py``): ``q_block_sizes`` is the plan's
+        ``q_info [4, Nq]`` and ``pooled`` is ``[B, H, Nq + 2 Nk, D]``."""
+        return self.q_sizes is not None and self.q_sizes.ndim == 2
+
+    def _q_tile_sizes(self, call: EngineCall) -> torch.Tensor:
+        if self._segmented:
+            return self.q_sizes[0]
+        return call.kv_block_sizes  # one grid: query tile i is key tile i
+
+    def _pooled_keys(self) -> int:
+        """Key tiles that were pooled (exempt text blocks after them were not)."""
         nq = self.o_coarse.shape[2]
-        return (dpool, *dpool.stride()[:4], call.kv_block_sizes, nq, _constexpr(True))
+        return (self.pooled.shape[2] - nq) // 2 if self._segmented else nq
 
     def _pooled_grad(self, d_coarse, call: EngineCall):
         p, low = self.pooled, coarse_grad_dtype(call.dtype)
-        return coarse_attn_bwd(d_coarse, p[0], p[1], p[2], call.scale, low)
+        if not self._segmented:
+            return coarse_attn_bwd(d_coarse, p[0], p[1], p[2], call.scale, low)
+        nq, nk = self.o_coarse.shape[2], self._pooled_keys()
+        qc, kc, vc = p[:, :, :nq], p[:, :, nq : nq + nk], p[:, :, nq + nk :]
+        key_range = (self.q_sizes[1], self.q_sizes[2])
+        return coarse_attn_bwd(d_coarse, qc, kc, vc, call.scale, low, key_range=key_range)
 
     # --- PyTorch
     def forward_torch(self, o_fine, call: EngineCall) -> torch.Tensor:
         o = o_fine.float() + self._coarse_term(call.block_q, torch.float32)
         if self.q_sizes is not None:
-            o = o.masked_fill(_padding_rows(self.q_sizes, call.block_q), 0)
+            o = o.masked_fill(_padding_rows(self._q_tile_sizes(call), call.block_q), 0)
         return o
 
     def prologue_torch(self, o, do, call: EngineCall):
@@ -149,7 +172,7 @@ class CoarseCombine(Epilogue):
         block = call.block_q
         o_fine = o.to(acc) - self._coarse_term(block, acc)
         if self.q_sizes is not None:  # padding rows of o are constant zero: no gradient
-            do = do.masked_fill(_padding_rows(self.q_sizes, block), 0)
+            do = do.masked_fill(_padding_rows(self._q_tile_sizes(call), block), 0)
         B, H, S, D = do.shape
         do5 = do.to(acc).view(B, H, S // block, block, D)
         if self.gate is None:
@@ -164,13 +187,16 @@ class CoarseCombine(Epilogue):
         if self.pooled is None:
             return dq, dk, dv
         acc = torch.promote_types(dq.dtype, torch.float32)
-        S, nq = dq.shape[2], self.o_coarse.shape[2]
+        nq, nk, block = self.o_coarse.shape[2], self._pooled_keys(), call.block_q
         dpool = self._pooled_grad(self._d_coarse, call)
-        shares = tile_means_bwd(dpool, call.kv_block_sizes[:nq], S, acc)
-        dq = (dq.to(acc) + shares[0]).to(dq.dtype)
+        (q_share,) = tile_means_bwd(dpool[:1, :, :, :nq], self._q_tile_sizes(call)[:nq],
+                                    nq * block, acc)  # fmt: skip
+        kv_shares = tile_means_bwd(dpool[1:, :, :, :nk], call.kv_block_sizes[:nk], nk * block, acc)
+        dq = (dq.to(acc) + q_share).to(dq.dtype)
         dk, dv = (g.clone() for g in (dk, dv))
-        for g, share in zip((dk, dv), shares[1:]):
-            g[:, :, :S] = (g[:, :, :S].to(acc) + share).to(g.dtype)
+        rows = nk * block
+        for g, share in zip((dk, dv), kv_shares):
+            g[:, :, :rows] = (g[:, :, :rows].to(acc) + share).to(g.dtype)
         return dq, dk, dv
 
     # --- gradients of (o_coarse, gate, q_block_sizes, pooled)

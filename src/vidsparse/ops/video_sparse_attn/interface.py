@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -44,7 +45,9 @@ from vidsparse.ops._video_inputs import (
 )
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
+from vidsparse.ops.video_sparse_attn.multi import MultiCall, video_sparse_attn_multi
 from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
+from vidsparse.ops.video_sparse_attn.segments import plan_tiles
 from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
@@ -63,7 +66,7 @@ def video_sparse_attn(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    grid: VideoGrid,
+    grid: VideoGrid | Sequence[VideoGrid],
     *,
     topk: int | None = None,
     sparsity: float | None = None,
@@ -71,6 +74,9 @@ def video_sparse_attn(
     tiled: bool = False,
     scale: float | None = None,
     text_tokens: int = 0,
+    kv_grid: VideoGrid | Sequence[VideoGrid] | None = None,
+    causal: bool = False,
+    text_mode: str = "exempt",
 ) -> torch.Tensor:
     """Video Sparse Attention: coarse attention over tile means selects, per query tile, the
     ``topk`` key tiles that the fine stage then attends exactly.
@@ -97,12 +103,42 @@ def video_sparse_attn(
             (``grid.tile`` writes zeros): ``0 * inf`` would be NaN.
         scale: softmax scale, default ``1 / sqrt(D)``.
         text_tokens: ``N`` non-video tokens after the video tokens (joint attention, e.g.
-            HunyuanVideo). The coarse stage and the top-k selection use video tokens only;
-            every video query attends to its top-k tiles and all ``N`` text keys in one
-            softmax; text queries attend densely to every real token (video and text).
+            HunyuanVideo, or a reference image, audio); text queries attend densely to every
+            real token (video and text) and get no coarse term. ``text_mode`` says what the
+            video queries do with the text keys.
+        kv_grid: the grid of k and v when it differs from q's (a KV cache: q the current
+            chunk's frames, k/v the cached frames and the chunk; or another size). Coarse
+            attention, selection and the fine stage run over the key grid's tiles; ``topk`` /
+            ``sparsity`` count key tiles. Both grids take the same tile shape.
+        causal: block-causal over time tiles: a query tile attends the key tiles of its own
+            time tile and earlier ones only (q's frames are the last frames of the key grid,
+            which must have q's spatial size, its extra frames a whole number of time
+            tiles). ``sparsity`` is then relative to the tiles a query tile may attend.
+        text_mode: ``"exempt"`` (default): every video query attends all ``N`` text keys in
+            one softmax with its top-k tiles, and the coarse stage sees video tokens only.
+            ``"compete"``: the text tokens are cut into blocks of ``tile_volume`` tokens that
+            enter the coarse stage and the top-k selection like video tiles.
+
+    Packed batches: ``grid`` (and ``kv_grid``) may be a list of grids; the sequence of q then
+    holds the videos one after the other (each in natural order, or tiled with
+    ``tiled=True``), with no padding between them, and every video attends within itself
+    (``topk`` / ``sparsity`` per video). One launch per stage serves the whole batch::
+
+        q = [ video 0 (grid 0) | video 1 (grid 1) | ... ]      S = sum of the videos' tokens
+
+        key tiles:  video 0  video 1         block-causal over time tiles (causal=True):
+                   [ x x . . . ]  video 0       q time tile 2  [ x x x . ]
+                   [ x x . . . ]                q time tile 1  [ x x . . ]
+                   [ . . x x x ]  video 1       q time tile 0  [ x . . . ]
+                                                               key time tiles 0 1 2 3
 
     Returns ``o`` in q's dtype and layout. Differentiable in q, k, v and gate.
     """
+    if _needs_segments(grid, kv_grid, causal, text_mode):
+        return _video_sparse_attn_segmented(
+            q, k, v, grid, kv_grid, causal, text_mode, topk, sparsity, gate, tiled, scale,
+            text_tokens,
+        )  # fmt: skip
     device = _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens)
     # Under torch.compile an int that changed between calls arrives as a SymInt; these set
     # shapes and key cached plans, so make Dynamo specialize them (plain ints, guarded on).
@@ -119,6 +155,138 @@ def video_sparse_attn(
             q, k, v, grid, topk=topk, gate=gate, tiled=tiled, scale=scale, text_tokens=text_tokens
         )
     return _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_tokens)
+
+
+def _needs_segments(grid, kv_grid, causal, text_mode) -> bool:
+    """Whether a call leaves the one-grid path: several grids, a key grid of its own, the
+    block-causal option or competing text (each checked in full by the segmented path)."""
+    if isinstance(grid, VideoGrid) and kv_grid in (None, grid) and not causal:
+        return text_mode != "exempt"
+    return True
+
+
+def _video_sparse_attn_segmented(
+    q, k, v, grid, kv_grid, causal, text_mode, topk, sparsity, gate, tiled, scale, text_tokens
+):
+    call = _validate_segmented(
+        q, k, v, grid, kv_grid, causal, text_mode, topk, sparsity, gate, tiled, scale,
+        text_tokens,
+    )  # fmt: skip
+    device = check_same_device(q=q, k=k, v=v, gate=gate)
+    scale = softmax_scale(scale, q.shape[-1])
+    backend = resolve_backend(device)
+    if backend == "triton":
+        check_triton_supported(q)
+        check_triton_tile(call.grids[0], "tile=(4, 4, 4)")
+    if q.numel() == 0 or k.numel() == 0:
+        return _empty_output(q, k[:, :, : q.shape[2]], v[:, :, : q.shape[2]], gate)
+    return video_sparse_attn_multi(q, k, v, gate, call, scale, backend)
+
+
+def _grid_tuple(name: str, grids) -> tuple[VideoGrid, ...]:
+    if isinstance(grids, VideoGrid):
+        return (grids,)
+    if isinstance(grids, (list, tuple)) and grids and all(isinstance(g, VideoGrid) for g in grids):
+        return tuple(grids)
+    raise TypeError(
+        f"{name} must be a vidsparse.VideoGrid or a non-empty list of them, got {grids!r}"
+    )
+
+
+def _validate_segmented(
+    q, k, v, grid, kv_grid, causal, text_mode, topk, sparsity, gate, tiled, scale, text_tokens
+) -> MultiCall:
+    grids = _grid_tuple("grid", grid)
+    kv_grids = grids if kv_grid is None else _grid_tuple("kv_grid", kv_grid)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=4, dtypes=REFERENCE_DTYPES)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_head_dim(q)
+    check_bool("tiled", tiled)
+    check_bool("causal", causal)
+    check_scale(scale)
+    check_count("text_tokens", text_tokens)
+    if text_mode not in ("exempt", "compete"):
+        raise ValueError(f"text_mode must be 'exempt' or 'compete', got {text_mode!r}")
+    if len(kv_grids) != len(grids):
+        raise ValueError(
+            f"kv_grid must list one grid per grid: {len(grids)} grids, {len(kv_grids)} kv grids"
+        )
+    tiles = {g.tile_shape for g in grids + kv_grids}
+    if len(tiles) > 1:
+        raise ValueError(f"grid and kv_grid must share one tile shape, got {sorted(tiles)}")
+    if text_tokens and len(grids) > 1:
+        raise ValueError("text_tokens with a packed batch (several grids) is not supported")
+    _check_packed_lengths("q", q, grids, tiled, text_tokens)
+    _check_packed_lengths("k", k, kv_grids, tiled, text_tokens)
+    if v.shape[:3] != k.shape[:3] or v.shape[3] != q.shape[3] or k.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"k and v must be [B, H, S_kv, D] with q's B, H and D: q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if causal:
+        for g, kg in zip(grids, kv_grids):
+            _check_causal_pair(g, kg)
+    is_number = isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
+    if is_number and not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+    resolve_topk(kv_grids[0].num_tiles, topk, sparsity)  # exactly one, right types and ranges
+    if gate is not None:
+        check_tensor("gate", gate, ndim=4, dtypes=REFERENCE_DTYPES)
+        if gate.shape != q.shape:
+            raise ValueError(
+                f"gate must be shaped like q {tuple(q.shape)}, got {tuple(gate.shape)}"
+            )
+    # operator.index: plain ints (Dynamo specializes them), never SymInts, as plan keys
+    text_tokens = operator.index(text_tokens)
+    topk = None if topk is None else operator.index(topk)
+    compete = text_mode == "compete" and text_tokens > 0
+    keys = tuple(grid_key(g) for g in grids), tuple(grid_key(g) for g in kv_grids)
+    plan = _cached_plan(*keys, topk, sparsity, causal, text_tokens if compete else 0)
+    return MultiCall(grids, kv_grids, plan, tiled, text_tokens, compete)
+
+
+@host_constant
+def _cached_plan(grid_keys, kv_grid_keys, topk, sparsity, causal, prefix_tokens):
+    """The call's :class:`TilePlan` from plain values (Dynamo calls it on the host)."""
+    return _plan(grid_keys, kv_grid_keys, topk, sparsity, causal, prefix_tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan(grid_keys, kv_grid_keys, topk, sparsity, causal, prefix_tokens):
+    grids, kv_grids = (tuple(VideoGrid(*key) for key in keys) for keys in (grid_keys, kv_grid_keys))
+    return plan_tiles(
+        grids, kv_grids, topk=topk, sparsity=sparsity, causal=causal, prefix_tokens=prefix_tokens
+    )
+
+
+def _check_packed_lengths(name: str, x, grids, tiled: bool, text_tokens: int) -> None:
+    video = sum(g.padded_len if tiled else g.num_tokens for g in grids)
+    if x.shape[2] != video + text_tokens:
+        what = "padded_len" if tiled else "num_tokens"
+        side = "kv_grid" if name != "q" else "grid"
+        raise ValueError(
+            f"{name}'s sequence length {x.shape[2]} must equal the sum of {side}'s {what} "
+            f"({video}) + text_tokens ({text_tokens}) = {video + text_tokens} (tiled={tiled})"
+        )
+
+
+def _check_causal_pair(grid: VideoGrid, kv_grid: VideoGrid) -> None:
+    """causal=True needs q's frames to be the key grid's last frames, tile-aligned."""
+    if grid.shape[1:] != kv_grid.shape[1:]:
+        raise ValueError(
+            f"causal=True needs kv_grid's spatial size to equal grid's: grid {grid.shape}, "
+            f"kv_grid {kv_grid.shape}"
+        )
+    extra = kv_grid.shape[0] - grid.shape[0]
+    tile_t = grid.tile_shape[0]
+    if extra < 0 or extra % tile_t:
+        raise ValueError(
+            f"causal=True needs kv_grid to have grid's frames plus a whole number of time "
+            f"tiles ({tile_t} frames) before them: grid has {grid.shape[0]} frames, kv_grid "
+            f"{kv_grid.shape[0]}"
+        )
 
 
 def _empty_output(q, k, v, gate) -> torch.Tensor:

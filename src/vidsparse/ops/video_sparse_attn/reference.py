@@ -37,7 +37,10 @@ __all__ = [
     "coarse_attention",
     "select_topk",
     "fine_attention",
+    "fine_attention_tiles",
     "dense_attention",
+    "select_topk_segments",
+    "vsa_segments_ref",
     "video_sparse_attn_ref",
 ]
 
@@ -157,6 +160,29 @@ def fine_attention(
         tuple(kv_counts.shape) == tuple(kv_indices.shape[:3]),
         f"kv_counts must be {tuple(kv_indices.shape[:3])}, got {tuple(kv_counts.shape)}",
     )
+    key_valid = grid.real_token_mask(q_tiled.device).view(Nt, V)  # [Nt, V]
+    return fine_attention_tiles(
+        q_tiled, k_tiled, v_tiled, kv_indices, kv_counts, key_valid, scale, k_extra, v_extra
+    )
+
+
+def fine_attention_tiles(
+    q_tiled: torch.Tensor,
+    k_tiled: torch.Tensor,
+    v_tiled: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    key_valid: torch.Tensor,
+    scale: float,
+    k_extra: torch.Tensor | None = None,
+    v_extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`fine_attention` over tiles of ``V`` slots without a grid: ``q_tiled [B, H,
+    Nq*V, D]``, ``k_tiled, v_tiled [B, H, Nk*V, D]``, ``key_valid`` bool ``[Nk, V]`` (the real
+    key slots); lists ``[B or 1, H, Nq, K]`` index the ``Nk`` key tiles."""
+    B, H, seq_len, D = q_tiled.shape
+    Nk, V = key_valid.shape
+    Nt = seq_len // V
     K, Dv = kv_indices.shape[-1], v_tiled.shape[-1]
     if k_extra is not None and k_extra.shape[2] == 0:
         k_extra = v_extra = None
@@ -169,9 +195,8 @@ def fine_attention(
     listed = torch.arange(K, device=kv_indices.device) < counts.unsqueeze(-1)  # [B, H, Nt, K]
     indices = torch.where(listed, kv_indices.long(), 0)  # [B, H, Nt, K]
     q5 = q_tiled.reshape(B, H, Nt, V, D)
-    k5 = k_tiled.reshape(B, H, Nt, V, D)
-    v5 = v_tiled.reshape(B, H, Nt, V, Dv)
-    key_valid = grid.real_token_mask(q_tiled.device).view(Nt, V)  # [Nt, V]
+    k5 = k_tiled.reshape(B, H, Nk, V, D)
+    v5 = v_tiled.reshape(B, H, Nk, V, Dv)
 
     chunk = _fine_chunk_tiles(B, H, K, V, max(D, Dv), N)
     needs_grad = torch.is_grad_enabled() and any(
@@ -234,6 +259,80 @@ def _fine_chunk(
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
     out = torch.matmul(probs, v_sel)  # [B, H, C, V, Dv]
     return out * attends.unsqueeze(-1).to(out.dtype)
+
+
+@torch.no_grad()
+def select_topk_segments(scores: torch.Tensor, q_info: torch.Tensor, max_topk: int):
+    """:func:`select_topk` where each query tile chooses among its own key range and keeps its
+    own count: ``scores [B, H, Nq, Nk]``, ``q_info`` int32 ``[4, Nq]`` (``segments.py``: rows
+    1-3 are the first and last+1 key tile and the topk of each query tile). Returns
+    ``kv_indices [B, H, Nq, max_topk]`` (ascending; entries past a row's count are 0) and
+    ``kv_counts [B, H, Nq]``."""
+    B, H, nq, nk = scores.shape
+    first, stop, keep = (row.long() for row in q_info[1:4])
+    allowed = _key_range_mask(first, stop, nk)  # [Nq, Nk]
+    masked = scores.detach().masked_fill(~allowed, float("-inf"))
+    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :max_topk]
+    listed = torch.arange(max_topk, device=scores.device) < keep.unsqueeze(-1)  # [Nq, K]
+    chosen = torch.where(listed, order, nk).sort(dim=-1).values  # unlisted entries last
+    kv_indices = torch.where(listed, chosen, 0).to(torch.int32)
+    kv_counts = keep.to(torch.int32).expand(B, H, nq).contiguous()
+    return kv_indices, kv_counts
+
+
+def _key_range_mask(first: torch.Tensor, stop: torch.Tensor, num_keys: int) -> torch.Tensor:
+    keys = torch.arange(num_keys, device=first.device)
+    return (keys >= first.unsqueeze(-1)) & (keys < stop.unsqueeze(-1))
+
+
+def vsa_segments_ref(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    q_info: torch.Tensor,
+    k_sizes: torch.Tensor,
+    scale: float,
+    gate_t: torch.Tensor | None = None,
+    k_extra: torch.Tensor | None = None,
+    v_extra: torch.Tensor | None = None,
+    return_parts: bool = False,
+    max_topk: int | None = None,
+):
+    """VSA over tiles of ``V`` slots whose queries and keys differ (packed batches, key grids
+    of their own, block-causal slabs, competing prefix blocks; ``segments.py``).
+
+    ``q_t [B, H, Nq*V, D]`` and ``k_t, v_t [B, H, Nk*V, D]`` in tile order (compute dtype),
+    ``q_info`` int32 ``[4, Nq]`` (real tokens, key range and topk per query tile), ``k_sizes``
+    int32 ``[Nk]``; ``gate_t`` like ``q_t``; ``k_extra, v_extra [B, H, N, D]`` exempt keys every
+    query attends (text). Coarse attention and selection run within each query tile's key
+    range. ``max_topk``: the largest topk of ``q_info`` if the caller knows it (saves reading
+    it back). Returns ``o_t`` like ``q_t`` (padding rows 0), or ``(o_t, parts)``.
+    """
+    nq, nk = q_info.shape[1], k_sizes.shape[0]
+    V = q_t.shape[2] // nq
+    qc = tile_means_of_sizes(q_t, q_info[0])
+    kc, vc = (tile_means_of_sizes(x, k_sizes) for x in (k_t, v_t))
+    allowed = _key_range_mask(q_info[1].long(), q_info[2].long(), nk)
+    scores = torch.matmul(qc, kc.transpose(-1, -2)) * scale  # [B, H, Nq, Nk]
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    o_coarse = torch.matmul(probs, vc)  # [B, H, Nq, D]
+    max_topk = int(q_info[3].max()) if max_topk is None else max_topk
+    kv_indices, kv_counts = select_topk_segments(scores, q_info, max_topk)
+    key_valid = torch.arange(V, device=q_t.device) < k_sizes.view(-1, 1)  # [Nk, V]
+    o_fine = fine_attention_tiles(
+        q_t, k_t, v_t, kv_indices, kv_counts, key_valid, scale, k_extra, v_extra
+    )
+    B, H, _, Dv = o_fine.shape
+    coarse = o_coarse.unsqueeze(-2)  # [B, H, Nq, 1, Dv]
+    if gate_t is not None:
+        coarse = gate_t.reshape(B, H, nq, V, Dv) * coarse
+    o5 = o_fine.view(B, H, nq, V, Dv) + coarse
+    real = torch.arange(V, device=q_t.device) < q_info[0].view(-1, 1)  # [Nq, V]
+    o_t = o5.masked_fill(~real.view(nq, V, 1), 0).reshape(B, H, nq * V, Dv)
+    if not return_parts:
+        return o_t
+    parts = {"kv_indices": kv_indices, "kv_counts": kv_counts, "coarse_scores": scores}
+    return o_t, parts
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
-__all__ = ["resolve_topk"]
+__all__ = ["resolve_topk", "selected_quantile_z"]
 
 # (1 - sparsity) * num_tiles is often an integer spoiled by rounding (0.3 * 10 =
 # 3.0000000000000004); do not let that round up to one more tile.
@@ -33,3 +34,10 @@ def resolve_topk(num_tiles: int, topk: int | None = None, sparsity: float | None
         raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
     kept = math.ceil((1.0 - sparsity) * num_tiles - _TOPK_ROUNDING_SLACK)
     return max(1, min(kept, num_tiles))
+
+
+def selected_quantile_z(topk: int, num_tiles: int) -> float:
+    """Where the top-k boundary would sit, in standard deviations above the mean, if a row's
+    scores were normal: only steers the first pivots."""
+    kept = min(max(topk / num_tiles, 1e-4), 1.0 - 1e-4)
+    return NormalDist().inv_cdf(1.0 - kept)

@@ -421,13 +421,14 @@ def _bracket_topk(
 @triton.jit
 def _write_selection(
     qc, k_base, idx_rows, lo, hi, count_hi, row_real, num_tiles, topk, scale,
-    stride_kn, stride_kd, stride_ik,
+    stride_kn, stride_kd, stride_ik, first_index,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Write pass: keys >= hi, then the first ``topk - count(hi)`` keys of ``[lo, hi)`` in
-    tile order; positions come from running prefix counts, so each row is ascending.
-    Returns the number of entries written per row (``topk`` unless scores hold NaN)."""
+    tile order; positions come from running prefix counts, so each row is ascending. Key tile
+    ``n`` is written as ``first_index + n``. Returns the number of entries written per row
+    (``topk`` unless scores hold NaN)."""
     offs_d = tl.arange(0, HEAD_DIM)
     from_bracket = topk - count_hi  # [BM]
     hi_minus_1 = (hi - 1).to(tl.int32)  # [BM]; keys >= hi  <=>  keys > hi - 1
@@ -445,7 +446,8 @@ def _write_selection(
         slot = written[:, None] + tl.cumsum(take.to(tl.int32), axis=1) - 1  # [BM, BN]
         keep = take & (slot < topk) & row_real[:, None]
         ptrs = idx_rows[:, None] + slot.to(tl.int64) * stride_ik
-        tl.store(ptrs, offs_n[None, :].to(tl.int32) + tl.zeros_like(slot), mask=keep)
+        tl.store(ptrs, (first_index + offs_n)[None, :].to(tl.int32) + tl.zeros_like(slot),
+                 mask=keep)  # fmt: skip
         written += tl.sum(take.to(tl.int32), axis=1)
         bracket_seen += tl.sum(inside.to(tl.int32), axis=1)
     return tl.minimum(written, topk)
@@ -453,9 +455,11 @@ def _write_selection(
 
 @triton.jit
 def coarse_attn_topk_fwd_kernel(
-    QC, KC, VC, OC, KV_IDX, KV_CNT, SCRATCH, PASSES,
-    # qc, kc, vc, oc [B, H, Nt, D]; kv_idx int32 [B, H, Nt, topk]; kv_cnt int32 [B, H, Nt];
-    # scratch int32 [B * H * Nt, BRACKET_CAPACITY]; passes int32 [B * H, num_q_blocks]
+    QC, KC, VC, OC, KV_IDX, KV_CNT, SCRATCH, PASSES, SEGMENTS, SEGMENT_Z,
+    # qc, oc [B, H, Nt, D]; kc, vc [B, H, Nk, D] (Nk = Nt unless SEGMENTED);
+    # kv_idx int32 [B, H, Nt, topk]; kv_cnt int32 [B, H, Nt];
+    # scratch int32 [B * H * Nt, BRACKET_CAPACITY]; passes int32 [B * H, num_q_blocks];
+    # SEGMENTED: segments int32 [num_q_blocks, 5], segment_z fp32 [num_q_blocks] (segments.py)
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -469,9 +473,12 @@ def coarse_attn_topk_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_PIVOTS: tl.constexpr, BRACKET_CAPACITY: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     PACKED_COUNTS: tl.constexpr, SPECULATE: tl.constexpr, RECORD_PASSES: tl.constexpr,
+    SEGMENTED: tl.constexpr,
 ):  # fmt: skip
     """``oc``, the top-k lists and their counts for ``BLOCK_M`` query tiles of one (batch,
-    head). Per (query tile, key tile) pair it computes ``2 + P`` scores, ``P`` the selection
+    head). ``SEGMENTED``: the program's row of ``SEGMENTS`` names its query tiles, the range
+    of key tiles they choose from, and how many they keep (packed batches, key grids of their
+    own, block-causal slabs, competing prefix tiles); ``num_tiles`` then counts query tiles. Per (query tile, key tile) pair it computes ``2 + P`` scores, ``P`` the selection
     passes of the program's slowest row; ``P`` is bounded for any fp32 scores, as the key-space
     pivots alone shrink the 2**32-wide bracket to one key in ``ceil(32 / log2(NUM_PIVOTS / 2 +
     1))`` passes (14 for 8 pivots). The scratch is ``B*H*Nt*BRACKET_CAPACITY`` int32."""
@@ -480,17 +487,34 @@ def coarse_attn_topk_fwd_kernel(
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
 
-    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query tiles
+    if SEGMENTED:
+        segment = SEGMENTS + pid_m * 5
+        first_q = tl.load(segment).to(tl.int64)
+        q_stop = tl.load(segment + 1)
+        first_key = tl.load(segment + 2)
+        num_keys = tl.load(segment + 3)
+        keep = tl.load(segment + 4)
+        z = tl.load(SEGMENT_Z + pid_m)
+        key_offset = first_key.to(tl.int64)
+    else:
+        first_q = pid_m.to(tl.int64) * BLOCK_M
+        q_stop = num_tiles
+        first_key = 0
+        num_keys = num_tiles
+        keep = topk
+        z = quantile_z
+        key_offset = 0
+    offs_m = first_q + tl.arange(0, BLOCK_M)  # [BM] query tiles
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
-    row_real = offs_m < num_tiles
+    row_real = offs_m < q_stop
     qc_base = QC + b * stride_qb + h * stride_qh
     qc = _load_tile_rows(qc_base, offs_m, row_real, offs_d, stride_qn, stride_qd)  # [BM, D]
-    k_base = KC + b * stride_kb + h * stride_kh
-    v_base = VC + b * stride_vb + h * stride_vh
+    k_base = KC + b * stride_kb + h * stride_kh + key_offset * stride_kn
+    v_base = VC + b * stride_vb + h * stride_vh + key_offset * stride_vn
 
     # Pass 0: oc = softmax(qc kc^T * scale) vc, and each row's score statistics.
     oc, dot_min, dot_max, dot_sum, dot_sq_sum = _coarse_softmax_pass(
-        qc, k_base, v_base, num_tiles, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+        qc, k_base, v_base, num_keys, qk_scale, stride_kn, stride_kd, stride_vn, stride_vd,
         BLOCK_M, BLOCK_N, HEAD_DIM, INPUT_PRECISION,
     )  # fmt: skip
     oc_ptrs = OC + b * stride_ob + h * stride_oh
@@ -501,7 +525,7 @@ def coarse_attn_topk_fwd_kernel(
     scratch_rows = SCRATCH + (pid_bh.to(tl.int64) * num_tiles + offs_m) * BRACKET_CAPACITY
     lo, hi, count_hi, passes = _bracket_topk(
         qc, k_base, scratch_rows, row_real, dot_min, dot_max, dot_sum, dot_sq_sum,
-        num_tiles, topk, scale, quantile_z, stride_kn, stride_kd,
+        num_keys, keep, scale, z, stride_kn, stride_kd,
         BLOCK_M, BLOCK_N, HEAD_DIM, NUM_PIVOTS, BRACKET_CAPACITY, INPUT_PRECISION,
         PACKED_COUNTS, SPECULATE,
     )  # fmt: skip
@@ -509,8 +533,8 @@ def coarse_attn_topk_fwd_kernel(
     # Write pass: the top-k lists, ascending.
     idx_rows = KV_IDX + b * stride_ib + h * stride_ih + offs_m * stride_in  # [BM] pointers
     counts = _write_selection(
-        qc, k_base, idx_rows, lo, hi, count_hi, row_real, num_tiles, topk, scale,
-        stride_kn, stride_kd, stride_ik, BLOCK_M, BLOCK_N, HEAD_DIM, INPUT_PRECISION,
+        qc, k_base, idx_rows, lo, hi, count_hi, row_real, num_keys, keep, scale,
+        stride_kn, stride_kd, stride_ik, first_key, BLOCK_M, BLOCK_N, HEAD_DIM, INPUT_PRECISION,
     )  # fmt: skip
     cnt_ptrs = KV_CNT + b * stride_cb + h * stride_ch + offs_m * stride_cn
     tl.store(cnt_ptrs, counts, mask=row_real)

@@ -7,8 +7,9 @@
     prologue   o_fine = o - gate * o_coarse; from the same read of do:
                d o_coarse[block] = sum_rows do * gate,  d gate = do * o_coarse[block];
                padding rows get do = 0 and lse2 = +inf (no gradient flows through them)
-    dq, dkdv   + d mean_i / size_i on tile i's real rows (the tile-mean pooling's backward,
-               with key block i == tile i for i < NQ; ADD_POOLED)
+    dq, dkdv   + d mean_i / size_i on tile i's real rows (the tile-mean pooling's backward;
+               query tile sizes Q_SIZES, key tile sizes K_SIZES; key blocks from NK_POOLED on
+               were not pooled (exempt text); ADD_POOLED)
 """
 
 import triton
@@ -78,10 +79,10 @@ def _pooled_share(DPOOL, which, b, h, tile, dims, size,
 
 @triton.jit
 def pooled_dq(dq, b, h, q_block, local_rows, dims,
-              DPOOL, stride_pt, stride_pb, stride_ph, stride_pn, TILE_SIZES, NQ,
+              DPOOL, stride_pt, stride_pb, stride_ph, stride_pn, Q_SIZES, K_SIZES, NK_POOLED,
               ADD_POOLED: tl.constexpr):  # fmt: skip
     if ADD_POOLED:
-        size = tl.load(TILE_SIZES + q_block)
+        size = tl.load(Q_SIZES + q_block)
         share = _pooled_share(DPOOL, 0, b, h, q_block, dims, size,
                               stride_pt, stride_pb, stride_ph, stride_pn)  # fmt: skip
         dq = dq + tl.where((local_rows < size)[:, None], share[None, :], 0.0)
@@ -90,11 +91,11 @@ def pooled_dq(dq, b, h, q_block, local_rows, dims,
 
 @triton.jit
 def pooled_dkdv(dk, dv, b, h, kv_block, dims,
-                DPOOL, stride_pt, stride_pb, stride_ph, stride_pn, TILE_SIZES, NQ,
+                DPOOL, stride_pt, stride_pb, stride_ph, stride_pn, Q_SIZES, K_SIZES, NK_POOLED,
                 ADD_POOLED: tl.constexpr):  # fmt: skip
     if ADD_POOLED:  # noqa: SIM102 - a constexpr test, then a runtime one (Triton)
-        if kv_block < NQ:  # a video tile (the key blocks past NQ hold text tokens)
-            size = tl.load(TILE_SIZES + kv_block)
+        if kv_block < NK_POOLED:  # a pooled key tile (exempt text blocks come after them)
+            size = tl.load(K_SIZES + kv_block)
             rows_real = (tl.arange(0, dk.shape[0]) < size)[:, None]  # [BN, 1]
             share_k = _pooled_share(DPOOL, 1, b, h, kv_block, dims, size,
                                     stride_pt, stride_pb, stride_ph, stride_pn)  # fmt: skip

@@ -48,22 +48,33 @@ def _pool_tiles(
 @triton.jit
 def tile_mean_pool_fwd_kernel(
     Q, K, V, POOLED, SIZES,  # q, k, v [B, H, P, D]; pooled [3, B, H, Nt, D]; sizes int32 [Nt]
+    K_SIZES,  # SEPARATE_KV: int32 [Nk], the key tiles' sizes
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
     stride_pt, stride_pb, stride_ph, stride_pn, stride_pd,
-    H, num_tiles,
+    H, num_tiles, num_k_tiles,
     TILE_VOLUME: tl.constexpr, TILE_SLOTS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TILES_PER_PROGRAM: tl.constexpr,
+    TILES_PER_PROGRAM: tl.constexpr, SEPARATE_KV: tl.constexpr,
 ):  # fmt: skip
-    """One launch for q, k and v: program axis 2 picks the tensor."""
+    """One launch for q, k and v: program axis 2 picks the tensor. ``SEPARATE_KV``: k and v
+    have tiles of their own (``num_k_tiles``, ``K_SIZES``), and ``pooled`` is ``[B, H, Nt +
+    2 Nk, D]``: the q means, then the k means, then the v means (``stride_pt`` unused)."""
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
     which = tl.program_id(2)  # 0: q, 1: k, 2: v
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     first_tile = pid_t.to(tl.int64) * TILES_PER_PROGRAM
-    out = POOLED + which.to(tl.int64) * stride_pt + b * stride_pb + h * stride_ph
+    if SEPARATE_KV:
+        first_row = tl.where(which == 0, 0, num_tiles + (which - 1) * num_k_tiles)
+        out = POOLED + b * stride_pb + h * stride_ph + first_row.to(tl.int64) * stride_pn
+        kv_sizes = K_SIZES
+        kv_tiles = num_k_tiles
+    else:
+        out = POOLED + which.to(tl.int64) * stride_pt + b * stride_pb + h * stride_ph
+        kv_sizes = SIZES
+        kv_tiles = num_tiles
     # One call per branch (not a pointer picked by the branch): the strides may specialise to
     # different types (a unit stride becomes a constexpr).
     if which == 0:
@@ -74,12 +85,12 @@ def tile_mean_pool_fwd_kernel(
     elif which == 1:
         _pool_tiles(
             K + b * stride_kb + h * stride_kh, stride_ks, stride_kd, out, stride_pn, stride_pd,
-            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+            kv_sizes, first_tile, kv_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
         )  # fmt: skip
     else:
         _pool_tiles(
             V + b * stride_vb + h * stride_vh, stride_vs, stride_vd, out, stride_pn, stride_pd,
-            SIZES, first_tile, num_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
+            kv_sizes, first_tile, kv_tiles, TILE_VOLUME, TILE_SLOTS, HEAD_DIM, TILES_PER_PROGRAM,
         )  # fmt: skip
 
 
