@@ -123,6 +123,8 @@ CASES = {
     "tile256-cache": ([VideoGrid((4, 9, 17), (4, 8, 8))], [VideoGrid((12, 9, 17), (4, 8, 8))],
                       True, 0, "exempt"),
     "tile256-compete": ([VideoGrid((5, 8, 17), (4, 8, 8))], None, False, 300, "compete"),
+    "tile256-text": ([VideoGrid((5, 8, 17), (4, 8, 8))], None, False, 77, "exempt"),
+    "tile256-plain": ([VideoGrid((6, 11, 17), (4, 8, 8))], None, False, 0, "exempt"),
 }  # fmt: skip
 
 
@@ -326,6 +328,8 @@ GPU_CASES = {
     "compete-text": ([VideoGrid((9, 30, 52))], None, False, 300, "compete"),
     "tile128-packed": ([VideoGrid((9, 30, 52), (4, 4, 8)), VideoGrid((5, 18, 32), (4, 4, 8))],
                        None, False, 0, "exempt"),
+    "tile256-480p": ([VideoGrid((21, 30, 52), (4, 8, 8))], None, False, 0, "exempt"),
+    "tile256-text": ([VideoGrid((9, 30, 52), (4, 8, 8))], None, False, 77, "exempt"),
 }  # fmt: skip
 
 

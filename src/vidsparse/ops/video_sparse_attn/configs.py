@@ -27,6 +27,7 @@ __all__ = [
     "REFERENCE_DTYPES",
     "BWD_CHUNK_ELEMENTS",
     "SMALL_GRID_TILES",
+    "FINE_BLOCK_MAX",
     "PoolConfig",
     "CoarseAttnConfig",
     "pool_config",
@@ -44,6 +45,11 @@ BWD_CHUNK_ELEMENTS = 2**24
 
 # The "attn_topk_small" entries apply up to this many tiles (Wan 480p has 624, 720p 1,440).
 SMALL_GRID_TILES = 1024
+
+# The fine stage's largest engine block: larger tiles (256 tokens, 4x8x8) run as 128-row
+# blocks, two a tile, since a 256x256 block's pipeline needs 320 KB of shared memory at
+# D=128 (the H200 has 227 KB).
+FINE_BLOCK_MAX = 128
 
 
 @dataclass(frozen=True)

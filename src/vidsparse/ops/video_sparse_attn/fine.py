@@ -110,7 +110,7 @@ class CoarseCombine(Epilogue):
     def forward_args(self, call: EngineCall) -> tuple:
         oc, gate, dummy = self.o_coarse, self.gate, self.o_coarse
         gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *_strides3(gate))
-        sizes = dummy if self.q_sizes is None else self.q_sizes
+        sizes = dummy if self.q_sizes is None else self._q_tile_sizes(call)
         flags = (gate is not None, self.q_sizes is not None)
         return (oc, *_strides3(oc), *gate_args, sizes, *map(_constexpr, flags))
 
@@ -131,33 +131,49 @@ class CoarseCombine(Epilogue):
             return (dummy, 0, 0, 0, 0, dummy, dummy, 0, _constexpr(False))
         dpool = self._pooled_grad(self._d_coarse, call).float()  # [3, B, H, max(Nq, Nk), D]
         q_sizes = self._q_tile_sizes(call)
-        return (dpool, *dpool.stride()[:4], q_sizes, call.kv_block_sizes, self._pooled_keys(),
+        pooled_blocks = self._pooled_keys() * self._split
+        return (dpool, *dpool.stride()[:4], q_sizes, call.kv_block_sizes, pooled_blocks,
                 _constexpr(True))  # fmt: skip
 
     @property
     def _segmented(self) -> bool:
         """Query and key tiles apart (``segments.py``): ``q_block_sizes`` is the plan's
-        ``q_info [4, Nq]`` and ``pooled`` is ``[B, H, Nq + 2 Nk, D]``."""
+        ``q_info [4, Nq]`` (per tile) and ``pooled`` is ``[B, H, Nq + 2 Nk, D]``. The engine's
+        blocks may then be a ``split`` of each tile (``o_coarse`` holds one row per block)."""
         return self.q_sizes is not None and self.q_sizes.ndim == 2
 
+    @property
+    def _split(self) -> int:
+        return self.o_coarse.shape[2] // self.q_sizes.shape[1] if self._segmented else 1
+
     def _q_tile_sizes(self, call: EngineCall) -> torch.Tensor:
+        """Real rows per engine query block."""
         if self._segmented:
-            return self.q_sizes[0]
+            return split_sizes(self.q_sizes[0], self._split, call.block_q)
         return call.kv_block_sizes  # one grid: query tile i is key tile i
 
     def _pooled_keys(self) -> int:
         """Key tiles that were pooled (exempt text blocks after them were not)."""
-        nq = self.o_coarse.shape[2]
-        return (self.pooled.shape[2] - nq) // 2 if self._segmented else nq
+        if not self._segmented:
+            return self.o_coarse.shape[2]
+        return (self.pooled.shape[2] - self.q_sizes.shape[1]) // 2
 
     def _pooled_grad(self, d_coarse, call: EngineCall):
+        """``dpooled [3, B, H, n, D]`` per engine block (``n`` covers both sides' blocks)."""
         p, low = self.pooled, coarse_grad_dtype(call.dtype)
         if not self._segmented:
             return coarse_attn_bwd(d_coarse, p[0], p[1], p[2], call.scale, low)
-        nq, nk = self.o_coarse.shape[2], self._pooled_keys()
+        nq, nk, split = self.q_sizes.shape[1], self._pooled_keys(), self._split
         qc, kc, vc = p[:, :, :nq], p[:, :, nq : nq + nk], p[:, :, nq + nk :]
+        if split > 1:  # the coarse term is per tile: its gradient sums the tile's blocks
+            B, H, _, D = d_coarse.shape
+            d_coarse = d_coarse.view(B, H, nq, split, D).sum(3)
         key_range = (self.q_sizes[1], self.q_sizes[2])
-        return coarse_attn_bwd(d_coarse, qc, kc, vc, call.scale, low, key_range=key_range)
+        dpool = coarse_attn_bwd(d_coarse, qc, kc, vc, call.scale, low, key_range=key_range)
+        if split == 1:
+            return dpool
+        return _dpool_per_block(dpool, self.q_sizes[0], call.kv_block_sizes[: nk * split],
+                                nq, nk, split, call.block_q)  # fmt: skip
 
     # --- PyTorch
     def forward_torch(self, o_fine, call: EngineCall) -> torch.Tensor:
@@ -187,7 +203,7 @@ class CoarseCombine(Epilogue):
         if self.pooled is None:
             return dq, dk, dv
         acc = torch.promote_types(dq.dtype, torch.float32)
-        nq, nk, block = self.o_coarse.shape[2], self._pooled_keys(), call.block_q
+        nq, nk, block = self.o_coarse.shape[2], self._pooled_keys() * self._split, call.block_q
         dpool = self._pooled_grad(self._d_coarse, call)
         (q_share,) = tile_means_bwd(dpool[:1, :, :, :nq], self._q_tile_sizes(call)[:nq],
                                     nq * block, acc)  # fmt: skip
@@ -214,6 +230,32 @@ class CoarseCombine(Epilogue):
         """``gate * o_coarse`` broadcast over each block's rows ([B, H, S, D], in ``dtype``)."""
         coarse = self.o_coarse.to(dtype).repeat_interleave(block, dim=2)
         return coarse if self.gate is None else self.gate.to(dtype) * coarse
+
+
+def split_sizes(tile_sizes: torch.Tensor, split: int, block: int) -> torch.Tensor:
+    """Real rows of each of the ``split`` blocks of ``block`` rows per tile (a tile's real
+    tokens come first): ``[N] -> [N * split]`` int32."""
+    if split == 1:
+        return tile_sizes
+    starts = torch.arange(split, device=tile_sizes.device) * block
+    return (tile_sizes.view(-1, 1) - starts).clamp(0, block).reshape(-1).to(torch.int32)
+
+
+def _dpool_per_block(dpool, q_tile_sizes, k_block_sizes, nq, nk, split, block):
+    """Per-tile ``dpooled`` as the per-block hooks take it: they add ``dpool[block] /
+    size[block]`` to a block's real rows, and every row of a tile must get ``dpool[tile] /
+    size[tile]``, so block b of tile t carries ``dpool[t] * size[b] / size[t]``."""
+    q_blocks = split_sizes(q_tile_sizes, split, block)
+    k_tile_sizes = k_block_sizes.view(nk, split).sum(1)
+    sides = [(dpool[0, :, :, :nq], q_tile_sizes, q_blocks)]
+    sides += [(dpool[i, :, :, :nk], k_tile_sizes, k_block_sizes) for i in (1, 2)]
+    B, H, _, D = dpool.shape[1:]
+    out = dpool.new_zeros(3, B, H, max(nq, nk) * split, D)
+    for i, (tiles, tile_sizes, block_sizes) in enumerate(sides):
+        share = block_sizes.view(-1, split).to(tiles.dtype) / tile_sizes.clamp(min=1).view(-1, 1)
+        per_block = (tiles.unsqueeze(3) * share.view(1, 1, -1, split, 1)).flatten(2, 3)
+        out[i, :, :, : per_block.shape[2]] = per_block
+    return out
 
 
 def _constexpr(value):

@@ -45,6 +45,7 @@ from vidsparse.ops._video_inputs import (
 )
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
+from vidsparse.ops.video_sparse_attn.configs import FINE_BLOCK_MAX
 from vidsparse.ops.video_sparse_attn.multi import MultiCall, video_sparse_attn_multi
 from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
 from vidsparse.ops.video_sparse_attn.segments import plan_tiles
@@ -159,9 +160,10 @@ def video_sparse_attn(
 
 def _needs_segments(grid, kv_grid, causal, text_mode) -> bool:
     """Whether a call leaves the one-grid path: several grids, a key grid of its own, the
-    block-causal option or competing text (each checked in full by the segmented path)."""
+    block-causal option, competing text or large tiles (checked in full by that path)."""
     if isinstance(grid, VideoGrid) and kv_grid in (None, grid) and not causal:
-        return text_mode != "exempt"
+        # Tiles above the fine stage's largest block run as several blocks (multi.py).
+        return text_mode != "exempt" or grid.tile_volume > FINE_BLOCK_MAX
     return True
 
 

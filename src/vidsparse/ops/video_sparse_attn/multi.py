@@ -30,6 +30,7 @@ from vidsparse.ops._video_inputs import (
     dense_rows,
     text_block_sizes,
 )
+from vidsparse.ops.video_sparse_attn.configs import FINE_BLOCK_MAX
 from vidsparse.ops.video_sparse_attn.reference import dense_attention, vsa_segments_ref
 from vidsparse.ops.video_sparse_attn.segments import TilePlan, plan_tensors
 from vidsparse.utils import ceil_div
@@ -159,19 +160,38 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
         if not call.compete:  # exempt text blocks join every list after its selection
             kv_indices, kv_counts = append_columns(kv_indices, kv_counts, text.columns)
     gate_t = None if gate is None else _pack_tiles(gate, call.grids, q_lens, call.tiled)
+    split = max(1, volume // FINE_BLOCK_MAX)
+    if split > 1:  # large tiles: the engine runs them as `split` blocks each
+        kv_indices, kv_counts, sizes, oc = _split_tiles(kv_indices, kv_counts, sizes, oc, split)
+    block = volume // split
     o_t = vsa_fine_combined(
-        q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, oc, gate_t, tensors.q_info, volume,
+        q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, oc, gate_t, tensors.q_info, block,
         scale, pooled=pooled,
     )  # fmt: skip
     o = _unpack_tiles(o_t, call.grids, call.tiled)
     if not call.text_tokens:
         return o
-    rows, counts = dense_rows(q.shape[1], call.text_blocks, k_seq.shape[2] // volume, q.device)
+    text_rows = ceil_div(call.text_tokens, block)  # the text queries in blocks of `block`
+    rows, counts = dense_rows(q.shape[1], text_rows, k_seq.shape[2] // block, q.device)
     o_text, _ = attend_text_queries(
         q, k_seq, v_seq, rows, counts, sizes, video_len=sum(q_lens),
-        text_tokens=call.text_tokens, volume=volume, scale=scale,
+        text_tokens=call.text_tokens, volume=block, scale=scale,
     )  # fmt: skip
     return torch.cat([o, o_text], dim=-2)
+
+
+def _split_tiles(kv_indices, kv_counts, sizes, oc, split: int):
+    """Tile lists as lists of blocks ``tile // split``: each listed tile becomes its ``split``
+    blocks, each query tile's row serves its ``split`` query blocks, every key tile's size
+    splits over its blocks, and ``oc`` gets one row per query block."""
+    from vidsparse.ops.video_sparse_attn.fine import split_sizes
+
+    parts = torch.arange(split, device=kv_indices.device, dtype=kv_indices.dtype)
+    blocks = (kv_indices.unsqueeze(-1) * split + parts).flatten(-2)  # [B, H, Nq, K * split]
+    blocks = blocks.repeat_interleave(split, dim=2)  # [B, H, Nq * split, K * split]
+    counts = (kv_counts * split).repeat_interleave(split, dim=2)
+    block_sizes = split_sizes(sizes, split, FINE_BLOCK_MAX)
+    return blocks, counts, block_sizes, oc.repeat_interleave(split, dim=2)
 
 
 class _TextKeys(NamedTuple):
