@@ -25,6 +25,14 @@ def check_tensor(name: str, x, *, ndim: int | None = None, dtypes=None) -> torch
     return x
 
 
+def check_qkv(q, k, v, dtypes) -> None:
+    """q, k, v are 4-D tensors of one of ``dtypes``, all three of the same dtype."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=4, dtypes=dtypes)
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
 def bshd_hint(name: str, x: torch.Tensor) -> str:
     """The sentence to add when ``x`` looks like ``[B, S, H, D]`` where ``[B, H, S, D]`` is
     expected (the caller has judged that dim 2 is wrong and dim 1 would fit as S)."""

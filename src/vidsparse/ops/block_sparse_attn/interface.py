@@ -35,6 +35,7 @@ from vidsparse.utils.checks import (
     check_bool,
     check_head_dim,
     check_positive_int,
+    check_qkv,
     check_same_device,
     check_tensor,
     softmax_scale,
@@ -159,10 +160,7 @@ def _normalize_block_size(block_size) -> tuple[int, int]:
 def _validate(
     q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, *, force: bool = False
 ) -> torch.device:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, ndim=4, dtypes=REFERENCE_DTYPES)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_qkv(q, k, v, REFERENCE_DTYPES)
     check_head_dim(q)
     check_tensor("kv_indices", kv_indices)
     check_tensor("kv_counts", kv_counts)

@@ -97,16 +97,24 @@ def tile_mean_pool_fwd(
     # more than the gap between neighbouring candidates; at 1/V of the inputs' size it is cheap.
     pooled = torch.empty((3, B, H, num_tiles, D), device=q_t.device, dtype=torch.float32)
     cfg = config or pool_config(target_of(q_t.device), D)
-    grid = (triton.cdiv(num_tiles, cfg.tiles_per_program), B * H, 3)
+    _launch_pool(q_t, k_t, v_t, pooled, pooled.stride(), tile_sizes, tile_sizes, tile_volume, cfg,
+                 separate_kv=False)  # fmt: skip
+    return pooled
+
+
+def _launch_pool(q_t, k_t, v_t, pooled, pooled_strides, q_sizes, k_sizes, volume, cfg, *,
+                 separate_kv: bool) -> None:  # fmt: skip
+    B, H, _, D = q_t.shape
+    nq, nk = q_sizes.shape[0], k_sizes.shape[0]
+    grid = (triton.cdiv(max(nq, nk), cfg.tiles_per_program), B * H, 3)
     tile_mean_pool_fwd_kernel[grid](
-        q_t, k_t, v_t, pooled, tile_sizes, tile_sizes,
-        *q_t.stride(), *k_t.stride(), *v_t.stride(), *pooled.stride(),
-        H, num_tiles, num_tiles,
-        TILE_VOLUME=tile_volume, TILE_SLOTS=pow2_at_least(tile_volume), HEAD_DIM=D,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, SEPARATE_KV=False,
+        q_t, k_t, v_t, pooled, q_sizes, k_sizes,
+        *q_t.stride(), *k_t.stride(), *v_t.stride(), *pooled_strides,
+        H, nq, nk,
+        TILE_VOLUME=volume, TILE_SLOTS=pow2_at_least(volume), HEAD_DIM=D,
+        TILES_PER_PROGRAM=cfg.tiles_per_program, SEPARATE_KV=separate_kv,
         **cfg.launch_kwargs(),
     )  # fmt: skip
-    return pooled
 
 
 def tile_mean_pool_fwd_separate(
@@ -125,15 +133,9 @@ def tile_mean_pool_fwd_separate(
     tile_volume = q_t.shape[2] // nq
     pooled = torch.empty((B, H, nq + 2 * nk, D), device=q_t.device, dtype=torch.float32)
     cfg = config or pool_config(target_of(q_t.device), D)
-    grid = (triton.cdiv(max(nq, nk), cfg.tiles_per_program), B * H, 3)
-    tile_mean_pool_fwd_kernel[grid](
-        q_t, k_t, v_t, pooled, q_sizes, k_sizes,
-        *q_t.stride(), *k_t.stride(), *v_t.stride(), 0, *pooled.stride(),
-        H, nq, nk,
-        TILE_VOLUME=tile_volume, TILE_SLOTS=pow2_at_least(tile_volume), HEAD_DIM=D,
-        TILES_PER_PROGRAM=cfg.tiles_per_program, SEPARATE_KV=True,
-        **cfg.launch_kwargs(),
-    )  # fmt: skip
+    # stride 0 between q, k and v: SEPARATE_KV places them by rows (pooled is 4-D)
+    _launch_pool(q_t, k_t, v_t, pooled, (0, *pooled.stride()), q_sizes, k_sizes, tile_volume,
+                 cfg, separate_kv=True)  # fmt: skip
     return pooled
 
 

@@ -55,6 +55,7 @@ from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import (
     check_bool,
     check_head_dim,
+    check_qkv,
     check_same_device,
     check_scale,
     check_tensor,
@@ -200,10 +201,7 @@ def _validate_segmented(
 ) -> MultiCall:
     grids = _grid_tuple("grid", grid)
     kv_grids = grids if kv_grid is None else _grid_tuple("kv_grid", kv_grid)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, x, ndim=4, dtypes=REFERENCE_DTYPES)
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_qkv(q, k, v, REFERENCE_DTYPES)
     check_head_dim(q)
     check_bool("tiled", tiled)
     check_bool("causal", causal)
@@ -230,16 +228,7 @@ def _validate_segmented(
     if causal:
         for g, kg in zip(grids, kv_grids):
             _check_causal_pair(g, kg)
-    is_number = isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
-    if is_number and not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
-    resolve_topk(kv_grids[0].num_tiles, topk, sparsity)  # exactly one, right types and ranges
-    if gate is not None:
-        check_tensor("gate", gate, ndim=4, dtypes=REFERENCE_DTYPES)
-        if gate.shape != q.shape:
-            raise ValueError(
-                f"gate must be shaped like q {tuple(q.shape)}, got {tuple(gate.shape)}"
-            )
+    _check_selection_and_gate(q, kv_grids[0].num_tiles, topk, sparsity, gate)
     # operator.index: plain ints (Dynamo specializes them), never SymInts, as plan keys
     text_tokens = operator.index(text_tokens)
     topk = None if topk is None else operator.index(topk)
@@ -391,17 +380,22 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) ->
     check_scale(scale)
     check_count("text_tokens", text_tokens)
     check_sequence_length(q.shape[2], grid, tiled, text_tokens)
+    _check_selection_and_gate(q, grid.num_tiles, topk, sparsity, gate)
+    return check_same_device(q=q, k=k, v=v, gate=gate)
+
+
+def _check_selection_and_gate(q, num_tiles: int, topk, sparsity, gate) -> None:
+    """Exactly one of topk / sparsity, of the right type and range; a gate shaped like q."""
     is_number = isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
     if is_number and not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
-    resolve_topk(grid.num_tiles, topk, sparsity)  # exactly one of them, right types and ranges
+    resolve_topk(num_tiles, topk, sparsity)
     if gate is not None:
         check_tensor("gate", gate, ndim=4, dtypes=REFERENCE_DTYPES)
         if gate.shape != q.shape:
             raise ValueError(
                 f"gate must be shaped like q {tuple(q.shape)}, got {tuple(gate.shape)}"
             )
-    return check_same_device(q=q, k=k, v=v, gate=gate)
 
 
 def _check_triton_supported(q: torch.Tensor, grid: VideoGrid) -> None:
