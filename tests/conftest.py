@@ -16,6 +16,9 @@ import pytest  # noqa: E402
 
 # The reference path is what unmarked tests exercise unless they ask for a backend.
 os.environ.setdefault("VIDSPARSE_BACKEND", "auto")
+# The tables' configs, not a tuning file a user left in their cache (`vidsparse tune`), are
+# what the tests and the compile checks exercise; the tuning-file tests set their own.
+os.environ.setdefault("VIDSPARSE_TUNING_FILE", "off")
 
 
 def pytest_configure(config):

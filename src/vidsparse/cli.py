@@ -4,6 +4,7 @@
     vidsparse search SAMPLES [--grid T H W] --tile t h w (--alpha A | --target-sparsity S) ...
     vidsparse inspect PLAN [--json] [--png PATH]
     vidsparse bench [OP|all] [--out DIR] [--tiny] [--json] [--list] [-- OP OPTIONS]
+    vidsparse tune (--model NAME [--resolution R] | --seq S ...) [--time-budget SECONDS] | --show
 
 Exit codes: 0 ok, 1 failure, 2 bad usage (including unreadable or invalid input files),
 130 interrupted (Ctrl-C / SIGINT, at any point, torch's import included: one line, no
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,6 +28,8 @@ EXAMPLES = """examples:
   vidsparse search calib/ --tile 2 8 8 --alpha 0.05 --out plan.json   # grid from the files
   vidsparse inspect plan.json --png masks.png
   vidsparse bench engine --tiny       # kernel benchmark smoke run
+  vidsparse tune --model wan2.1-1.3b --resolution 480p   # tune the kernels for this GPU
+  vidsparse tune --show               # the tuning file in effect, and what it changes
 
 exit codes: 0 ok, 1 failure, 2 bad usage or input, 130 interrupted (Ctrl-C)
 """
@@ -69,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_search_parser(sub)
     _add_inspect_parser(sub)
     _add_bench_parser(sub)
+    _add_tune_parser(sub)
     return parser
 
 
@@ -207,6 +212,72 @@ def _add_bench_parser(sub) -> None:
     p.add_argument("--list", action="store_true", help="list the ops, shapes and providers")
 
 
+def _add_tune_parser(sub) -> None:
+    p = sub.add_parser(
+        "tune",
+        help="tune the kernels' configs for this GPU (a tuning file the library loads)",
+        description=(
+            "Sweep the launch configs of the engine's kernels (forward, dK/dV, dQ) and VSA's"
+            " coarse kernels (top-k, pooling) for one shape on this GPU: each candidate is"
+            " checked against the PyTorch reference, then timed (CUDA events); the fastest that"
+            " beats the default is written to a tuning file, which vidsparse then loads for this"
+            " GPU: $VIDSPARSE_TUNING_FILE if set, else $XDG_CACHE_HOME/vidsparse/tuning/"
+            "<gpu>.json (~/.cache by default). The file is written after each job, so a run"
+            " stopped (--time-budget, Ctrl-C) resumes where it stopped. Needs a GPU."
+            " docs/tuning.md has the details."
+        ),
+        epilog=(
+            "examples:\n"
+            "  vidsparse tune --model wan2.1-1.3b --resolution 480p --time-budget 1800\n"
+            "  vidsparse tune --seq 32768 --heads 12 --blocks 128x128 --sparsity 0.9\n"
+            "  vidsparse tune --show    # the file in effect; tuned or default, per kernel\n"
+            "  vidsparse tune --list-models"
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--model", help="a model's shape (--list-models), e.g. wan2.1-1.3b")
+    p.add_argument("--resolution", help="with --model: e.g. 480p, 720p (default: the model's)")
+    p.add_argument("--seq", type=int, help="explicit shape: tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=int, help="explicit shape: heads (default 12)")
+    p.add_argument("--head-dim", type=int, help="explicit shape: head_dim (default 128)")
+    p.add_argument(
+        "--masked",
+        action="store_true",
+        help="explicit shape: key-block sizes mask part of the last block",
+    )
+    p.add_argument("--blocks", help="engine block sizes BQxBKV, comma list (default 64x64,128x128)")
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.875,
+        help="fraction of key blocks skipped per query block (default 0.875)",
+    )
+    p.add_argument(
+        "--kernels", help="comma list of fwd,bwd_dkdv,bwd_dq,attn_topk,pool (default all)"
+    )
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="SECONDS",
+        help="stop cleanly after this long; the same command resumes",
+    )
+    p.add_argument(
+        "--max-candidates",
+        type=int,
+        metavar="N",
+        help="at most N candidates per kernel, the default first",
+    )
+    p.add_argument("--out", help="tuning file to write (default: where the library looks)")
+    p.add_argument("--fresh", action="store_true", help="start over, ignoring an existing file")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--show", action="store_true", help="print what is in effect, tune nothing")
+    p.add_argument("--list-models", action="store_true", help="list the --model names")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON, no progress bar")
+    # Testing only (CI): CPU tensors through the Triton interpreter, at tiny sizes.
+    p.add_argument("--interpreter", action="store_true", help=argparse.SUPPRESS)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -230,6 +301,7 @@ def _main(argv: list[str] | None) -> int:
         "search": _run_search,
         "inspect": _run_inspect,
         "bench": _run_bench,
+        "tune": _run_tune,
     }
     try:
         return commands[args.command](args)
@@ -445,6 +517,35 @@ def _run_bench(args) -> int:
     else:
         for r in results:
             print(f"bench {r['target']}: {len(r['rows'])} rows written to {r['json']}")
+    return 0
+
+
+def _run_tune(args) -> int:
+    if args.interpreter:
+        os.environ["TRITON_INTERPRET"] = "1"  # before any kernel is defined (imported)
+    from vidsparse.bench import tune
+
+    if args.list_models:
+        print(tune.describe_models())
+        return 0
+    try:
+        opts = tune.options_from_args(args)
+        if args.show:
+            print(tune.show(opts))
+            return 0
+        summary = tune.run_tune(opts, progress=not args.json)
+    except tune.TuneUsageError as exc:
+        raise _BadInput(str(exc)) from None
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    print(f"tuning file written to {summary['path']}: {summary['entries']} entries, "
+          f"{summary['done']} of {summary['jobs']} jobs done")  # fmt: skip
+    if summary["stopped"]:
+        print("time budget reached: run the same command again to resume")
+    if not summary["loaded_by_library"]:
+        print("note: vidsparse reads $VIDSPARSE_TUNING_FILE or its cache, not this file: "
+              f"export VIDSPARSE_TUNING_FILE={summary['path']} to use it")  # fmt: skip
     return 0
 
 

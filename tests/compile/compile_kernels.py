@@ -26,7 +26,9 @@ kernel (both in one launch) where configs.py fuses them and, on Hopper, at 128x1
 case and for VSA's combined backward at 64x64 (``fused_modes``).
 
 Prints one JSON line per compiled (target, kernel, specialisation) on stdout, one line per
-unavailable target (``{"target": ..., "skipped": reason}``), and a table on stderr.
+unavailable target (``{"target": ..., "skipped": reason}``), and a table on stderr. For AMD
+targets each line and row also carry SGPRs, the registers the code object allocates, LDS
+bytes and the occupancy in waves per SIMD those allow (``amd_occupancy.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ from concurrent.futures.process import BrokenProcessPool  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import amd_occupancy  # noqa: E402
 
 # name -> (vidsparse Target args, triton GPUTarget args, shared-memory limit in bytes per block)
 TARGETS = {
@@ -83,6 +88,7 @@ DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 # --------------------------------------------------------------------------------------------
 # Availability of the compilers in the installed triton wheel
+
 
 def unavailable_reason(name: str) -> str | None:
     """Why ``name`` cannot be compiled for with this wheel, or None when it can."""
@@ -468,8 +474,8 @@ def _config_of(options, constexprs):
 # Compiling (in worker processes) and reading the costs
 
 
-REPORT_KEYS = ("target", "kernel", "block_q", "block_kv", "head_dim", "dtype", "has_kv_sizes",
-               "config", "shared_limit")  # fmt: skip
+REPORT_KEYS = ("target", "kernel", "module", "block_q", "block_kv", "head_dim", "dtype",
+               "has_kv_sizes", "config", "shared_limit")  # fmt: skip
 
 
 def compile_job(job):
@@ -515,6 +521,7 @@ def _compile(job, log) -> dict:
         usage.update(_ptxas_usage(backend, compiled.asm["ptx"], job["options"]))
     else:
         usage.update(_amdgcn_usage(compiled.asm["amdgcn"]))
+        usage.update(_amd_occupancy(usage, target.arch, job["options"].get("num_warps", 4)))
     return usage
 
 
@@ -557,7 +564,8 @@ def _ptxas_usage(backend, ptx: str, options: dict) -> dict:
 
 
 def _amdgcn_usage(asm: str) -> dict:
-    """VGPRs, AGPRs, spills and scratch from the kernel's AMDGPU metadata and comments."""
+    """VGPRs, AGPRs, SGPRs (used, and as the kernel descriptor allocates them), spills,
+    scratch and static LDS from the kernel's AMDGPU metadata and LLVM's comments."""
 
     def field(pattern, required=True):
         m = re.search(pattern, asm, re.MULTILINE)
@@ -569,16 +577,32 @@ def _amdgcn_usage(asm: str) -> dict:
 
     vgpr_spills = field(r"^\s*\.vgpr_spill_count:\s*(\d+)")
     sgpr_spills = field(r"^\s*\.sgpr_spill_count:\s*(\d+)")
+    vgprs, sgprs = field(r"^\s*\.vgpr_count:\s*(\d+)"), field(r"^\s*\.sgpr_count:\s*(\d+)")
     return {
-        "registers": field(r"^\s*\.vgpr_count:\s*(\d+)"),  # arch VGPRs + AGPRs, per lane
+        "registers": vgprs,  # arch VGPRs + AGPRs, per lane
         "agprs": field(r"^; NumAgprs:\s*(\d+)", required=False),
-        "sgprs": field(r"^\s*\.sgpr_count:\s*(\d+)"),
+        "sgprs": sgprs,
+        # What the kernel descriptor asks for: the registers used, raised by LLVM so that no
+        # more waves fit than waves_per_eu allows (hence what the occupancy is computed from).
+        "vgprs_allocated": field(r"^; NumVGPRsForWavesPerEU:\s*(\d+)", required=False) or vgprs,
+        "sgprs_allocated": field(r"^; NumSGPRsForWavesPerEU:\s*(\d+)", required=False) or sgprs,
+        "static_lds": field(r"^\s*\.group_segment_fixed_size:\s*(\d+)"),
         "spills": vgpr_spills + sgpr_spills,
         "vgpr_spills": vgpr_spills,
         "sgpr_spills": sgpr_spills,
         "stack": field(r"^; ScratchSize:\s*(\d+)", required=False),
-        "occupancy": field(r"^; Occupancy:\s*(\d+)", required=False),
+        # LLVM's figure: registers and static LDS only (Triton's LDS is dynamic).
+        "llvm_occupancy": field(r"^; Occupancy:\s*(\d+)", required=False),
     }
+
+
+def _amd_occupancy(usage: dict, arch: str, num_warps: int) -> dict:
+    """LDS bytes a workgroup takes (Triton's dynamic LDS plus any static) and the waves per
+    SIMD that registers and LDS allow (``amd_occupancy.occupancy``)."""
+    lds = usage["shared"] + usage["static_lds"]
+    waves = amd_occupancy.occupancy(arch, num_warps, usage["vgprs_allocated"],
+                                    usage["sgprs_allocated"], lds)  # fmt: skip
+    return {"lds": lds, **waves}
 
 
 def run_jobs(jobs, workers):
@@ -608,9 +632,13 @@ def run_jobs(jobs, workers):
 
 
 def format_table(results) -> str:
+    """One row per compile. ``regs``: registers a thread (CUDA) or VGPRs a lane (AMD) used;
+    AMD rows also show ``alloc`` (VGPRs the kernel descriptor allocates), ``sgpr``, ``occ``
+    (waves per SIMD) and what bounds it; ``shared``: bytes of shared memory / LDS."""
     head = (
         f"{'target':<11} {'kernel':<15} {'bq':>4} {'bk':>4} {'D':>4} {'dt':<5} {'sizes':<5} "
-        f"{'config':<48} {'regs':>5} {'spill':>6} {'stack':>6} {'shared':>7} {'s':>5}"
+        f"{'config':<48} {'regs':>5} {'alloc':>5} {'sgpr':>5} {'spill':>6} {'stack':>6} "
+        f"{'shared':>7} {'occ':>3} {'limit':<8} {'s':>5}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -618,13 +646,25 @@ def format_table(results) -> str:
         if not r.get("ok"):
             lines.append(f"{r['target']:<11} {r['kernel']:<15} FAILED: {r['error'][:200]}")
             continue
+        amd = "occupancy" in r
         lines.append(
             f"{r['target']:<11} {r['kernel']:<15} {r['block_q']:>4} {r['block_kv'] or '-':>4} "
             f"{r['head_dim']:>4} {r['dtype']:<5} {str(r['has_kv_sizes'] or False)[0]:<5} "
-            f"{cfg:<48} {r['registers']:>5} {r['spills']:>6} {r['stack']:>6} "
-            f"{r['shared']:>7} {r['compile_s']:>5}"
+            f"{cfg:<48} {r['registers']:>5} {r['vgprs_allocated'] if amd else '-':>5} "
+            f"{r['sgprs'] if amd else '-':>5} {r['spills']:>6} {r['stack']:>6} "
+            f"{r['lds'] if amd else r['shared']:>7} {r['occupancy'] if amd else '-':>3} "
+            f"{r['occupancy_limit'] if amd else '-':<8} {r['compile_s']:>5}"
         )
     return "\n".join(lines)
+
+
+def occupancy_summary(results) -> list[str]:
+    """Per AMD target, the lowest and highest occupancy of its compiles."""
+    lines = []
+    for target in sorted({r["target"] for r in results if "occupancy" in r}):
+        waves = [r["occupancy"] for r in results if r["target"] == target and "occupancy" in r]
+        lines.append(f"{target}: {min(waves)}-{max(waves)} waves per SIMD")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -652,6 +692,7 @@ def main(argv=None) -> int:
         print(json.dumps(r), flush=True)
     if not args.no_table:
         print(format_table(results), file=sys.stderr)
+        print("\n".join(occupancy_summary(results)), file=sys.stderr)
     failed = sum(not r["ok"] for r in results)
     spilled = sum(r.get("spills", 0) > 0 for r in results)
     print(

@@ -9,7 +9,8 @@ The compiling happens in ``tests/compile/compile_kernels.py``, in a subprocess: 
 interpret. That script records what the library's own launchers would launch (config from
 ``configs.py``, arguments, constexprs, launch options) for block sizes (64, 64), (128, 64),
 (128, 128), head_dim 64 and 128, bf16 (fp16 for one shape), with and without key-block sizes,
-and prints one JSON line per compile. Run it by hand for the table of registers and spills::
+and prints one JSON line per compile. Run it by hand for the table of registers and spills
+(on AMD also SGPRs, LDS and the occupancy in waves per SIMD, ``amd_occupancy.py``)::
 
     PYTHONPATH=src python tests/compile/compile_kernels.py
 """
@@ -41,7 +42,11 @@ HEAD_DIMS = (64, 128)
 # kernels (Triton 3.8 runs ptxas 12.9 for sm_90 and 13.3 for sm_100, with other flags than 3.6).
 TRITON = ".".join(triton.__version__.split(".")[:2])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import amd_occupancy  # noqa: E402
 from spill_policy import CHECKED_TRITONS, spills_unchecked  # noqa: E402
+
+AMD_TARGETS = [name for name in TARGETS if name.startswith("hip:")]
+ENGINE = "vidsparse.ops.block_sparse_attn."  # the engine's kernels' modules
 
 # Accepted spills: (target, kernel, block_q, block_kv, head_dim, has_kv_sizes) -> {Triton
 # major.minor: why it is kept}. Hopper rows were measured on the H200 (so not retuned here
@@ -150,18 +155,98 @@ def test_library_choices_are_covered(compile_run, target):
 def test_no_register_spills(compile_run, target):
     """CUDA: bytes of spill stores + loads (ptxas -v); AMD: VGPRs + SGPRs spilled."""
     reports = [r for r in _reports(compile_run, target) if r["ok"]]
+    spilling = _check_spills(reports)
+    still = {_key(r) for r in spilling}
+    fixed = sorted(k for k in known_spills() if k[0] == target and k not in still)
+    assert not fixed, f"no longer spill with Triton {TRITON}, remove from KNOWN_SPILLS: {fixed}"
+
+
+def _check_spills(reports) -> list:
+    """The spilling reports, after failing on any that KNOWN_SPILLS does not accept for the
+    installed Triton (skipped, spills reported, with a Triton the checks were not measured on)."""
     spilling = [r for r in reports if r["spills"] > 0]
     unchecked = spills_unchecked([f"{_label(r)}: {r['spills']}" for r in spilling])
     if unchecked:
         pytest.skip(unchecked)
-    known = known_spills()
-    new = [r for r in spilling if _key(r) not in known]
+    new = [r for r in spilling if _key(r) not in known_spills()]
     assert not new, f"register spills with Triton {TRITON}:\n" + "\n".join(
         f"{_label(r)}: {r['spills']} spilled, {r['registers']} registers" for r in new
     )
-    still = {_key(r) for r in spilling}
-    fixed = sorted(k for k in known if k[0] == target and k not in still)
-    assert not fixed, f"no longer spill with Triton {TRITON}, remove from KNOWN_SPILLS: {fixed}"
+    return spilling
+
+
+# The eviction-hint constexprs of each pointer kernel (the fused one names each half's).
+HINTED = {
+    "fwd": {"": "fwd"},
+    "bwd_dkdv": {"": "bwd_dkdv"},
+    "bwd_dq": {"": "bwd_dq"},
+    "bwd_fused": {"_dkdv": "bwd_dkdv", "_dq": "bwd_dq"},
+}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_eviction_hints_follow_the_rows(compile_run, target):
+    """Each pointer kernel is compiled with its row's eviction hints (the fused kernel with
+    each half's)."""
+    for r in _reports(compile_run, target):
+        for suffix, kernel in HINTED.get(r["kernel"], {}).items():
+            row = lookup(TARGETS[target], kernel, r["block_q"], r["block_kv"], r["head_dim"],
+                         masked=r["has_kv_sizes"])  # fmt: skip
+            got = (r["config"][f"evict_streamed{suffix}"], r["config"][f"evict_resident{suffix}"])
+            assert got == (row.evict_streamed, row.evict_resident), _label(r)
+
+
+@pytest.mark.parametrize("target", AMD_TARGETS)
+def test_amd_engine_kernels_fit(compile_run, target):
+    """Every engine kernel compiled for MI300 / MI350, at each block and head dim, with the AMD
+    rows' knobs in effect (eviction hints included): at least one wave per SIMD (a workgroup
+    fits a CU's VGPRs, SGPRs and LDS) and no spill the policy does not accept (as
+    ``test_no_register_spills``)."""
+    reports = [r for r in _reports(compile_run, target) if r["ok"]]
+    reports = [r for r in reports if r["module"].startswith(ENGINE)]
+    assert {"fwd", "bwd_preprocess", "bwd_dkdv", "bwd_dq"} <= {r["kernel"] for r in reports}
+    idle = [r for r in reports if r["occupancy"] < 1]
+    assert not idle, "\n".join(
+        f"{_label(r)}: 0 waves ({r['vgprs_allocated']} VGPRs, {r['lds']} B LDS)" for r in idle
+    )
+    _check_spills(reports)
+
+
+@pytest.mark.parametrize("target", AMD_TARGETS)
+def test_amd_occupancy_of_the_registers_is_llvms(compile_run, target):
+    """The occupancy model's register bound equals LLVM's own ``; Occupancy`` for every AMD
+    compile (LLVM's counts no dynamic LDS, Triton's kind, which the model adds)."""
+    reports = [r for r in _reports(compile_run, target) if r["ok"]]
+    differ = [r for r in reports if r["waves_by_registers"] != r["llvm_occupancy"]]
+    assert not differ, "\n".join(
+        f"{_label(r)}: {r['waves_by_registers']} waves, LLVM says {r['llvm_occupancy']}"
+        for r in differ
+    )
+
+
+@pytest.mark.parametrize(
+    "arch, warps, vgprs, sgprs, lds, waves, limit",
+    [
+        # VGPRs in granules of 8 out of 512 (AMD's CDNA3 table: 64 -> 8, ..., 256 -> 2)
+        ("gfx942", 4, 64, 50, 0, 8, "waves"),
+        ("gfx942", 4, 72, 50, 0, 7, "vgprs"),
+        ("gfx942", 4, 96, 50, 0, 5, "vgprs"),
+        ("gfx942", 4, 121, 50, 0, 4, "vgprs"),
+        ("gfx942", 4, 169, 50, 0, 2, "vgprs"),  # waves_per_eu=2 raises 120 used to 169
+        ("gfx950", 4, 257, 50, 0, 1, "vgprs"),  # waves_per_eu=1
+        ("gfx942", 4, 64, 102, 0, 7, "sgprs"),  # over 100 SGPRs
+        # 8-wave workgroups put two waves on each SIMD: 3 waves' VGPRs hold one workgroup
+        ("gfx942", 8, 160, 50, 0, 2, "vgprs"),
+        # LDS: 64 KiB a CU on gfx942, 160 KiB on gfx950 (in blocks of 512 B / 1,280 B)
+        ("gfx942", 4, 64, 50, 40 * 1024, 1, "lds"),
+        ("gfx950", 4, 64, 50, 40 * 1024, 4, "lds"),
+        ("gfx950", 4, 64, 50, 32 * 1024 + 1, 4, "lds"),  # 33,280 B allocated: 4 fit in 160 KiB
+        ("gfx942", 4, 64, 50, 65 * 1024, 0, "lds"),  # does not fit a CU
+    ],
+)
+def test_amd_occupancy_rules(arch, warps, vgprs, sgprs, lds, waves, limit):
+    got = amd_occupancy.occupancy(arch, warps, vgprs, sgprs, lds)
+    assert (got["occupancy"], got["occupancy_limit"]) == (waves, limit), got
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -1,12 +1,13 @@
 """Which kernels a GPU of each generation gets, with the GPU faked (no GPU needed).
 
 The capability query (``torch.cuda.get_device_properties``) is monkeypatched to report an
-Ampere (sm_80), a Hopper (sm_90) or a Blackwell (sm_100) GPU, ``utils.device.target_of``
-reads it as it would on that GPU, and the engine's launchers run on meta tensors with every
-kernel swapped for a recorder: the kernels they would launch are what is checked. Only Hopper
-may take the TMA kernels and the Gluon forward (``fwd_sm90.py``: wgmma and Hopper's TMA); every
-other NVIDIA GPU takes the Triton pointer kernels, with configs that compile spill-free for
-``cuda:100`` (``tests/compile/test_compile_targets.py``).
+Ampere (sm_80), a Hopper (sm_90) or a Blackwell (sm_100) GPU, or (with ``torch.version.hip``
+set) an MI300 (gfx942) or MI350 (gfx950), ``utils.device.target_of`` reads it as it would on
+that GPU, and the engine's launchers run on meta tensors with every kernel swapped for a
+recorder: the kernels they would launch are what is checked. Only Hopper may take the TMA
+kernels and the Gluon forward (``fwd_sm90.py``: wgmma and Hopper's TMA); every other GPU takes
+the Triton pointer kernels, with configs that compile spill-free for ``cuda:100``, ``gfx942``
+and ``gfx950`` (``tests/compile/test_compile_targets.py``).
 """
 
 from __future__ import annotations
@@ -29,20 +30,23 @@ GPUS = {  # name -> (major, minor)
     "B200 (sm_100)": (10, 0),
     "RTX 5090 (sm_120)": (12, 0),
 }
+AMD_GPUS = {"MI300X (gfx942)": "gfx942", "MI350X (gfx950)": "gfx950"}
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """``fake_gpu(major, minor)``: the Target ``target_of`` reads for CUDA device 0 of that
-    capability; the engine's launchers see it for every tensor."""
+    capability (``fake_gpu(9, 4, hip_arch="gfx942")``: a ROCm build's device of that gfx
+    arch); the engine's launchers see it for every tensor."""
     device_module.target_of.cache_clear()
 
-    def install(major, minor):
-        props = SimpleNamespace(major=major, minor=minor, name=f"fake sm_{major}{minor}",
-                                multi_processor_count=132, gcnArchName="")  # fmt: skip
+    def install(major, minor, hip_arch=None):
+        arch = f"{hip_arch}:sramecc+:xnack-" if hip_arch else ""
+        props = SimpleNamespace(major=major, minor=minor, name=f"fake sm_{major}{minor} {arch}",
+                                multi_processor_count=132, gcnArchName=arch)  # fmt: skip
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(torch.version, "hip", "6.4" if hip_arch else None)
         target = device_module.target_of(torch.device("cuda", 0))
         for module in (fwd, bwd):
             monkeypatch.setattr(module, "target_of", lambda device: target)
@@ -60,8 +64,10 @@ class _Recorder:
         return lambda *args, **kwargs: self.sink.append((self.name, kwargs))
 
 
-def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=True):
-    """Kernel names (and launch kwargs) of one forward and one backward on meta tensors."""
+def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=True,
+              sizes=False, padding_finite=False):  # fmt: skip
+    """Kernel names (and launch kwargs) of one forward and one backward on meta tensors;
+    ``sizes``: with key-block sizes (``padding_finite`` as the video ops pass it)."""
     sink = []
     for module in (fwd, bwd, lists):
         for attr in dir(module):
@@ -75,11 +81,13 @@ def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=T
     q, k, v, do = (torch.empty(B, H, S, head_dim, dtype=dtype, device=meta) for _ in range(4))
     idx = torch.empty(1, H, S // block, 2, dtype=torch.int32, device=meta)
     cnt = torch.empty(1, H, S // block, dtype=torch.int32, device=meta)
-    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, block, block, head_dim**-0.5)
+    kv_sizes = torch.empty(S // block, dtype=torch.int32, device=meta) if sizes else None
+    case = (kv_sizes, block, block, head_dim**-0.5)
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, *case, padding_finite=padding_finite)
     if backward:
         lse = torch.empty(B, H, S, dtype=torch.float32, device=meta)
-        bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, None, block, block,
-                                  head_dim**-0.5)  # fmt: skip
+        bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, *case,
+                                  padding_finite=padding_finite)  # fmt: skip
     return sink
 
 
@@ -107,6 +115,11 @@ def test_non_hopper_gpus_take_the_triton_pointer_kernels(monkeypatch, fake_gpu, 
     for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
         cfg = configs.lookup(target, kernel, block, block, 128)
         assert not (cfg.use_tma or cfg.gluon or cfg.fused), (kernel, cfg)
+    # NVIDIA rows carry no eviction hints (yet): every kernel compiles as without the knob.
+    assert all(
+        value == "" for _, kwargs in _launches(monkeypatch, block) for key, value in kwargs.items()
+        if key.startswith("EVICT_")
+    )  # fmt: skip
     # VSA's coarse kernels: the generic NVIDIA table, not Hopper's tuned one.
     assert vsa_configs._tables_for(target) == [vsa_configs.NVIDIA_GENERIC]
 
@@ -135,6 +148,49 @@ def test_hopper_takes_the_gluon_forward_and_tma(monkeypatch, fake_gpu, block):
         if block == 128
         else ["block_sparse_attn_bwd_dkdv_kernel", "block_sparse_attn_bwd_dq_kernel"]
     )
+
+
+@pytest.mark.parametrize("gpu", AMD_GPUS)
+@pytest.mark.parametrize("block", [64, 128])
+@pytest.mark.parametrize("sizes", [False, True])
+def test_amd_gpus_take_the_pointer_kernels_with_their_hints(monkeypatch, fake_gpu, gpu, block,
+                                                            sizes):  # fmt: skip
+    """CDNA3/4: never the Gluon forward or TMA (Hopper's), even where the inputs would allow
+    it (16-bit, aligned, padding vouched finite), nor the fused backward; every kernel gets
+    the AMD rows' launch options and eviction hints (``configs.AMD_CDNA``)."""
+    target = fake_gpu(9, 4, hip_arch=AMD_GPUS[gpu])
+    assert target == Target("hip", AMD_GPUS[gpu]) and target.is_cdna
+    monkeypatch.setattr(fwd, "_gluon_fits", lambda *args: True)  # were the inputs Gluon's
+    launches = _launches(monkeypatch, block, sizes=sizes, padding_finite=sizes)
+    names = [name for name, _ in launches]
+    assert "gluon_fwd_sm90" not in names
+    assert not any("tma" in n or "fused" in n for n in names), names
+    kwargs = {name: kw for name, kw in launches}
+    hints = {  # kernel -> (row, EVICT_STREAMED, EVICT_RESIDENT)
+        "block_sparse_attn_fwd_kernel": ("fwd", "evict_first", ""),
+        "block_sparse_attn_bwd_dkdv_kernel": ("bwd_dkdv", "evict_first", "evict_first"),
+        "block_sparse_attn_bwd_dq_kernel": ("bwd_dq", "evict_first", ""),
+    }
+    for name, (row, streamed, resident) in hints.items():
+        cfg = configs.lookup(target, row, block, block, 128, masked=sizes)
+        assert not (cfg.use_tma or cfg.gluon or cfg.fused), (row, cfg)
+        assert (kwargs[name]["EVICT_STREAMED"], kwargs[name]["EVICT_RESIDENT"]) == (
+            streamed, resident), name  # fmt: skip
+        assert {"waves_per_eu", "matrix_instr_nonkdim", "kpack"} <= set(kwargs[name]), name
+        assert kwargs[name]["num_stages"] == cfg.num_stages, name
+
+
+def test_every_amd_row_carries_the_hints():
+    """Each kernel's rows, the head-dim-specific ones too: evict_first on the streamed tiles,
+    and on the resident ones of dK/dV only."""
+    for key, cfg in configs.AMD_CDNA.items():
+        assert cfg.evict_streamed == "evict_first", key
+        assert cfg.evict_resident == ("evict_first" if key[0] == "bwd_dkdv" else ""), key
+
+
+def test_eviction_hints_are_checked():
+    with pytest.raises(ValueError, match="evict_streamed"):
+        configs.KernelConfig(evict_streamed="evict_normal")
 
 
 @pytest.mark.parametrize("version, warps", [((3, 6), 4), ((3, 8), 8), ((3, 9), 8), (None, 4)])

@@ -21,6 +21,7 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd import (
 from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
     broadcast_strides,
+    eviction_hints,
     lists_full_first,
     tensor_descriptor,
     tma_compatible,
@@ -93,7 +94,8 @@ def block_sparse_attn_bwd(
             H, Sq, Sq // block_q, num_kv_blocks, B * H, dq_lists.shape[-1], *scales,
             SUB_M_DKDV=kv_cfg.sub_m, SUB_M_DQ=q_cfg.sub_m,
             USE_TMA_DKDV=kv_tma, USE_TMA_DQ=q_tma, CHECK_LISTS=checked, **common,
-            **kv_cfg.launch_kwargs(),
+            **eviction_hints(kv_cfg, "_DKDV"), **eviction_hints(q_cfg, "_DQ"),
+            **kv_cfg.launch_kwargs(),  # both halves': fused_launch checked they agree
         )  # fmt: skip
         return dq, dk, dv
 
@@ -103,7 +105,7 @@ def block_sparse_attn_bwd(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
         *transposed_strides, *grad_hooks,
         H, Sq, Sq // block_q, *scales,
-        SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **common,
+        SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
         **kv_cfg.launch_kwargs(),
     )  # fmt: skip
     block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
@@ -112,8 +114,8 @@ def block_sparse_attn_bwd(
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *list_strides, *grad_hooks,
         H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
-        SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **common,
-        **q_cfg.launch_kwargs(),
+        SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
+        **common, **q_cfg.launch_kwargs(),
     )  # fmt: skip
     return dq, dk, dv
 
@@ -148,7 +150,11 @@ def _configs(q, k, v, do, kv_block_sizes, block_q, block_kv, padding_finite):
 def fused_launch(dkdv: KernelConfig, dq: KernelConfig, fused: bool | None = None) -> bool:
     """Do the dK/dV and dQ programs of configs ``dkdv`` and ``dq`` (as resolved for the
     inputs) run in one launch? ``fused`` None: where both configs ask for it and launch alike;
-    True: one launch, which needs the same launch options; False: two launches."""
+    True: one launch, which needs the same launch options; False: two launches.
+
+    One launch has one ``num_warps``, ``num_stages`` and vendor options, so it forces one value
+    on both kernels: it is taken only where their rows already agree, never by overriding one
+    with the other's. Eviction hints are constexprs: each half keeps its own."""
     alike = dkdv.launch_kwargs() == dq.launch_kwargs()
     if fused is None:
         return dkdv.fused and dq.fused and alike

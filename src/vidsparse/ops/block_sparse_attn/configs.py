@@ -5,6 +5,18 @@ depth, TMA, the Gluon kernel, vendor knobs. Tables are keyed by ``(kernel, block
 head_dim)`` ("*" matches any); ``lookup`` is the one way in. Why each Hopper row is what it is
 was measured on the H200 (``benchmarks/results/tuning/``, summarised in benchmarks/NOTES.md);
 the AMD rows follow the vendor's guidance and are compile-checked, not timed.
+
+Each kernel has rows of its own ("fwd", "bwd_dkdv", "bwd_dq"), so the forward and the two
+backward kernels each state their ``num_stages``: no value is shared between passes. The one
+exception is the fused backward launch (both gradient kernels in one launch, ``fused``), which
+has one set of launch options: it is taken only where both backward rows launch alike, so the
+rows agree rather than one overriding the other (``bwd.fused_launch``).
+
+Cache eviction hints (``evict_streamed``, ``evict_resident``) name the policy of a kernel's
+pointer loads by role: the tiles its loop streams (forward and dQ: K and V; dK/dV: Q and dO)
+and the tiles a program loads once and keeps (forward: Q; dK/dV: K and V; dQ: Q and dO). ""
+leaves a load unhinted, so those rows compile as they would without the knob. TMA loads take
+no hint (Triton's tensor-descriptor ``load`` has no eviction argument).
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from vidsparse.utils import tuning_file
 from vidsparse.utils.device import Target
 
 # What the Triton kernels take (the checks in interface.py read these); the PyTorch reference
@@ -21,6 +34,9 @@ from vidsparse.utils.device import Target
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REFERENCE_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
+# What ``tl.load(eviction_policy=...)`` takes ("": no hint).
+EVICTION_POLICIES = ("", "evict_first", "evict_last")
+EVICT_FIRST = "evict_first"
 
 
 @dataclass(frozen=True)
@@ -43,6 +59,18 @@ class KernelConfig:
     # Backward: dK/dV and dQ programs in one launch where both configs set this and launch
     # alike (one launch has one num_warps, num_stages, ...).
     fused: bool = False
+    # Eviction policy ("", "evict_first" or "evict_last") of the pointer loads of the tiles the
+    # kernel's loop streams and of those a program keeps (module docstring). Constexprs, not
+    # launch options: each half of a fused launch keeps its own.
+    evict_streamed: str = ""
+    evict_resident: str = ""
+
+    def __post_init__(self):
+        for name in ("evict_streamed", "evict_resident"):
+            if getattr(self, name) not in EVICTION_POLICIES:
+                raise ValueError(
+                    f"{name} must be one of {EVICTION_POLICIES}, got {getattr(self, name)!r}"
+                )
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
@@ -93,9 +121,11 @@ class ListReorderConfig:
 LIST_REORDER = ListReorderConfig()
 
 
-def _amd(num_warps, num_stages, waves_per_eu=2, nonkdim=16, kpack=2, sub_m=None):
+def _amd(num_warps, *, stages, waves_per_eu, sub_m=None, streamed="", resident="", nonkdim=16,
+         kpack=2):  # fmt: skip
     extra = (("waves_per_eu", waves_per_eu), ("matrix_instr_nonkdim", nonkdim), ("kpack", kpack))
-    return KernelConfig(num_warps, num_stages, extra, sub_m)
+    return KernelConfig(num_warps, stages, extra, sub_m, evict_streamed=streamed,
+                        evict_resident=resident)  # fmt: skip
 
 
 # Kernels: "fwd", "bwd_dkdv", "bwd_dq"; "<kernel>_masked" rows apply when kv_block_sizes masks
@@ -150,17 +180,27 @@ NVIDIA_GENERIC = {
     ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
     ("bwd_dq", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
 }
+# CDNA3/4 (MI300, MI350). Each kernel's rows state its own stages: one for every pass for now,
+# as ROCm's Triton attention kernels run (not yet timed per pass). Eviction hints as the ROCm
+# blog's block-sparse kernels on MI325X: evict_first on the forward's streamed K, V and on the
+# backward's Q, dO, K and V (the dK/dV loop's Q, dO and its program's own K, V tile, which no
+# other dK/dV program reads; the dQ loop's K, V). The AMD backends of Triton 3.6 and 3.8 drop
+# the hint when they lower the loads (buffer loads carry none): the rows compile as unhinted
+# ones there, and take effect with a Triton that lowers it.
 AMD_CDNA = {
     # 8 warps cap a wave at 256 VGPRs: the 128x128x128 tile with key-block sizes spills there
     # on gfx942, so it runs 4 warps at occupancy 1.
-    ("fwd", 128, 128, 128): _amd(4, 1, waves_per_eu=1),
-    ("fwd", 128, "*", "*"): _amd(8, 1, waves_per_eu=2),
-    ("fwd", 64, "*", "*"): _amd(4, 1, waves_per_eu=2),
+    ("fwd", 128, 128, 128): _amd(4, stages=1, waves_per_eu=1, streamed=EVICT_FIRST),
+    ("fwd", 128, "*", "*"): _amd(8, stages=1, waves_per_eu=2, streamed=EVICT_FIRST),
+    ("fwd", 64, "*", "*"): _amd(4, stages=1, waves_per_eu=2, streamed=EVICT_FIRST),
     # 128 key rows: 32-row query steps (as ROCm's FlashAttention backward) stay spill-free.
-    ("bwd_dkdv", 128, 128, "*"): _amd(4, 1, waves_per_eu=1, sub_m=32),
-    ("bwd_dkdv", "*", "*", "*"): _amd(4, 1, waves_per_eu=1, sub_m=64),
-    ("bwd_dq", "*", "*", "*"): _amd(4, 1, waves_per_eu=1, sub_m=64),
-}
+    ("bwd_dkdv", 128, 128, "*"): _amd(4, stages=1, waves_per_eu=1, sub_m=32,
+                                      streamed=EVICT_FIRST, resident=EVICT_FIRST),
+    ("bwd_dkdv", "*", "*", "*"): _amd(4, stages=1, waves_per_eu=1, sub_m=64,
+                                      streamed=EVICT_FIRST, resident=EVICT_FIRST),
+    ("bwd_dq", "*", "*", "*"): _amd(4, stages=1, waves_per_eu=1, sub_m=64,
+                                    streamed=EVICT_FIRST),
+}  # fmt: skip
 # CPU interpreter: the fused backward, so the tests against the reference cover it.
 INTERPRETER = {
     ("fwd", "*", "*", "*"): KernelConfig(4, 1),
@@ -239,9 +279,14 @@ def lookup(
 ) -> KernelConfig:
     """The config of ``kernel`` ("fwd", "bwd_dkdv" or "bwd_dq"); ``masked`` when key-block sizes
     mask padding keys; ``fp32`` for fp32 inputs (``fit_fp32``). Backward configs come with
-    ``sub_m`` dividing ``block_q``."""
+    ``sub_m`` dividing ``block_q``. A tuning file's config for this GPU (``vidsparse tune``,
+    ``utils/tuning_file.py``) replaces the table's row; an active ``override`` beats both."""
     chosen = getattr(_active, kernel)
-    cfg = chosen or _table_lookup(target, kernel, block_q, block_kv, head_dim, masked)
+    cfg = chosen or tuning_file.tuned_config(
+        target,
+        tuning_file.engine_key(kernel, block_q, block_kv, head_dim, masked),
+        _table_lookup(target, kernel, block_q, block_kv, head_dim, masked),
+    )
     if fp32 and not chosen:
         cfg = fit_fp32(cfg)
     return cfg if kernel == "fwd" else fit_sub_m(cfg, block_q)

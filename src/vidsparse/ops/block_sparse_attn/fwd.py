@@ -3,7 +3,8 @@
 Three kernels compute the same thing: the pointer-load kernel (any dtype and strides; padding
 keys never read), the TMA kernel (Hopper, fp16/bf16) and, where the config asks for it and
 the inputs fit, the Gluon kernel (Hopper, ``fwd_sm90.py``). TMA reads whole key blocks, so
-inputs with padding keys take it only where the caller vouches them finite.
+inputs with padding keys take it only where the caller vouches them finite. The config's
+eviction hints reach the pointer kernel only (TMA loads take none).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vidsparse.ops.block_sparse_attn.kernels.fwd import (
 from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
     broadcast_strides,
+    eviction_hints,
     lists_full_first,
     tensor_descriptor,
     tma_compatible,
@@ -93,7 +95,7 @@ def block_sparse_attn_fwd(
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
         *hook, H, Sq, *bounds, scale * LOG2E,
-        IEEE_DOT=q.dtype == torch.float32, **common,
+        IEEE_DOT=q.dtype == torch.float32, **eviction_hints(cfg), **common,
     )  # fmt: skip
     return o, lse
 

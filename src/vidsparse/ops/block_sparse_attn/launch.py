@@ -18,6 +18,14 @@ def broadcast_strides(x: torch.Tensor) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def eviction_hints(cfg: configs.KernelConfig, suffix: str = "") -> dict:
+    """The kernels' eviction-hint constexprs from ``cfg``: ``EVICT_STREAMED`` and
+    ``EVICT_RESIDENT`` (``configs`` says which loads each names), ``suffix`` appended for one
+    half of the fused backward."""
+    return {f"EVICT_STREAMED{suffix}": cfg.evict_streamed,
+            f"EVICT_RESIDENT{suffix}": cfg.evict_resident}  # fmt: skip
+
+
 def tma_compatible(*tensors: torch.Tensor) -> bool:
     """TMA needs a unit stride on the head dim and 16-byte aligned base and strides."""
     for x in tensors:

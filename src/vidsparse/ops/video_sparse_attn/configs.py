@@ -19,6 +19,7 @@ from vidsparse.ops.block_sparse_attn.configs import (
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
 )
+from vidsparse.utils import tuning_file
 from vidsparse.utils.device import Target, triton_version
 
 __all__ = [
@@ -179,16 +180,22 @@ def pow2_at_least(n: int) -> int:
 
 
 def pool_config(target: Target, head_dim: int) -> PoolConfig:
-    """Config of the tile-mean pooling kernels (forward and backward)."""
-    return _lookup(target, "pool", head_dim, PoolConfig())
+    """Config of the tile-mean pooling kernels (forward and backward); a tuning file's for
+    this GPU (``vidsparse tune``) replaces the table's."""
+    default = _lookup(target, "pool", head_dim, PoolConfig())
+    return tuning_file.tuned_config(target, tuning_file.vsa_key("pool", head_dim), default)
 
 
 def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseAttnConfig:
     """Config of the coarse attention + top-k kernel, with blocks shrunk to fit ``num_tiles``
-    (never below 16, the smallest ``tl.dot`` operand)."""
+    (never below 16, the smallest ``tl.dot`` operand). A tuning file's config for this GPU
+    (``vidsparse tune``; small grids tuned apart) replaces the table's before the fit."""
     cfg = None
-    if num_tiles <= SMALL_GRID_TILES:
+    small = num_tiles <= SMALL_GRID_TILES
+    if small:
         cfg = _lookup(target, "attn_topk_small", head_dim, None)
     cfg = cfg or _lookup(target, "attn_topk", head_dim, CoarseAttnConfig())
+    tuned = tuning_file.vsa_key("attn_topk_small" if small else "attn_topk", head_dim)
+    cfg = tuning_file.tuned_config(target, tuned, cfg)
     fit = max(16, pow2_at_least(num_tiles))
     return replace(cfg, block_m=min(cfg.block_m, fit), block_n=min(cfg.block_n, fit))

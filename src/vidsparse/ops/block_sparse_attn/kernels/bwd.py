@@ -14,12 +14,17 @@ Memory safety as in the forward: on the caller's own lists (``CHECK_LISTS``) dQ 
 to ``K`` and gives an entry out of ``[0, NK)`` no weight (it reads block 0); lists reordered
 full blocks first are valid by construction; the transposed lists of dK/dV leave such entries
 out (``masks.block_sparse.transpose_block_lists``).
+
+Pointer loads carry each gradient kernel's eviction hints from its config: ``EVICT_STREAMED``
+on the tiles its loop streams (dK/dV: Q and dO; dQ: K and V), ``EVICT_RESIDENT`` on those a
+program keeps (dK/dV: its K and V; dQ: its Q and dO); "" for none. TMA loads take none, as
+Triton's tensor-descriptor ``load`` has no eviction argument.
 """
 
 import triton
 import triton.language as tl
 
-from vidsparse.ops.block_sparse_attn.kernels.common import num_full_blocks
+from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, num_full_blocks
 from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
 
 
@@ -63,10 +68,12 @@ def _key_block(K, V, b, h, block, real, offs_d,
                stride_kb, stride_kh, stride_ks, stride_kd,
                stride_vb, stride_vh, stride_vs, stride_vd,
                BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               HAS_KV_SIZES: tl.constexpr, USE_TMA: tl.constexpr):  # fmt: skip
+               HAS_KV_SIZES: tl.constexpr, USE_TMA: tl.constexpr,
+               EVICT: tl.constexpr):  # fmt: skip
     """K and V rows of one key block, ``[BN, D]`` each: by TMA when K and V are descriptors
-    (padding rows read too: the caller vouched them finite), else by pointers with padding
-    rows (``real`` False) never read."""
+    (padding rows read too: the caller vouched them finite; no eviction hint, a descriptor
+    load takes none), else by pointers with eviction hint ``EVICT`` and padding rows (``real``
+    False) never read."""
     if USE_TMA:
         row0 = (block * BLOCK_N).to(tl.int32)
         k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -75,12 +82,8 @@ def _key_block(K, V, b, h, block, real, offs_d,
         rows = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
         k_ptrs = K + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + offs_d[None, :] * stride_kd
         v_ptrs = V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        if HAS_KV_SIZES:
-            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)
-            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
+        k = load_rows(k_ptrs, real, HAS_KV_SIZES, EVICT)
+        v = load_rows(v_ptrs, real, HAS_KV_SIZES, EVICT)
     return k, v
 
 
@@ -101,6 +104,7 @@ def _dkdv_program(
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
 ):  # fmt: skip
     """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
     ``block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
@@ -121,7 +125,8 @@ def _dkdv_program(
     k, v = _key_block(K, V, b, h, pid_n, real, offs_d,
                       stride_kb, stride_kh, stride_ks, stride_kd,
                       stride_vb, stride_vh, stride_vs, stride_vd,
-                      BLOCK_N, HEAD_DIM, HAS_KV_SIZES, USE_TMA)  # [BN, D] each; fmt: skip
+                      BLOCK_N, HEAD_DIM, HAS_KV_SIZES, USE_TMA,
+                      EVICT_RESIDENT)  # [BN, D] each; fmt: skip
 
     if not USE_TMA:
         q_base = Q + b * stride_qb + h * stride_qh
@@ -139,12 +144,14 @@ def _dkdv_program(
         q_block = tl.load(idx_row + t // NSUB)
         row0 = q_block * BLOCK_M + (t % NSUB) * SUB_M
         offs_m = row0.to(tl.int64) + offs_sub  # [SUB_M]
-        if USE_TMA:
+        if USE_TMA:  # (a descriptor load takes no eviction hint)
             q = Q.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)  # [SUB_M, D]
             do = DO.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)
         else:
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                        eviction_policy=EVICT_STREAMED)  # fmt: skip
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                         eviction_policy=EVICT_STREAMED)  # fmt: skip
         lse2 = tl.load(LSE2 + row_base + offs_m)  # [SUB_M]
         delta = tl.load(DELTA + row_base + offs_m)
         if IEEE_DOT:
@@ -190,6 +197,7 @@ def block_sparse_attn_bwd_dkdv_kernel(
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
     _dkdv_program(
@@ -205,6 +213,7 @@ def block_sparse_attn_bwd_dkdv_kernel(
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NQ, qk_scale, scale,
         BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA,
+        EVICT_STREAMED, EVICT_RESIDENT,
     )  # fmt: skip
 
 
@@ -213,9 +222,10 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
              offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
              stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-             IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, CHECK: tl.constexpr):  # fmt: skip
+             IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, CHECK: tl.constexpr,
+             EVICT: tl.constexpr):  # fmt: skip
     """dQ over list entries ``[lo, hi)``; ``MASKED``: the blocks may end in padding keys;
-    ``CHECK``: entries may be out of range."""
+    ``CHECK``: entries may be out of range; ``EVICT``: the K, V loads' eviction hint."""
     for j in range(lo, hi):
         kv_block = tl.load(idx_row + j * stride_ik)
         ok = True
@@ -230,7 +240,7 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
         k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
                           stride_kb, stride_kh, stride_ks, stride_kd,
                           stride_vb, stride_vh, stride_vs, stride_vd,
-                          BLOCK_N, HEAD_DIM, MASKED, USE_TMA)  # [BN, D] each; fmt: skip
+                          BLOCK_N, HEAD_DIM, MASKED, USE_TMA, EVICT)  # [BN, D] each; fmt: skip
         if IEEE_DOT:
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -270,6 +280,7 @@ def _dq_program(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
+    EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q, dO loads' hints
 ):  # fmt: skip
     """dQ of query rows ``[pid * SUB_M, (pid + 1) * SUB_M)`` of ``(batch, head) =
     divmod(pid_bh, H)``: the body of ``block_sparse_attn_bwd_dq_kernel``, a function so that
@@ -285,8 +296,10 @@ def _dq_program(
     offs_m = pid.to(tl.int64) * SUB_M + tl.arange(0, SUB_M)  # [SUB_M]; sub-blocks tile the rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                eviction_policy=EVICT_RESIDENT)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                 eviction_policy=EVICT_RESIDENT)
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse2 = tl.load(LSE2 + row)  # [SUB_M]
     delta = tl.load(DELTA + row)
@@ -304,12 +317,14 @@ def _dq_program(
     dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, 0, num_full, NK, b, h,
                   offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
                   stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                  BLOCK_N, HEAD_DIM, False, IEEE_DOT, USE_TMA, CHECK_LISTS)  # fmt: skip
+                  BLOCK_N, HEAD_DIM, False, IEEE_DOT, USE_TMA, CHECK_LISTS,
+                  EVICT_STREAMED)  # fmt: skip
     if HAS_KV_SIZES:
         dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, num_full,
                       count, NK, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
                       stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                      BLOCK_N, HEAD_DIM, True, IEEE_DOT, USE_TMA, CHECK_LISTS)  # fmt: skip
+                      BLOCK_N, HEAD_DIM, True, IEEE_DOT, USE_TMA, CHECK_LISTS,
+                      EVICT_STREAMED)  # fmt: skip
     dq = dq * scale
     dq = DQ_EPILOGUE(dq, b, h, q_block, (pid % NSUB) * SUB_M + tl.arange(0, SUB_M), offs_d,
                      *epilogue_args)  # fmt: skip
@@ -335,6 +350,7 @@ def block_sparse_attn_bwd_dq_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,
+    EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # as in _dq_program
 ):  # fmt: skip
     """Grid ``(Sq // SUB_M, B * H)``: one ``_dq_program`` per query sub-block."""
     _dq_program(
@@ -351,6 +367,7 @@ def block_sparse_attn_bwd_dq_kernel(
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NK, K_WIDTH, qk_scale, scale,
         BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA, CHECK_LISTS,
+        EVICT_STREAMED, EVICT_RESIDENT,
     )  # fmt: skip
 
 
@@ -380,6 +397,8 @@ def block_sparse_attn_bwd_fused_kernel(
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
     USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the dQ half reads the caller's own lists (see _dq_program)
+    EVICT_STREAMED_DKDV: tl.constexpr, EVICT_RESIDENT_DKDV: tl.constexpr,  # each half's hints
+    EVICT_STREAMED_DQ: tl.constexpr, EVICT_RESIDENT_DQ: tl.constexpr,
 ):  # fmt: skip
     """Both gradient kernels in one launch, grid ``(NK * B * H + Sq // SUB_M_DQ * B * H,)``.
 
@@ -407,6 +426,7 @@ def block_sparse_attn_bwd_fused_kernel(
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
             H, Sq, NQ, qk_scale, scale,
             BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DKDV,
+            EVICT_STREAMED_DKDV, EVICT_RESIDENT_DKDV,
         )  # fmt: skip
     else:
         num_sub = Sq // SUB_M_DQ  # dQ programs per (batch, head)
@@ -425,4 +445,5 @@ def block_sparse_attn_bwd_fused_kernel(
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
             H, Sq, NK, K_WIDTH, qk_scale, scale,
             BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DQ, CHECK_LISTS,
+            EVICT_STREAMED_DQ, EVICT_RESIDENT_DQ,
         )  # fmt: skip

@@ -12,12 +12,16 @@ key-block sizes) counts are clamped to the lists' width ``K``, and an entry out 
 reads block 0 and contributes nothing (a compare per entry and a few per-row selects). The
 lists reordered full blocks first (with key-block sizes) are valid by construction
 (``kernels/lists.py`` drops such entries) and walked unchecked, as before.
+
+The pointer kernel's loads carry the config's eviction hints (``EVICT_STREAMED`` on the
+streamed K and V, ``EVICT_RESIDENT`` on Q; "" for none); the TMA kernel's take none, as
+Triton's tensor-descriptor ``load`` has no eviction argument.
 """
 
 import triton
 import triton.language as tl
 
-from vidsparse.ops.block_sparse_attn.kernels.common import num_full_blocks
+from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, num_full_blocks
 
 
 @triton.jit
@@ -83,7 +87,8 @@ def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, ok, offs_n,
     """K, V tiles of one listed block by TMA, and the mask of its real keys [BN].
 
     TMA cannot mask rows, so padding keys are read: their scores are masked, and their values
-    (finite, as the caller vouched with ``padding_finite``) meet probability 0."""
+    (finite, as the caller vouched with ``padding_finite``) meet probability 0. No eviction
+    hint: a descriptor load takes none."""
     k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
     v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
     if HAS_KV_SIZES:
@@ -98,9 +103,9 @@ def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
                   m_i, l_i, acc, qk_scale, offs_n, offs_d,
                   stride_ks, stride_kd, stride_vs, stride_vd,
                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr,
-                  CHECK: tl.constexpr):
+                  CHECK: tl.constexpr, EVICT: tl.constexpr):
     """List entries ``[lo, hi)`` by pointer loads; ``MASKED``: blocks may end in padding;
-    ``CHECK``: entries may be out of range."""
+    ``CHECK``: entries may be out of range; ``EVICT``: the K, V loads' eviction hint."""
     for j in range(lo, hi):
         kv_block = tl.load(idx_row + j * stride_ik)
         ok = True
@@ -113,12 +118,10 @@ def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
         if MASKED:
             # Padding keys are neither read nor weighted: whatever they hold cannot leak in.
             real = offs_n < _block_size(KV_SIZES, kv_block, ok, CHECK)  # [BN]
-            k = tl.load(k_ptrs, mask=real[:, None], other=0.0)  # [BN, D]
-            v = tl.load(v_ptrs, mask=real[:, None], other=0.0)
         else:
             real = offs_n < BLOCK_N
-            k = tl.load(k_ptrs)  # [BN, D]
-            v = tl.load(v_ptrs)
+        k = load_rows(k_ptrs, real, MASKED, EVICT)  # [BN, D]
+        v = load_rows(v_ptrs, real, MASKED, EVICT)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
                                              MASKED, IEEE_DOT, CHECK)
     return m_i, l_i, acc
@@ -173,6 +176,7 @@ def block_sparse_attn_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
+    EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q loads' hints
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -184,7 +188,7 @@ def block_sparse_attn_fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs)  # [BM, D]
+    q = tl.load(q_ptrs, eviction_policy=EVICT_RESIDENT)  # [BM, D]
 
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
@@ -202,12 +206,14 @@ def block_sparse_attn_fwd_kernel(
     m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, 0, num_full,
                                   NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
                                   stride_ks, stride_kd, stride_vs, stride_vd,
-                                  BLOCK_N, False, IEEE_DOT, CHECK_LISTS)  # fmt: skip
+                                  BLOCK_N, False, IEEE_DOT, CHECK_LISTS,
+                                  EVICT_STREAMED)  # fmt: skip
     if HAS_KV_SIZES:
         m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, num_full,
                                       count, NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
                                       stride_ks, stride_kd, stride_vs, stride_vd,
-                                      BLOCK_N, True, IEEE_DOT, CHECK_LISTS)  # fmt: skip
+                                      BLOCK_N, True, IEEE_DOT, CHECK_LISTS,
+                                      EVICT_STREAMED)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
