@@ -10,6 +10,7 @@ reference's own rounding to the inputs' dtype, if larger) plus ``atol``.
 
 from __future__ import annotations
 
+import abc
 import itertools
 import math
 from dataclasses import dataclass, fields, replace
@@ -178,8 +179,9 @@ class Yardstick:
 # ---------------------------------------------------------------------------------------------
 
 
-class Workload:
-    """The inputs of one job and how to run a config on them."""
+class Workload(abc.ABC):
+    """The inputs of one job and how to run a config on them (one subclass per kernel family:
+    its table default, its candidates, one run, the reference)."""
 
     names: tuple[str, ...] = ()
 
@@ -192,17 +194,21 @@ class Workload:
             *shape, generator=self.generator, device=self.device, dtype=dtype or self.dtype
         )
 
+    @abc.abstractmethod
     def default(self):
-        raise NotImplementedError
+        """The table's config for this job: candidate 0."""
 
+    @abc.abstractmethod
     def candidates(self) -> list:
-        raise NotImplementedError
+        """The configs to try, the default first."""
 
+    @abc.abstractmethod
     def run(self, cfg) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """The outputs (and gradients) of one run with ``cfg``."""
 
+    @abc.abstractmethod
     def reference(self) -> tuple[torch.Tensor, ...]:
-        raise NotImplementedError
+        """The same outputs from the PyTorch reference."""
 
     def compared(self, outs, refs) -> tuple[tuple, tuple]:
         """The outputs checked against the reference's numbers, and those numbers."""
