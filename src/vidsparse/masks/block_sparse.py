@@ -38,6 +38,8 @@ __all__ = [
     "lists_from_dense",
     "dense_from_lists",
     "transpose_block_lists",
+    "refine_block_lists",
+    "refine_block_sizes",
     "random_block_lists",
     "block_density",
 ]
@@ -297,6 +299,32 @@ def transpose_block_lists(
         q_offsets.reshape(bi, h, num_kv_blocks + 1),
         q_indices.to(torch.int32).reshape(bi, h, nq * k),
     )
+
+
+def refine_block_lists(
+    kv_indices: torch.Tensor, kv_counts: torch.Tensor, ratio: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists over blocks that are each ``ratio`` smaller blocks, as lists over the smaller
+    ones: ``[Bi, H, NQ, K]``, ``[Bi, H, NQ]`` -> ``[Bi, H, NQ*ratio, K*ratio]``,
+    ``[Bi, H, NQ*ratio]``. Entry j of a row becomes entries ``j*ratio .. j*ratio + ratio-1``
+    (the valid entries stay first), and each row serves its ``ratio`` query blocks."""
+    if ratio == 1:
+        return kv_indices.contiguous(), kv_counts.contiguous()
+    sub = torch.arange(ratio, device=kv_indices.device, dtype=kv_indices.dtype)
+    idx = (kv_indices.unsqueeze(-1) * ratio + sub).flatten(-2)  # [Bi, H, NQ, K*ratio]
+    idx = idx.repeat_interleave(ratio, dim=2)  # [Bi, H, NQ*ratio, K*ratio]
+    cnt = (kv_counts * ratio).repeat_interleave(ratio, dim=2)
+    return idx.contiguous(), cnt.contiguous()
+
+
+def refine_block_sizes(sizes: torch.Tensor, ratio: int, block: int) -> torch.Tensor:
+    """Real tokens of each of the ``ratio`` blocks of ``block`` rows that a block of
+    ``sizes[i]`` real tokens becomes (its real tokens come first, as in a VideoGrid tile):
+    full blocks, then one partial, then empty ones. int32 ``[N] -> [N * ratio]``."""
+    if ratio == 1:
+        return sizes
+    start = torch.arange(ratio, device=sizes.device) * block  # [ratio]
+    return (sizes.long().unsqueeze(-1) - start).clamp(0, block).flatten().to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.masks.block_sparse import refine_block_lists, refine_block_sizes
 from vidsparse.masks.stripe import stripe_block_lists
 from vidsparse.search.candidates import Candidate, CandidateSet
 from vidsparse.utils.backend import resolve_backend
@@ -131,33 +132,6 @@ def choose_query_blocks(
     return picked.sort().values.to(device)
 
 
-def _refine_lists(idx: torch.Tensor, cnt: torch.Tensor, ratio: int):
-    """PSA block lists -> engine block lists when each PSA block is ``ratio`` engine blocks.
-
-    idx [1, C, NQ, K], cnt [1, C, NQ] -> [1, C, NQ*ratio, K*ratio], [1, C, NQ*ratio]. The
-    valid entries stay first: entry j of a row becomes entries j*ratio .. j*ratio + ratio-1.
-    """
-    if ratio == 1:
-        return idx.contiguous(), cnt.contiguous()
-    sub = torch.arange(ratio, device=idx.device, dtype=idx.dtype)
-    idx = (idx.unsqueeze(-1) * ratio + sub).flatten(-2)  # [1, C, NQ, K*ratio]
-    idx = idx.repeat_interleave(ratio, dim=2)  # [1, C, NQ*ratio, K*ratio]
-    cnt = (cnt * ratio).repeat_interleave(ratio, dim=2)
-    return idx.contiguous(), cnt.contiguous()
-
-
-def _engine_block_sizes(tile_sizes: torch.Tensor, tile_volume: int, eb: int) -> torch.Tensor:
-    """Real keys at the start of each engine block: int32 ``[num_tiles * tile_volume // eb]``.
-
-    A tile's real tokens come first (VideoGrid), so its engine blocks are full, then one
-    partial, then empty.
-    """
-    ratio = tile_volume // eb
-    start = torch.arange(ratio, device=tile_sizes.device) * eb  # [ratio]
-    sizes = (tile_sizes.long().unsqueeze(-1) - start).clamp(0, eb)  # [N, ratio]
-    return sizes.flatten().to(torch.int32)
-
-
 def _as_bhsd(name: str, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -252,7 +226,7 @@ class StripeObjective:
             grid, eb = self.grid, self.engine_block
             qb = self.query_blocks.to(device)
             real = grid.real_token_mask(device).view(grid.num_tiles, grid.tile_volume)[qb]
-            sizes = _engine_block_sizes(grid.tile_sizes_on(device), grid.tile_volume, eb)
+            sizes = refine_block_sizes(grid.tile_sizes_on(device), self.ratio, eb)
             nq, nk = qb.numel() * self.ratio, sizes.numel()
             # Dense: every query block lists every key block, ascending (as the dense candidate).
             dense_idx = torch.arange(nk, device=device, dtype=torch.int32).expand(1, 1, nq, nk)
@@ -269,7 +243,7 @@ class StripeObjective:
             idx, cnt = idx[:, :, qb], cnt[:, :, qb]  # only the sampled query blocks
             # Trim to the sampled rows' busiest count; keeps the lists (and memory) minimal.
             k = max(int(cnt.max()), 1)
-            self._lists[key] = _refine_lists(idx[..., :k], cnt, self.ratio)
+            self._lists[key] = refine_block_lists(idx[..., :k], cnt, self.ratio)
         return self._lists[key]
 
     def _chunks(self, rows: int, seq: int, dim: int, elem: int, device) -> list[torch.Tensor]:

@@ -388,3 +388,18 @@ def check_bf16_against_fp32(o, ref, xs, ref_in, bound_o=3e-2, bound_g=6e-2):
     for gname, g, r in zip(("dq", "dk", "dv", "dgate"), grads, ref_grads):
         assert not torch.isnan(g).any(), gname
         assert_rel_l2(gname, g.float(), r, bound_g)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kv_shape", [(12, 8, 8), (4, 4, 4)], ids=["longer", "shorter"])
+def test_empty_batch_with_a_key_grid_of_its_own(monkeypatch, backend, kv_shape):
+    """B = 0 with k, v on a grid of another length: an empty output shaped like q, and empty
+    gradients, on both backends."""
+    monkeypatch.setenv("VIDSPARSE_BACKEND", backend)
+    grid, kv_grid = VideoGrid((4, 8, 8)), VideoGrid(kv_shape)
+    q = torch.randn(0, 2, grid.num_tokens, 16, requires_grad=True)
+    k, v = (torch.randn(0, 2, kv_grid.num_tokens, 16, requires_grad=True) for _ in range(2))
+    o = vidsparse.video_sparse_attn(q, k, v, grid, kv_grid=kv_grid, sparsity=0.5)
+    assert o.shape == q.shape
+    grads = torch.autograd.grad(o.sum(), (q, k, v))
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]

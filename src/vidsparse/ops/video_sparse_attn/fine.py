@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from vidsparse.masks.block_sparse import refine_block_sizes
 from vidsparse.ops.block_sparse_attn.epilogue import (
     EngineCall,
     Epilogue,
@@ -149,7 +150,7 @@ class CoarseCombine(Epilogue):
     def _q_tile_sizes(self, call: EngineCall) -> torch.Tensor:
         """Real rows per engine query block."""
         if self._segmented:
-            return split_sizes(self.q_sizes[0], self._split, call.block_q)
+            return refine_block_sizes(self.q_sizes[0], self._split, call.block_q)
         return call.kv_block_sizes  # one grid: query tile i is key tile i
 
     def _pooled_keys(self) -> int:
@@ -232,20 +233,11 @@ class CoarseCombine(Epilogue):
         return coarse if self.gate is None else self.gate.to(dtype) * coarse
 
 
-def split_sizes(tile_sizes: torch.Tensor, split: int, block: int) -> torch.Tensor:
-    """Real rows of each of the ``split`` blocks of ``block`` rows per tile (a tile's real
-    tokens come first): ``[N] -> [N * split]`` int32."""
-    if split == 1:
-        return tile_sizes
-    starts = torch.arange(split, device=tile_sizes.device) * block
-    return (tile_sizes.view(-1, 1) - starts).clamp(0, block).reshape(-1).to(torch.int32)
-
-
 def _dpool_per_block(dpool, q_tile_sizes, k_block_sizes, nq, nk, split, block):
     """Per-tile ``dpooled`` as the per-block hooks take it: they add ``dpool[block] /
     size[block]`` to a block's real rows, and every row of a tile must get ``dpool[tile] /
     size[tile]``, so block b of tile t carries ``dpool[t] * size[b] / size[t]``."""
-    q_blocks = split_sizes(q_tile_sizes, split, block)
+    q_blocks = refine_block_sizes(q_tile_sizes, split, block)
     k_tile_sizes = k_block_sizes.view(nk, split).sum(1)
     sides = [(dpool[0, :, :, :nq], q_tile_sizes, q_blocks)]
     sides += [(dpool[i, :, :, :nk], k_tile_sizes, k_block_sizes) for i in (1, 2)]

@@ -182,7 +182,7 @@ def _video_sparse_attn_segmented(
         check_triton_supported(q)
         check_triton_tile(call.grids[0], "tile=(4, 4, 4)")
     if q.numel() == 0 or k.numel() == 0:
-        return _empty_output(q, k[:, :, : q.shape[2]], v[:, :, : q.shape[2]], gate)
+        return _empty_output(q, k, v, gate)
     return video_sparse_attn_multi(q, k, v, gate, call, scale, backend)
 
 
@@ -282,8 +282,8 @@ def _check_causal_pair(grid: VideoGrid, kv_grid: VideoGrid) -> None:
 
 def _empty_output(q, k, v, gate) -> torch.Tensor:
     """The output of an empty batch or head set: shaped like q, in q's dtype, differentiable
-    (zero-element gradients) in q, k, v and gate."""
-    o = q * 0 + k * 0 + v * 0
+    (zero-element gradients) in q, k, v and gate (k and v may be of another length)."""
+    o = q * 0 + (k.sum() + v.sum()).to(q.dtype) * 0
     return o if gate is None else o + gate * 0
 
 

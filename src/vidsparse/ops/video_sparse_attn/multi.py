@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.masks.block_sparse import refine_block_lists, refine_block_sizes
 from vidsparse.ops._video_inputs import (
     append_columns,
     attend_text_queries,
@@ -131,12 +132,14 @@ def _multi_torch(q, k, v, gate, call: MultiCall, q_lens, scale):
 
 def _text_queries_torch(q, k, v, call: MultiCall, q_lens, scale, compute):
     """Text queries attend densely to every real key (video in natural order, then text)."""
-    kv_lens = call.video_lens(call.kv_grids)
+    kv_len = sum(call.video_lens(call.kv_grids))
     keys = []
     for x in (k, v):
-        video = _pack_tiles(x.to(compute), call.kv_grids, kv_lens, call.tiled)
-        natural = _unpack_tiles(video, call.kv_grids, tiled=False)
-        keys.append(torch.cat([natural, x[:, :, sum(kv_lens) :].to(compute)], dim=-2))
+        x = x.to(compute)
+        video = x[:, :, :kv_len]
+        if call.tiled:  # natural order without the padding rows
+            video = _unpack_tiles(video, call.kv_grids, tiled=False)
+        keys.append(torch.cat([video, x[:, :, kv_len:]], dim=-2))
     return dense_attention(q[:, :, sum(q_lens) :].to(compute), keys[0], keys[1], scale)
 
 
@@ -184,13 +187,8 @@ def _split_tiles(kv_indices, kv_counts, sizes, oc, split: int):
     """Tile lists as lists of blocks ``tile // split``: each listed tile becomes its ``split``
     blocks, each query tile's row serves its ``split`` query blocks, every key tile's size
     splits over its blocks, and ``oc`` gets one row per query block."""
-    from vidsparse.ops.video_sparse_attn.fine import split_sizes
-
-    parts = torch.arange(split, device=kv_indices.device, dtype=kv_indices.dtype)
-    blocks = (kv_indices.unsqueeze(-1) * split + parts).flatten(-2)  # [B, H, Nq, K * split]
-    blocks = blocks.repeat_interleave(split, dim=2)  # [B, H, Nq * split, K * split]
-    counts = (kv_counts * split).repeat_interleave(split, dim=2)
-    block_sizes = split_sizes(sizes, split, FINE_BLOCK_MAX)
+    blocks, counts = refine_block_lists(kv_indices, kv_counts, split)
+    block_sizes = refine_block_sizes(sizes, split, FINE_BLOCK_MAX)
     return blocks, counts, block_sizes, oc.repeat_interleave(split, dim=2)
 
 

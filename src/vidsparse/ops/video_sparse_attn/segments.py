@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.ops._video_inputs import text_block_sizes
 from vidsparse.ops.video_sparse_attn.topk import resolve_topk, selected_quantile_z
 from vidsparse.utils.dynamo import host_constant
 
@@ -65,12 +66,6 @@ class TilePlan(NamedTuple):
         return segments_of(self.flat_segments)
 
 
-def _segment_topk(k_count: int, topk: int | None, sparsity: float | None) -> int:
-    """A segment keeps ``ceil((1 - sparsity) * k_count)`` of its key tiles, or ``topk``
-    clamped to them: sparsity is relative to the keys a query tile may choose from."""
-    return resolve_topk(k_count, topk, sparsity)
-
-
 def _causal_segments(q_grid, kv_grid, q0, k0, prefix, topk, sparsity) -> list[Segment]:
     """One segment per query time tile: the prefix blocks and the key time tiles up to it."""
     slab = q_grid.tiles[1] * q_grid.tiles[2]  # tiles per time tile (same spatial grid)
@@ -79,7 +74,7 @@ def _causal_segments(q_grid, kv_grid, q0, k0, prefix, topk, sparsity) -> list[Se
     for t in range(q_grid.tiles[0]):
         keys = prefix + min((t + offset + 1) * slab, kv_grid.num_tiles)
         start = q0 + t * slab
-        segments.append(Segment(start, start + slab, k0, keys, _segment_topk(keys, topk, sparsity)))
+        segments.append(Segment(start, start + slab, k0, keys, resolve_topk(keys, topk, sparsity)))
     return segments
 
 
@@ -95,9 +90,10 @@ def plan_tiles(
     """The segments of a call: sequence ``i`` has queries on ``grids[i]`` and keys on
     ``kv_grids[i]``, plus ``prefix_tokens`` competing prefix tokens before its key tiles (one
     sequence only). Grids are checked by the caller (same tile shape; causal: same spatial
-    size, cached frames a whole number of time tiles)."""
+    size, cached frames a whole number of time tiles). Each segment's ``topk`` comes from
+    ``topk`` / ``sparsity`` over the key tiles it may choose from (``resolve_topk``)."""
     volume = grids[0].tile_volume
-    prefix_sizes = _block_sizes(prefix_tokens, volume)
+    prefix_sizes = text_block_sizes(prefix_tokens, volume, "cpu").tolist()
     q_sizes, k_sizes, segments = [], [], []
     for q_grid, kv_grid in zip(grids, kv_grids):
         q0, k0 = len(q_sizes), len(k_sizes)
@@ -108,17 +104,10 @@ def plan_tiles(
             segments += _causal_segments(q_grid, kv_grid, q0, k0, len(prefix_sizes), topk, sparsity)
         else:
             keys = len(k_sizes) - k0
-            segments.append(
-                Segment(q0, len(q_sizes), k0, keys, _segment_topk(keys, topk, sparsity))
-            )
+            segments.append(Segment(q0, len(q_sizes), k0, keys, resolve_topk(keys, topk, sparsity)))
     flat = tuple(value for segment in segments for value in segment)
     top = max(s.topk for s in segments)
     return TilePlan(tuple(q_sizes), tuple(k_sizes), flat, volume, len(q_sizes), len(k_sizes), top)
-
-
-def _block_sizes(tokens: int, volume: int) -> list[int]:
-    """Real tokens per block of ``volume`` slots for ``tokens`` tokens (the last partial)."""
-    return [min(volume, tokens - start) for start in range(0, tokens, volume)]
 
 
 class PlanTensors(NamedTuple):
