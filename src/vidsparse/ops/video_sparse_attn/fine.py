@@ -102,7 +102,7 @@ class CoarseCombine(Epilogue):
     def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None):
         super().__init__(o_coarse, gate, q_block_sizes, pooled)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
-        self._d_coarse = self._d_gate = None
+        self._d_coarse = self._d_gate = self._q_blocks = None
 
     def fns(self) -> EpilogueFns:
         return _kernel_fns()
@@ -111,7 +111,7 @@ class CoarseCombine(Epilogue):
     def forward_args(self, call: EngineCall) -> tuple:
         oc, gate, dummy = self.o_coarse, self.gate, self.o_coarse
         gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *_strides3(gate))
-        sizes = dummy if self.q_sizes is None else self._q_tile_sizes(call)
+        sizes = dummy if self.q_sizes is None else self._q_block_sizes(call)
         flags = (gate is not None, self.q_sizes is not None)
         return (oc, *_strides3(oc), *gate_args, sizes, *map(_constexpr, flags))
 
@@ -131,7 +131,7 @@ class CoarseCombine(Epilogue):
             dummy = self.o_coarse
             return (dummy, 0, 0, 0, 0, dummy, dummy, 0, _constexpr(False))
         dpool = self._pooled_grad(self._d_coarse, call).float()  # [3, B, H, max(Nq, Nk), D]
-        q_sizes = self._q_tile_sizes(call)
+        q_sizes = self._q_block_sizes(call)
         pooled_blocks = self._pooled_keys() * self._split
         return (dpool, *dpool.stride()[:4], q_sizes, call.kv_block_sizes, pooled_blocks,
                 _constexpr(True))  # fmt: skip
@@ -147,11 +147,13 @@ class CoarseCombine(Epilogue):
     def _split(self) -> int:
         return self.o_coarse.shape[2] // self.q_sizes.shape[1] if self._segmented else 1
 
-    def _q_tile_sizes(self, call: EngineCall) -> torch.Tensor:
-        """Real rows per engine query block."""
-        if self._segmented:
-            return refine_block_sizes(self.q_sizes[0], self._split, call.block_q)
-        return call.kv_block_sizes  # one grid: query tile i is key tile i
+    def _q_block_sizes(self, call: EngineCall) -> torch.Tensor:
+        """Real rows per engine query block (formed once per call: every hook asks)."""
+        if not self._segmented:
+            return call.kv_block_sizes  # one grid: query tile i is key tile i
+        if self._q_blocks is None:
+            self._q_blocks = refine_block_sizes(self.q_sizes[0], self._split, call.block_q)
+        return self._q_blocks
 
     def _pooled_keys(self) -> int:
         """Key tiles that were pooled (exempt text blocks after them were not)."""
@@ -180,7 +182,7 @@ class CoarseCombine(Epilogue):
     def forward_torch(self, o_fine, call: EngineCall) -> torch.Tensor:
         o = o_fine.float() + self._coarse_term(call.block_q, torch.float32)
         if self.q_sizes is not None:
-            o = o.masked_fill(_padding_rows(self._q_tile_sizes(call), call.block_q), 0)
+            o = o.masked_fill(_padding_rows(self._q_block_sizes(call), call.block_q), 0)
         return o
 
     def prologue_torch(self, o, do, call: EngineCall):
@@ -189,7 +191,7 @@ class CoarseCombine(Epilogue):
         block = call.block_q
         o_fine = o.to(acc) - self._coarse_term(block, acc)
         if self.q_sizes is not None:  # padding rows of o are constant zero: no gradient
-            do = do.masked_fill(_padding_rows(self._q_tile_sizes(call), block), 0)
+            do = do.masked_fill(_padding_rows(self._q_block_sizes(call), block), 0)
         B, H, S, D = do.shape
         do5 = do.to(acc).view(B, H, S // block, block, D)
         if self.gate is None:
@@ -206,7 +208,7 @@ class CoarseCombine(Epilogue):
         acc = torch.promote_types(dq.dtype, torch.float32)
         nq, nk, block = self.o_coarse.shape[2], self._pooled_keys() * self._split, call.block_q
         dpool = self._pooled_grad(self._d_coarse, call)
-        (q_share,) = tile_means_bwd(dpool[:1, :, :, :nq], self._q_tile_sizes(call)[:nq],
+        (q_share,) = tile_means_bwd(dpool[:1, :, :, :nq], self._q_block_sizes(call)[:nq],
                                     nq * block, acc)  # fmt: skip
         kv_shares = tile_means_bwd(dpool[1:, :, :, :nk], call.kv_block_sizes[:nk], nk * block, acc)
         dq = (dq.to(acc) + q_share).to(dq.dtype)

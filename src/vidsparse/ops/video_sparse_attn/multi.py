@@ -54,10 +54,6 @@ class MultiCall(NamedTuple):
         return [g.padded_len if self.tiled else g.num_tokens for g in grids]
 
     @property
-    def prefix_blocks(self) -> int:
-        return ceil_div(self.text_tokens, self.plan.tile_volume) if self.compete else 0
-
-    @property
     def text_blocks(self) -> int:
         return ceil_div(self.text_tokens, self.plan.tile_volume)
 
@@ -155,13 +151,11 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
         q_t.detach(), k_seq[:, :, :pooled_rows].detach(), v_seq[:, :, :pooled_rows].detach(),
         tensors.q_info, tensors.k_sizes, list(plan.flat_segments), scale,
     )  # fmt: skip
-    sizes = tensors.k_sizes
-    if call.text_tokens:
-        text = _cached_text_keys(plan.k_sizes, plan.tile_volume, call.text_tokens, call.compete,
-                                 q.device)  # fmt: skip
+    sizes = tensors.k_sizes  # competing prefix blocks are key tiles of the plan already
+    if call.text_tokens and not call.compete:  # exempt text blocks join every list
+        text = _cached_text_keys(plan.k_sizes, plan.tile_volume, call.text_tokens, q.device)
         sizes = text.kv_block_sizes
-        if not call.compete:  # exempt text blocks join every list after its selection
-            kv_indices, kv_counts = append_columns(kv_indices, kv_counts, text.columns)
+        kv_indices, kv_counts = append_columns(kv_indices, kv_counts, text.columns)
     gate_t = None if gate is None else _pack_tiles(gate, call.grids, q_lens, call.tiled)
     split = max(1, volume // FINE_BLOCK_MAX)
     if split > 1:  # large tiles: the engine runs them as `split` blocks each
@@ -198,20 +192,18 @@ class _TextKeys(NamedTuple):
 
 
 @host_constant
-def _cached_text_keys(k_sizes, volume: int, text_tokens: int, compete: bool, device) -> _TextKeys:
-    """The text key blocks after the plan's key tiles ``k_sizes`` (a tuple of ints); Dynamo
-    calls it on the host and takes its tensors as constants."""
-    return _text_keys(k_sizes, volume, text_tokens, compete, torch.device(device))
+def _cached_text_keys(k_sizes, volume: int, text_tokens: int, device) -> _TextKeys:
+    """The exempt text key blocks after the plan's key tiles ``k_sizes`` (a tuple of ints);
+    Dynamo calls it on the host and takes its tensors as constants."""
+    return _text_keys(k_sizes, volume, text_tokens, torch.device(device))
 
 
 @functools.lru_cache(maxsize=32)
-def _text_keys(k_sizes, volume: int, text_tokens: int, compete: bool, device) -> _TextKeys:
-    sizes = torch.tensor(k_sizes, dtype=torch.int32, device=device)
-    if compete:  # the prefix blocks are key tiles of the plan already
-        return _TextKeys(sizes.new_zeros(0), sizes)
+def _text_keys(k_sizes, volume: int, text_tokens: int, device) -> _TextKeys:
     text = text_block_sizes(text_tokens, volume, device)
     start = len(k_sizes)
     columns = torch.arange(start, start + text.shape[0], dtype=torch.int32, device=device)
+    sizes = torch.tensor(k_sizes, dtype=torch.int32, device=device)
     return _TextKeys(columns, torch.cat([sizes, text]).to(torch.int32).contiguous())
 
 
