@@ -235,24 +235,9 @@ def _add_tune_parser(sub) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", help="a model's shape (--list-models), e.g. wan2.1-1.3b")
-    p.add_argument("--resolution", help="with --model: e.g. 480p, 720p (default: the model's)")
-    p.add_argument("--seq", type=int, help="explicit shape: tokens per sequence")
-    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    p.add_argument("--heads", type=int, help="explicit shape: heads (default 12)")
-    p.add_argument("--head-dim", type=int, help="explicit shape: head_dim (default 128)")
-    p.add_argument(
-        "--masked",
-        action="store_true",
-        help="explicit shape: key-block sizes mask part of the last block",
-    )
-    p.add_argument("--blocks", help="engine block sizes BQxBKV, comma list (default 64x64,128x128)")
-    p.add_argument(
-        "--sparsity",
-        type=float,
-        default=0.875,
-        help="fraction of key blocks skipped per query block (default 0.875)",
-    )
+    from vidsparse.bench.tune import add_shape_arguments
+
+    add_shape_arguments(p)
     p.add_argument(
         "--kernels", help="comma list of fwd,bwd_dkdv,bwd_dq,attn_topk,pool (default all)"
     )

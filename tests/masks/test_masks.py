@@ -10,6 +10,8 @@ from vidsparse.masks.block_sparse import (
     dense_from_lists,
     lists_from_dense,
     random_block_lists,
+    refine_block_lists,
+    refine_block_sizes,
     transpose_block_lists,
     validate_block_lists,
 )
@@ -260,3 +262,21 @@ def test_random_block_lists_density_and_ragged():
 
 def test_block_density():
     assert block_density(torch.tensor([[[0, 2, 4]]], dtype=torch.int32), 4) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("ratio, kv_ratio", [(1, 2), (2, 1), (2, None), (2, 4), (4, 1)])
+def test_refine_block_lists_is_the_upsampled_map(ratio, kv_ratio):
+    """Refined lists give the block map with each block replaced by its sub-blocks."""
+    nq, nk = 3, 4
+    idx, cnt = random_block_lists(2, 2, nq, nk, count=torch.tensor([0, 1, 3]))
+    fine_idx, fine_cnt = refine_block_lists(idx, cnt, ratio, kv_ratio)
+    rk = ratio if kv_ratio is None else kv_ratio
+    coarse = dense_from_lists(idx, cnt, nk)
+    expected = coarse.repeat_interleave(ratio, dim=2).repeat_interleave(rk, dim=3)
+    assert torch.equal(dense_from_lists(fine_idx, fine_cnt, nk * rk), expected)
+    assert fine_idx.dtype == idx.dtype and fine_cnt.dtype == cnt.dtype
+
+
+def test_refine_block_sizes_splits_real_tokens_first():
+    sizes = torch.tensor([256, 173, 79, 0], dtype=torch.int32)
+    assert refine_block_sizes(sizes, 2, 128).tolist() == [128, 128, 128, 45, 79, 0, 0, 0]

@@ -324,6 +324,21 @@ _OPS = (
         aliases=("vsa-multi",),
     ),
     OpSpec(
+        "tuned",
+        "a tuning file (vidsparse tune) against the tables' defaults: the engine and VSA at "
+        "the tuned shape, both in one run, alternating",
+        "vidsparse.bench.ops.tuned",
+        shapes=("wan1.3b-480p",),
+        providers=(
+            _P("default", "the tables' configs (the tuning file set aside)", ("cuda",),
+               reference=True),
+            _P("tuned", "the tuning file loaded as a user's process does", ("cuda",)),
+        ),
+        inputs="make_inputs",
+        tiny_args=None,  # a tuning file is made on, and for, a GPU
+        results="tuned_<model>_h200.json",
+    ),
+    OpSpec(
         "parallel",
         "one attention layer on 1 vs P GPUs (Ulysses), the exchange alone too",
         "vidsparse.bench.ops.parallel",

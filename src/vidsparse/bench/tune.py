@@ -83,6 +83,28 @@ class TuneOptions:
 # ---------------------------------------------------------------------------------------------
 
 
+def add_shape_arguments(p) -> None:
+    """The options naming a shape, shared by ``vidsparse tune`` and ``vidsparse bench tuned``."""
+    p.add_argument("--model", help="a model's shape (--list-models), e.g. wan2.1-1.3b")
+    p.add_argument("--resolution", help="with --model: e.g. 480p, 720p (default: the model's)")
+    p.add_argument("--seq", type=int, help="explicit shape: tokens per sequence")
+    p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=int, help="explicit shape: heads (default 12)")
+    p.add_argument("--head-dim", type=int, help="explicit shape: head_dim (default 128)")
+    p.add_argument(
+        "--masked",
+        action="store_true",
+        help="explicit shape: key-block sizes mask part of the last block",
+    )
+    p.add_argument("--blocks", help="engine block sizes BQxBKV, comma list (default 64x64,128x128)")
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=0.875,
+        help="fraction of key blocks skipped per query block (default 0.875)",
+    )
+
+
 def options_from_args(args) -> TuneOptions:
     """Checked options of ``vidsparse tune``; ``TuneUsageError`` naming the first bad one."""
     _require(0.0 <= args.sparsity < 1.0, f"--sparsity must be in [0, 1), got {args.sparsity}")

@@ -302,18 +302,21 @@ def transpose_block_lists(
 
 
 def refine_block_lists(
-    kv_indices: torch.Tensor, kv_counts: torch.Tensor, ratio: int
+    kv_indices: torch.Tensor, kv_counts: torch.Tensor, ratio: int, kv_ratio: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lists over blocks that are each ``ratio`` smaller blocks, as lists over the smaller
-    ones: ``[Bi, H, NQ, K]``, ``[Bi, H, NQ]`` -> ``[Bi, H, NQ*ratio, K*ratio]``,
-    ``[Bi, H, NQ*ratio]``. Entry j of a row becomes entries ``j*ratio .. j*ratio + ratio-1``
-    (the valid entries stay first), and each row serves its ``ratio`` query blocks."""
-    if ratio == 1:
-        return kv_indices.contiguous(), kv_counts.contiguous()
-    sub = torch.arange(ratio, device=kv_indices.device, dtype=kv_indices.dtype)
-    idx = (kv_indices.unsqueeze(-1) * ratio + sub).flatten(-2)  # [Bi, H, NQ, K*ratio]
-    idx = idx.repeat_interleave(ratio, dim=2)  # [Bi, H, NQ*ratio, K*ratio]
-    cnt = (kv_counts * ratio).repeat_interleave(ratio, dim=2)
+    """Lists over blocks that are each ``ratio`` smaller query blocks and ``kv_ratio`` smaller
+    key blocks (default: ``ratio``), as lists over the smaller ones: ``[Bi, H, NQ, K]``,
+    ``[Bi, H, NQ]`` -> ``[Bi, H, NQ*ratio, K*kv_ratio]``, ``[Bi, H, NQ*ratio]``. Entry j of a
+    row becomes entries ``j*kv_ratio .. j*kv_ratio + kv_ratio-1`` (the valid entries stay
+    first), and each row serves its ``ratio`` query blocks."""
+    kv_ratio = ratio if kv_ratio is None else kv_ratio
+    idx, cnt = kv_indices, kv_counts
+    if kv_ratio > 1:
+        sub = torch.arange(kv_ratio, device=idx.device, dtype=idx.dtype)
+        idx = (idx.unsqueeze(-1) * kv_ratio + sub).flatten(-2)  # [Bi, H, NQ, K*kv_ratio]
+        cnt = cnt * kv_ratio
+    if ratio > 1:
+        idx, cnt = idx.repeat_interleave(ratio, dim=2), cnt.repeat_interleave(ratio, dim=2)
     return idx.contiguous(), cnt.contiguous()
 
 

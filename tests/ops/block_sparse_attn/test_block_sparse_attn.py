@@ -214,6 +214,7 @@ INTERPRETER_CASES = [
     (1, 1, 2, 64, 64, 16, 16, 16, 0.5, False, 1),
     (2, 1, 1, 32, 64, 16, 16, 8, 0.5, True, 1),
     (2, 2, 2, 64, 48, 32, 32, 16, 0.7, True, 0),
+    (1, 1, 1, 512, 512, 16, 256, 256, 0.5, True, 1),  # as 128-token sub-blocks
 ]
 
 
@@ -230,6 +231,37 @@ def test_triton_interpreter_matches_reference(triton_backend, dtype, case):
 
 
 GPU_BLOCKS = [(64, 64), (128, 64), (128, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(256, 256), (256, 64), (64, 256), (512, 128)])
+def test_gpu_blocks_above_the_kernels_largest(block):
+    """Blocks above 128 tokens run as 128-token sub-blocks (a 256x256 program needs 320 KB of
+    shared memory: OutOfResources on an H200 before); forward, lse and gradients."""
+    bq, bk = block
+    _check_against_reference(
+        "cuda", torch.bfloat16, 1, 1, 2, 4 * 256, 2048, 128, bq, bk, density=0.5, padded=True,
+        empty_rows=1,
+    )  # fmt: skip
+
+
+def test_blocks_above_the_kernels_largest_launch_as_sub_blocks(monkeypatch, triton_backend):
+    """The Triton path hands the kernels 128-token blocks and lists refined to them."""
+    from vidsparse.ops.block_sparse_attn import fwd
+
+    seen = []
+
+    def record(q, k, v, idx, cnt, sizes, bq, bk, scale, **kw):
+        seen.append((bq, bk, tuple(idx.shape), None if sizes is None else sizes.tolist()))
+        return torch.zeros_like(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
+
+    monkeypatch.setattr(fwd, "block_sparse_attn_fwd", record)
+    q, k, v = make_qkv(1, 1, 512, 512, 16, dtype=torch.float32, device="cpu")
+    idx = torch.tensor([[[[1], [0]]]], dtype=torch.int32)
+    cnt = torch.ones(1, 1, 2, dtype=torch.int32)
+    sizes = torch.tensor([256, 200], dtype=torch.int32)
+    vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=256, kv_block_sizes=sizes)
+    assert seen == [(128, 128, (1, 1, 4, 2), [128, 128, 128, 72])]
 
 
 @pytest.mark.gpu

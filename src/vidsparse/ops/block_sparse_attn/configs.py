@@ -37,6 +37,9 @@ REFERENCE_DTYPES = (*SUPPORTED_DTYPES, torch.float64)
 # What ``tl.load(eviction_policy=...)`` takes ("": no hint).
 EVICTION_POLICIES = ("", "evict_first", "evict_last")
 EVICT_FIRST = "evict_first"
+# The largest block a kernel program tiles: a 256x256 block's pipeline needs 320 KB of shared
+# memory at D=128 (an H200 has 227 KB), so larger blocks run as 128-token sub-blocks of it.
+KERNEL_BLOCK_MAX = 128
 
 
 @dataclass(frozen=True)

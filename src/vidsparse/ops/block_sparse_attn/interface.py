@@ -12,8 +12,13 @@ import sys
 
 import torch
 
-from vidsparse.masks.block_sparse import validate_block_lists
+from vidsparse.masks.block_sparse import (
+    refine_block_lists,
+    refine_block_sizes,
+    validate_block_lists,
+)
 from vidsparse.ops.block_sparse_attn.configs import (
+    KERNEL_BLOCK_MAX,
     REFERENCE_DTYPES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -74,6 +79,7 @@ def block_sparse_attn(
         kv_counts: int32 ``[B or 1, H, Sq // block_q]``, each in ``[0, K]``.
         block_size: ``block`` or ``(block_q, block_kv)``, powers of two (the Triton kernels'
             tile widths; checked on every backend); ``Sq % block_q == Skv % block_kv == 0``.
+            Blocks above 128 tokens run as 128-token sub-blocks of the same lists.
         kv_block_sizes: optional int32 ``[Skv // block_kv]``: real keys at the start of each key
             block; the rest are padding and get no weight, whatever they hold (NaN too).
         scale: softmax scale, default ``1 / sqrt(D)``.
@@ -104,6 +110,9 @@ def block_sparse_attn(
     backend = resolve_backend(device)
     if backend == "triton":
         check_triton_supported(q)
+        kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
+            kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
+        )
     o, lse = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         False, NO_EPILOGUE.name, *padded_tensors(NO_EPILOGUE),
@@ -139,6 +148,20 @@ def block_sparse_attn_unchecked(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         padding_finite, epilogue.name, *padded_tensors(epilogue),
     )  # fmt: skip
+
+
+def _kernel_blocks(kv_indices, kv_counts, kv_block_sizes, block_q, block_kv):
+    """The same lists over blocks a kernel program can tile: a block larger than
+    ``KERNEL_BLOCK_MAX`` becomes that many-token sub-blocks (same result, as each sub-block of
+    a query block attends to every sub-block of its listed key blocks)."""
+    q_ratio = max(1, block_q // KERNEL_BLOCK_MAX)
+    kv_ratio = max(1, block_kv // KERNEL_BLOCK_MAX)
+    if q_ratio == kv_ratio == 1:
+        return kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
+    kv_indices, kv_counts = refine_block_lists(kv_indices, kv_counts, q_ratio, kv_ratio)
+    if kv_block_sizes is not None:
+        kv_block_sizes = refine_block_sizes(kv_block_sizes, kv_ratio, block_kv // kv_ratio)
+    return kv_indices, kv_counts, kv_block_sizes, block_q // q_ratio, block_kv // kv_ratio
 
 
 # --------------------------------------------------------------------------- validation

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from vidsparse.ops.block_sparse_attn.configs import (
+    KERNEL_BLOCK_MAX,
     REFERENCE_DTYPES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
@@ -48,9 +49,8 @@ BWD_CHUNK_ELEMENTS = 2**24
 SMALL_GRID_TILES = 1024
 
 # The fine stage's largest engine block: larger tiles (256 tokens, 4x8x8) run as 128-row
-# blocks, two a tile, since a 256x256 block's pipeline needs 320 KB of shared memory at
-# D=128 (the H200 has 227 KB).
-FINE_BLOCK_MAX = 128
+# blocks, two a tile (the engine's KERNEL_BLOCK_MAX says why).
+FINE_BLOCK_MAX = KERNEL_BLOCK_MAX
 
 
 @dataclass(frozen=True)
