@@ -6,7 +6,9 @@
 #   e2e-skyreels-v2-compiled|e2e-wan-vace-compiled (JSON under $OUT, named as in
 #   benchmarks/results/), and e2e-<model>-compiled for any of them (e2e_<model>_compiled_h200.json);
 #   e2e-dry: each of those models at full width, 1 block, one dense step; e2e-dry-all: the
-#   same with all blocks (does the whole model fit?), JSON under $OUT
+#   same with all blocks (does the whole model fit?), JSON under $OUT;
+#   e2e-train|e2e-train-14b: the training step (fwd+bwd, gradient checkpointing) of Wan 2.1
+#   1.3B 480p / 14B 720p (4 blocks), dense vs VSA 0.875/0.9 with gate (e2e_train_*_h200.json)
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -49,6 +51,11 @@ for what in "$@"; do
     psa) step psa 540 python3 -m vidsparse.bench psa --out "$OUT/psa_h200.json" ;;
     sta) step sta 540 python3 -m vidsparse.bench sta --check --out "$OUT/sta_h200.json" ;;
     e2e) step e2e 200 python3 -m vidsparse.bench e2e --out "$OUT/e2e_h200.json" ;;
+    e2e-train) step e2e_train 240 python3 -m vidsparse.bench e2e --train \
+      --out "$OUT/e2e_train_h200.json" ;;
+    e2e-train-14b) step e2e_train_14b 240 python3 -m vidsparse.bench e2e --train --model wan14b \
+      --layers 4 --warmup 1 --reps 3 --share-reps 1 \
+      --out "$OUT/e2e_train_wan14b-720p_h200.json" ;;
     e2e-compiled) step e2e_compiled 400 python3 -m vidsparse.bench e2e --compile blocks \
       --out "$OUT/e2e_compiled_h200.json" ;;
     e2e-14b-compiled) step e2e_14b_compiled 220 python3 -m vidsparse.bench e2e --model wan14b \

@@ -134,6 +134,24 @@ def test_the_default_wins_unless_clearly_faster(monkeypatch):
     assert tune._confirmed_best(None, None, candidates, {0: 1.0, 1: 1.2}) == 0
     again.update(default=0.5, other=0.6)  # faster once, not the second time
     assert tune._confirmed_best(None, None, candidates, {0: 1.0, 1: 0.5}) == 0
+    assert tune._confirmed_best(None, None, candidates, {0: 1.0, 1: 0.98}) == 0  # 2%: noise
+
+
+def test_a_gluon_forward_row_is_timed_alone():
+    """The Gluon forward ignores warps and stages: its job has one candidate, the default (an
+    H200 run once "tuned" one, 3% faster than itself). Other forward rows are swept."""
+    from dataclasses import replace
+
+    shape = tune_workloads.Shape("wan", 1, 2, 128, 0.5, seq=256)
+    job = tune_workloads.Job("fwd", (128, 128), shape)
+    wl = tune_workloads.EngineWorkload.__new__(tune_workloads.EngineWorkload)
+    wl.job, wl.target = job, CPU_INTERPRETER
+    gluon = replace(configs.KernelConfig(8, 3), use_tma=True, gluon=True)
+    wl.default = lambda: gluon
+    assert wl.candidates() == [gluon]
+    plain = configs.KernelConfig(8, 3)
+    wl.default = lambda: plain
+    assert len(wl.candidates()) > 1
 
 
 # ------------------------------------------------------------------------------ end to end

@@ -4,7 +4,8 @@ An op is one benchmark (the block-sparse engine, VSA, PSA, sliding-tile attentio
 model step, ...). Its entry declares the default shapes (names in ``shapes.py``), the input
 builder, and the providers: the ways of computing the same thing that the op times side by
 side (ours, cuDNN, flash, FlexAttention, FastVideo, ...), each with the libraries it needs.
-The measuring code lives in ``vidsparse.bench.ops.<module>``, imported only when the op runs;
+The measuring code lives in ``vidsparse.bench.ops.<module>`` (the tuner's comparison, ``tuned``,
+beside the tuner in ``vidsparse.bench``), imported only when the op runs;
 it defines ``main(argv) -> rows``, ``build_parser()``, ``PROVIDERS`` (the same names as here)
 and the input builder named by ``inputs``.
 
@@ -327,7 +328,7 @@ _OPS = (
         "tuned",
         "a tuning file (vidsparse tune) against the tables' defaults: the engine and VSA at "
         "the tuned shape, both in one run, alternating",
-        "vidsparse.bench.ops.tuned",
+        "vidsparse.bench.tuned",  # beside the tuner it measures (bench.ops sits below it)
         shapes=("wan1.3b-480p",),
         providers=(
             _P("default", "the tables' configs (the tuning file set aside)", ("cuda",),
@@ -337,6 +338,26 @@ _OPS = (
         inputs="make_inputs",
         tiny_args=None,  # a tuning file is made on, and for, a GPU
         results="tuned_<model>_h200.json",
+    ),
+    OpSpec(
+        "train_vsa",
+        "training a small Wan on real video pixels (32,768 tokens a sample): dense vs VSA "
+        "from scratch and as a fine-tune; one arm (provider) a call, --arm",
+        "vidsparse.bench.ops.train_vsa",
+        shapes=("synthetic-32k",),  # its token count; the model has 6 heads of 128, 8 blocks
+        providers=(
+            _P("dense", "the stock model, dense attention (SDPA)", ("diffusers",),
+               reference=True),
+            _P("vsa0.875", "apply_sparse_attention(model, 'vsa', sparsity=0.875, gate=True), "
+               "from scratch", ("diffusers",)),
+            _P("vsa0.9", "the same at sparsity 0.9", ("diffusers",)),
+            _P("finetune-dense", "the dense arm's weights trained on, dense", ("diffusers",)),
+            _P("finetune-vsa", "the dense arm's weights trained on with VSA, SparsitySchedule "
+               "0 -> 0.875", ("diffusers",)),
+        ),
+        inputs="make_inputs",
+        results="train_vsa/<arm>.json",
+        aliases=("train-vsa",),
     ),
     OpSpec(
         "parallel",

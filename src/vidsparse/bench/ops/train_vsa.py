@@ -1,0 +1,739 @@
+"""VSA, trained: dense against VSA from scratch and as a fine-tune, on real video pixels
+(issue 21). One arm per call, each resumable, all arms on the same data::
+
+    python -m vidsparse.bench train_vsa --arm dense --out runs/train_vsa
+    python -m vidsparse.bench train_vsa --arm vsa0.875 --out runs/train_vsa
+    python -m vidsparse.bench train_vsa --arm vsa0.9 --out runs/train_vsa
+    python -m vidsparse.bench train_vsa --arm finetune-dense --out runs/train_vsa  # from dense
+    python -m vidsparse.bench train_vsa --arm finetune-vsa --out runs/train_vsa    # its end
+    python -m vidsparse.bench train_vsa --arm vsa0.875 --out runs/train_vsa --resume
+    python -m vidsparse.bench train_vsa --tiny --device cpu --arm dense --out /tmp/tv  # smoke
+
+Model: diffusers' ``WanTransformer3DModel`` from a small config (``MODEL``: 8 blocks, width
+768 = 6 heads of 128, FFN 3072, 3 in/out channels, patch 1x2x2), random init from the seed,
+trained in pixel space. Text: a fixed zero embedding of 4 tokens (``text_dim`` 64), so the
+cross-attention is a learned constant. Data: the shipped clip (``vidsparse.data.load_clip``,
+81 frames of 104x180 RGB) cut into random crops of 16 frames x 64 x 128 pixels (16 x 32 x 64 =
+32,768 tokens a sample, 512 tiles of 4x4x4) with random horizontal flips and time reversal,
+pixels scaled to [-1, 1]. Training crops come from frames 0-64; the held-out set is
+``--eval-crops`` fixed crops (seeded positions, no flips) of the last ``--holdout-frames`` (16)
+frames, at the noise levels 0.25, 0.5 and 0.75 with fixed noise. Those frames are in no
+training crop, but they are the next 0.6 s of the same shot: the same scene and textures, so
+the eval loss measures the fit to this clip, not generalisation to other video.
+
+Training: flow matching as Wan (``x_t = (1 - t) x0 + t noise``, the model predicts ``noise -
+x0`` at ``timestep = 1000 t``, ``t`` uniform, MSE in float32), AdamW (linear lr warmup, then
+constant; gradient clipping), bf16 autocast over float32 weights on a GPU (float32 on the
+CPU), gradient checkpointing. Crops, flips, ``t`` and noise are functions of the seed and the
+data index (the step; a fine-tune continues at its init checkpoint's step), so every arm sees
+the same samples in the same order, and a resumed arm the samples of an uninterrupted one.
+
+Arms (``ARMS``): ``dense``; ``vsa0.875`` and ``vsa0.9`` from scratch
+(``apply_sparse_attention(model, "vsa", sparsity=s, gate=True)``, zero gates, the target from
+step 0); ``finetune-dense`` and ``finetune-vsa`` continue the dense arm's final weights
+(``--init``, default ``OUT/checkpoints/dense.pt``) with a fresh AdamW, the VSA one with
+``SparsitySchedule`` from dense to 0.875 (``--finetune-warmup``, ``--finetune-ramp``,
+``--finetune-levels``).
+
+Measured every ``--eval-every`` steps (and at step 0): the held-out loss (per level and mean);
+the training loss and the CUDA-synchronised step time (median over the interval); tokens seen,
+wall-clock; and per layer, on one held-out sample (crop 0 at t = 0.5), from the q/k/v each
+video self-attention call received (``captured_attention``): the dense attention mass VSA
+keeps (``kept_mass``: per query, its softmax share of full dense attention in the key tiles
+VSA selects for its query tile; the mean over all real queries and heads) and the relative L2
+of VSA's attention output (the integration's, gate included) against dense SDPA (float32) on
+the same q/k/v. The selection is recomputed with ``block_mean`` and ``topk_lists``. A VSA arm
+is measured at its current sparsity; a dense arm "as if" VSA 0.875 were applied to it (the
+fine stage alone, as on a stock checkpoint).
+
+Output folder ``OUT`` (``--out DIR``; or a JSON path: the arm's JSON there, the rest beside)::
+
+    OUT/<arm>.json               meta (GPU, versions, commit, config) and one row per eval
+    OUT/<arm>_samples.png        20 Euler steps of the flow from noise, 4 frames per sample
+    OUT/train_vsa.png            eval loss, step time, kept mass and rel L2 of every arm here
+    OUT/checkpoints/<arm>.pt     weights, AdamW and rows: --resume; dense.pt is the fine-tunes'
+                                 init (about 1 GB each at full size: do not commit)
+
+``--max-minutes`` bounds a call's training loop (start-up, samples and plots come on top):
+when the next step (and eval) would pass it, the arm is checkpointed and stops (``complete:
+false`` in its JSON); ``--resume`` continues it with the data, noise and state of an
+uninterrupted run, so with its rows: bit for bit on the CPU (tested); on a GPU up to the
+kernels' run-to-run differences (atomic-add backward passes; not checked bitwise there).
+``--stop-at STEP`` stops at a step. Bad input (an unknown arm, no or a wrong init checkpoint,
+a checkpoint of another arm or config, a folder that holds the arm already without
+``--resume``) stops before training with one line, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from vidsparse.bench import harness, registry
+from vidsparse.bench.harness import Column
+from vidsparse.bench.ops.train_vsa_measure import (
+    attention_metrics,
+    captured_attention,
+    draw_samples,
+    plot_curves,
+)
+from vidsparse.bench.runner import BenchUsageError
+from vidsparse.data import CLIP_ATTRIBUTION, load_clip
+from vidsparse.nn import SparsitySchedule
+from vidsparse.utils.files import atomic_write
+
+OP = "train_vsa"
+ARMS = ("dense", "vsa0.875", "vsa0.9", "finetune-dense", "finetune-vsa")
+PROVIDERS = ARMS
+FINETUNE_ARMS = ("finetune-dense", "finetune-vsa")
+SPARSITY = {"vsa0.875": 0.875, "vsa0.9": 0.9, "finetune-vsa": 0.875}  # the VSA arms' targets
+AS_IF_SPARSITY = 0.875  # dense arms: the attention metrics of VSA 0.875 on their q/k/v
+TILE = (4, 4, 4)
+TEXT_TOKENS = 4
+EVAL_LEVELS = (0.25, 0.5, 0.75)
+WAN = {"patch_size": (1, 2, 2), "in_channels": 3, "out_channels": 3, "cross_attn_norm": True,
+       "qk_norm": "rms_norm_across_heads"}  # fmt: skip
+MODEL = {**WAN, "num_attention_heads": 6, "attention_head_dim": 128, "num_layers": 8,
+         "ffn_dim": 3072, "text_dim": 64, "freq_dim": 256, "rope_max_seq_len": 1024}  # fmt: skip
+TINY_MODEL = {**WAN, "num_attention_heads": 2, "attention_head_dim": 32, "num_layers": 2,
+              "ffn_dim": 128, "text_dim": 16, "freq_dim": 32, "rope_max_seq_len": 64}  # fmt: skip
+# Pixels (frames, height, width). Tiny: 4 x 10 x 12 tokens, tiles partial along the height.
+CROP, TINY_CROP = (16, 64, 128), (4, 20, 24)
+DEFAULTS = {
+    False: dict(steps=1000, finetune_steps=500, eval_every=100, lr=3e-4, lr_warmup=50,
+                finetune_warmup=50, finetune_ramp=200, finetune_levels=4, eval_crops=8,
+                holdout_frames=16, samples=2, sample_steps=20, max_minutes=8.0),
+    True: dict(steps=4, finetune_steps=4, eval_every=2, lr=2e-3, lr_warmup=1,
+               finetune_warmup=1, finetune_ramp=2, finetune_levels=2, eval_crops=2,
+               holdout_frames=8, samples=1, sample_steps=2, max_minutes=10.0),
+}  # fmt: skip
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_KEYS = ("identity", "step", "steps", "init_step", "model", "optimizer", "rows",
+                   "pending", "totals", "calls")  # fmt: skip
+# Fields of the run an init checkpoint (the dense arm's) must share with a fine-tune.
+INIT_FIELDS = ("tiny", "model", "crop", "seed", "holdout_frames", "text_tokens")
+
+COLUMNS = [
+    Column("arm", "arm"),
+    Column("step", "step"),
+    Column("tokens_seen", "tokens"),
+    Column("sparsity", "sparsity", ".3f"),
+    Column("train_loss", "train loss", ".4f"),
+    Column("eval_loss", "eval loss", ".4f"),
+    Column("step_ms", "step ms", ".1f"),
+    Column("kept_mass_mean", "kept mass", ".3f"),
+    Column("attn_rel_l2_mean", "attn rel L2", ".3f"),
+]
+
+
+class TrainVsaError(BenchUsageError):
+    """Bad input found before training: one line, exit status 2 through the runner."""
+
+
+# ------------------------------------------------------------------------------ data
+
+
+def mix_seed(*parts) -> int:
+    """A 63-bit seed per purpose and index: streams a resumed run recomputes, not restores."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
+
+
+def load_frames() -> torch.Tensor:
+    """The shipped clip as uint8 ``[3, frames, height, width]``."""
+    return torch.from_numpy(load_clip()).permute(3, 0, 1, 2).contiguous()
+
+
+def crop_pixels(frames, start, crop, flip=False, reverse=False) -> torch.Tensor:
+    """One crop ``[3, f, h, w]`` at ``start = (t, y, x)``, in [-1, 1]."""
+    (t, y, x), (f, h, w) = start, crop
+    out = frames[:, t : t + f, y : y + h, x : x + w].float() / 127.5 - 1.0
+    dims = [d for d, on in ((3, flip), (1, reverse)) if on]
+    return out.flip(dims) if dims else out
+
+
+def random_start(generator, frames_range, size, crop) -> tuple[int, int, int]:
+    (first, stop), (height, width) = frames_range, size
+    limits = (stop - crop[0] - first + 1, height - crop[1] + 1, width - crop[2] + 1)
+    t, y, x = (int(torch.randint(n, (), generator=generator)) for n in limits)
+    return first + t, y, x
+
+
+def train_frames(args) -> tuple[int, int]:
+    return 0, args.clip_frames - args.holdout_frames
+
+
+def make_inputs(frames, args, index: int):
+    """The training batch of data index ``index``: ``(x0, noise, t)`` on the CPU; crops from
+    the training frames, random flips and time reversal, uniform ``t``."""
+    generator = torch.Generator().manual_seed(mix_seed(args.seed, "train", index))
+    crops = []
+    for _ in range(args.batch_size):
+        start = random_start(generator, train_frames(args), frames.shape[2:], args.crop)
+        flip, reverse = torch.rand(2, generator=generator) < 0.5
+        crops.append(crop_pixels(frames, start, args.crop, bool(flip), bool(reverse)))
+    x0 = torch.stack(crops)
+    noise = torch.randn(x0.shape, generator=generator)
+    return x0, noise, torch.rand(args.batch_size, generator=generator)
+
+
+def make_eval_set(frames, args) -> dict:
+    """The held-out crops (the last ``holdout_frames`` frames, fixed positions) and one fixed
+    noise tensor per level."""
+    generator = torch.Generator().manual_seed(mix_seed(args.seed, "eval"))
+    held_out = (args.clip_frames - args.holdout_frames, args.clip_frames)
+    starts = [random_start(generator, held_out, frames.shape[2:], args.crop)
+              for _ in range(args.eval_crops)]  # fmt: skip
+    x0 = torch.stack([crop_pixels(frames, s, args.crop) for s in starts])
+    noise = [torch.randn(x0.shape, generator=generator) for _ in EVAL_LEVELS]
+    return {"x0": x0, "noise": noise, "starts": starts}
+
+
+# ------------------------------------------------------------------------------ model, loss
+
+
+def text_embeds(args, batch: int, device) -> torch.Tensor:
+    return torch.zeros(batch, TEXT_TOKENS, args.model_config["text_dim"], device=device)
+
+
+def flow_matching_loss(model, x0, text, t, noise) -> torch.Tensor:
+    """Wan's objective: at ``x_t = (1 - t) x0 + t noise`` predict the velocity ``noise - x0``."""
+    level = t.view(-1, *([1] * (x0.ndim - 1)))
+    noisy = (1 - level) * x0 + level * noise
+    pred = model(hidden_states=noisy, timestep=t * 1000, encoder_hidden_states=text,
+                 return_dict=False)[0]  # fmt: skip
+    return F.mse_loss(pred.float(), (noise - x0).float())
+
+
+def autocast(device):
+    if device.type == "cuda":  # bf16 compute, float32 master weights
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def build_model(args, device, init_state=None):
+    """The Wan transformer (seeded init, or ``init_state``'s weights), VSA applied for a VSA
+    arm (zero gates at the target; the schedule sets their sparsity every step)."""
+    from diffusers import WanTransformer3DModel
+
+    from vidsparse.integrations.diffusers import apply_sparse_attention
+
+    torch.manual_seed(args.seed)
+    model = WanTransformer3DModel(**args.model_config)
+    if init_state is not None:
+        model.load_state_dict(init_state)
+    model.to(device).train()
+    if args.gradient_checkpointing:
+        model.enable_gradient_checkpointing()
+    if args.arm in SPARSITY:
+        apply_sparse_attention(model, "vsa", sparsity=SPARSITY[args.arm], tile=TILE, gate=True)
+    return model
+
+
+def make_schedule(args) -> SparsitySchedule | None:
+    if args.arm == "finetune-vsa":
+        return SparsitySchedule(SPARSITY[args.arm], args.finetune_warmup, args.finetune_ramp,
+                                args.finetune_levels)  # fmt: skip
+    return SparsitySchedule(SPARSITY[args.arm]) if args.arm in SPARSITY else None
+
+
+def lr_at(args, step: int) -> float:
+    return args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup))
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    device: torch.device
+    identity: dict
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: SparsitySchedule | None
+    frames: torch.Tensor
+    eval_set: dict
+    init_step: int = 0
+    step: int = 0
+    rows: list = field(default_factory=list)
+    pending: dict = field(default_factory=lambda: {"losses": [], "step_ms": []})
+    totals: dict = field(default_factory=lambda: {"wall_s": 0.0, "train_s": 0.0})
+    calls: list = field(default_factory=list)
+    clock: float = 0.0  # perf_counter at the start of this call's training loop
+
+
+def wall_s(run: Run) -> float:
+    """The arm's wall-clock in its training loops (steps, evals, checkpoints), every call."""
+    return run.totals["wall_s"] + time.perf_counter() - run.clock
+
+
+def sparsity_at(run: Run, step: int) -> float | None:
+    return None if run.schedule is None else run.schedule(step)
+
+
+def train_step(run: Run, step: int) -> tuple[float, float]:
+    """One optimiser step at data index ``init_step + step``: ``(loss, milliseconds)``."""
+    args, device, model = run.args, run.device, run.model
+    x0, noise, t = (x.to(device) for x in make_inputs(run.frames, args, run.init_step + step))
+    if run.schedule is not None:
+        run.schedule.apply(model, step)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr_at(args, step)
+    harness.synchronize(device)
+    start = time.perf_counter()
+    with autocast(device):
+        loss = flow_matching_loss(model, x0, text_embeds(args, len(x0), device), t, noise)
+    loss.backward()
+    if args.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    value = loss.item()
+    harness.synchronize(device)
+    return value, (time.perf_counter() - start) * 1e3
+
+
+@torch.no_grad()
+def eval_losses(run: Run) -> dict[str, float]:
+    """Held-out loss per noise level (every crop, fixed noise)."""
+    args, device, data = run.args, run.device, run.eval_set
+    losses = {}
+    for level, noise in zip(EVAL_LEVELS, data["noise"]):
+        total = 0.0
+        for start in range(0, args.eval_crops, args.eval_batch):
+            x0 = data["x0"][start : start + args.eval_batch].to(device)
+            t = torch.full((len(x0),), level, device=device)
+            batch_noise = noise[start : start + args.eval_batch].to(device)
+            with autocast(device):
+                loss = flow_matching_loss(run.model, x0, text_embeds(args, len(x0), device), t,
+                                          batch_noise)  # fmt: skip
+            total += float(loss) * len(x0)
+        losses[f"{level:g}"] = total / args.eval_crops
+    return losses
+
+
+@torch.no_grad()
+def layer_metrics(run: Run, sparsity: float) -> tuple[list[float], list[float]]:
+    """Kept mass and attention rel L2 per layer on held-out crop 0 at t = 0.5."""
+    args, device = run.args, run.device
+    level = EVAL_LEVELS.index(0.5)
+    x0 = run.eval_set["x0"][:1].to(device)
+    noise = run.eval_set["noise"][level][:1].to(device)
+    t = torch.full((1,), 0.5, device=device)
+    with captured_attention(run.model) as calls, autocast(device):
+        flow_matching_loss(run.model, x0, text_embeds(args, 1, device), t, noise)
+    metrics = [attention_metrics(calls[i], sparsity, TILE) for i in sorted(calls)]
+    return [m for m, _ in metrics], [r for _, r in metrics]
+
+
+def evaluate(run: Run) -> dict:
+    """The row of step ``run.step``: the interval's training numbers and the held-out ones."""
+    args, step = run.args, run.step
+    start = time.perf_counter()
+    trained = sparsity_at(run, max(step - 1, 0))  # the sparsity the last step trained at
+    if run.schedule is not None:
+        run.schedule.apply(run.model, max(step - 1, 0))
+    losses = eval_losses(run)
+    metric_sparsity = AS_IF_SPARSITY if trained is None else trained
+    mass, rel = layer_metrics(run, metric_sparsity)
+    pending = run.pending
+    row = {
+        "provider": args.arm, "arm": args.arm, "step": step, "global_step": run.init_step + step,
+        "tokens_seen": step * args.batch_size * args.tokens, "sparsity": trained,
+        "lr": lr_at(args, max(step - 1, 0)), "wall_s": wall_s(run),
+        "train_s": run.totals["train_s"],
+        "train_loss": statistics.fmean(pending["losses"]) if pending["losses"] else None,
+        "train_losses": pending["losses"],
+        "step_ms": statistics.median(pending["step_ms"]) if pending["step_ms"] else None,
+        "eval_loss": statistics.fmean(losses.values()), "eval_loss_by_t": losses,
+        "metric_sparsity": metric_sparsity, "metric_as_if": trained is None,
+        "kept_mass": mass, "attn_rel_l2": rel, "kept_mass_mean": statistics.fmean(mass),
+        "attn_rel_l2_mean": statistics.fmean(rel), "eval_s": time.perf_counter() - start,
+    }  # fmt: skip
+    run.pending = {"losses": [], "step_ms": []}
+    return row
+
+
+def report(row: dict) -> None:
+    print(
+        f"{OP} {row['arm']} step {row['step']}: eval loss {row['eval_loss']:.4f}, "
+        f"kept mass {row['kept_mass_mean']:.3f}, attn rel L2 {row['attn_rel_l2_mean']:.3f}"
+        + (f", step {row['step_ms']:.1f} ms" if row["step_ms"] is not None else ""),
+        flush=True,
+    )
+
+
+def train(run: Run) -> bool:
+    """Steps up to ``--steps`` (rows at every eval); False when the budget or ``--stop-at``
+    stopped it first (checkpointed)."""
+    args = run.args
+    run.clock = time.perf_counter()
+    budget_s, last_ms, last_eval_s = args.max_minutes * 60, 0.0, 0.0
+    if run.step == 0 and not run.rows:
+        run.rows.append(evaluate(run))
+        report(run.rows[-1])
+        last_eval_s = time.perf_counter() - run.clock
+    while run.step < args.steps:
+        next_eval = (run.step + 1) % args.eval_every == 0 or run.step + 1 == args.steps
+        projected = last_ms / 1e3 + (last_eval_s if next_eval else 0.0)
+        elapsed = time.perf_counter() - run.clock
+        stop = args.stop_at is not None and run.step >= args.stop_at
+        if stop or elapsed + projected > budget_s:
+            return False
+        loss, last_ms = train_step(run, run.step)
+        run.step += 1
+        run.pending["losses"].append(loss)
+        run.pending["step_ms"].append(last_ms)
+        run.totals["train_s"] += last_ms / 1e3
+        if next_eval:
+            eval_start = time.perf_counter()
+            run.rows.append(evaluate(run))
+            report(run.rows[-1])
+            if run.step < args.steps:  # the last one is finish's
+                save_checkpoint(run)
+            last_eval_s = time.perf_counter() - eval_start
+    return True
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def checkpoint_path(out_dir: Path, arm: str) -> Path:
+    return out_dir / "checkpoints" / f"{arm}.pt"
+
+
+def flat(prefix: str, value) -> dict:
+    """Nested JSON as ``{"a.b": leaf}``: mismatches are named field by field."""
+    if isinstance(value, dict):
+        return {
+            k: v for key, item in value.items() for k, v in flat(f"{prefix}{key}.", item).items()
+        }
+    return {prefix[:-1]: value}
+
+
+def run_identity(args, init: dict | None) -> dict:
+    """What a checkpoint must share with the command that resumes it (``--steps`` may grow)."""
+    schedule = make_schedule(args)
+    identity = {
+        "arm": args.arm, "tiny": args.tiny, "model": args.model_config, "crop": args.crop,
+        "text_tokens": TEXT_TOKENS, "seed": args.seed, "batch_size": args.batch_size,
+        "lr": args.lr, "lr_warmup": args.lr_warmup, "weight_decay": args.weight_decay,
+        "max_grad_norm": args.max_grad_norm, "eval_every": args.eval_every,
+        "eval_crops": args.eval_crops, "holdout_frames": args.holdout_frames,
+        "schedule": None if schedule is None else schedule.state_dict(), "init": init,
+    }  # fmt: skip
+    return json.loads(json.dumps(identity))  # tuples as lists, as a checkpoint holds them
+
+
+def differences(saved: dict, now: dict, keys=None) -> str:
+    saved, now = flat("", saved), flat("", now)
+    names = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+    names = [k for k in names if keys is None or k.split(".")[0] in keys]
+    return "; ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} here" for k in names)
+
+
+def read_checkpoint(path: Path, what: str) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is the same bad input
+        message = f"{what} {path} is not a {OP} checkpoint ({type(exc).__name__})"
+        raise TrainVsaError(message) from None
+    if not isinstance(state, dict) or state.get("benchmark") != OP:
+        raise TrainVsaError(f"{what} {path} is not a {OP} checkpoint")
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise TrainVsaError(
+            f"{what} {path} has format {state.get('format')!r}, not {CHECKPOINT_FORMAT}"
+        )
+    missing = [key for key in CHECKPOINT_KEYS if key not in state]
+    if missing or not isinstance(state["identity"], dict):
+        raise TrainVsaError(f"{what} {path} is an incomplete {OP} checkpoint (no {missing})")
+    return state
+
+
+def load_init(args) -> tuple[dict, int, dict]:
+    """The dense weights a fine-tune starts from: ``(state_dict, step, what identifies them)``."""
+    path = Path(args.init) if args.init else checkpoint_path(args.out_dir, "dense")
+    if not path.is_file():
+        raise TrainVsaError(
+            f"--arm {args.arm} continues a dense checkpoint: {path} does not exist (run --arm "
+            "dense into this --out first, or pass --init CHECKPOINT)"
+        )
+    state = read_checkpoint(path, "--init")
+    arm = state["identity"].get("arm")
+    if arm != "dense":
+        raise TrainVsaError(f"--init {path} is a checkpoint of arm {arm!r}, not of the dense arm")
+    mismatch = differences(state["identity"], run_identity(args, None), INIT_FIELDS)
+    if mismatch:
+        raise TrainVsaError(f"--init {path} is of another config: {mismatch}")
+    if args.init is None and state["step"] < state["steps"]:
+        raise TrainVsaError(
+            f"the dense arm in {path} is at step {state['step']} of {state['steps']}: finish it "
+            f"(--arm dense --resume), or pass --init {path} to start from it as it is"
+        )
+    digest = hashlib.sha256(json.dumps(state["identity"], sort_keys=True).encode()).hexdigest()
+    return state["model"], state["step"], {"file": path.name, "step": state["step"],
+                                           "identity_sha256": digest[:16]}  # fmt: skip
+
+
+def resume_state(args) -> dict | None:
+    """The arm's checkpoint for ``--resume`` (None without it); refuses a folder that holds
+    the arm already unless resumed."""
+    path = checkpoint_path(args.out_dir, args.arm)
+    if not args.resume:
+        if path.exists():
+            raise TrainVsaError(
+                f"{args.out_dir} holds a run of arm {args.arm} already ({path}): pass --resume "
+                "to continue it, or another --out"
+            )
+        return None
+    if not path.is_file():
+        raise TrainVsaError(f"--resume: {path} does not exist (nothing to continue)")
+    state = read_checkpoint(path, "--resume")
+    mismatch = differences(
+        {k: v for k, v in state["identity"].items() if k != "init"},
+        {k: v for k, v in run_identity(args, None).items() if k != "init"},
+    )
+    if mismatch:
+        raise TrainVsaError(f"--resume {path} is a checkpoint of another run: {mismatch}")
+    if state["step"] > args.steps:
+        raise TrainVsaError(f"--steps {args.steps} is below the checkpoint's step {state['step']}")
+    return state
+
+
+def save_checkpoint(run: Run) -> None:
+    """Everything a resumed call needs, written atomically; the dense arm's is the fine-tunes'
+    init."""
+    state = {
+        "format": CHECKPOINT_FORMAT, "benchmark": OP, "identity": run.identity, "step": run.step,
+        "steps": run.args.steps, "init_step": run.init_step, "model": run.model.state_dict(),
+        "optimizer": run.optimizer.state_dict(), "rows": run.rows, "pending": run.pending,
+        "totals": {**run.totals, "wall_s": wall_s(run)}, "calls": run.calls,
+    }  # fmt: skip
+    path = checkpoint_path(run.args.out_dir, run.args.arm)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, lambda f: torch.save(state, f))
+
+
+def restore(run: Run, state: dict) -> None:
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.step, run.rows, run.pending = state["step"], state["rows"], state["pending"]
+    run.totals, run.calls = state["totals"], state["calls"]
+
+
+# ------------------------------------------------------------------------------ outputs
+
+
+@torch.no_grad()
+def generate(run: Run) -> torch.Tensor:
+    """``--samples`` videos from seeded noise by ``--sample-steps`` Euler steps of the flow
+    (t from 1 to 0, ``dx/dt`` = the predicted velocity), in [-1, 1] on the CPU."""
+    args, device = run.args, run.device
+    generator = torch.Generator().manual_seed(mix_seed(args.seed, "samples"))
+    x = torch.randn(args.samples, 3, *args.crop, generator=generator).to(device)
+    text = text_embeds(args, args.samples, device)
+    levels = torch.linspace(1.0, 0.0, args.sample_steps + 1).tolist()
+    for t, t_next in zip(levels[:-1], levels[1:]):
+        timestep = torch.full((args.samples,), t * 1000, device=device)
+        with autocast(device):
+            velocity = run.model(hidden_states=x, timestep=timestep, encoder_hidden_states=text,
+                                 return_dict=False)[0]  # fmt: skip
+        x = x + (t_next - t) * velocity.float()
+    return x.clamp(-1, 1).cpu()
+
+
+def metadata(run: Run, complete: bool) -> dict:
+    args, device = run.args, run.device
+    f, h, w = args.crop
+    patch = args.model_config["patch_size"]
+    return harness.collect_metadata(
+        device, benchmark=OP, arm=args.arm, complete=complete, tiny=args.tiny,
+        dtype="bf16 autocast over float32 weights" if device.type == "cuda" else "float32",
+        model={"class": "diffusers.WanTransformer3DModel", **args.model_config,
+               "parameters": sum(p.numel() for p in run.model.parameters())},
+        crop_pixels=[f, h, w], latent_grid=[f // patch[0], h // patch[1], w // patch[2]],
+        tokens_per_sample=args.tokens, tile=list(TILE), batch_size=args.batch_size,
+        steps=args.steps, step=run.step, lr=args.lr, lr_warmup=args.lr_warmup,
+        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed,
+        sparsity=SPARSITY.get(args.arm), schedule=run.identity["schedule"],
+        init=run.identity["init"], init_step=run.init_step, calls=run.calls,
+        data={"clip": CLIP_ATTRIBUTION, "pixels": "[-1, 1]",
+              "train_frames": list(train_frames(args)), "augment": "random crop, horizontal "
+              "flip, time reversal", "text": f"{TEXT_TOKENS} zero text tokens"},
+        eval={"crops": args.eval_crops, "starts_tyx": run.eval_set["starts"],
+              "frames": [args.clip_frames - args.holdout_frames, args.clip_frames],
+              "levels": list(EVAL_LEVELS), "note": "held-out frames are in no training crop, "
+              "but they are the same shot (the next frames): fit to this clip, not "
+              "generalisation"},
+        metrics={"kept_mass": "per query, its dense softmax mass in the key tiles VSA selects "
+                 "for its query tile (block_mean + topk_lists on the layer's q/k), mean over "
+                 "real queries and heads", "attn_rel_l2": "||o_vsa - o_dense|| / ||o_dense||, "
+                 "o_dense float32 SDPA on the same q/k/v", "sample": "held-out crop 0, t = 0.5",
+                 "as_if": f"dense arms: VSA {AS_IF_SPARSITY} without a gate on their q/k/v",
+                 "step_ms": "CUDA-synchronised optimiser step, median over the interval"},
+    )  # fmt: skip
+
+
+def finish(run: Run, complete: bool) -> list[dict]:
+    """Checkpoint, JSON, samples (a finished arm) and the plot of all arms in the folder."""
+    args = run.args
+    run.calls[-1]["end_step"] = run.step
+    save_checkpoint(run)
+    where = harness.device_name(run.device)
+    if complete:
+        png = args.out_dir / f"{args.arm}_samples.png"
+        title = f"{OP} {args.arm}: {args.sample_steps} Euler steps, step {run.step} ({where})"
+        draw_samples(png, generate(run), run.eval_set["x0"][0], title)
+        print(f"wrote {png}", flush=True)
+    harness.write_results(args.json_path, metadata(run, complete), run.rows)
+    print(f"wrote {args.json_path}", flush=True)
+    if args.plot:
+        plot = args.out_dir / f"{OP}.png"
+        title = f"{OP}: Wan, {args.tokens} tokens a sample, {where}"
+        plot_curves(args.out_dir, plot, title, OP, ARMS)
+        print(f"wrote {plot}", flush=True)
+    harness.print_table(run.rows, COLUMNS)
+    if not complete:
+        print(f"{OP} {args.arm}: stopped at step {run.step} of {args.steps}; continue with "
+              "--resume", flush=True)  # fmt: skip
+    return run.rows
+
+
+# ------------------------------------------------------------------------------ the command
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog=f"python -m vidsparse.bench {OP}", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add = ap.add_argument
+    add("--arm", default="dense", help=f"one of {', '.join(ARMS)} (default %(default)s)")
+    add("--out", help=f"output folder, or a JSON path (default benchmarks/results/{OP})")
+    add("--tiny", action="store_true", help="2 blocks of width 64, small crops (CPU)")
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--seed", type=int, default=0)
+    add("--steps", type=int, help="optimiser steps of the arm (1000; fine-tunes 500)")
+    add("--batch-size", type=int, default=1, help="crops a step")
+    add("--lr", type=float, help="AdamW's lr after warmup (3e-4)")
+    add("--lr-warmup", type=int, help="steps of linear lr warmup (50)")
+    add("--weight-decay", type=float, default=0.01)
+    add("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
+    add("--eval-every", type=int, help="steps between evals (100)")
+    add("--eval-crops", type=int, help="held-out crops (8)")
+    add("--eval-batch", type=int, default=4, help="held-out crops a forward")
+    add("--holdout-frames", type=int, help="last frames of the clip kept for eval (16)")
+    add("--finetune-warmup", type=int, help="finetune-vsa: dense steps first (50)")
+    add("--finetune-ramp", type=int, help="finetune-vsa: steps of the levels (200)")
+    add("--finetune-levels", type=int, help="finetune-vsa: sparsity levels (4)")
+    add(
+        "--init",
+        help="fine-tunes: the dense checkpoint to start from (default "
+        "OUT/checkpoints/dense.pt; --resume continues from its own)",
+    )
+    add("--resume", action="store_true", help="continue OUT/checkpoints/<arm>.pt")
+    add("--max-minutes", type=float, help="training loop budget of this call (8)")
+    add("--stop-at", type=int, help="stop (checkpointed) at this step")
+    add("--samples", type=int, help="generated videos at the end (2)")
+    add("--sample-steps", type=int, help="Euler steps of each (20)")
+    add("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    add("--no-plot", dest="plot", action="store_false", help="no train_vsa.png")
+    return ap
+
+
+POSITIVE = ("steps", "batch_size", "eval_every", "eval_crops", "eval_batch", "samples",
+            "sample_steps", "finetune_levels")  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    if args.arm not in ARMS:
+        raise TrainVsaError(f"unknown arm {args.arm!r}; choose from {', '.join(ARMS)}")
+    for key, value in DEFAULTS[args.tiny].items():
+        if key != "finetune_steps" and getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.steps is None:
+        args.steps = DEFAULTS[args.tiny][
+            "steps" if args.arm not in FINETUNE_ARMS else "finetune_steps"
+        ]
+    bad = [k for k in POSITIVE if getattr(args, k) < 1]
+    bad += [k for k in ("lr_warmup", "finetune_warmup", "finetune_ramp") if getattr(args, k) < 0]
+    if bad:
+        raise TrainVsaError(
+            f"--{bad[0].replace('_', '-')} must be at least {int(bad[0] in POSITIVE)}"
+        )
+    args.model_config = TINY_MODEL if args.tiny else MODEL
+    args.crop = TINY_CROP if args.tiny else CROP
+    patch = args.model_config["patch_size"]
+    args.tokens = math.prod(c // p for c, p in zip(args.crop, patch))
+    out = Path(args.out) if args.out else harness.results_dir() / OP
+    args.out_dir, args.json_path = (
+        (out.parent, out) if out.suffix == ".json" else (out, out / f"{args.arm}.json")
+    )
+    return args
+
+
+def check_data(args, frames: torch.Tensor) -> None:
+    _, count, height, width = frames.shape
+    f, h, w = args.crop
+    if args.holdout_frames < f or count - args.holdout_frames < f:
+        raise TrainVsaError(
+            f"--holdout-frames {args.holdout_frames} must leave {f}-frame crops on both sides "
+            f"of the clip's {count} frames"
+        )
+    if h > height or w > width:
+        raise TrainVsaError(f"crops of {h}x{w} do not fit the clip's {height}x{width} frames")
+
+
+def prepare(args, device: torch.device) -> Run:
+    """Every check, then the model, optimiser, data and (``--resume``) the saved state."""
+    frames = load_frames()
+    args.clip_frames = frames.shape[1]
+    check_data(args, frames)
+    saved = resume_state(args)
+    init_state, init_step, init = None, 0, None
+    if saved is not None:
+        init_step, init = saved["init_step"], saved["identity"]["init"]
+    elif args.arm in FINETUNE_ARMS:
+        init_state, init_step, init = load_init(args)
+    model = build_model(args, device, init_state)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # fmt: skip
+    run = Run(args, device, run_identity(args, init), model, optimizer, make_schedule(args),
+              frames, make_eval_set(frames, args), init_step)  # fmt: skip
+    if saved is not None:
+        restore(run, saved)
+    run.calls.append({"start_step": run.step, "device": harness.device_name(device)})
+    return run
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        # The reference path, not the Triton interpreter (tests set TRITON_INTERPRET=1).
+        os.environ.setdefault("VIDSPARSE_BACKEND", "torch")
+        if not args.tiny:
+            raise TrainVsaError("the full-size experiment needs a GPU; use --tiny on the CPU")
+    registry.require(OP, args.arm, device)
+    run = prepare(args, device)
+    start = time.perf_counter()
+    complete = train(run)
+    run.calls[-1]["wall_s"] = round(time.perf_counter() - start, 1)
+    return finish(run, complete)
+
+
+if __name__ == "__main__":
+    main()
