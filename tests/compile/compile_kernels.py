@@ -145,7 +145,7 @@ def _recording(target, tma_compatible: bool, sink: list):
                 patches.append((module, attr, _Recorder(obj, sink)))
     # The Gluon forward (Hopper, fwd_sm90.py) has its own check (test_gluon_fwd.py); here the
     # Triton kernels it falls back to are recorded.
-    patches.append((fwd, "_gluon_fits", lambda *args: False))
+    patches.append((fwd, "gluon_fits", lambda *args: False))
     saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
     try:
         for module, attr, value in patches:

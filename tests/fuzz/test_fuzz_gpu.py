@@ -81,9 +81,9 @@ def test_engine_matches_dense_fp64(problem, backward):
 
 
 def _gluon_takes(q, k, v, bq, bk) -> bool:
-    from vidsparse.ops.block_sparse_attn.fwd import _gluon_fits
+    from vidsparse.ops.block_sparse_attn.fwd import gluon_fits
 
-    return torch.cuda.get_device_capability(q.device)[0] == 9 and _gluon_fits(q, k, v, bq, bk)
+    return torch.cuda.get_device_capability(q.device)[0] == 9 and gluon_fits(q, k, v, bq, bk)
 
 
 @examples(12, shrink=False)  # each case compiles kernels: no shrinking

@@ -447,6 +447,15 @@ def write_results(path: str | Path, meta: dict, rows: list[dict]) -> Path:
     return path
 
 
+def report_results(path, meta: dict, rows: list[dict], columns, shown=None) -> Path:
+    """A benchmark's ending: the JSON written, its table printed (``shown`` rows, default
+    all), and where the JSON went."""
+    path = write_results(path, meta, rows)
+    print_table(rows if shown is None else shown, columns)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
 @dataclass(frozen=True)
 class Column:
     """A table column: the row key, its header and a format spec for numbers."""

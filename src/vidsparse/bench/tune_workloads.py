@@ -274,7 +274,7 @@ class EngineWorkload(Workload):
 
     def candidates(self) -> list:
         default, kernel, bq = self.default(), self.job.kernel, self.job.block[0]
-        if kernel == "fwd" and default.gluon:
+        if kernel == "fwd" and self._runs_gluon(default):
             # The Gluon forward's schedule is GluonOptions: warps and stages, the fields swept
             # here, do not reach it, so every candidate would time the same kernel.
             return [default]
@@ -287,6 +287,15 @@ class EngineWorkload(Workload):
             extra = default.extra if wave is None else with_extra(default.extra, waves_per_eu=wave)
             out.append(replace(default, num_warps=warps, num_stages=stage, sub_m=step, extra=extra))
         return dedup(out)
+
+    def _runs_gluon(self, cfg) -> bool:
+        """Whether the forward would launch the Gluon kernel with ``cfg`` on these inputs (a
+        Gluon row whose inputs do not fit it, D=64 say, runs Triton's TMA kernel instead)."""
+        from vidsparse.ops.block_sparse_attn.fwd import gluon_fits
+
+        if not (cfg.gluon and cfg.use_tma and self.target.is_hopper):
+            return False
+        return gluon_fits(self.q, self.k, self.v, *self.job.block)
 
     def run(self, cfg):
         from vidsparse.ops.block_sparse_attn import configs

@@ -212,9 +212,7 @@ def main(argv=None) -> list[dict]:
         speedup="default ms / tuned ms, the same inputs, the same process, alternating",
     )  # fmt: skip
     out = args.out or harness.results_dir() / f"tuned_{harness.slug(meta['gpu'])}.json"
-    harness.write_results(out, meta, rows)
-    harness.print_table(rows, COLUMNS)
-    print(f"wrote {out}", flush=True)
+    harness.report_results(out, meta, rows, COLUMNS)
     return rows
 
 

@@ -160,7 +160,7 @@ def test_amd_gpus_take_the_pointer_kernels_with_their_hints(monkeypatch, fake_gp
     the AMD rows' launch options and eviction hints (``configs.AMD_CDNA``)."""
     target = fake_gpu(9, 4, hip_arch=AMD_GPUS[gpu])
     assert target == Target("hip", AMD_GPUS[gpu]) and target.is_cdna
-    monkeypatch.setattr(fwd, "_gluon_fits", lambda *args: True)  # were the inputs Gluon's
+    monkeypatch.setattr(fwd, "gluon_fits", lambda *args: True)  # were the inputs Gluon's
     launches = _launches(monkeypatch, block, sizes=sizes, padding_finite=sizes)
     names = [name for name, _ in launches]
     assert "gluon_fwd_sm90" not in names

@@ -371,9 +371,7 @@ def _run(args, work: Workload, device, dtype, out: Path) -> list[dict]:
         )
     meta["complete"] = True
     meta["total_s"] = time.perf_counter() - start
-    harness.write_results(out, meta, rows)
-    harness.print_table(rows, COLUMNS)
-    print(f"wrote {out}", flush=True)
+    harness.report_results(out, meta, rows, COLUMNS)
     return rows
 
 

@@ -344,9 +344,7 @@ def run(args, work: Workload, device: torch.device, out: Path) -> list[dict]:
         print_row(rows[-1])
     meta["complete"] = True
     meta["total_s"] = time.perf_counter() - start
-    harness.write_results(out, meta, rows)
-    harness.print_table(rows, COLUMNS)
-    print(f"wrote {out}", flush=True)
+    harness.report_results(out, meta, rows, COLUMNS)
     return rows
 
 

@@ -222,9 +222,8 @@ def main(argv=None):
         bench_search(args, device, dtype, rows)
     meta = harness.collect_metadata(device, benchmark="psa", dtype=str(dtype), tiny=args.tiny)
     out = args.out or harness.results_dir() / f"psa_{harness.slug(meta['gpu'])}.json"
-    harness.write_results(out, meta, rows)
-    harness.print_table([r for r in rows if r.get("provider") != "search"], COLUMNS)
-    print(f"wrote {out}")
+    shown = [r for r in rows if r.get("provider") != "search"]
+    harness.report_results(out, meta, rows, COLUMNS, shown)
     if not args.no_plot:
         png = draw(rows, Path(out).with_suffix(".png"), harness.device_name(device))
         if png:

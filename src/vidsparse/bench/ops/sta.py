@@ -425,9 +425,7 @@ def main(argv=None) -> list[dict]:
         harness.write_results(out, meta, rows)
     add_ratios(rows)
     meta["complete"] = True
-    harness.write_results(out, meta, rows)
-    harness.print_table(rows, COLUMNS)
-    print(f"wrote {out}", flush=True)
+    harness.report_results(out, meta, rows, COLUMNS)
     if args.plot:
         png = harness.plot(
             out.with_suffix(".png"),

@@ -382,9 +382,7 @@ def main(argv=None) -> list[dict]:
         rows.extend(bench_shape(name, grid_shape, heads, args, device, dtype))
     meta = collect_meta(args, device, dtype)
     out = args.out or harness.results_dir() / f"vsa_{harness.slug(meta['gpu'])}.json"
-    harness.write_results(out, meta, rows)
-    harness.print_table(rows, COLUMNS)
-    print(f"wrote {out}", flush=True)
+    harness.report_results(out, meta, rows, COLUMNS)
     if args.plot:
         png = draw(rows, Path(out).with_suffix(".png"), harness.device_name(device))
         if png:

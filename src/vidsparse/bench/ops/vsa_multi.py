@@ -211,9 +211,7 @@ def main(argv=None) -> list[dict]:
         inputs="natural order, with a gate",
     )  # fmt: skip
     out = args.out or harness.results_dir() / f"vsa_multi_{harness.slug(meta['gpu'])}.json"
-    harness.write_results(out, meta, rows)
-    harness.print_table(rows, COLUMNS)
-    print(f"wrote {out}", flush=True)
+    harness.report_results(out, meta, rows, COLUMNS)
     return rows
 
 

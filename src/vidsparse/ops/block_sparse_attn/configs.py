@@ -134,11 +134,14 @@ def _amd(num_warps, *, stages, waves_per_eu, sub_m=None, streamed="", resident="
 # Kernels: "fwd", "bwd_dkdv", "bwd_dq"; "<kernel>_masked" rows apply when kv_block_sizes masks
 # padding keys (more registers live) and fall back to the plain row when absent.
 # Hopper rows: the fastest spill-free config at B=1, H=12, S=32768, D=128, density 1/8
-# (benchmarks/tuning/tune_block_sparse.py); D=64 reuses them, compile-checked. A row that
+# (benchmarks/tuning/tune_block_sparse.py); D=64 reuses them, compile-checked, except at
+# 128x128, whose D=64 rows `vidsparse tune` measured at that shape (4 warps: forward 1.39x,
+# fwd+bwd 1.24x the D=128 rows'; benchmarks/results/tuned_d64-s32k_h200.json). A row that
 # accepts a spill says so (tests/compile/test_compile_targets.py lists it with its gain).
 HOPPER = {
     # Gluon where it fits (square 128 / 64 blocks); else Triton's TMA kernel.
     ("fwd", 128, 128, "*"): KernelConfig(8, 3, use_tma=True, gluon=True),
+    ("fwd", 128, 128, 64): KernelConfig(4, 3, use_tma=True),  # Gluon takes D=128 only
     ("fwd", 128, 64, "*"): KernelConfig(8, 2, use_tma=True),  # 4 warps is faster but spills
     ("fwd", 64, 64, "*"): KernelConfig(4, 2, use_tma=True, gluon=True),
     # Masked keys: TMA only where the caller vouches the padding finite (the video ops do),
@@ -153,12 +156,16 @@ HOPPER = {
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
         8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True
     ),
+    ("bwd_dkdv", 128, 128, 64): KernelConfig(
+        4, 2, sub_m=32, use_tma=True, pointer_sub_m=16, fused=True
+    ),
     ("bwd_dkdv", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
     ("bwd_dkdv", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),
     ("bwd_dkdv_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=32),
     ("bwd_dkdv_masked", 128, 64, 128): KernelConfig(4, 2, sub_m=32),
     ("bwd_dkdv_masked", 64, 64, 128): KernelConfig(4, 2, sub_m=64, use_tma=True, pointer_sub_m=32),
     ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128, use_tma=True, fused=True),
+    ("bwd_dq", 128, 128, 64): KernelConfig(4, 2, sub_m=64, use_tma=True, fused=True),
     ("bwd_dq", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
     ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),
     ("bwd_dq_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=64),

@@ -63,7 +63,7 @@ def block_sparse_attn_fwd(
         use_tma
         and cfg.gluon
         and fns.forward_sm90 is not None
-        and _gluon_fits(q, k, v, block_q, block_kv)
+        and gluon_fits(q, k, v, block_q, block_kv)
     ):
         from vidsparse.ops.block_sparse_attn.fwd_sm90 import block_sparse_attn_fwd_sm90
 
@@ -100,7 +100,7 @@ def block_sparse_attn_fwd(
     return o, lse
 
 
-def _gluon_fits(q, k, v, block_q, block_kv) -> bool:
+def gluon_fits(q, k, v, block_q, block_kv) -> bool:
     launcher = _gluon_launcher()
     return launcher is not None and launcher.gluon_fits(q, k, v, block_q, block_kv)
 
