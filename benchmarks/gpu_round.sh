@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks on an H200, each step under its own time limit:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|parallel [...]
+#   bash benchmarks/gpu_round.sh tests|demo|profile|engine|masked|full-first|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|eviction|parallel [...]
 #   e2e for the other diffusers families: e2e-hunyuanvideo|e2e-ltx|e2e-ltx2|e2e-cosmos|
 #   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace|e2e-chronoedit|e2e-wan-animate, compiled:
 #   e2e-skyreels-v2-compiled|e2e-wan-vace-compiled (JSON under $OUT, named as in
@@ -108,6 +108,8 @@ for what in "$@"; do
       done ;;
     parallel) step parallel 400 torchrun --nproc-per-node 2 -m vidsparse.bench parallel \
       --providers vsa,comm --modes fwd --head-chunks 1,2,4 --out "$OUT/parallel_h200_2gpu.json" ;;
+    eviction) step tune_eviction 300 python3 benchmarks/tuning/tune_eviction.py \
+      --out "$OUT/tune_eviction.json" ;;
     coarse) step tune_coarse 250 python3 benchmarks/tuning/tune_vsa_coarse.py --selection --pooled \
       --out "$OUT/tune_coarse_selection.json" ;;
     e2e-*-compiled) m=${what#e2e-}; m=${m%-compiled}  # the other families, compiled blocks
