@@ -403,3 +403,30 @@ def test_empty_batch_with_a_key_grid_of_its_own(monkeypatch, backend, kv_shape):
     assert o.shape == q.shape
     grads = torch.autograd.grad(o.sum(), (q, k, v))
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize(
+    "grids, kv_grids, causal",
+    [
+        ([(8, 8, 8), (4, 12, 8), (4, 4, 4)], None, False),  # packed: three segments
+        ([(8, 8, 8)], [(16, 8, 8)], True),  # a causal cache: one segment per query time tile
+    ],
+)
+def test_coarse_backward_per_segment_equals_the_masked_one(grids, kv_grids, causal):
+    """The combine's coarse gradient per segment on its own tiles is the masked gradient over
+    every tile pair (fp64, random tile means): the packed backward no longer pays the square."""
+    from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd
+    from vidsparse.ops.video_sparse_attn.fine import _coarse_bwd_per_segment
+    from vidsparse.ops.video_sparse_attn.segments import plan_tensors, plan_tiles
+
+    grids = tuple(VideoGrid(g) for g in grids)
+    kv = grids if kv_grids is None else tuple(VideoGrid(g) for g in kv_grids)
+    plan = plan_tiles(grids, kv, topk=None, sparsity=0.5, causal=causal)
+    q_info = plan_tensors(plan, "cpu").q_info
+    nq, nk, D = plan.num_q_tiles, plan.num_k_tiles, 8
+    qc, kc, vc = (torch.randn(2, 3, n, D, dtype=torch.float64) for n in (nq, nk, nk))
+    d_coarse = torch.randn(2, 3, nq, D, dtype=torch.float64)
+    masked = coarse_attn_bwd(d_coarse, qc, kc, vc, 0.3, key_range=(q_info[1], q_info[2]))
+    per_segment = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, plan.segments, 0.3, None)
+    assert len(plan.segments) > 1
+    torch.testing.assert_close(per_segment, masked, rtol=1e-12, atol=1e-12)

@@ -19,7 +19,10 @@ code that hands them their arguments. The engine calls them without knowing what
 dim. ``grad_args`` are asked for after the prologue ran, so they may depend on what it wrote.
 The same epilogue runs on the PyTorch backend through its ``*_torch`` methods, so every
 backend computes the same thing. Subclasses register with :func:`register_epilogue`; the
-engine's custom ops carry the epilogue as its name and at most ``MAX_TENSORS`` tensors.
+engine's custom ops carry the epilogue as its name and at most ``MAX_TENSORS`` tensors, and
+optionally a ``spec``: host facts of the call (ints a hook needs without reading a tensor
+back), a string the custom ops carry after the name (``"name|spec"``; a constant to
+``torch.compile``) and hand back to the subclass's constructor as ``spec=``.
 Modelled on ``triton_kernels``' ``Epilogue`` / ``FnSpecs``.
 """
 
@@ -33,6 +36,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 MAX_TENSORS = 4
+SPEC_SEPARATOR = "|"
 
 
 @dataclass(frozen=True)
@@ -97,11 +101,17 @@ class Epilogue:
     tensors for one call and the state between its backward hooks."""
 
     name: ClassVar[str] = "none"
+    spec: str = ""  # host facts of the call (module docstring)
 
     def __init__(self, *tensors: torch.Tensor | None):
         if len(tensors) > MAX_TENSORS:
             raise ValueError(f"an epilogue carries at most {MAX_TENSORS} tensors")
         self.tensors = tensors
+
+    @property
+    def call_name(self) -> str:
+        """What the custom ops carry: the registered name, and the spec after ``|``."""
+        return f"{self.name}{SPEC_SEPARATOR}{self.spec}" if self.spec else self.name
 
     def fns(self) -> EpilogueFns:
         """The jit functions (a method: Gluon imports only where it is used)."""
@@ -149,16 +159,17 @@ def register_epilogue(cls: type[Epilogue]) -> type[Epilogue]:
     return cls
 
 
-def epilogue_from(name: str, tensors) -> Epilogue:
-    """The epilogue a custom op call carries (its registered name and tensors)."""
-    if name == Epilogue.name:
+def epilogue_from(call_name: str, tensors) -> Epilogue:
+    """The epilogue a custom op call carries (its ``call_name`` and tensors)."""
+    if call_name == Epilogue.name:
         return NO_EPILOGUE
+    name, _, spec = call_name.partition(SPEC_SEPARATOR)
     if name not in _REGISTRY:
         raise ValueError(
             f"no epilogue named {name!r} is registered (the module that declares it must be "
             f"imported first); known: {sorted(_REGISTRY)}"
         )
-    return _REGISTRY[name](*tensors)
+    return _REGISTRY[name](*tensors, spec=spec) if spec else _REGISTRY[name](*tensors)
 
 
 def padded_tensors(epilogue: Epilogue) -> list[torch.Tensor | None]:

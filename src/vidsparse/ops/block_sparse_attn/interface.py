@@ -146,7 +146,7 @@ def block_sparse_attn_unchecked(
     backend = resolve_backend(q.device)
     return torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-        padding_finite, epilogue.name, *padded_tensors(epilogue),
+        padding_finite, epilogue.call_name, *padded_tensors(epilogue),
     )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ from vidsparse.ops.block_sparse_attn.epilogue import (
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, coarse_grad_dtype
 from vidsparse.ops.video_sparse_attn.reference import tile_means_bwd
+from vidsparse.ops.video_sparse_attn.segments import segments_of
 
 
 def vsa_fine_combined(
@@ -46,6 +47,7 @@ def vsa_fine_combined(
     block: int,
     scale: float,
     pooled: torch.Tensor | None = None,
+    segments: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """``o_fine + gate * o_coarse`` over tile-order queries ``q_t [B, H, Nt*V, D]``.
 
@@ -57,14 +59,16 @@ def vsa_fine_combined(
     k_seq, v_seq, from which ``o_coarse`` was computed) fuses the coarse branch's backward
     into the engine's: the gradient through ``o_coarse`` reaches q_t, k_seq and v_seq inside
     the engine's kernels, and ``o_coarse`` itself gets none (the coarse stage's own backward
-    then never runs).
+    then never runs). ``segments``: the plan's flat segments (``segments.py``), with which
+    that backward runs per segment on its own tiles rather than over every tile pair masked.
     """
     if pooled is not None:
         # Its gradient is formed in the engine's backward: cut the coarse stage's own backward
         # out of the graph (a None gradient would be materialised as zeros and still run it).
         o_coarse = o_coarse.detach()
     gate_t = None if gate_t is None else gate_t.contiguous()
-    epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled)
+    spec = ",".join(map(str, segments))
+    epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)
     o, _ = block_sparse_attn_unchecked(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
         kv_block_sizes=kv_block_sizes, scale=scale, padding_finite=True, epilogue=epilogue,
@@ -99,9 +103,10 @@ class CoarseCombine(Epilogue):
 
     name = "vsa_combine"
 
-    def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None):
+    def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, *, spec=""):
         super().__init__(o_coarse, gate, q_block_sizes, pooled)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
+        self.spec = spec  # the plan's flat segments, comma-separated ("": one grid, or masked)
         self._d_coarse = self._d_gate = self._q_blocks = None
 
     def fns(self) -> EpilogueFns:
@@ -171,8 +176,12 @@ class CoarseCombine(Epilogue):
         if split > 1:  # the coarse term is per tile: its gradient sums the tile's blocks
             B, H, _, D = d_coarse.shape
             d_coarse = d_coarse.view(B, H, nq, split, D).sum(3)
-        key_range = (self.q_sizes[1], self.q_sizes[2])
-        dpool = coarse_attn_bwd(d_coarse, qc, kc, vc, call.scale, low, key_range=key_range)
+        if self.spec:
+            segments = segments_of(tuple(int(x) for x in self.spec.split(",")))
+            dpool = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, call.scale, low)
+        else:
+            key_range = (self.q_sizes[1], self.q_sizes[2])
+            dpool = coarse_attn_bwd(d_coarse, qc, kc, vc, call.scale, low, key_range=key_range)
         if split == 1:
             return dpool
         return _dpool_per_block(dpool, self.q_sizes[0], call.kv_block_sizes[: nk * split],
@@ -233,6 +242,22 @@ class CoarseCombine(Epilogue):
         """``gate * o_coarse`` broadcast over each block's rows ([B, H, S, D], in ``dtype``)."""
         coarse = self.o_coarse.to(dtype).repeat_interleave(block, dim=2)
         return coarse if self.gate is None else self.gate.to(dtype) * coarse
+
+
+def _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, scale, low) -> torch.Tensor:
+    """:func:`coarse_attn_bwd` of each segment on its own query and key tiles (the masked form
+    over every tile pair costs the packed sequence's square). ``dpooled [3, B, H, n, D]``."""
+    B, H, nq, D = qc.shape
+    nk = kc.shape[2]
+    dpool = torch.zeros((3, B, H, max(nq, nk), D), device=qc.device, dtype=qc.dtype)
+    for seg in segments:
+        rows, keys = slice(seg.q_start, seg.q_stop), slice(seg.k_start, seg.k_start + seg.k_count)
+        part = coarse_attn_bwd(
+            d_coarse[:, :, rows], qc[:, :, rows], kc[:, :, keys], vc[:, :, keys], scale, low
+        )
+        dpool[0, :, :, rows] = part[0, :, :, : seg.q_stop - seg.q_start]
+        dpool[1:, :, :, keys] += part[1:, :, :, : seg.k_count]
+    return dpool
 
 
 def _dpool_per_block(dpool, q_tile_sizes, k_block_sizes, nq, nk, split, block):

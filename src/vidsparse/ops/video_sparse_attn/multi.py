@@ -163,7 +163,7 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
     block = volume // split
     o_t = vsa_fine_combined(
         q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, oc, gate_t, tensors.q_info, block,
-        scale, pooled=pooled,
+        scale, pooled=pooled, segments=plan.flat_segments,
     )  # fmt: skip
     o = _unpack_tiles(o_t, call.grids, call.tiled)
     if not call.text_tokens:
