@@ -701,3 +701,17 @@ def test_gpu_fused_backward_is_bit_identical(padded, tma):
         one = block_sparse_attn_bwd(*args, padding_finite=tma)
     for name, a, b in zip(("dq", "dk", "dv"), two, one):
         assert torch.equal(a, b), name
+
+
+def test_an_epilogue_with_blocks_above_the_kernels_largest_is_refused(triton_backend):
+    """Sub-blocks would change the blocks an epilogue's hooks see: a clear error, no launch."""
+    from vidsparse.ops.block_sparse_attn.epilogue import Epilogue
+    from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
+
+    q, k, v = make_qkv(1, 1, 256, 256, 16, dtype=torch.float32, device="cpu")
+    idx, cnt = torch.zeros(1, 1, 1, 1, dtype=torch.int32), torch.ones(1, 1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="epilogue's blocks must be at most 128"):
+        block_sparse_attn_unchecked(
+            q, k, v, idx, cnt, block_q=256, block_kv=256, kv_block_sizes=None, scale=0.25,
+            epilogue=Epilogue(),
+        )  # fmt: skip

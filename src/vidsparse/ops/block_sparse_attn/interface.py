@@ -107,15 +107,11 @@ def block_sparse_attn(
     )
     check_bool("return_lse", return_lse)
     scale = softmax_scale(scale, q.shape[-1])
-    backend = resolve_backend(device)
-    if backend == "triton":
+    if resolve_backend(device) == "triton":
         check_triton_supported(q)
-        kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
-            kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
-        )
-    o, lse = torch.ops.vidsparse.block_sparse_attn_fwd(
-        q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-        False, NO_EPILOGUE.name, *padded_tensors(NO_EPILOGUE),
+    o, lse = block_sparse_attn_unchecked(
+        q, k, v, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
+        kv_block_sizes=kv_block_sizes, scale=scale,
     )  # fmt: skip
     return (o, lse) if return_lse else o
 
@@ -140,10 +136,21 @@ def block_sparse_attn_unchecked(
 
     No argument checks, so no GPU sync reading the lists back: the caller guarantees what
     ``block_sparse_attn`` would have checked, and with ``padding_finite`` that padding keys
-    hold finite values (so the TMA kernels may read them). ``epilogue``: a registered
+    hold finite values (so the TMA kernels may read them). Blocks above ``KERNEL_BLOCK_MAX``
+    run as sub-blocks of it, as in ``block_sparse_attn`` (not with an epilogue, whose hooks
+    see the caller's blocks: an error). ``epilogue``: a registered
     :class:`~vidsparse.ops.block_sparse_attn.epilogue.Epilogue` fused into the kernels
     (``lse`` stays the engine's own)."""
     backend = resolve_backend(q.device)
+    if backend == "triton" and max(block_q, block_kv) > KERNEL_BLOCK_MAX:
+        if epilogue is not NO_EPILOGUE:  # its hooks see the caller's blocks
+            raise ValueError(
+                f"an epilogue's blocks must be at most {KERNEL_BLOCK_MAX} tokens on the Triton"
+                f" path, got ({block_q}, {block_kv}): split them as VSA's large tiles do"
+            )
+        kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
+            kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
+        )
     return torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         padding_finite, epilogue.call_name, *padded_tensors(epilogue),
