@@ -146,7 +146,7 @@ def block_sparse_attn_unchecked(
         if epilogue is not NO_EPILOGUE:  # its hooks see the caller's blocks
             raise ValueError(
                 f"an epilogue's blocks must be at most {KERNEL_BLOCK_MAX} tokens on the Triton"
-                f" path, got ({block_q}, {block_kv}): split them as VSA's large tiles do"
+                f" path, got ({block_q}, {block_kv}): hand the engine sub-blocks of them"
             )
         kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
             kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
