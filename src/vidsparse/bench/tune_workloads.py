@@ -19,6 +19,7 @@ import torch
 
 from vidsparse.layout import VideoGrid
 from vidsparse.masks.block_sparse import random_block_lists
+from vidsparse.testing import rel_l2
 from vidsparse.utils import tuning_file
 from vidsparse.utils.device import Target
 
@@ -146,13 +147,6 @@ def max_abs_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if bad.any():
         return math.inf
     return float(diff.max()) if diff.numel() else 0.0
-
-
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    ref64 = ref.double()
-    norm = float(ref64.norm())
-    err = float((out.double() - ref64).norm())
-    return err / norm if norm else err
 
 
 class Yardstick:

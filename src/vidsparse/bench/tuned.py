@@ -41,6 +41,7 @@ from vidsparse.bench.tune import (
     shape_from_args,
 )
 from vidsparse.bench.tune_workloads import KERNEL_CHOICES, key_block_sizes, seq_len
+from vidsparse.testing import rel_l2
 from vidsparse.utils import tuning_file
 from vidsparse.utils.device import target_of
 
@@ -152,9 +153,9 @@ def time_both(forward, inputs, mode, device) -> dict:
 def _output_rel_l2(forward, inputs) -> float:
     with torch.no_grad():
         with tuning_file.suspended():
-            ref = forward(*inputs).float()
-        out = forward(*inputs).float()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+            ref = forward(*inputs)
+        out = forward(*inputs)
+    return rel_l2(out, ref)
 
 
 def entries_in_effect(shape, blocks, target) -> list[dict]:

@@ -412,10 +412,10 @@ def test_empty_batch_with_a_key_grid_of_its_own(monkeypatch, backend, kv_shape):
         ([(8, 8, 8)], [(16, 8, 8)], True),  # a causal cache: one segment per query time tile
     ],
 )
-def test_coarse_backward_per_segment_equals_the_masked_one(grids, kv_grids, causal):
-    """The combine's coarse gradient per segment on its own tiles is the masked gradient over
-    every tile pair (fp64, random tile means): the packed backward no longer pays the square."""
-    from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd
+def test_coarse_backward_per_segment_is_autograd_of_the_masked_attention(grids, kv_grids, causal):
+    """The combine's coarse gradient per segment on its own tiles is autograd's gradient of
+    the coarse attention masked to each query tile's key range (fp64, random tile means): the
+    packed backward no longer pays the square of the packed tiles."""
     from vidsparse.ops.video_sparse_attn.fine import _coarse_bwd_per_segment
     from vidsparse.ops.video_sparse_attn.segments import plan_tensors, plan_tiles
 
@@ -424,9 +424,17 @@ def test_coarse_backward_per_segment_equals_the_masked_one(grids, kv_grids, caus
     plan = plan_tiles(grids, kv, topk=None, sparsity=0.5, causal=causal)
     q_info = plan_tensors(plan, "cpu").q_info
     nq, nk, D = plan.num_q_tiles, plan.num_k_tiles, 8
-    qc, kc, vc = (torch.randn(2, 3, n, D, dtype=torch.float64) for n in (nq, nk, nk))
+    qc, kc, vc = (
+        torch.randn(2, 3, n, D, dtype=torch.float64, requires_grad=True) for n in (nq, nk, nk)
+    )
     d_coarse = torch.randn(2, 3, nq, D, dtype=torch.float64)
-    masked = coarse_attn_bwd(d_coarse, qc, kc, vc, 0.3, key_range=(q_info[1], q_info[2]))
-    per_segment = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, plan.segments, 0.3, None)
+    keys = torch.arange(nk)
+    allowed = (keys >= q_info[1].long()[:, None]) & (keys < q_info[2].long()[:, None])
+    scores = (qc @ kc.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
+    grads = torch.autograd.grad(torch.softmax(scores, -1) @ vc, (qc, kc, vc), d_coarse)
+    with torch.no_grad():
+        per_segment = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, plan.segments, 0.3, None)
     assert len(plan.segments) > 1
-    torch.testing.assert_close(per_segment, masked, rtol=1e-12, atol=1e-12)
+    for i, (name, g) in enumerate(zip(("dqc", "dkc", "dvc"), grads)):
+        n = g.shape[2]
+        torch.testing.assert_close(per_segment[i, :, :, :n], g, rtol=1e-12, atol=1e-12, msg=name)

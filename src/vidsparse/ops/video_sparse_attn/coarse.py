@@ -274,12 +274,10 @@ def coarse_attn_bwd(
     vc: torch.Tensor,
     scale: float,
     grad_dtype: torch.dtype | None = None,
-    key_range: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Gradient of ``oc = softmax(qc kc^T * scale) vc``, chunked over query tiles (each
-    ``[B, H, chunk, Nk]`` temporary within ``BWD_CHUNK_ELEMENTS``). ``key_range``: int32
-    ``(first, stop)`` ``[Nq]`` each, the key tiles each query tile attended (segments.py);
-    ``qc`` may then have ``Nq`` tiles and ``kc, vc`` ``Nk``.
+    ``[B, H, chunk, Nk]`` temporary within ``BWD_CHUNK_ELEMENTS``). ``qc`` may have ``Nq``
+    tiles and ``kc, vc`` ``Nk`` (one segment of a plan: ``fine._coarse_bwd_per_segment``).
 
     The probabilities are recomputed in qc's precision (fp32): at large input scales the
     softmax is sharp and bf16 scores would be off by ~25%. The four gradient matmuls run in
@@ -302,8 +300,6 @@ def coarse_attn_bwd(
         rows = slice(start, min(start + chunk, num_tiles))
         do_rows = doc_low[:, :, rows]  # [B, H, c, D]
         scores = torch.matmul(qc[:, :, rows], kc_t) * scale  # [B, H, c, Nk]
-        if key_range is not None:
-            scores = scores.masked_fill(~_keys_in_range(key_range, rows, num_keys), float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [B, H, c, Nk]
         dvc += torch.matmul(probs.to(low).transpose(-1, -2), do_rows)  # [B, H, Nt, D]
         dprobs = torch.matmul(do_rows, vc_t_low).to(qc.dtype)  # [B, H, c, Nt]
@@ -312,13 +308,6 @@ def coarse_attn_bwd(
         dqc[:, :, rows] = torch.matmul(dscores, kc_low)  # [B, H, c, D]
         dkc += torch.matmul(dscores.transpose(-1, -2), qc_low[:, :, rows])  # [B, H, Nk, D]
     return dpooled
-
-
-def _keys_in_range(key_range, rows: slice, num_keys: int) -> torch.Tensor:
-    """Bool ``[c, Nk]``: the key tiles each of the query tiles ``rows`` attended."""
-    first, stop = (x[rows].long().unsqueeze(-1) for x in key_range)
-    keys = torch.arange(num_keys, device=first.device)
-    return (keys >= first) & (keys < stop)
 
 
 # ============================================================================ custom ops

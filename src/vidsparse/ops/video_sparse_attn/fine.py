@@ -59,14 +59,16 @@ def vsa_fine_combined(
     k_seq, v_seq, from which ``o_coarse`` was computed) fuses the coarse branch's backward
     into the engine's: the gradient through ``o_coarse`` reaches q_t, k_seq and v_seq inside
     the engine's kernels, and ``o_coarse`` itself gets none (the coarse stage's own backward
-    then never runs). ``segments``: the plan's flat segments (``segments.py``), with which
-    that backward runs per segment on its own tiles rather than over every tile pair masked.
+    then never runs). ``segments``: the plan's flat segments (``segments.py``), required with
+    a plan's ``q_info``: that backward runs per segment on its own tiles.
     """
     if pooled is not None:
         # Its gradient is formed in the engine's backward: cut the coarse stage's own backward
         # out of the graph (a None gradient would be materialised as zeros and still run it).
         o_coarse = o_coarse.detach()
     gate_t = None if gate_t is None else gate_t.contiguous()
+    if q_block_sizes is not None and q_block_sizes.ndim == 2 and not segments:
+        raise ValueError("a plan's q_info comes with the plan's segments")
     spec = ",".join(map(str, segments))
     epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)
     o, _ = block_sparse_attn_unchecked(
@@ -106,7 +108,8 @@ class CoarseCombine(Epilogue):
     def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, *, spec=""):
         super().__init__(o_coarse, gate, q_block_sizes, pooled)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
-        self.spec = spec  # the plan's flat segments, comma-separated ("": one grid, or masked)
+        self.spec = spec  # the plan's flat segments, comma-separated ("": one grid)
+        self._segments = segments_of(tuple(int(x) for x in spec.split(","))) if spec else ()
         self._d_coarse = self._d_gate = self._q_blocks = None
 
     def fns(self) -> EpilogueFns:
@@ -176,12 +179,7 @@ class CoarseCombine(Epilogue):
         if split > 1:  # the coarse term is per tile: its gradient sums the tile's blocks
             B, H, _, D = d_coarse.shape
             d_coarse = d_coarse.view(B, H, nq, split, D).sum(3)
-        if self.spec:
-            segments = segments_of(tuple(int(x) for x in self.spec.split(",")))
-            dpool = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, call.scale, low)
-        else:
-            key_range = (self.q_sizes[1], self.q_sizes[2])
-            dpool = coarse_attn_bwd(d_coarse, qc, kc, vc, call.scale, low, key_range=key_range)
+        dpool = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, self._segments, call.scale, low)
         if split == 1:
             return dpool
         return _dpool_per_block(dpool, self.q_sizes[0], call.kv_block_sizes[: nk * split],
