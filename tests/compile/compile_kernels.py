@@ -457,7 +457,7 @@ def _add_job(jobs, seen, target, backend_cls, kernel, args, kwargs, label, **cas
     )
 
 
-_CASE_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "HEAD_DIM", "HAS_KV_SIZES", "IEEE_DOT"}
+_CASE_CONSTEXPRS = {"BLOCK_M", "BLOCK_N", "HEAD_DIM", "HAS_KV_SIZES", "DOT_PRECISION"}
 
 
 def _config_of(options, constexprs):

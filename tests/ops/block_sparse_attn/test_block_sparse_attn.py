@@ -245,8 +245,19 @@ def test_gpu_blocks_above_the_kernels_largest(block):
     )  # fmt: skip
 
 
-def test_blocks_above_the_kernels_largest_launch_as_sub_blocks(monkeypatch, triton_backend):
-    """The Triton path hands the kernels 128-token blocks and lists refined to them."""
+# fp32 runs in 64-token blocks: its 128x128 pipelines overflow Hopper's shared memory.
+SUB_BLOCK_CASES = [
+    (torch.float16, (128, 128), (1, 1, 4, 2), [128, 128, 128, 72]),
+    (torch.float32, (64, 64), (1, 1, 8, 4), [64, 64, 64, 64, 64, 64, 64, 8]),
+]
+
+
+@pytest.mark.parametrize(("dtype", "blocks", "list_shape", "sizes"), SUB_BLOCK_CASES)
+def test_blocks_above_the_kernels_largest_launch_as_sub_blocks(
+    monkeypatch, triton_backend, dtype, blocks, list_shape, sizes
+):
+    """The Triton path hands the kernels blocks of at most ``kernel_block_max(dtype)`` tokens
+    and lists refined to them."""
     from vidsparse.ops.block_sparse_attn import fwd
 
     seen = []
@@ -256,12 +267,27 @@ def test_blocks_above_the_kernels_largest_launch_as_sub_blocks(monkeypatch, trit
         return torch.zeros_like(q), q.new_zeros(q.shape[:3], dtype=torch.float32)
 
     monkeypatch.setattr(fwd, "block_sparse_attn_fwd", record)
-    q, k, v = make_qkv(1, 1, 512, 512, 16, dtype=torch.float32, device="cpu")
+    q, k, v = make_qkv(1, 1, 512, 512, 16, dtype=dtype, device="cpu")
     idx = torch.tensor([[[[1], [0]]]], dtype=torch.int32)
     cnt = torch.ones(1, 1, 2, dtype=torch.int32)
-    sizes = torch.tensor([256, 200], dtype=torch.int32)
-    vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=256, kv_block_sizes=sizes)
-    assert seen == [(128, 128, (1, 1, 4, 2), [128, 128, 128, 72])]
+    kv_sizes = torch.tensor([256, 200], dtype=torch.int32)
+    vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=256, kv_block_sizes=kv_sizes)
+    assert seen == [(*blocks, list_shape, sizes)]
+
+
+def test_fp32_dots_take_tensor_cores_on_nvidia_and_ieee_elsewhere():
+    """fp32's "ieee" dots are FMA loops on NVIDIA (100-260 KB of spills a thread at D=128,
+    30-90 s a kernel to compile): tf32x3 there, ieee on AMD and in the interpreter."""
+    from vidsparse.ops.block_sparse_attn.configs import dot_precision
+    from vidsparse.utils.device import CPU_INTERPRETER, Target
+
+    for arch in (80, 90, 100):
+        assert dot_precision(Target("cuda", arch), torch.float32) == "tf32x3"
+    assert dot_precision(Target("cuda", 75), torch.float32) == "ieee"
+    assert dot_precision(Target("hip", "gfx942"), torch.float32) == "ieee"
+    assert dot_precision(CPU_INTERPRETER, torch.float32) == "ieee"
+    for dtype in (torch.bfloat16, torch.float16):
+        assert dot_precision(Target("cuda", 90), dtype) is None
 
 
 @pytest.mark.gpu
@@ -703,15 +729,19 @@ def test_gpu_fused_backward_is_bit_identical(padded, tma):
         assert torch.equal(a, b), name
 
 
-def test_an_epilogue_with_blocks_above_the_kernels_largest_is_refused(triton_backend):
+@pytest.mark.parametrize(("dtype", "block", "cap"), [(torch.float16, 256, 128),
+                                                     (torch.float32, 128, 64)])  # fmt: skip
+def test_an_epilogue_with_blocks_above_the_kernels_largest_is_refused(
+    triton_backend, dtype, block, cap
+):
     """Sub-blocks would change the blocks an epilogue's hooks see: a clear error, no launch."""
     from vidsparse.ops.block_sparse_attn.epilogue import Epilogue
     from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 
-    q, k, v = make_qkv(1, 1, 256, 256, 16, dtype=torch.float32, device="cpu")
+    q, k, v = make_qkv(1, 1, block, block, 16, dtype=dtype, device="cpu")
     idx, cnt = torch.zeros(1, 1, 1, 1, dtype=torch.int32), torch.ones(1, 1, 1, dtype=torch.int32)
-    with pytest.raises(ValueError, match="epilogue's blocks must be at most 128"):
+    with pytest.raises(ValueError, match=f"epilogue's blocks must be at most {cap} tokens"):
         block_sparse_attn_unchecked(
-            q, k, v, idx, cnt, block_q=256, block_kv=256, kv_block_sizes=None, scale=0.25,
+            q, k, v, idx, cnt, block_q=block, block_kv=block, kv_block_sizes=None, scale=0.25,
             epilogue=Epilogue(),
         )  # fmt: skip

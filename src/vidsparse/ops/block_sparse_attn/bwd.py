@@ -80,7 +80,7 @@ def block_sparse_attn_bwd(
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
     list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
-                  IEEE_DOT=q.dtype == torch.float32)  # fmt: skip
+                  DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     scales = (scale * LOG2E, scale)
 
     if fused_launch(kv_cfg, q_cfg, configs.active_overrides().fused):

@@ -40,6 +40,9 @@ EVICT_FIRST = "evict_first"
 # The largest block a kernel program tiles: a 256x256 block's pipeline needs 320 KB of shared
 # memory at D=128 (an H200 has 227 KB), so larger blocks run as 128-token sub-blocks of it.
 KERNEL_BLOCK_MAX = 128
+# fp32 tiles take twice the bytes: a 128x128 block's fp32 dots overflow shared memory too, so
+# fp32 runs in 64-token blocks (``kernel_block_max``).
+FP32_KERNEL_BLOCK_MAX = 64
 
 
 @dataclass(frozen=True)
@@ -303,14 +306,31 @@ def lookup(
 
 
 def fit_fp32(cfg: KernelConfig) -> KernelConfig:
-    """The tables' configs are for 16-bit inputs; fp32 tiles take twice the shared memory, and
-    the pipelines of 128-row blocks then overflow Hopper's 227 KB (forward 128x128 at D=128:
-    262 KB with its 3 stages; dQ: 320 KB). fp32 takes one stage and backward steps of at most
-    64 rows (196 KB at 128x128, compiled for cuda:90). It is the exact path (IEEE dots), not a
-    fast one, so nothing is lost that a benchmark measures."""
+    """The tables' configs are for 16-bit inputs; fp32 tiles take twice the shared memory, so
+    fp32 takes one stage and backward steps of at most 64 rows, on blocks of at most
+    ``FP32_KERNEL_BLOCK_MAX`` tokens. It is the accurate path (``dot_precision``), not a fast
+    one, so nothing is lost that a benchmark measures."""
     step = None if cfg.sub_m is None else min(cfg.sub_m, 64)
     pointer_step = None if cfg.pointer_sub_m is None else min(cfg.pointer_sub_m, 64)
     return replace(cfg, num_stages=1, sub_m=step, pointer_sub_m=pointer_step)
+
+
+def kernel_block_max(dtype: torch.dtype | None) -> int:
+    """The largest block a kernel program tiles for inputs of ``dtype``: larger blocks run as
+    sub-blocks of it (``interface._kernel_blocks``)."""
+    return FP32_KERNEL_BLOCK_MAX if dtype == torch.float32 else KERNEL_BLOCK_MAX
+
+
+def dot_precision(target: Target, dtype: torch.dtype) -> str | None:
+    """The kernels' ``tl.dot(input_precision=...)``: the default (None) for 16-bit inputs. For
+    fp32, NVIDIA GPUs from Ampere on take "tf32x3" (three TF32 tensor-core products: errors
+    at fp32's rounding) because their "ieee" dots are FMA loops that spill 100-260 KB a
+    thread at D=128 and take 30-90 s a kernel to compile; AMD (fp32 MFMA) and the
+    interpreter take "ieee"."""
+    if dtype != torch.float32:
+        return None
+    tensor_cores = target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 80
+    return "tf32x3" if tensor_cores else "ieee"
 
 
 def gluon_options() -> GluonOptions:

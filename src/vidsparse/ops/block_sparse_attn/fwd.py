@@ -95,7 +95,8 @@ def block_sparse_attn_fwd(
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
         *hook, H, Sq, *bounds, scale * LOG2E,
-        IEEE_DOT=q.dtype == torch.float32, **eviction_hints(cfg), **common,
+        DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype),
+        **eviction_hints(cfg), **common,
     )  # fmt: skip
     return o, lse
 

@@ -18,10 +18,10 @@ from vidsparse.masks.block_sparse import (
     validate_block_lists,
 )
 from vidsparse.ops.block_sparse_attn.configs import (
-    KERNEL_BLOCK_MAX,
     REFERENCE_DTYPES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    kernel_block_max,
 )
 from vidsparse.ops.block_sparse_attn.epilogue import (
     NO_EPILOGUE,
@@ -136,20 +136,21 @@ def block_sparse_attn_unchecked(
 
     No argument checks, so no GPU sync reading the lists back: the caller guarantees what
     ``block_sparse_attn`` would have checked, and with ``padding_finite`` that padding keys
-    hold finite values (so the TMA kernels may read them). Blocks above ``KERNEL_BLOCK_MAX``
+    hold finite values (so the TMA kernels may read them). Blocks above ``configs.kernel_block_max``
     run as sub-blocks of it, as in ``block_sparse_attn`` (not with an epilogue, whose hooks
     see the caller's blocks: an error). ``epilogue``: a registered
     :class:`~vidsparse.ops.block_sparse_attn.epilogue.Epilogue` fused into the kernels
     (``lse`` stays the engine's own)."""
     backend = resolve_backend(q.device)
-    if backend == "triton" and max(block_q, block_kv) > KERNEL_BLOCK_MAX:
+    cap = kernel_block_max(q.dtype)
+    if backend == "triton" and max(block_q, block_kv) > cap:
         if epilogue is not NO_EPILOGUE:  # its hooks see the caller's blocks
             raise ValueError(
-                f"an epilogue's blocks must be at most {KERNEL_BLOCK_MAX} tokens on the Triton"
-                f" path, got ({block_q}, {block_kv}): hand the engine sub-blocks of them"
+                f"an epilogue's blocks must be at most {cap} tokens for {q.dtype} on the"
+                f" Triton path, got ({block_q}, {block_kv}): hand the engine sub-blocks of them"
             )
         kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
-            kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
+            kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap
         )
     return torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
@@ -157,12 +158,12 @@ def block_sparse_attn_unchecked(
     )  # fmt: skip
 
 
-def _kernel_blocks(kv_indices, kv_counts, kv_block_sizes, block_q, block_kv):
-    """The same lists over blocks a kernel program can tile: a block larger than
-    ``KERNEL_BLOCK_MAX`` becomes that many-token sub-blocks (same result, as each sub-block of
-    a query block attends to every sub-block of its listed key blocks)."""
-    q_ratio = max(1, block_q // KERNEL_BLOCK_MAX)
-    kv_ratio = max(1, block_kv // KERNEL_BLOCK_MAX)
+def _kernel_blocks(kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap):
+    """The same lists over blocks a kernel program can tile: a block larger than ``cap``
+    (``configs.kernel_block_max``) becomes ``cap``-token sub-blocks (same result, as each
+    sub-block of a query block attends to every sub-block of its listed key blocks)."""
+    q_ratio = max(1, block_q // cap)
+    kv_ratio = max(1, block_kv // cap)
     if q_ratio == kv_ratio == 1:
         return kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
     kv_indices, kv_counts = refine_block_lists(kv_indices, kv_counts, q_ratio, kv_ratio)

@@ -37,9 +37,9 @@ def tma_compatible(*tensors: torch.Tensor) -> bool:
 
 
 def tma_reads_keys(dtype: torch.dtype, kv_block_sizes, padding_finite: bool) -> bool:
-    """May K and V be read by TMA? Not for fp32 (only the pointer kernels run IEEE-exact
-    dots), and since TMA reads whole key blocks, padding keys only where the caller vouches
-    them finite: pointer loads never read them."""
+    """May K and V be read by TMA? Not for fp32 (only the pointer kernels take its dot
+    precision, ``configs.dot_precision``), and since TMA reads whole key blocks, padding keys
+    only where the caller vouches them finite: pointer loads never read them."""
     return dtype != torch.float32 and (kv_block_sizes is None or padding_finite)
 
 

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from vidsparse.ops.block_sparse_attn.configs import (
-    KERNEL_BLOCK_MAX,
     REFERENCE_DTYPES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
+    kernel_block_max,
 )
 from vidsparse.utils import tuning_file
 from vidsparse.utils.device import Target, triton_version
@@ -29,7 +31,7 @@ __all__ = [
     "REFERENCE_DTYPES",
     "BWD_CHUNK_ELEMENTS",
     "SMALL_GRID_TILES",
-    "FINE_BLOCK_MAX",
+    "fine_block_max",
     "PoolConfig",
     "CoarseAttnConfig",
     "pool_config",
@@ -48,9 +50,12 @@ BWD_CHUNK_ELEMENTS = 2**24
 # The "attn_topk_small" entries apply up to this many tiles (Wan 480p has 624, 720p 1,440).
 SMALL_GRID_TILES = 1024
 
-# The fine stage's largest engine block: larger tiles (256 tokens, 4x8x8) run as 128-row
-# blocks, two a tile (the engine's KERNEL_BLOCK_MAX says why).
-FINE_BLOCK_MAX = KERNEL_BLOCK_MAX
+
+def fine_block_max(dtype: torch.dtype | None) -> int:
+    """The fine stage's largest engine block for inputs of ``dtype``: larger tiles (256
+    tokens, 4x8x8; 128 in fp32) run as several blocks each (the engine's
+    ``kernel_block_max``)."""
+    return kernel_block_max(dtype)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from vidsparse.ops._video_inputs import (
 )
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
-from vidsparse.ops.video_sparse_attn.configs import FINE_BLOCK_MAX
+from vidsparse.ops.video_sparse_attn.configs import fine_block_max
 from vidsparse.ops.video_sparse_attn.multi import MultiCall, video_sparse_attn_multi
 from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
 from vidsparse.ops.video_sparse_attn.segments import plan_tiles
@@ -136,7 +136,7 @@ def video_sparse_attn(
 
     Returns ``o`` in q's dtype and layout. Differentiable in q, k, v and gate.
     """
-    if _needs_segments(grid, kv_grid, causal, text_mode):
+    if _needs_segments(grid, kv_grid, causal, text_mode, getattr(q, "dtype", None)):
         return _video_sparse_attn_segmented(
             q, k, v, grid, kv_grid, causal, text_mode, topk, sparsity, gate, tiled, scale,
             text_tokens,
@@ -159,12 +159,12 @@ def video_sparse_attn(
     return _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_tokens)
 
 
-def _needs_segments(grid, kv_grid, causal, text_mode) -> bool:
+def _needs_segments(grid, kv_grid, causal, text_mode, dtype) -> bool:
     """Whether a call leaves the one-grid path: several grids, a key grid of its own, the
     block-causal option, competing text or large tiles (checked in full by that path)."""
     if isinstance(grid, VideoGrid) and kv_grid in (None, grid) and not causal:
         # Tiles above the fine stage's largest block run as several blocks (multi.py).
-        return text_mode != "exempt" or grid.tile_volume > FINE_BLOCK_MAX
+        return text_mode != "exempt" or grid.tile_volume > fine_block_max(dtype)
     return True
 
 

@@ -31,7 +31,7 @@ from vidsparse.ops._video_inputs import (
     dense_rows,
     text_block_sizes,
 )
-from vidsparse.ops.video_sparse_attn.configs import FINE_BLOCK_MAX
+from vidsparse.ops.video_sparse_attn.configs import fine_block_max
 from vidsparse.ops.video_sparse_attn.reference import dense_attention, vsa_segments_ref
 from vidsparse.ops.video_sparse_attn.segments import TilePlan, plan_tensors
 from vidsparse.utils import ceil_div
@@ -157,10 +157,11 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
         sizes = text.kv_block_sizes
         kv_indices, kv_counts = append_columns(kv_indices, kv_counts, text.columns)
     gate_t = None if gate is None else _pack_tiles(gate, call.grids, q_lens, call.tiled)
-    split = max(1, volume // FINE_BLOCK_MAX)
-    if split > 1:  # large tiles: the engine runs them as `split` blocks each
-        kv_indices, kv_counts, sizes, oc = _split_tiles(kv_indices, kv_counts, sizes, oc, split)
+    split = max(1, volume // fine_block_max(q.dtype))
     block = volume // split
+    if split > 1:  # large tiles: the engine runs them as `split` blocks each
+        kv_indices, kv_counts, sizes, oc = _split_tiles(kv_indices, kv_counts, sizes, oc, split,
+                                                         block)  # fmt: skip
     o_t = vsa_fine_combined(
         q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, oc, gate_t, tensors.q_info, block,
         scale, pooled=pooled, segments=plan.flat_segments,
@@ -177,12 +178,12 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
     return torch.cat([o, o_text], dim=-2)
 
 
-def _split_tiles(kv_indices, kv_counts, sizes, oc, split: int):
-    """Tile lists as lists of blocks ``tile // split``: each listed tile becomes its ``split``
-    blocks, each query tile's row serves its ``split`` query blocks, every key tile's size
-    splits over its blocks, and ``oc`` gets one row per query block."""
+def _split_tiles(kv_indices, kv_counts, sizes, oc, split: int, block: int):
+    """Tile lists as lists of blocks ``block = tile // split``: each listed tile becomes its
+    ``split`` blocks, each query tile's row serves its ``split`` query blocks, every key
+    tile's size splits over its blocks, and ``oc`` gets one row per query block."""
     blocks, counts = refine_block_lists(kv_indices, kv_counts, split)
-    block_sizes = refine_block_sizes(sizes, split, FINE_BLOCK_MAX)
+    block_sizes = refine_block_sizes(sizes, split, block)
     return blocks, counts, block_sizes, oc.repeat_interleave(split, dim=2)
 
 

@@ -103,7 +103,7 @@ def _dkdv_program(
     H, Sq, NQ,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
 ):  # fmt: skip
     """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
@@ -154,24 +154,14 @@ def _dkdv_program(
                          eviction_policy=EVICT_STREAMED)  # fmt: skip
         lse2 = tl.load(LSE2 + row_base + offs_m)  # [SUB_M]
         delta = tl.load(DELTA + row_base + offs_m)
-        if IEEE_DOT:
-            qk_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-        else:
-            qk_t = tl.dot(k, tl.trans(q))  # [BN, SUB_M]
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BN, SUB_M]
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if HAS_KV_SIZES:
             p_t = tl.where(real[:, None], p_t, 0.0)
-        if IEEE_DOT:
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
-            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            dv = tl.dot(p_t.to(do.dtype), do, dv)  # [BN, D]
-            dp_t = tl.dot(v, tl.trans(do))  # [BN, SUB_M]
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # [BN, D]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, SUB_M]
         ds_t = p_t * (dp_t - delta[None, :])
-        if IEEE_DOT:
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
-        else:
-            dk = tl.dot(ds_t.to(q.dtype), q, dk)  # [BN, D]
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # [BN, D]
     dk = dk * scale
     dk, dv = DKDV_EPILOGUE(dk, dv, b, h, pid_n, offs_d, *epilogue_args)
 
@@ -196,7 +186,7 @@ def block_sparse_attn_bwd_dkdv_kernel(
     H, Sq, NQ,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
@@ -212,7 +202,7 @@ def block_sparse_attn_bwd_dkdv_kernel(
         stride_offb, stride_offh, stride_qib, stride_qih,
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NQ, qk_scale, scale,
-        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
         EVICT_STREAMED, EVICT_RESIDENT,
     )  # fmt: skip
 
@@ -222,7 +212,7 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
              offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
              stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-             IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, CHECK: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, CHECK: tl.constexpr,
              EVICT: tl.constexpr):  # fmt: skip
     """dQ over list entries ``[lo, hi)``; ``MASKED``: the blocks may end in padding keys;
     ``CHECK``: entries may be out of range; ``EVICT``: the K, V loads' eviction hint."""
@@ -241,12 +231,8 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
                           stride_kb, stride_kh, stride_ks, stride_kd,
                           stride_vb, stride_vh, stride_vs, stride_vd,
                           BLOCK_N, HEAD_DIM, MASKED, USE_TMA, EVICT)  # [BN, D] each; fmt: skip
-        if IEEE_DOT:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))  # [SUB_M, BN]
-            dp = tl.dot(do, tl.trans(v))  # [SUB_M, BN]
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [SUB_M, BN]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [SUB_M, BN]
         if CHECK and not MASKED:  # an entry out of range: subtract +inf, p = 0 (per row)
             p = tl.math.exp2(qk * qk_scale - tl.where(ok, lse2, float("inf"))[:, None])
         else:
@@ -254,10 +240,7 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
         if MASKED:
             p = tl.where(real[None, :], p, 0.0)
         ds = p * (dp - delta[:, None])
-        if IEEE_DOT:
-            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
-        else:
-            dq = tl.dot(ds.to(k.dtype), k, dq)  # [SUB_M, D]
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)  # [SUB_M, D]
     return dq
 
 
@@ -278,7 +261,7 @@ def _dq_program(
     H, Sq, NK, K_WIDTH,  # key blocks and list width: bounds of every entry and count
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q, dO loads' hints
 ):  # fmt: skip
@@ -317,13 +300,13 @@ def _dq_program(
     dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, 0, num_full, NK, b, h,
                   offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
                   stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                  BLOCK_N, HEAD_DIM, False, IEEE_DOT, USE_TMA, CHECK_LISTS,
+                  BLOCK_N, HEAD_DIM, False, DOT_PRECISION, USE_TMA, CHECK_LISTS,
                   EVICT_STREAMED)  # fmt: skip
     if HAS_KV_SIZES:
         dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, num_full,
                       count, NK, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
                       stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                      BLOCK_N, HEAD_DIM, True, IEEE_DOT, USE_TMA, CHECK_LISTS,
+                      BLOCK_N, HEAD_DIM, True, DOT_PRECISION, USE_TMA, CHECK_LISTS,
                       EVICT_STREAMED)  # fmt: skip
     dq = dq * scale
     dq = DQ_EPILOGUE(dq, b, h, q_block, (pid % NSUB) * SUB_M + tl.arange(0, SUB_M), offs_d,
@@ -348,7 +331,7 @@ def block_sparse_attn_bwd_dq_kernel(
     H, Sq, NK, K_WIDTH,  # as in _dq_program
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # as in _dq_program
 ):  # fmt: skip
@@ -366,7 +349,7 @@ def block_sparse_attn_bwd_dq_kernel(
         stride_cb, stride_ch, stride_cq,
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NK, K_WIDTH, qk_scale, scale,
-        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA, CHECK_LISTS,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA, CHECK_LISTS,
         EVICT_STREAMED, EVICT_RESIDENT,
     )  # fmt: skip
 
@@ -394,7 +377,7 @@ def block_sparse_attn_bwd_fused_kernel(
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SUB_M_DKDV: tl.constexpr, SUB_M_DQ: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the dQ half reads the caller's own lists (see _dq_program)
     EVICT_STREAMED_DKDV: tl.constexpr, EVICT_RESIDENT_DKDV: tl.constexpr,  # each half's hints
@@ -425,7 +408,7 @@ def block_sparse_attn_bwd_fused_kernel(
             stride_offb, stride_offh, stride_qib, stride_qih,
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
             H, Sq, NQ, qk_scale, scale,
-            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DKDV,
+            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA_DKDV,
             EVICT_STREAMED_DKDV, EVICT_RESIDENT_DKDV,
         )  # fmt: skip
     else:
@@ -444,6 +427,6 @@ def block_sparse_attn_bwd_fused_kernel(
             stride_cb, stride_ch, stride_cq,
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
             H, Sq, NK, K_WIDTH, qk_scale, scale,
-            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, IEEE_DOT, USE_TMA_DQ, CHECK_LISTS,
+            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA_DQ, CHECK_LISTS,
             EVICT_STREAMED_DQ, EVICT_RESIDENT_DQ,
         )  # fmt: skip

@@ -26,14 +26,11 @@ from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, num_full_b
 
 @triton.jit
 def _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
-                         MASK_KEYS: tl.constexpr, IEEE_DOT: tl.constexpr, CHECK: tl.constexpr):
+                         MASK_KEYS: tl.constexpr, DOT_PRECISION: tl.constexpr, CHECK: tl.constexpr):
     """One key block of the FlashAttention recurrence (base 2); ``real`` [BN] masks padding.
     ``CHECK``: ``ok`` False (an entry out of range) leaves m, l and acc as they were (with
     ``MASK_KEYS`` through ``real``, all False then)."""
-    if IEEE_DOT:
-        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        qk = tl.dot(q, tl.trans(k))  # [BM, BN] fp32
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BM, BN] fp32
     if MASK_KEYS:
         # Mask the raw dots, then scale inside the exponent's FMA as below (-inf * scale stays
         # -inf): one select per score on top of the unmasked path, not a multiply, select and
@@ -56,10 +53,7 @@ def _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
     alpha = tl.math.exp2(m_i - m_sub)  # [BM]
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
-    if IEEE_DOT:
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(p.to(v.dtype), v, acc)  # [BM, D]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)  # [BM, D]
     return m_new, l_i, acc
 
 
@@ -102,7 +96,7 @@ def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, ok, offs_n,
 def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
                   m_i, l_i, acc, qk_scale, offs_n, offs_d,
                   stride_ks, stride_kd, stride_vs, stride_vd,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, IEEE_DOT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   CHECK: tl.constexpr, EVICT: tl.constexpr):
     """List entries ``[lo, hi)`` by pointer loads; ``MASKED``: blocks may end in padding;
     ``CHECK``: entries may be out of range; ``EVICT``: the K, V loads' eviction hint."""
@@ -123,7 +117,7 @@ def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
         k = load_rows(k_ptrs, real, MASKED, EVICT)  # [BN, D]
         v = load_rows(v_ptrs, real, MASKED, EVICT)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
-                                             MASKED, IEEE_DOT, CHECK)
+                                             MASKED, DOT_PRECISION, CHECK)
     return m_i, l_i, acc
 
 
@@ -142,7 +136,7 @@ def _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, lo, hi, NK, b, h,
         k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, ok, offs_n,
                                     BLOCK_N, HEAD_DIM, MASKED, CHECK)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
-                                             MASKED, False, CHECK)
+                                             MASKED, None, CHECK)
     return m_i, l_i, acc
 
 
@@ -174,7 +168,7 @@ def block_sparse_attn_fwd_kernel(
     NK, K_WIDTH,  # key blocks and list width: the bounds of every entry and count (memory safety)
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q loads' hints
 ):
@@ -206,13 +200,13 @@ def block_sparse_attn_fwd_kernel(
     m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, 0, num_full,
                                   NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
                                   stride_ks, stride_kd, stride_vs, stride_vd,
-                                  BLOCK_N, False, IEEE_DOT, CHECK_LISTS,
+                                  BLOCK_N, False, DOT_PRECISION, CHECK_LISTS,
                                   EVICT_STREAMED)  # fmt: skip
     if HAS_KV_SIZES:
         m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, num_full,
                                       count, NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
                                       stride_ks, stride_kd, stride_vs, stride_vd,
-                                      BLOCK_N, True, IEEE_DOT, CHECK_LISTS,
+                                      BLOCK_N, True, DOT_PRECISION, CHECK_LISTS,
                                       EVICT_STREAMED)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
