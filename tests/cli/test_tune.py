@@ -251,6 +251,40 @@ def test_time_budget_leaves_a_valid_file(tuning_path, capsys):
 
 @pytest.mark.interpreter
 @ON_CPU
+def test_a_job_stopped_inside_resumes_at_its_next_candidate(tuning_path, capsys, monkeypatch):
+    """A job longer than the time budget (the coarse top-k sweep: 72 candidates) must not
+    start over on every run: the candidates timed are in the file, and the next run times
+    only the rest."""
+    timed = []
+    real_time = tune._time
+    monkeypatch.setattr(
+        tune, "_time", lambda s, wl, cfg: timed.append(cfg) or real_time(s, wl, cfg)
+    )
+    checks = iter([False, False, True])  # the job starts, candidate 1 runs, then time is up
+    monkeypatch.setattr(tune.Session, "over_budget", lambda self: next(checks, False))
+    args = [*TINY[:-1], "3", "--kernels", "fwd"]
+    assert main(args) == 0
+    doc = tuning_file.read_document(tuning_path)
+    assert doc["done"] == [] and len(doc["progress"]["times"]) == 1
+    first = len(timed)  # the default and candidate 1
+    assert main(args) == 0
+    assert "resuming after 1 timed and 0 skipped candidates" in capsys.readouterr().err
+    doc = tuning_file.read_document(tuning_path)
+    assert len(doc["done"]) == 1 and "progress" not in doc
+    # the second run times the default again, then candidate 2, not candidate 1
+    assert first == 2 and timed[2] == timed[0] and timed[3] not in timed[:2]
+    assert doc["entries"][0]["measured"]["candidates"] == 3
+
+
+def test_a_malformed_progress_record_is_refused():
+    doc = tuning_file.new_document(tuning_file.current_identity(CPU_INTERPRETER))
+    doc["progress"] = {"job": "x", "times": {"a": -1.0}, "skipped": []}
+    with pytest.raises(tuning_file.TuningFileError, match='"progress" must be'):
+        tuning_file.parse_document(json.dumps(doc))
+
+
+@pytest.mark.interpreter
+@ON_CPU
 def test_a_file_of_another_gpu_is_not_resumed_nor_overwritten(tuning_path, capsys):
     identity = {**tuning_file.current_identity(CPU_INTERPRETER), "gpu": "NVIDIA H200"}
     tuning_file.write_document(tuning_path, tuning_file.new_document(identity))

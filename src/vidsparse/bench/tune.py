@@ -5,8 +5,9 @@ For each job (a kernel at a block size of the shape asked for) every candidate c
 once and is checked against the PyTorch reference, then timed with the benchmark harness
 (``harness.time_ms``: ``triton.testing.do_bench``, CUDA events); the fastest that passed wins,
 and never one slower than the default (candidate 0), which a winner must beat twice. The file
-is rewritten (atomically) after each job, so a run stopped by ``--time-budget``, Ctrl-C or a
-crash leaves a valid file that the same command resumes.
+is rewritten (atomically) after each candidate, so a run stopped by ``--time-budget``, Ctrl-C
+or a crash leaves a valid file that the same command resumes, inside a job at its next
+candidate (the file's ``progress``).
 """
 
 from __future__ import annotations
@@ -386,6 +387,30 @@ def _record(session: Session, job: Job, entry: dict | None) -> None:
     if entry is not None:
         tuning_file.set_entry(session.doc, entry)
     session.doc["done"].append(job.job_id)
+    session.doc.pop("progress", None)
+    _save(session)
+
+
+def _progress(session: Session, job: Job) -> dict:
+    """The candidates of ``job`` already timed or skipped by an earlier run stopped inside it
+    (keyed by their description), else a fresh record; kept in the file after each one."""
+    progress = session.doc.get("progress")
+    if not progress or progress["job"] != job.job_id:
+        progress = {"job": job.job_id, "times": {}, "skipped": []}
+        session.doc["progress"] = progress
+    elif progress["times"] or progress["skipped"]:
+        session.log(
+            f"{job.describe()}: resuming after {len(progress['times'])} timed and "
+            f"{len(progress['skipped'])} skipped candidates"
+        )
+    return progress
+
+
+def _note_progress(session: Session, progress: dict, name: str, ms=None, why=None) -> None:
+    if ms is not None:
+        progress["times"][name] = ms
+    else:
+        progress["skipped"].append({"config": name, "why": why})
     _save(session)
 
 
@@ -437,16 +462,23 @@ def tune_job(session: Session, job: Job) -> dict | None:
             f"({harness.error_message(exc)}); please report it"
         )
         return None
-    skipped = []
+    progress = _progress(session, job)
+    names = [describe_config(job, cfg) for cfg in candidates]
+    seen = {s["config"] for s in progress["skipped"]}
+    for i, name in enumerate(names[1:], start=1):
+        if name in progress["times"]:  # timed before the run stopped inside this job
+            times[i] = progress["times"][name]
     for i, cfg in enumerate(candidates[1:], start=1):
+        if i in times or names[i] in seen:
+            continue
         if session.over_budget():
             raise BudgetReached
         why = _try(session, wl, cfg, refs, yardstick, times, i)
         if why:
-            skipped.append({"config": describe_config(job, cfg), "why": why})
-            session.log(f"{job.describe()}: skipped {describe_config(job, cfg)}: {why}")
+            session.log(f"{job.describe()}: skipped {names[i]}: {why}")
+        _note_progress(session, progress, names[i], times.get(i), why)
     best = _confirmed_best(session, wl, candidates, times)
-    return _entry(session, job, candidates, best, times, skipped)
+    return _entry(session, job, candidates, best, times, progress["skipped"])
 
 
 def _try(session, wl, cfg, refs, yardstick, times, i) -> str | None:

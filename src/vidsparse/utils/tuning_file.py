@@ -270,7 +270,27 @@ def parse_document(text: str) -> dict:
     done = doc.setdefault("done", [])
     if not isinstance(done, list) or not all(isinstance(d, str) for d in done):
         raise TuningFileError('"done" must be a list of strings')
+    _check_progress(doc.get("progress"))
     return doc
+
+
+def _check_progress(progress) -> None:
+    """``progress``, where present: the tuner's unfinished job (``{"job": id, "times":
+    {config: ms}, "skipped": [...]}``), so that a job longer than a time budget resumes at
+    its next candidate. The library never reads it."""
+    if progress is None:
+        return
+    times = progress.get("times") if isinstance(progress, dict) else None
+    if not (
+        isinstance(progress, dict)
+        and isinstance(progress.get("job"), str)
+        and isinstance(times, dict)
+        and all(isinstance(ms, (int, float)) and ms > 0 for ms in times.values())
+        and isinstance(progress.get("skipped"), list)
+    ):
+        raise TuningFileError(
+            '"progress" must be {"job": str, "times": {config: ms > 0}, "skipped": list}'
+        )
 
 
 def _check_entry(i: int, entry) -> tuple:

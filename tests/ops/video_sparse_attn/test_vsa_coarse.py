@@ -392,6 +392,8 @@ def _record_launches(coarse, target, head_dim):
     import compile_kernels as ck
     from triton.runtime.jit import JITFunction
 
+    from vidsparse.ops.video_sparse_attn import configs
+
     sink, saved = [], {"target_of": coarse.target_of}
     for attr in dir(coarse):
         if attr.endswith("_kernel") and isinstance(getattr(coarse, attr), JITFunction):
@@ -410,6 +412,10 @@ def _record_launches(coarse, target, head_dim):
         # a grid above SMALL_GRID_TILES, whose config may differ (Wan 14B 720p: 1,440 tiles)
         big = torch.empty(B, H, 1440, head_dim, dtype=torch.float32, device=meta)
         coarse.coarse_attn_topk_fwd(big, big, big, 180, head_dim**-0.5)
+        # few query tiles (a KV cache: 104 over 624 keys) on an H200's 132 SMs: block_m 16
+        few = configs.fill_sms(configs.coarse_attn_config(target, head_dim, 624), 104, H, 132)
+        coarse.coarse_attn_topk_fwd(pooled[0], pooled[1], pooled[2], topk, head_dim**-0.5,
+                                    config=few)  # fmt: skip
         coarse.tile_mean_pool_bwd(pooled, sizes, num_tiles * volume, torch.bfloat16)
     finally:
         for attr, value in saved.items():
@@ -570,3 +576,15 @@ if __name__ == "__main__":  # the compile check runs here, in a process without 
     ):
         report.pop("traceback", None)
         print(json.dumps(report), flush=True)
+
+
+def test_few_query_tiles_take_smaller_blocks_to_fill_the_sms():
+    """A KV cache's 104 query tiles in blocks of 32 are 48 programs for 132 SMs: block_m 16
+    (84); a grid that already fills the GPU keeps its blocks, and 16 is the floor."""
+    from vidsparse.ops.video_sparse_attn.configs import CoarseAttnConfig, fill_sms
+
+    cfg = CoarseAttnConfig(block_m=32)
+    assert fill_sms(cfg, 104, 12, 132).block_m == 16
+    assert fill_sms(cfg, 624, 12, 132) is cfg  # Wan 480p self-attention: 240 programs
+    assert fill_sms(cfg, 8, 1, 132).block_m == 16
+    assert fill_sms(CoarseAttnConfig(block_m=16), 8, 1, 132).block_m == 16

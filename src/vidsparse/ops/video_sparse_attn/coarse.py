@@ -27,6 +27,7 @@ from vidsparse.ops.video_sparse_attn.configs import (
     CoarseAttnConfig,
     PoolConfig,
     coarse_attn_config,
+    fill_sms,
     pool_config,
     pow2_at_least,
 )
@@ -44,7 +45,7 @@ from vidsparse.ops.video_sparse_attn.reference import (
 from vidsparse.ops.video_sparse_attn.topk import selected_quantile_z
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor
-from vidsparse.utils.device import target_of
+from vidsparse.utils.device import num_sms, target_of
 
 __all__ = [
     "vsa_coarse_stage",
@@ -187,7 +188,8 @@ def coarse_attn_topk_fwd(
     TF32 dots (GPUs, see ``configs.py``) perturb the scores by ~1e-3 relative.
     """
     B, H, num_tiles, D = qc.shape
-    cfg = config or coarse_attn_config(target_of(qc.device), D, num_tiles)
+    cfg = config or fill_sms(coarse_attn_config(target_of(qc.device), D, num_tiles),
+                             num_tiles, B * H, num_sms(qc.device))  # fmt: skip
     oc = torch.empty((B, H, num_tiles, D), device=qc.device, dtype=qc.dtype)
     kv_indices = torch.empty((B, H, num_tiles, topk), device=qc.device, dtype=torch.int32)
     kv_counts = torch.empty((B, H, num_tiles), device=qc.device, dtype=torch.int32)
@@ -238,7 +240,8 @@ def coarse_attn_topk_segments(
     B, H, nq, D = qc.shape
     widest = max(s.k_count for s in segments)
     max_topk = max(s.topk for s in segments)
-    cfg = config or coarse_attn_config(target_of(qc.device), D, widest)
+    cfg = config or fill_sms(coarse_attn_config(target_of(qc.device), D, widest), nq, B * H,
+                             num_sms(qc.device))  # fmt: skip
     table, z = program_table(tuple(segments), cfg.block_m, qc.device)
     oc = torch.empty((B, H, nq, D), device=qc.device, dtype=qc.dtype)
     kv_indices = torch.zeros((B, H, nq, max_topk), device=qc.device, dtype=torch.int32)

@@ -36,6 +36,7 @@ __all__ = [
     "CoarseAttnConfig",
     "pool_config",
     "coarse_attn_config",
+    "fill_sms",
     "pow2_at_least",
 ]
 
@@ -204,3 +205,14 @@ def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseA
     cfg = tuning_file.tuned_config(target, tuned, cfg)
     fit = max(16, pow2_at_least(num_tiles))
     return replace(cfg, block_m=min(cfg.block_m, fit), block_n=min(cfg.block_n, fit))
+
+
+def fill_sms(cfg: CoarseAttnConfig, query_tiles: int, rows: int, sms: int) -> CoarseAttnConfig:
+    """``cfg`` with ``block_m`` halved (never below 16) while its launch of
+    ``ceil(query_tiles / block_m) * rows`` programs leaves SMs idle: few query tiles over
+    many keys (a KV cache: Wan 480p's last 4 frames are 104 tiles, 48 programs of 32 on an
+    H200's 132 SMs) would otherwise run on a third of the GPU."""
+    block_m = cfg.block_m
+    while block_m > 16 and -(-query_tiles // block_m) * rows < sms:
+        block_m //= 2
+    return cfg if block_m == cfg.block_m else replace(cfg, block_m=block_m)
