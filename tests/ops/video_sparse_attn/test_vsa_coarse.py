@@ -173,7 +173,9 @@ def test_speculative_window_settles_in_one_pass_or_falls_back(outliers):
     selection is the exact top-k either way."""
     from dataclasses import replace
 
-    cfg = _config(num_pivots=4, bracket_capacity=64)
+    # Large blocks: a quarter of the interpreter's programs and key steps (the speculation is
+    # per row, whatever the blocks).
+    cfg = _config(block_m=64, block_n=64, num_pivots=4, bracket_capacity=64)
     B, H, Nt, D, topk = 1, 1, 256, 16, 32
     qc, kc, vc = (torch.randn(B, H, Nt, D) for _ in range(3))
     if outliers:
