@@ -302,19 +302,30 @@ def transpose_block_lists(
 
 
 def refine_block_lists(
-    kv_indices: torch.Tensor, kv_counts: torch.Tensor, ratio: int, kv_ratio: int | None = None
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    ratio: int,
+    kv_ratio: int | None = None,
+    num_kv_blocks: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lists over blocks that are each ``ratio`` smaller query blocks and ``kv_ratio`` smaller
     key blocks (default: ``ratio``), as lists over the smaller ones: ``[Bi, H, NQ, K]``,
     ``[Bi, H, NQ]`` -> ``[Bi, H, NQ*ratio, K*kv_ratio]``, ``[Bi, H, NQ*ratio]``. Entry j of a
     row becomes entries ``j*kv_ratio .. j*kv_ratio + kv_ratio-1`` (the valid entries stay
-    first), and each row serves its ``ratio`` query blocks."""
+    first), and each row serves its ``ratio`` query blocks.
+
+    Lists that no check saw keep what the kernels make of them: counts are clamped to
+    ``[0, K]`` first, and with ``num_kv_blocks`` an entry out of ``[0, num_kv_blocks)``
+    becomes ``kv_ratio`` entries out of range (its scaled value could wrap around int32 into
+    range)."""
     kv_ratio = ratio if kv_ratio is None else kv_ratio
     idx, cnt = kv_indices, kv_counts
     if kv_ratio > 1:
+        if num_kv_blocks is not None:
+            idx = torch.where((idx >= 0) & (idx < num_kv_blocks), idx, -1)
         sub = torch.arange(kv_ratio, device=idx.device, dtype=idx.dtype)
         idx = (idx.unsqueeze(-1) * kv_ratio + sub).flatten(-2)  # [Bi, H, NQ, K*kv_ratio]
-        cnt = cnt * kv_ratio
+        cnt = cnt.clamp(0, kv_indices.shape[-1]) * kv_ratio
     if ratio > 1:
         idx, cnt = idx.repeat_interleave(ratio, dim=2), cnt.repeat_interleave(ratio, dim=2)
     return idx.contiguous(), cnt.contiguous()

@@ -275,6 +275,28 @@ def test_blocks_above_the_kernels_largest_launch_as_sub_blocks(
     assert seen == [(*blocks, list_shape, sizes)]
 
 
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("dtype", "block"), [(torch.float32, 128), (torch.float16, 256)])
+def test_sub_blocks_keep_what_unchecked_lists_mean(triton_backend, dtype, block):
+    """Lists no check saw, through sub-blocks: an entry out of range still gets no weight (its
+    doubled value, -2**31 + 1 -> 2, would wrap into range) and a count past K still means K
+    (doubled, 2**31 - 1 would wrap negative): the GPU fuzz's hostile lists at fp32 128x128."""
+    from helpers import lists_without_bad_entries
+    from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
+
+    q, k, v = make_qkv(1, 1, 4 * block, 4 * block, 16, dtype=dtype, device="cpu")
+    wraps = -(2**31) + 1
+    idx = torch.tensor([[[[1, wraps, 0], [3, 2, wraps], [wraps, 0, 1], [2, 3, 0]]]],
+                       dtype=torch.int32)  # fmt: skip
+    cnt = torch.tensor([[[3, 2**31 - 1, 2, -5]]], dtype=torch.int32)
+    out, lse = block_sparse_attn_unchecked(q, k, v, idx, cnt, block_q=block, block_kv=block,
+                                           kv_block_sizes=None, scale=0.25)  # fmt: skip
+    clean_idx, clean_cnt = lists_without_bad_entries(idx, cnt, 4)
+    ref, ref_lse = masked_dense_attention(q, k, v, clean_idx, clean_cnt, block, block, None, 0.25)
+    assert_rel_l2("o", out.double(), ref, 1e-5 if dtype == torch.float32 else 2e-3)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # the row of count -5: empty
+
+
 def test_fp32_dots_take_tensor_cores_on_nvidia_and_ieee_elsewhere():
     """fp32's "ieee" dots are FMA loops on NVIDIA (100-260 KB of spills a thread at D=128,
     30-90 s a kernel to compile): tf32x3 there, ieee on AMD and in the interpreter."""

@@ -150,7 +150,7 @@ def block_sparse_attn_unchecked(
                 f" Triton path, got ({block_q}, {block_kv}): hand the engine sub-blocks of them"
             )
         kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
-            kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap
+            kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap, k.shape[2] // block_kv
         )
     return torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
@@ -158,15 +158,17 @@ def block_sparse_attn_unchecked(
     )  # fmt: skip
 
 
-def _kernel_blocks(kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap):
+def _kernel_blocks(kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap, num_kv_blocks):
     """The same lists over blocks a kernel program can tile: a block larger than ``cap``
     (``configs.kernel_block_max``) becomes ``cap``-token sub-blocks (same result, as each
-    sub-block of a query block attends to every sub-block of its listed key blocks)."""
+    sub-block of a query block attends to every sub-block of its listed key blocks; lists
+    no check saw keep their meaning: ``refine_block_lists``)."""
     q_ratio = max(1, block_q // cap)
     kv_ratio = max(1, block_kv // cap)
     if q_ratio == kv_ratio == 1:
         return kv_indices, kv_counts, kv_block_sizes, block_q, block_kv
-    kv_indices, kv_counts = refine_block_lists(kv_indices, kv_counts, q_ratio, kv_ratio)
+    kv_indices, kv_counts = refine_block_lists(kv_indices, kv_counts, q_ratio, kv_ratio,
+                                               num_kv_blocks)  # fmt: skip
     if kv_block_sizes is not None:
         kv_block_sizes = refine_block_sizes(kv_block_sizes, kv_ratio, block_kv // kv_ratio)
     return kv_indices, kv_counts, kv_block_sizes, block_q // q_ratio, block_kv // kv_ratio
