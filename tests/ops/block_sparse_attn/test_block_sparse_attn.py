@@ -245,7 +245,15 @@ def test_gpu_blocks_above_the_kernels_largest(block):
     )  # fmt: skip
 
 
-# fp32 runs in 64-token blocks: its 128x128 pipelines overflow Hopper's shared memory.
+def _as_on_a_gpu(monkeypatch):
+    """The engine entry's block cap as on an H200 (fp32: 64 tokens), kernels as they are."""
+    from vidsparse.ops.block_sparse_attn import interface
+    from vidsparse.utils.device import Target
+
+    monkeypatch.setattr(interface, "target_of", lambda device: Target("cuda", 90))
+
+
+# On a GPU fp32 runs in 64-token blocks: its 128x128 pipelines overflow shared memory.
 SUB_BLOCK_CASES = [
     (torch.float16, (128, 128), (1, 1, 4, 2), [128, 128, 128, 72]),
     (torch.float32, (64, 64), (1, 1, 8, 4), [64, 64, 64, 64, 64, 64, 64, 8]),
@@ -256,9 +264,11 @@ SUB_BLOCK_CASES = [
 def test_blocks_above_the_kernels_largest_launch_as_sub_blocks(
     monkeypatch, triton_backend, dtype, blocks, list_shape, sizes
 ):
-    """The Triton path hands the kernels blocks of at most ``kernel_block_max(dtype)`` tokens
-    and lists refined to them."""
+    """The Triton path hands the kernels blocks of at most ``kernel_block_max`` tokens and
+    lists refined to them (fp32 as on a GPU: the interpreter keeps 128)."""
     from vidsparse.ops.block_sparse_attn import fwd
+
+    _as_on_a_gpu(monkeypatch)
 
     seen = []
 
@@ -277,13 +287,14 @@ def test_blocks_above_the_kernels_largest_launch_as_sub_blocks(
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(("dtype", "block"), [(torch.float32, 128), (torch.float16, 256)])
-def test_sub_blocks_keep_what_unchecked_lists_mean(triton_backend, dtype, block):
+def test_sub_blocks_keep_what_unchecked_lists_mean(triton_backend, monkeypatch, dtype, block):
     """Lists no check saw, through sub-blocks: an entry out of range still gets no weight (its
     doubled value, -2**31 + 1 -> 2, would wrap into range) and a count past K still means K
     (doubled, 2**31 - 1 would wrap negative): the GPU fuzz's hostile lists at fp32 128x128."""
     from helpers import lists_without_bad_entries
     from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 
+    _as_on_a_gpu(monkeypatch)  # fp32's 64-token sub-blocks, run in the interpreter
     q, k, v = make_qkv(1, 1, 4 * block, 4 * block, 16, dtype=dtype, device="cpu")
     wraps = -(2**31) + 1
     idx = torch.tensor([[[[1, wraps, 0], [3, 2, wraps], [wraps, 0, 1], [2, 3, 0]]]],
@@ -295,6 +306,16 @@ def test_sub_blocks_keep_what_unchecked_lists_mean(triton_backend, dtype, block)
     ref, ref_lse = masked_dense_attention(q, k, v, clean_idx, clean_cnt, block, block, None, 0.25)
     assert_rel_l2("o", out.double(), ref, 1e-5 if dtype == torch.float32 else 2e-3)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))  # the row of count -5: empty
+
+
+def test_fp32_blocks_are_capped_on_gpus_only():
+    from vidsparse.ops.block_sparse_attn.configs import kernel_block_max
+    from vidsparse.utils.device import CPU_INTERPRETER, Target
+
+    for target in (Target("cuda", 90), Target("cuda", 100), Target("hip", "gfx942")):
+        assert kernel_block_max(target, torch.float32) == 64
+        assert kernel_block_max(target, torch.bfloat16) == 128
+    assert kernel_block_max(CPU_INTERPRETER, torch.float32) == 128
 
 
 def test_fp32_dots_take_tensor_cores_on_nvidia_and_ieee_elsewhere():
@@ -754,11 +775,13 @@ def test_gpu_fused_backward_is_bit_identical(padded, tma):
 @pytest.mark.parametrize(("dtype", "block", "cap"), [(torch.float16, 256, 128),
                                                      (torch.float32, 128, 64)])  # fmt: skip
 def test_an_epilogue_with_blocks_above_the_kernels_largest_is_refused(
-    triton_backend, dtype, block, cap
+    triton_backend, monkeypatch, dtype, block, cap
 ):
     """Sub-blocks would change the blocks an epilogue's hooks see: a clear error, no launch."""
     from vidsparse.ops.block_sparse_attn.epilogue import Epilogue
     from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
+
+    _as_on_a_gpu(monkeypatch)
 
     q, k, v = make_qkv(1, 1, block, block, 16, dtype=dtype, device="cpu")
     idx, cnt = torch.zeros(1, 1, 1, 1, dtype=torch.int32), torch.ones(1, 1, 1, dtype=torch.int32)

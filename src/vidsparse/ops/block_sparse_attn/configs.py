@@ -42,8 +42,8 @@ EVICT_FIRST = "evict_first"
 # The largest block a kernel program tiles: a 256x256 block's pipeline needs 320 KB of shared
 # memory at D=128 (an H200 has 227 KB), so larger blocks run as 128-token sub-blocks of it.
 KERNEL_BLOCK_MAX = 128
-# fp32 tiles take twice the bytes: a 128x128 block's fp32 dots overflow shared memory too, so
-# fp32 runs in 64-token blocks (``kernel_block_max``).
+# fp32 tiles take twice the bytes: a 128x128 block's fp32 dots overflow Hopper's shared memory
+# (and AMD's LDS) too, so fp32 runs in 64-token blocks on GPUs (``kernel_block_max``).
 FP32_KERNEL_BLOCK_MAX = 64
 
 
@@ -317,10 +317,13 @@ def fit_fp32(cfg: KernelConfig) -> KernelConfig:
     return replace(cfg, num_stages=1, sub_m=step, pointer_sub_m=pointer_step)
 
 
-def kernel_block_max(dtype: torch.dtype | None) -> int:
-    """The largest block a kernel program tiles for inputs of ``dtype``: larger blocks run as
-    sub-blocks of it (``interface._kernel_blocks``)."""
-    return FP32_KERNEL_BLOCK_MAX if dtype == torch.float32 else KERNEL_BLOCK_MAX
+def kernel_block_max(target: Target, dtype: torch.dtype | None) -> int:
+    """The largest block a kernel program tiles on ``target`` for inputs of ``dtype``: larger
+    blocks run as sub-blocks of it (``interface._kernel_blocks``). The interpreter has no
+    shared memory to fit, so fp32 keeps 128-token blocks there (a quarter of the programs)."""
+    if dtype == torch.float32 and target.backend != "cpu":
+        return FP32_KERNEL_BLOCK_MAX
+    return KERNEL_BLOCK_MAX
 
 
 def dot_precision(target: Target, dtype: torch.dtype) -> str | None:

@@ -45,6 +45,7 @@ from vidsparse.utils.checks import (
     check_tensor,
     softmax_scale,
 )
+from vidsparse.utils.device import target_of
 from vidsparse.utils.tensor_cache import TensorCache
 
 
@@ -142,7 +143,7 @@ def block_sparse_attn_unchecked(
     :class:`~vidsparse.ops.block_sparse_attn.epilogue.Epilogue` fused into the kernels
     (``lse`` stays the engine's own)."""
     backend = resolve_backend(q.device)
-    cap = kernel_block_max(q.dtype)
+    cap = kernel_block_max(target_of(q.device), q.dtype)
     if backend == "triton" and max(block_q, block_kv) > cap:
         if epilogue is not NO_EPILOGUE:  # its hooks see the caller's blocks
             raise ValueError(

@@ -52,11 +52,11 @@ BWD_CHUNK_ELEMENTS = 2**24
 SMALL_GRID_TILES = 1024
 
 
-def fine_block_max(dtype: torch.dtype | None) -> int:
-    """The fine stage's largest engine block for inputs of ``dtype``: larger tiles (256
-    tokens, 4x8x8; 128 in fp32) run as several blocks each (the engine's
-    ``kernel_block_max``)."""
-    return kernel_block_max(dtype)
+def fine_block_max(target: Target, dtype: torch.dtype | None) -> int:
+    """The fine stage's largest engine block on ``target`` for inputs of ``dtype``: larger
+    tiles (256 tokens, 4x8x8; 128 in fp32 on a GPU) run as several blocks each (the
+    engine's ``kernel_block_max``)."""
+    return kernel_block_max(target, dtype)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from vidsparse.utils.checks import (
     check_tensor,
     softmax_scale,
 )
+from vidsparse.utils.device import CPU_INTERPRETER, target_of
 from vidsparse.utils.dynamo import host_constant
 
 
@@ -136,7 +137,7 @@ def video_sparse_attn(
 
     Returns ``o`` in q's dtype and layout. Differentiable in q, k, v and gate.
     """
-    if _needs_segments(grid, kv_grid, causal, text_mode, getattr(q, "dtype", None)):
+    if _needs_segments(grid, kv_grid, causal, text_mode, q):
         return _video_sparse_attn_segmented(
             q, k, v, grid, kv_grid, causal, text_mode, topk, sparsity, gate, tiled, scale,
             text_tokens,
@@ -159,13 +160,20 @@ def video_sparse_attn(
     return _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_tokens)
 
 
-def _needs_segments(grid, kv_grid, causal, text_mode, dtype) -> bool:
+def _needs_segments(grid, kv_grid, causal, text_mode, q) -> bool:
     """Whether a call leaves the one-grid path: several grids, a key grid of its own, the
     block-causal option, competing text or large tiles (checked in full by that path)."""
     if isinstance(grid, VideoGrid) and kv_grid in (None, grid) and not causal:
         # Tiles above the fine stage's largest block run as several blocks (multi.py).
-        return text_mode != "exempt" or grid.tile_volume > fine_block_max(dtype)
+        return text_mode != "exempt" or grid.tile_volume > _fine_block_max_of(q)
     return True
+
+
+def _fine_block_max_of(q) -> int:
+    """``fine_block_max`` for q (anything but a tensor fails its checks later: the default)."""
+    if not isinstance(q, torch.Tensor):
+        return fine_block_max(CPU_INTERPRETER, None)
+    return fine_block_max(target_of(q.device), q.dtype)
 
 
 def _video_sparse_attn_segmented(
