@@ -17,8 +17,7 @@ pointer loads by role: the tiles its loop streams (forward and dQ: K and V; dK/d
 and the tiles a program loads once and keeps (forward: Q; dK/dV: K and V; dQ: Q and dO). ""
 leaves a load unhinted, so those rows compile as they would without the knob. TMA loads take
 no hint (Triton's tensor-descriptor ``load`` has no eviction argument). The NVIDIA rows take
-none: on the H200 no hint was faster on the pointer kernels (forward and backward, 128x128,
-128x64 and masked 64x64 at Wan 480p: 0.987-1.008x, ``benchmarks/results/tune_eviction_h200.json``).
+none: no hint was faster on the H200 (``benchmarks/NOTES.md``, eviction hints).
 """
 
 from __future__ import annotations
@@ -329,9 +328,9 @@ def kernel_block_max(target: Target, dtype: torch.dtype | None) -> int:
 def dot_precision(target: Target, dtype: torch.dtype) -> str | None:
     """The kernels' ``tl.dot(input_precision=...)``: the default (None) for 16-bit inputs. For
     fp32, NVIDIA GPUs from Ampere on take "tf32x3" (three TF32 tensor-core products: errors
-    at fp32's rounding) because their "ieee" dots are FMA loops that spill 100-260 KB a
-    thread at D=128 and take 30-90 s a kernel to compile; AMD (fp32 MFMA) and the
-    interpreter take "ieee"."""
+    at fp32's rounding) because their "ieee" dots are FMA loops that spill heavily and are
+    slow to compile (``benchmarks/NOTES.md``); AMD (fp32 MFMA) and the interpreter take
+    "ieee"."""
     if dtype != torch.float32:
         return None
     tensor_cores = target.backend == "cuda" and isinstance(target.arch, int) and target.arch >= 80

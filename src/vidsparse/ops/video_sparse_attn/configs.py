@@ -14,13 +14,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from vidsparse.ops.block_sparse_attn.configs import (
     REFERENCE_DTYPES,
     SUPPORTED_DTYPES,
     SUPPORTED_HEAD_DIMS,
-    kernel_block_max,
 )
 from vidsparse.utils import tuning_file
 from vidsparse.utils.device import Target, triton_version
@@ -31,7 +28,6 @@ __all__ = [
     "REFERENCE_DTYPES",
     "BWD_CHUNK_ELEMENTS",
     "SMALL_GRID_TILES",
-    "fine_block_max",
     "PoolConfig",
     "CoarseAttnConfig",
     "pool_config",
@@ -50,13 +46,6 @@ BWD_CHUNK_ELEMENTS = 2**24
 
 # The "attn_topk_small" entries apply up to this many tiles (Wan 480p has 624, 720p 1,440).
 SMALL_GRID_TILES = 1024
-
-
-def fine_block_max(target: Target, dtype: torch.dtype | None) -> int:
-    """The fine stage's largest engine block on ``target`` for inputs of ``dtype``: larger
-    tiles (256 tokens, 4x8x8; 128 in fp32 on a GPU) run as several blocks each (the
-    engine's ``kernel_block_max``)."""
-    return kernel_block_max(target, dtype)
 
 
 @dataclass(frozen=True)

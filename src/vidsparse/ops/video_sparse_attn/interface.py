@@ -43,9 +43,8 @@ from vidsparse.ops._video_inputs import (
     text_block_sizes,
     video_tiles,
 )
-from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
+from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES, kernel_block_max
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
-from vidsparse.ops.video_sparse_attn.configs import fine_block_max
 from vidsparse.ops.video_sparse_attn.multi import MultiCall, video_sparse_attn_multi
 from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
 from vidsparse.ops.video_sparse_attn.segments import plan_tiles
@@ -165,15 +164,16 @@ def _needs_segments(grid, kv_grid, causal, text_mode, q) -> bool:
     block-causal option, competing text or large tiles (checked in full by that path)."""
     if isinstance(grid, VideoGrid) and kv_grid in (None, grid) and not causal:
         # Tiles above the fine stage's largest block run as several blocks (multi.py).
-        return text_mode != "exempt" or grid.tile_volume > _fine_block_max_of(q)
+        return text_mode != "exempt" or grid.tile_volume > _fine_block_cap(q)
     return True
 
 
-def _fine_block_max_of(q) -> int:
-    """``fine_block_max`` for q (anything but a tensor fails its checks later: the default)."""
+def _fine_block_cap(q) -> int:
+    """The engine's ``kernel_block_max`` for q: its fine stage's largest block (anything but a
+    tensor fails its checks later: the default)."""
     if not isinstance(q, torch.Tensor):
-        return fine_block_max(CPU_INTERPRETER, None)
-    return fine_block_max(target_of(q.device), q.dtype)
+        return kernel_block_max(CPU_INTERPRETER, None)
+    return kernel_block_max(target_of(q.device), q.dtype)
 
 
 def _video_sparse_attn_segmented(

@@ -31,7 +31,7 @@ from vidsparse.ops._video_inputs import (
     dense_rows,
     text_block_sizes,
 )
-from vidsparse.ops.video_sparse_attn.configs import fine_block_max
+from vidsparse.ops.block_sparse_attn.configs import kernel_block_max
 from vidsparse.ops.video_sparse_attn.reference import dense_attention, vsa_segments_ref
 from vidsparse.ops.video_sparse_attn.segments import TilePlan, plan_tensors
 from vidsparse.utils import ceil_div
@@ -158,7 +158,7 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
         sizes = text.kv_block_sizes
         kv_indices, kv_counts = append_columns(kv_indices, kv_counts, text.columns)
     gate_t = None if gate is None else _pack_tiles(gate, call.grids, q_lens, call.tiled)
-    split = max(1, volume // fine_block_max(target_of(q.device), q.dtype))
+    split = max(1, volume // kernel_block_max(target_of(q.device), q.dtype))
     block = volume // split
     if split > 1:  # large tiles: the engine runs them as `split` blocks each
         kv_indices, kv_counts, sizes, oc = _split_tiles(kv_indices, kv_counts, sizes, oc, split,
