@@ -111,8 +111,8 @@ TINY_MODEL = {**WAN, "num_attention_heads": 2, "attention_head_dim": 32, "num_la
 # Pixels (frames, height, width). Tiny: 4 x 10 x 12 tokens, tiles partial along the height.
 CROP, TINY_CROP = (16, 64, 128), (4, 20, 24)
 DEFAULTS = {
-    False: dict(steps=1000, finetune_steps=500, eval_every=100, lr=3e-4, lr_warmup=50,
-                finetune_warmup=50, finetune_ramp=200, finetune_levels=4, eval_crops=8,
+    False: dict(steps=600, finetune_steps=300, eval_every=50, lr=3e-4, lr_warmup=50,
+                finetune_warmup=30, finetune_ramp=120, finetune_levels=4, eval_crops=8,
                 holdout_frames=16, samples=2, sample_steps=20, max_minutes=8.0),
     True: dict(steps=4, finetune_steps=4, eval_every=2, lr=2e-3, lr_warmup=1,
                finetune_warmup=1, finetune_ramp=2, finetune_levels=2, eval_crops=2,
@@ -625,18 +625,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tiny", action="store_true", help="2 blocks of width 64, small crops (CPU)")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     add("--seed", type=int, default=0)
-    add("--steps", type=int, help="optimiser steps of the arm (1000; fine-tunes 500)")
+    add("--steps", type=int, help="optimiser steps of the arm (600; fine-tunes 300)")
     add("--batch-size", type=int, default=1, help="crops a step")
     add("--lr", type=float, help="AdamW's lr after warmup (3e-4)")
     add("--lr-warmup", type=int, help="steps of linear lr warmup (50)")
     add("--weight-decay", type=float, default=0.01)
     add("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
-    add("--eval-every", type=int, help="steps between evals (100)")
+    add("--eval-every", type=int, help="steps between evals (50)")
     add("--eval-crops", type=int, help="held-out crops (8)")
     add("--eval-batch", type=int, default=4, help="held-out crops a forward")
     add("--holdout-frames", type=int, help="last frames of the clip kept for eval (16)")
-    add("--finetune-warmup", type=int, help="finetune-vsa: dense steps first (50)")
-    add("--finetune-ramp", type=int, help="finetune-vsa: steps of the levels (200)")
+    add("--finetune-warmup", type=int, help="finetune-vsa: dense steps first (30)")
+    add("--finetune-ramp", type=int, help="finetune-vsa: steps of the levels (120)")
     add("--finetune-levels", type=int, help="finetune-vsa: sparsity levels (4)")
     add(
         "--init",

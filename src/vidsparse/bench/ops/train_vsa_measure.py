@@ -151,7 +151,7 @@ def arm_results(out_dir: Path, benchmark: str) -> dict[str, list[dict]]:
     return found
 
 
-PANELS = (("eval_loss", "held-out loss (mean of t = 0.25, 0.5, 0.75)"),
+PANELS = (("eval_loss", "held-out loss (mean of t = 0.25, 0.5, 0.75), log scale"),
           ("step_ms", "step time, ms (median over the interval)"),
           ("kept_mass", "kept dense attention mass (mean of layers; thin: each)"),
           ("attn_rel_l2", "attention rel L2 vs dense (mean of layers; thin: each)"))  # fmt: skip
@@ -170,11 +170,13 @@ def plot_curves(out_dir: Path, path: Path, title: str, benchmark: str, arms) -> 
     for index, arm in enumerate(arms):
         for ax, (key, _) in zip(axes, PANELS):
             draw_arm(ax, results.get(arm, []), key, arm, f"C{index}")
-    for ax, (_, label) in zip(axes, PANELS):
+    for ax, (key, label) in zip(axes, PANELS):
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step (fine-tunes continue the dense arm's count)", fontsize=8)
         ax.grid(True, alpha=0.3)
         if ax.has_data():
+            if key == "eval_loss":  # the first evals would flatten the rest on a linear axis
+                ax.set_yscale("log")
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
