@@ -31,7 +31,8 @@ the stock model with the same loss, data and seed, the baseline to compare with.
 
 ``accelerate`` places the model and runs the processes: on a GPU the weights stay float32 (the
 master copy AdamW updates) and the forward runs under bf16 autocast; on the CPU all is float32.
-Under ``accelerate launch`` each process takes its own clips of every step (data parallel).
+Under ``accelerate launch`` each process takes its own clips of every step (data parallel);
+``--sequence-parallel N`` shards each clip's tokens over groups of ``N`` processes (Ulysses).
 
 Output folder::
 
@@ -82,11 +83,13 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from vidsparse.integrations.diffusers import (
+    apply_sequence_parallel,
     apply_sparse_attention,
     load_sparse_attention,
     remove_sparse_attention,
 )
 from vidsparse.nn import SparsitySchedule, VSAGate
+from vidsparse.parallel import UlyssesAttention
 
 MODEL_CLASS = WanTransformer3DModel  # Wan first: its forward takes latents, timestep, text
 TINY_TRANSFORMER = {  # two heads of 16, two layers; text_dim 24 (tests/integrations/tiny_models)
@@ -161,10 +164,12 @@ def clip_shapes(file: Path) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return shapes
 
 
-def check_clips_fit_model(clips: Clips, config: dict) -> None:
-    """The clips' channels, text width and latent size against the model's config."""
-    channels, _, height, width = clips.latents
-    _, patch_h, patch_w = config["patch_size"]
+def check_clips_fit_model(clips: Clips, config: dict, sequence_parallel: int = 1) -> None:
+    """The clips' channels, text width and latent size against the model's config (and their
+    tokens against the processes that share them)."""
+    channels, frames, height, width = clips.latents
+    patch_t, patch_h, patch_w = config["patch_size"]
+    tokens = frames // patch_t * (height // patch_h) * (width // patch_w)
     problems = []
     if channels != config["in_channels"]:
         problems.append(
@@ -179,6 +184,8 @@ def check_clips_fit_model(clips: Clips, config: dict) -> None:
         problems.append(
             f"latent size {height}x{width} is not a multiple of the patch {patch_h}x{patch_w}"
         )
+    elif tokens % sequence_parallel:  # Ulysses: equal shards
+        problems.append(f"{tokens} tokens a clip do not split over {sequence_parallel} processes")
     if problems:
         raise RecipeError(f"the clips do not fit the model: {'; '.join(problems)}")
 
@@ -288,28 +295,42 @@ def method_identity(args) -> dict:
     }
 
 
-def build_model(args, resume: Path | None):
-    """The float32 transformer with the method applied: fresh, or the checkpoint's."""
-    vsa = {"sparsity": args.target_sparsity, "tile": tuple(args.tile)}
+def build_model(args, resume: Path | None, ulysses: UlyssesAttention | None = None):
+    """The float32 transformer with the method applied: fresh, or the checkpoint's.
+    ``ulysses``: its self-attention takes sequence shards (``--sequence-parallel``)."""
+    vsa = {"sparsity": args.target_sparsity, "tile": tuple(args.tile), "ulysses": ulysses}
     if resume is not None and args.train == "all":  # every weight from the checkpoint
         model = MODEL_CLASS.from_pretrained(resume / "transformer", torch_dtype=torch.float32)
         if args.method == "vsa":  # the gates and options that save_pretrained wrote
             load_sparse_attention(model, resume / "transformer", **vsa)
-        return model
-    if args.tiny:
+    elif args.tiny:
         torch.manual_seed(args.seed)  # random weights, the same in every run of this seed
         model = MODEL_CLASS(**TINY_TRANSFORMER)
     else:
         model = MODEL_CLASS.from_pretrained(
             args.model, subfolder=args.subfolder, torch_dtype=torch.float32
         )
-    if resume is not None:  # --train gates: the stock weights, the checkpoint's gates
+    if resume is not None and args.train == "gates":  # the stock weights, the saved gates
         load_sparse_attention(model, resume / "gates.safetensors", **vsa)
-    elif args.method == "vsa":
+    elif resume is None and args.method == "vsa":
         # Applied at the target so that save_pretrained records it for inference; the
         # schedule sets each gate's sparsity before every step.
         apply_sparse_attention(model, "vsa", gate=True, **vsa)
+    if args.method == "dense" and ulysses is not None:  # the stock attention, over shards
+        apply_sparse_attention(model, "dense", ulysses=ulysses)
     return model
+
+
+def sequence_parallel(args, accelerator: Accelerator) -> UlyssesAttention | None:
+    """The Ulysses handle of this process's group of ``--sequence-parallel`` processes, with
+    ``pad_heads``: a head count the group does not divide (Wan 1.3B's 12 on 8) runs padded."""
+    size, processes = args.sequence_parallel, accelerator.num_processes
+    if processes % size:
+        raise RecipeError(f"--sequence-parallel {size} does not divide the {processes} processes")
+    if size == 1:
+        return None
+    group = None if size == processes else torch.distributed.new_subgroups(size)[0]
+    return UlyssesAttention(group, pad_heads=True)
 
 
 def gate_modules(model) -> list[torch.nn.Module]:
@@ -348,10 +369,6 @@ def make_schedule(args) -> SparsitySchedule | None:
 
 
 # ------------------------------------------------------------------------------ checkpoints
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -416,13 +433,14 @@ def flatten(value, prefix: str = "") -> dict:
 def save_checkpoint(accelerator, model, optimizer, folder: Path, step: int, identity: dict):
     """Write ``checkpoints/step-N`` through a temporary folder renamed at the end, so that a
     run killed while saving leaves no checkpoint that looks complete."""
-    final = folder / checkpoint_name(step)
+    final = folder / f"step-{step:06d}"
     staging = folder / f".{final.name}.partial"
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
     accelerator.wait_for_everyone()
     torch.save(rng_states(), staging / f"rng-{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()  # every process's RNG file is in before the rename
     if accelerator.is_main_process:
         write_weights(accelerator.unwrap_model(model), staging, identity["method"]["train"])
         torch.save(optimizer.state_dict(), staging / "optimizer.pt")
@@ -519,7 +537,8 @@ def prepare_run(args) -> Run:
     check_output_folder(Path(args.output), resume)
     saved = read_checkpoint(resume) if resume else None
     config = base_config(args)
-    check_clips_fit_model(clips, config)
+    check_clips_fit_model(clips, config, args.sequence_parallel)
+    ulysses = sequence_parallel(args, accelerator)
     identity = run_identity(args, config, schedule, clips, accelerator.num_processes)
     if saved is not None:
         check_resume_matches(resume, saved["identity"], identity)
@@ -531,9 +550,12 @@ def prepare_run(args) -> Run:
             )
         if schedule is not None:
             schedule.load_state_dict(saved["identity"]["schedule"])
-    model = build_model(args, resume)
+    model = build_model(args, resume, ulysses)
     try:
-        return make_run(args, accelerator, model, schedule, clips, identity, resume, saved)
+        run = make_run(args, accelerator, model, schedule, clips, identity, resume, saved)
+        if ulysses is not None:  # each rank runs the model on its chunk of the tokens
+            apply_sequence_parallel(model, ulysses.group)  # hooks of this model alone: kept
+        return run
     except BaseException:
         unpatch(args, model)
         raise
@@ -557,7 +579,8 @@ def make_run(args, accelerator, model, schedule, clips, identity, resume, saved)
 def run_identity(args, config: dict, schedule, clips: Clips, processes: int) -> dict:
     """What a checkpoint must share with the command that resumes it, in four parts
     (``IDENTITY_PARTS``). ``--max-steps`` and ``--checkpoint-every`` may differ; AdamW's
-    settings come from its saved state."""
+    settings come from its saved state. ``sequence_parallel`` only when on (older and
+    data-parallel checkpoints match as before)."""
     return {
         "model": {"class": MODEL_CLASS.__name__, "config": config},
         "method": method_identity(args),
@@ -569,6 +592,7 @@ def run_identity(args, config: dict, schedule, clips: Clips, processes: int) -> 
             "batch_size": args.batch_size,
             "seed": args.seed,
             "processes": processes,
+            **({"sequence_parallel": sp} if (sp := args.sequence_parallel) > 1 else {}),
         },
     }
 
@@ -583,7 +607,9 @@ def train_step(args, run: Run, step: int) -> tuple[float, float]:
     """One optimiser step at ``step``; ``(mean loss over the processes, sparsity)``."""
     accelerator = run.accelerator
     sparsity = 0.0 if run.schedule is None else run.schedule.apply(run.model, step)
-    process, processes = accelerator.process_index, accelerator.num_processes
+    # The processes of one sequence-parallel group take the same clips and noise.
+    process = accelerator.process_index // args.sequence_parallel
+    processes = accelerator.num_processes // args.sequence_parallel
     indices = batch_clips(
         step, args.batch_size, process, processes, len(run.clips.files), args.seed
     )
@@ -593,7 +619,9 @@ def train_step(args, run: Run, step: int) -> tuple[float, float]:
     noise = torch.randn(latents.shape, generator=generator, device=accelerator.device)
     t = sample_t(args, latents.shape[0], generator)
     loss = flow_matching_loss(run.model, latents, text, t, noise)
-    accelerator.backward(loss)
+    # Under sequence parallelism each process's gradients hold its own tokens' share of the
+    # gradient, whose sum is the model's; DDP averages over all processes, hence the factor.
+    accelerator.backward(loss * args.sequence_parallel)
     if args.max_grad_norm > 0:
         accelerator.clip_grad_norm_(run.params, args.max_grad_norm)
     run.optimizer.step()
@@ -611,7 +639,7 @@ def train(args) -> None:
 
 
 def unpatch(args, model) -> None:
-    if args.method == "vsa":
+    if args.method == "vsa" or args.sequence_parallel > 1:
         remove_sparse_attention(model)
 
 
@@ -635,14 +663,8 @@ def run_steps(args, run: Run) -> None:
         if main_process:
             lr = run.optimizer.param_groups[0]["lr"]
             seconds = round(time.perf_counter() - start, 4)
-            record = {
-                "step": step,
-                "loss": loss,
-                "sparsity": sparsity,
-                "lr": lr,
-                "seconds": seconds,
-            }
-            loss_log.write(json.dumps(record) + "\n")
+            record = {"step": step, "loss": loss, "sparsity": sparsity, "lr": lr}
+            loss_log.write(json.dumps({**record, "seconds": seconds}) + "\n")
             loss_log.flush()
         bar.update()
         bar.set_postfix(loss=f"{loss:.4f}", sparsity=f"{sparsity:g}")
@@ -671,10 +693,11 @@ def describe(args, run: Run) -> None:
         f"({count:,} parameters) on {run.accelerator.device} "
         f"({run.accelerator.mixed_precision} mixed precision)"
     )
+    sp, processes = args.sequence_parallel, run.accelerator.num_processes
+    unit = f"groups of {sp} processes (sequence parallel)" if sp > 1 else "processes"
     print(
         f"data: {len(clips.files)} clips, latents {list(clips.latents)}, text_embeds "
-        f"{list(clips.text_embeds)}, batch {args.batch_size} x {run.accelerator.num_processes}"
-        f" processes"
+        f"{list(clips.text_embeds)}, batch {args.batch_size} x {processes // sp} {unit}"
     )
     if run.schedule is not None:
         print(f"schedule: {run.schedule}, at the target from step {run.schedule.target_step}")
@@ -712,6 +735,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tile", type=int, nargs=3, default=TILE, help="VSA tile (T H W)")
     parser.add_argument("--max-steps", type=int, help="optimiser steps in all")
     parser.add_argument("--batch-size", type=int, default=1, help="clips per step and process")
+    parser.add_argument("--sequence-parallel", type=int, default=1, metavar="N",
+                        help="shard each clip's tokens over N processes (Ulysses)")  # fmt: skip
     parser.add_argument("--lr", type=float)
     parser.add_argument("--weight-decay", type=float, default=0.01)
     parser.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
@@ -745,7 +770,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in DEFAULTS[args.tiny].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    for key in ("max_steps", "batch_size", "checkpoint_every"):
+    for key in ("max_steps", "batch_size", "checkpoint_every", "sequence_parallel"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
     if args.method == "dense" and args.train == "gates":

@@ -20,6 +20,17 @@ def _head_slice(src: torch.Tensor, heads: slice) -> torch.Tensor:
     )
 
 
+def _pad_lists(src: torch.Tensor, heads: int) -> torch.Tensor:
+    """``src`` (``kv_indices`` or ``kv_counts``) with the lists of zero padding heads appended
+    up to ``heads`` (``pad_heads=True``): all-zero entries, so counts of 0, empty rows the
+    engine skips. Cached like the slices, so the slices of the padded tensor are too."""
+    extra = heads - src.shape[1]
+    if extra == 0:
+        return src
+    make = lambda: torch.cat([src, src.new_zeros((src.shape[0], extra, *src.shape[2:]))], 1)
+    return _list_slices.get("padded", (src,), (heads,), make)
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -74,6 +85,7 @@ def ulysses_block_sparse_attn(
     layout: str = "bshd",
     check_shards: bool = False,
     head_chunks: int = 1,
+    pad_heads: bool = False,
     **engine_kwargs,
 ):
     """:func:`vidsparse.block_sparse_attn` over a sequence-sharded input.
@@ -88,19 +100,22 @@ def ulysses_block_sparse_attn(
             ``return_lse``, ``validate`` as for the engine; ``lse`` comes back ``[B, S/P, H]``
             (bshd) or ``[B, H, S/P]`` (bhsd).
         head_chunks: pipelined exchange for inference (see :func:`ulysses_attention`).
+        pad_heads: pad ``H`` with zero heads to a multiple of the world size (see
+            :func:`ulysses_attention`); their lists are empty rows.
     """
     from vidsparse.ops.block_sparse_attn import block_sparse_attn
 
     ctx = resolve_context(group, layout)
-    _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v)
-    check_head_chunks(head_chunks, H, ctx.world_size)
+    _, S_local, H, _ = validate_shards(ctx, pad_heads, q=q, k=k, v=v)
+    padded = ctx.padded_heads(H)
+    check_head_chunks(head_chunks, padded, ctx.world_size)
     block_q = _block_q(engine_kwargs.get("block_size", 64))
     _check_block_lists(kv_indices, kv_counts, H, S_local * ctx.world_size, block_q)
     if engine_kwargs.get("validate") is True:  # the lists may have changed behind the cache
         _list_slices.discard((kv_indices, kv_counts))
 
     def attn_fn(heads, q_h, k_h, v_h):
-        idx, cnt = _head_slice(kv_indices, heads), _head_slice(kv_counts, heads)
+        idx, cnt = (_head_slice(_pad_lists(x, padded), heads) for x in (kv_indices, kv_counts))
         return block_sparse_attn(q_h, k_h, v_h, idx, cnt, **engine_kwargs)
 
     return run(ctx, attn_fn, {"q": q, "k": k, "v": v}, check_shards, head_chunks)

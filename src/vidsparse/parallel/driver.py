@@ -1,8 +1,9 @@
 """Ulysses' generic driver: exchange in, run an attention function on the rank's heads, out.
 
-Training and dtype-mixed inputs take the one-shot exchange (one collective in, one out). In
-inference the exchange can be pipelined against the attention (``head_chunks``) and, for ops
-with a tile-order variant (``TiledExchange``), tile and untile on the way.
+Training and dtype-mixed inputs take the one-shot exchange (one collective in, one out, each
+packed by row copies; differentiable). In inference the exchange can be pipelined against the
+attention (``head_chunks``) and, for ops with a tile-order variant (``TiledExchange``), tile and
+untile on the way. Heads that the world size does not divide are padded here (``pad_heads``).
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.parallel.exchange import (
+    contiguous_rows,
+    copy_rows_into,
     full_seq_from_chunks,
     head_shard_chunks,
     lse_to_seq_shard,
     post_all_to_all,
     seq_shard_chunks,
+    stack_rows,
     to_head_shards,
     to_seq_shard,
 )
@@ -48,9 +53,38 @@ def run(
     ``tensors``: q, k, v first, then extras sharded like q (``None`` passes through), already
     checked by :func:`validate_shards` (and ``head_chunks`` by :func:`check_head_chunks`).
     ``tiled``: for ops with a tile-order variant, fused unpack+tile / untile+pack (inference).
+    Heads not divisible by the world size (``pad_heads=True``, checked by the caller) run
+    padded with zero heads to ``ctx.padded_heads(H)``: ``attn_fn`` sees global head indices of
+    the padded range, and the padded heads' outputs are dropped.
     """
     if want_global_check(check):
         validate_shards_across_ranks(ctx, **tensors)
+    H = local_dims(tensors["q"], ctx.layout)[2]
+    padded = ctx.padded_heads(H)
+    if padded == H:
+        return _run(ctx, attn_fn, tensors, head_chunks, tiled)
+    tensors = {n: x if x is None else _pad_heads(x, padded, ctx.layout) for n, x in tensors.items()}
+    result = _run(ctx, attn_fn, tensors, head_chunks, tiled)
+    if isinstance(result, tuple):  # (o, lse)
+        return tuple(_drop_padded_heads(x, H, ctx.layout) for x in result)
+    return _drop_padded_heads(result, H, ctx.layout)
+
+
+def _pad_heads(x: torch.Tensor, heads: int, layout: str) -> torch.Tensor:
+    """``x`` with zero heads appended up to ``heads`` (one copy; differentiable: the padded
+    heads' gradients are dropped by the backward of the pad)."""
+    extra = heads - local_dims(x, layout)[2]
+    # F.pad's (before, after) pairs run from the last dim: D, H (bshd); D, S, H (bhsd).
+    return F.pad(x, (0, 0, 0, extra) if layout == "bshd" else (0, 0, 0, 0, 0, extra))
+
+
+def _drop_padded_heads(x: torch.Tensor, heads: int, layout: str) -> torch.Tensor:
+    """The first ``heads`` heads of an output (``o`` 4-D or ``lse`` 3-D), contiguous."""
+    return x.narrow(2 if layout == "bshd" else 1, 0, heads).contiguous()
+
+
+def _run(ctx: ShardContext, attn_fn: AttnFn, tensors: dict, head_chunks: int, tiled):
+    """:func:`run` on heads that split evenly."""
     if _inference_exchange_applies(ctx, tensors):
         tiled = tiled if tiled is not None and tiled.supports(tensors["q"], ctx.layout) else None
         if head_chunks > 1 or tiled is not None:
@@ -94,6 +128,7 @@ def ulysses_attention(
     layout: str = "bshd",
     check_shards: bool = False,
     head_chunks: int = 1,
+    pad_heads: bool = False,
 ):
     """Run any attention function under Ulysses sequence parallelism.
 
@@ -109,13 +144,16 @@ def ulysses_attention(
         head_chunks: run the rank's heads in this many groups with the exchanges of the next
             and previous group in flight during each group's attention (must divide ``H/P``).
             Inference only: with autograd recording, the one-shot exchange runs.
+        pad_heads: when the world size does not divide ``H``, pad the heads with zero heads
+            up to the next multiple (their attention is computed, then dropped); ``heads``
+            then indexes the padded range, so it may reach past ``H``.
 
     Returns ``o`` in the input layout (and ``lse`` ``[B, S/P, H]`` / ``[B, H, S/P]``).
     """
     ctx = resolve_context(group, layout)
     tensors = {"q": q, "k": k, "v": v, **{f"extra{i}": x for i, x in enumerate(extra)}}
-    _, _, H, _ = validate_shards(ctx, **tensors)
-    check_head_chunks(head_chunks, H, ctx.world_size)
+    _, _, H, _ = validate_shards(ctx, pad_heads, **tensors)
+    check_head_chunks(head_chunks, ctx.padded_heads(H), ctx.world_size)
     return run(ctx, attn_fn, tensors, check_shards, head_chunks)
 
 
@@ -203,12 +241,12 @@ def run_overlapped(
         # holds group c of rank p's heads, for every tensor
         parts = [x[:, :, c * h : (c + 1) * h] for x in shards]
         if not own_in_place:
-            return _stack_rows(parts)
+            return stack_rows(parts)
         first = parts[0]
         buf = first.new_empty((P - 1, len(parts), *first.shape[1:]))
         for i, p in enumerate(p for p in range(P) if p != rank):
             for j, part in enumerate(parts):
-                _copy_rows_into(buf[i, j], part[p])
+                copy_rows_into(buf[i, j], part[p])
         return buf
 
     def unpack(c: int, recv: torch.Tensor, j: int) -> torch.Tensor:
@@ -228,7 +266,7 @@ def run_overlapped(
         heads = slice(first_head + c * h, first_head + (c + 1) * h)
         result = attend(heads, *args)  # (o, lse) only without ``tiled`` (TiledExchange: o)
         o, lse = result if isinstance(result, tuple) else (result, None)
-        send = _contiguous_rows(head_shard_chunks(o, P)) if tiled is None else tiled.pack(o, P)
+        send = contiguous_rows(head_shard_chunks(o, P)) if tiled is None else tiled.pack(o, P)
         returning.append(post_all_to_all(send, ctx.group))
         if lse is not None:
             lse_parts.append(post_all_to_all(head_shard_chunks(lse.unsqueeze(-1), P).contiguous(),
@@ -252,40 +290,7 @@ def _assemble_head_groups(parts, layout: str, chunks: int) -> torch.Tensor:
     for c, (recv, work) in enumerate(parts):
         work.wait()
         if layout == "bshd":
-            _copy_rows_into(view[:, :, :, c], recv.permute(1, 3, 0, 2, 4))  # [B, S/P, P, h, D]
+            copy_rows_into(view[:, :, :, c], recv.permute(1, 3, 0, 2, 4))  # [B, S/P, P, h, D]
         else:
-            _copy_rows_into(view[:, :, c], recv.permute(1, 0, 2, 3, 4))  # [B, P, h, S/P, D]
-    return out
-
-
-# Layout copies of the inference exchange. PyTorch's strided copy (torch.stack of permuted
-# views, .contiguous(), slice assignment) moves these at about a third of the memory bandwidth
-# (H200, Wan 14B 720p: 2.4 ms a call for the q, k, v, gate send buffers); the Triton row copy
-# moves whole D-element rows at the bandwidth. Not differentiable: autograd keeps torch.stack.
-
-
-def _copy_rows_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, by whole rows on the GPU where ``copy_rows`` takes the views."""
-    if dst.is_cuda:
-        from vidsparse.layout.permute import copy_rows, copy_rows_supports
-
-        if copy_rows_supports(dst, src):
-            copy_rows(dst, src)
-            return
-    dst.copy_(src)
-
-
-def _stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(parts, dim=1)``, each part copied by ``_copy_rows_into``."""
-    first = parts[0]
-    out = first.new_empty((first.shape[0], len(parts), *first.shape[1:]))
-    for j, part in enumerate(parts):
-        _copy_rows_into(out[:, j], part)
-    return out
-
-
-def _contiguous_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x.contiguous()`` by ``_copy_rows_into``."""
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    _copy_rows_into(out, x)
+            copy_rows_into(view[:, :, c], recv.permute(1, 0, 2, 3, 4))  # [B, P, h, S/P, D]
     return out

@@ -35,6 +35,10 @@ class ShardContext:
     world_size: int
     layout: str
 
+    def padded_heads(self, num_heads: int) -> int:
+        """``num_heads`` rounded up to a multiple of the world size (``pad_heads=True``)."""
+        return -(-num_heads // self.world_size) * self.world_size
+
     def head_slice(self, num_heads: int) -> slice:
         """The heads this rank computes: ``rank * H/P .. (rank + 1) * H/P``."""
         local = num_heads // self.world_size
@@ -100,12 +104,16 @@ def check_4d(name: str, x) -> None:
         raise ValueError(f"{name} must have 4 dimensions, got shape {tuple(x.shape)}")
 
 
-def validate_shards(ctx: ShardContext, **tensors: torch.Tensor | None) -> tuple[int, int, int, int]:
-    """Local checks of the sequence shards; returns ``(B, S_local, H, D)``.
+def validate_shards(
+    ctx: ShardContext, pad_heads: bool = False, **tensors: torch.Tensor | None
+) -> tuple[int, int, int, int]:
+    """Local checks of the sequence shards; returns ``(B, S_local, H, D)`` (the real ``H``).
 
     q, k, v (and a gate) must share one shape and dtype (they travel in one buffer), the heads
-    must split evenly over the ranks, and NCCL needs CUDA tensors.
+    must split evenly over the ranks unless ``pad_heads``, and NCCL needs CUDA tensors.
     """
+    if not isinstance(pad_heads, bool):
+        raise TypeError(f"pad_heads must be a bool, got {pad_heads!r}")
     present = {name: x for name, x in tensors.items() if x is not None}
     for name, x in present.items():
         check_4d(name, x)
@@ -121,10 +129,14 @@ def validate_shards(ctx: ShardContext, **tensors: torch.Tensor | None) -> tuple[
         if x.device != first.device:
             raise ValueError(f"{name} is on {x.device} but {names[0]} is on {first.device}")
     B, S_local, H, D = local_dims(first, ctx.layout)
-    if H % ctx.world_size:
+    if H % ctx.world_size and not pad_heads:
+        P, padded = ctx.world_size, ctx.padded_heads(H)
         raise ValueError(
             f"Ulysses splits heads over the ranks: {H} heads are not divisible by the world size "
-            f"{ctx.world_size} (use a group whose size divides the number of heads)"
+            f"{P}. Pass pad_heads=True (to the ulysses_* function or UlyssesAttention) to pad "
+            f"them with {padded - H} zero heads to {padded} ({padded // P} a rank; the padded "
+            "heads' attention is computed and dropped), or use a group whose size divides "
+            "the number of heads"
         )
     if _backend_name(ctx.group) == "nccl" and first.device.type != "cuda":
         raise ValueError(f"the NCCL process group moves CUDA tensors, got {first.device} tensors")

@@ -5,11 +5,17 @@ from __future__ import annotations
 import torch
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.masks.stripe import StripeSpec
 from vidsparse.parallel.driver import TiledExchange, check_head_chunks, run
 from vidsparse.parallel.shards import check_grid_length, resolve_context, validate_shards
 
+# The spec of a zero padding head (pad_heads=True): each query block attends its own block
+# alone, the fewest blocks a valid spec visits (the padded heads' outputs are dropped).
+PAD_SPEC = StripeSpec(t_width=1, t_offset=0, t_stride=None, s_width=1, s_offset=0, s_stride=None)
+
 
 def _slice_specs(specs, H: int, heads: slice) -> tuple:
+    """The specs of global ``heads``, past ``H`` (padding heads) ``PAD_SPEC``."""
     try:
         specs = tuple(specs)
     except TypeError:
@@ -18,7 +24,7 @@ def _slice_specs(specs, H: int, heads: slice) -> tuple:
         ) from None
     if len(specs) != H:
         raise ValueError(f"specs must hold one StripeSpec per head (H={H}), got {len(specs)}")
-    return specs[heads]
+    return (specs + (PAD_SPEC,) * max(0, heads.stop - H))[heads]
 
 
 def _check_stripe_length(grid, stripe_kwargs: dict, S_local: int, world: int) -> None:
@@ -43,6 +49,7 @@ def ulysses_stripe_attn(
     layout: str = "bshd",
     check_shards: bool = False,
     head_chunks: int = 1,
+    pad_heads: bool = False,
     **stripe_kwargs,
 ) -> torch.Tensor:
     """:func:`vidsparse.stripe_attn` (PSA) over a sequence-sharded input.
@@ -52,10 +59,12 @@ def ulysses_stripe_attn(
     ``text_tokens``, ``scale``, ``return_lse``) pass through; they describe the full sequence,
     ``(grid.padded_len if tiled else grid.num_tokens) + text_tokens`` long, split evenly.
     ``head_chunks``: pipelined exchange for inference (see :func:`ulysses_attention`).
+    ``pad_heads``: pad ``H`` with zero heads to a multiple of the world size (see
+    :func:`ulysses_attention`); they get ``PAD_SPEC``.
     """
     ctx = resolve_context(group, layout)
-    _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v)
-    check_head_chunks(head_chunks, H, ctx.world_size)
+    _, S_local, H, _ = validate_shards(ctx, pad_heads, q=q, k=k, v=v)
+    check_head_chunks(head_chunks, ctx.padded_heads(H), ctx.world_size)
     _check_stripe_length(grid, stripe_kwargs, S_local, ctx.world_size)
     _slice_specs(specs, H, ctx.head_slice(H))  # wrong count: raise before exchanging
     try:

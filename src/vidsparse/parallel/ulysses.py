@@ -8,8 +8,10 @@ block list may reach any key), so one all-to-all trades the sequence shard for a
              run the single-device op on the rank's heads (per-head plans sliced to them)
              [B, H/P, S, D]  --all-to-all-->  [B, S/P, H, D]
 
-Both all-to-alls are differentiable: an equal-split all-to-all is a permutation of chunks that
-is its own inverse, so its backward is the same all-to-all applied to the gradient.
+Both exchanges are differentiable: each is a permutation of the elements and the other is its
+inverse, so the backward of one is the other applied to the gradient (with the same row-copy
+packing as the forward). ``pad_heads=True`` pads a head count the world size does not divide
+with zero heads, computed and dropped.
 
 Communication is ``torch.distributed.all_to_all_single`` on one contiguous buffer (q, k, v and a
 gate are packed together, so a layer costs one collective in and one out, or ``head_chunks``
@@ -71,6 +73,8 @@ class UlyssesAttention:
     A diffusers processor receives ``[B, S_local, H, D]`` (``layout="bshd"``) and calls e.g.
     ``self.ulysses.video_sparse_attn(q, k, v, grid, sparsity=0.875, gate=g)``. The group is
     resolved at each call, so the handle can be built before ``init_process_group``.
+    ``pad_heads=True``: a world size that does not divide the heads pads them with zero heads
+    (see :func:`ulysses_attention`).
     """
 
     def __init__(
@@ -80,13 +84,17 @@ class UlyssesAttention:
         layout: str = "bshd",
         check_shards: bool = False,
         head_chunks: int = 1,
+        pad_heads: bool = False,
     ):
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if not isinstance(pad_heads, bool):
+            raise TypeError(f"pad_heads must be a bool, got {pad_heads!r}")
         self.group = group
         self.layout = layout
         self.check_shards = check_shards
         self.head_chunks = positive_head_chunks(head_chunks)
+        self.pad_heads = pad_heads
 
     def _kw(self) -> dict:
         return {
@@ -94,6 +102,7 @@ class UlyssesAttention:
             "layout": self.layout,
             "check_shards": self.check_shards,
             "head_chunks": self.head_chunks,
+            "pad_heads": self.pad_heads,
         }
 
     @property
@@ -120,4 +129,5 @@ class UlyssesAttention:
         return ulysses_stripe_attn(q, k, v, grid, specs, **self._kw(), **stripe_kwargs)
 
     def __repr__(self) -> str:
-        return f"UlyssesAttention(group={self.group!r}, layout={self.layout!r})"
+        pad = ", pad_heads=True" if self.pad_heads else ""
+        return f"UlyssesAttention(group={self.group!r}, layout={self.layout!r}{pad})"

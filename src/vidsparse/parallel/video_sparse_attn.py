@@ -24,6 +24,7 @@ def ulysses_video_sparse_attn(
     layout: str = "bshd",
     check_shards: bool = False,
     head_chunks: int = 1,
+    pad_heads: bool = False,
 ) -> torch.Tensor:
     """:func:`vidsparse.video_sparse_attn` over a sequence-sharded input.
 
@@ -33,13 +34,15 @@ def ulysses_video_sparse_attn(
     but any split works: the all-to-all reassembles the full sequence before the op). ``gate``
     is sharded like q and exchanged with it. Differentiable in q, k, v and gate.
     ``head_chunks``: pipelined exchange for inference (see :func:`ulysses_attention`).
+    ``pad_heads``: pad ``H`` with zero heads (and zero gates) to a multiple of the world size
+    (see :func:`ulysses_attention`).
     """
     from vidsparse.ops.video_sparse_attn import video_sparse_attn
     from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
     ctx = resolve_context(group, layout)
-    _, S_local, H, _ = validate_shards(ctx, q=q, k=k, v=v, gate=gate)
-    check_head_chunks(head_chunks, H, ctx.world_size)
+    _, S_local, H, _ = validate_shards(ctx, pad_heads, q=q, k=k, v=v, gate=gate)
+    check_head_chunks(head_chunks, ctx.padded_heads(H), ctx.world_size)
     if not isinstance(tiled, bool):
         raise TypeError(f"tiled must be a bool, got {tiled!r}")
     check_grid_length(grid, tiled, S_local, ctx.world_size)

@@ -13,7 +13,9 @@ is routed to the method (``METHODS``: ``"dense"``, ``"vsa"``, ``"psa"``, ``"sta"
 ``help(apply_sparse_attention)`` gives their options); the latent grid comes from a forward
 pre-hook, the denoising step from the pipeline's scheduler. :func:`load_sparse_attention`
 loads trained VSA gates (ours or FastVideo's), :func:`capture_calibration` writes q/k/v for the
-PSA search. ``docs/diffusers.md`` shows the call flow and the modules' layering.
+PSA search, :func:`apply_sequence_parallel` shards a model's sequence over a process group
+(with ``ulysses=`` for its self-attention). ``docs/diffusers.md`` shows the call flow and the
+modules' layering.
 """
 
 from vidsparse.integrations.diffusers.api import (
@@ -28,6 +30,10 @@ from vidsparse.integrations.diffusers.api import (
 from vidsparse.integrations.diffusers.capture import CalibrationCapture
 from vidsparse.integrations.diffusers.methods import GATE_MODULE_NAME, METHODS
 from vidsparse.integrations.diffusers.models import SUPPORTED_MODELS, UNSUPPORTED_MODELS
+from vidsparse.integrations.diffusers.sequence_parallel import (
+    SequenceParallel,
+    apply_sequence_parallel,
+)
 
 __all__ = [
     "SUPPORTED_MODELS",
@@ -42,4 +48,6 @@ __all__ = [
     "denoising_step_callback",
     "capture_calibration",
     "CalibrationCapture",
+    "SequenceParallel",
+    "apply_sequence_parallel",
 ]

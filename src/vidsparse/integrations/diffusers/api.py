@@ -102,7 +102,9 @@ def remove_sparse_attention(pipe_or_transformer) -> None:
         _forget_config(transformer)
 
 
-def load_sparse_attention(pipe_or_transformer, source, method: str = "vsa", **options) -> None:
+def load_sparse_attention(
+    pipe_or_transformer, source, method: str = "vsa", *, ulysses=None, **options
+) -> None:
     """Apply VSA with trained gates from ``source`` in one call.
 
     ``source``: a folder written by ``save_pretrained`` of a patched transformer (its
@@ -114,6 +116,8 @@ def load_sparse_attention(pipe_or_transformer, source, method: str = "vsa", **op
     transformer name; a pipeline of one transformer also takes that transformer's own folder,
     file or state dict.
 
+    ``ulysses``: sequence parallelism, as for :func:`apply_sparse_attention`.
+
     Raises ``ValueError`` for a source without gates, gates for other layers, or of another
     shape (another model), naming the mismatch; nothing stays patched then.
     """
@@ -124,7 +128,7 @@ def load_sparse_attention(pipe_or_transformer, source, method: str = "vsa", **op
         name: {**apply_saved_config(sources[name], method, options), "gate": True}
         for name, _ in targets
     }
-    _install_all(pipe_or_transformer, targets, method, per_target)
+    _install_all(pipe_or_transformer, targets, method, per_target, ulysses)
     try:
         for name, transformer in targets:
             load_gate_state(transformer, sources[name].state_dict)
