@@ -1,41 +1,29 @@
 """The diffusers integration under sequence parallelism (``apply_sparse_attention(...,
 ulysses=UlyssesAttention())``), two gloo processes on the CPU.
 
-Each rank shards a tiny model's sequence the way diffusers' context parallelism does, from the
-model class's own ``_cp_plan`` (its ``ContextParallelInput`` entries split a module's inputs, or
-its outputs with ``split_output=True``, along ``split_dim`` when the tensor has
-``expected_dims``; its ``ContextParallelOutput`` entries all-gather a module's outputs along
-``gather_dim``), installed as diffusers installs them: ``HookRegistry`` hooks that wrap the
-module's ``forward``, so the torch forward pre-hooks (vidsparse's latent-grid hook on the
-transformer) still see the whole inputs, as under real context parallelism. diffusers' own
-``enable_parallelism`` needs an accelerator, so the CPU test installs the equivalent hooks itself.
-The model output is compared with the single-process output of the same method: dense, VSA
-(with a non-zero gate projection, so the gate's exchange matters) and PSA.
-
-One exception to the plans: inputs that only the cross-attention consumes
-(``encoder_hidden_states``, ``encoder_attention_mask``: LTX-Video's plan splits them) are kept
-whole. Under real context parallelism diffusers' attention dispatch gathers them for the
-cross-attention (the ``parallel_config`` it sets on the processors); the emulation has no
-``parallel_config``, the stock cross-attention then runs locally, and keeping the text whole on
-every rank is the same math.
+Each rank shards a tiny model's sequence with ``apply_sequence_parallel``: the model class's own
+``_cp_plan`` installed as diffusers' context parallelism installs it (``HookRegistry`` hooks
+that wrap the module's ``forward``, so the torch forward pre-hooks, vidsparse's latent-grid hook
+on the transformer, still see the whole inputs), the inputs only the cross-attention reads kept
+whole on every rank (the stock cross-attention then runs locally on the rank's queries against
+the whole text: the same math). diffusers' own ``enable_parallelism`` needs an accelerator. The
+model output is compared with the single-process output of the same method: dense, VSA (with a
+non-zero gate projection, so the gate's exchange matters) and PSA.
 
 Covered: every class of vidsparse's models table with a ``_cp_plan`` in diffusers 0.42 but
 LTX-2 -- Wan (``wan_t2v``), ChronoEdit and LTX-Video -- with the tiny models of
-``tiny_models.py``. LTX-2 is left out: its plan shards the video only (``hidden_states`` and the
-``rope`` tables), while its audio-video cross-attentions mix the two streams. The
-video-to-audio attention takes the video as keys and values, so each rank's (whole) audio would
-attend to its own video shard only, and feed that back to the video through the
-audio-to-video attention: no sharding of the inputs makes it the single-process model without
-the dispatch's ``parallel_config`` gathering the video there. (Before that, the emulated plan
-already fails in the audio-to-video attention: the ``cross_attn_rope`` tables, one per video
-token, are not in the plan, 240 rows against the 120 video tokens of a shard.)
+``tiny_models.py``. LTX-2 is refused by ``apply_sequence_parallel`` (its ``UNSHARDABLE``): its
+plan shards the video only (``hidden_states`` and the ``rope`` tables), while its audio-video
+cross-attentions mix the two streams. The video-to-audio attention takes the video as keys and
+values, so each rank's (whole) audio would attend to its own video shard only, and feed that
+back to the video through the audio-to-video attention: no sharding of the inputs makes it the
+single-process model without the dispatch's ``parallel_config`` gathering the video there.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
-import inspect
 import os
 import traceback
 from pathlib import Path
@@ -56,123 +44,10 @@ MODELS = {
     "chronoedit": "ChronoEditTransformer3DModel",
     "ltx_video": "LTXVideoTransformer3DModel",
 }
-# Classes with a _cp_plan left out (see the module docstring).
-LEFT_OUT = {"LTX2VideoTransformer3DModel": "its video-to-audio attention takes the video as keys"}
-# Forward inputs the emulation keeps whole on every rank (see the module docstring).
-CROSS_ATTENTION_INPUTS = ("encoder_hidden_states", "encoder_attention_mask")
+# Classes with a _cp_plan left out: those apply_sequence_parallel refuses (its UNSHARDABLE).
+LEFT_OUT = ("LTX2VideoTransformer3DModel",)
 CASES = tuple(f"{model}-{method}" for model in MODELS for method in METHODS)
 XFAIL: dict[str, str] = {}  # case -> reason, for a failure inside vidsparse's integration
-
-
-# ---------------------------------------------------------------------------------------------
-# diffusers' context-parallel plan, emulated on a gloo group (diffusers/hooks/context_parallel.py)
-# ---------------------------------------------------------------------------------------------
-
-
-def _split(x, cpm):
-    """``x`` sharded as ``cpm`` says (a list of ``ContextParallelInput``: per item of ``x``):
-    this rank's equal chunk along ``split_dim``; unchanged if ``x.dim() != expected_dims``."""
-    if isinstance(cpm, (list, tuple)):
-        assert len(x) == len(cpm), f"{len(x)} values for {len(cpm)} ContextParallelInputs"
-        return type(x)(_split(v, c) for v, c in zip(x, cpm))
-    if not torch.is_tensor(x) or (cpm.expected_dims is not None and x.dim() != cpm.expected_dims):
-        return x
-    size = x.shape[cpm.split_dim]
-    assert size % WORLD == 0, f"{tuple(x.shape)}: dim {cpm.split_dim} does not divide by {WORLD}"
-    return x.chunk(WORLD, dim=cpm.split_dim)[dist.get_rank()]
-
-
-def _gather(x: torch.Tensor, cpo) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(WORLD)]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts, dim=cpo.gather_dim)
-
-
-def _split_hook(plan: dict):
-    """A ``ModelHook`` splitting the named inputs of ``plan`` before the forward and the
-    outputs of its integer keys (``split_output=True``) after it (ContextParallelSplitHook)."""
-    from diffusers.hooks import ModelHook
-
-    class Split(ModelHook):
-        def initialize_hook(self, module):
-            self.names = list(inspect.signature(type(module).forward).parameters)[1:]
-            return module
-
-        def pre_forward(self, module, *args, **kwargs):
-            args = list(args)
-            for name, cpm in plan.items():
-                if isinstance(name, int) or getattr(cpm, "split_output", False):
-                    continue
-                if name in kwargs:
-                    kwargs[name] = _split(kwargs[name], cpm)
-                elif self.names.index(name) < len(args):
-                    index = self.names.index(name)
-                    args[index] = _split(args[index], cpm)
-            return tuple(args), kwargs
-
-        def post_forward(self, module, output):
-            outputs = {k: cpm for k, cpm in plan.items() if isinstance(k, int) and cpm.split_output}
-            if not outputs:
-                return output
-            single = torch.is_tensor(output)
-            split = [output] if single else list(output)
-            for index, cpm in outputs.items():
-                split[index] = _split(split[index], cpm)
-            return split[0] if single else type(output)(split)
-
-    return Split()
-
-
-def _gather_hook(plan: list):
-    """A ``ModelHook`` all-gathering the module's outputs (ContextParallelGatherHook)."""
-    from diffusers.hooks import ModelHook
-
-    class Gather(ModelHook):
-        def post_forward(self, module, output):
-            single = torch.is_tensor(output)
-            output = [output] if single else list(output)
-            assert len(output) == len(plan), f"{len(output)} outputs for {len(plan)} entries"
-            output = [x if cpo is None else _gather(x, cpo) for x, cpo in zip(output, plan)]
-            return output[0] if single else tuple(output)
-
-    return Gather()
-
-
-def _submodules(module, name: str) -> list:
-    """The modules ``name`` denotes (``""``: ``module``; ``*`` once: every item of a list)."""
-    if not name:
-        return [module]
-    first, _, rest = name.partition(".")
-    if first == "*":
-        return [m for item in module for m in _submodules(item, rest)]
-    return _submodules(getattr(module, first), rest)
-
-
-def cp_plan(model) -> dict:
-    """``type(model)._cp_plan`` without the cross-attention inputs (module docstring)."""
-    plan = {}
-    for module_id, entry in type(model)._cp_plan.items():
-        if isinstance(entry, dict):
-            entry = {k: v for k, v in entry.items() if k not in CROSS_ATTENTION_INPUTS}
-            if not entry:
-                continue
-        plan[module_id] = entry
-    return plan
-
-
-def shard_like_diffusers_cp(model) -> None:
-    """Install ``model``'s context-parallel plan on the default process group."""
-    from diffusers.hooks import HookRegistry
-    from diffusers.models._modeling_parallel import ContextParallelOutput
-
-    for module_id, entry in cp_plan(model).items():
-        if isinstance(entry, ContextParallelOutput):
-            entry = [entry]
-        for m in _submodules(model, module_id):  # a hook object per module, as diffusers
-            hook = _split_hook(entry) if isinstance(entry, dict) else _gather_hook(list(entry))
-            HookRegistry.check_if_exists_or_initialize(m).register_hook(
-                hook, f"vidsparse-test-cp---{module_id}"
-            )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,7 +80,7 @@ def _randomise_gates(model) -> None:
 def _case(case: str) -> float:
     from tiny_models import TINY_MODELS, first_output
 
-    from vidsparse.integrations.diffusers import apply_sparse_attention
+    from vidsparse.integrations.diffusers import apply_sequence_parallel, apply_sparse_attention
     from vidsparse.parallel import UlyssesAttention
 
     name, method = case.rsplit("-", 1)
@@ -214,7 +89,7 @@ def _case(case: str) -> float:
         model, inputs = TINY_MODELS[name]()
         assert type(model).__name__ == MODELS[name]
         if parallel:
-            shard_like_diffusers_cp(model)
+            apply_sequence_parallel(model)
         ulysses = {"ulysses": UlyssesAttention()} if parallel else {}
         apply_sparse_attention(model, method, **ulysses, **_options(method))
         _randomise_gates(model)
@@ -285,9 +160,11 @@ def test_every_model_with_a_cp_plan_is_covered():
     import diffusers
 
     from vidsparse.integrations.diffusers import SUPPORTED_MODELS
+    from vidsparse.integrations.diffusers.sequence_parallel import UNSHARDABLE
 
     with_plan = {n for n in SUPPORTED_MODELS if getattr(getattr(diffusers, n), "_cp_plan", None)}
     assert with_plan == set(MODELS.values()) | set(LEFT_OUT)
+    assert set(LEFT_OUT) == set(UNSHARDABLE)
 
 
 def test_ulysses_option_is_checked():

@@ -1,7 +1,8 @@
 """``apply_sequence_parallel``'s errors, in one process (its training runs are in
 ``tests/examples/test_finetune_vsa_parallel.py``, on 2 and 4 gloo processes): a model without
-a ``_cp_plan``, no process group, and a sequence that does not split (named at the forward,
-before any collective), with torch's "fake" process group of size 2; and ``remove``.
+a ``_cp_plan`` or one that cannot be sharded (LTX-2), no process group, and a sequence that
+does not split (named at the forward, before any collective), with torch's "fake" process
+group of size 2; and ``remove``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ def fake_group(monkeypatch):
 def test_a_model_without_a_plan_or_a_group_is_refused():
     with pytest.raises(ValueError, match="Linear has no _cp_plan"):
         apply_sequence_parallel(nn.Linear(2, 2))
+    ltx2 = type("LTX2VideoTransformer3DModel", (nn.Module,), {"_cp_plan": {"": {}}})()
+    with pytest.raises(ValueError, match="LTX2VideoTransformer3DModel cannot be sequence-sharded"):
+        apply_sequence_parallel(ltx2)
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
@@ -53,5 +57,5 @@ def test_a_sequence_that_does_not_split_names_the_sizes(fake_group):
     with pytest.raises(ValueError, match=r"\(1, 189, 1, 16\) tensor into 2 equal chunks: 189"):
         model(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=text)
     sharding.remove()
-    assert sharding.handles == []
+    assert sharding.modules == []
     model(hidden_states=latents, timestep=torch.tensor([500.0]), encoder_hidden_states=text)
