@@ -16,7 +16,6 @@ run (``accelerate`` takes the gloo group they set up first, as it sets one up it
 from __future__ import annotations
 
 import contextlib
-import datetime
 import importlib.util
 import json
 import os
@@ -26,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo import spawn_gloo
 
 pytest.importorskip("diffusers", minversion="0.36")
 pytest.importorskip("accelerate")
@@ -76,23 +75,10 @@ def losses(output: Path) -> list[tuple[int, float, float]]:
     return [(s["step"], s["loss"], s["sparsity"]) for s in map(json.loads, lines)]
 
 
-def _worker(rank: int, world: int, tmp: str, job: str, runs: dict) -> None:
-    """One process of ``world``: ``main()`` for each of ``runs`` (name -> (folder, args)),
-    one after the other; the exit codes (or tracebacks) go to ``tmp/<job>-rank<rank>.pt``."""
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-         "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-         "VIDSPARSE_BACKEND": "torch", "ACCELERATE_USE_CPU": "true"}
-    )  # fmt: skip
-    torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")  # before the group (tests/parallel/test_parallel.py)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{tmp}/{job}-store",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),  # a desynchronised run fails, not hangs
-    )
+def _runs(rank: int, world: int, tmp: str, runs: dict) -> dict:
+    """``main()`` for each of ``runs`` (name -> (folder, args)), one after the other, on one
+    process of ``world``; ``{name: exit code or traceback}``."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank)})  # as torchrun sets them
     recipe, root, codes = load_recipe(), Path(tmp), {}
     for name, (folder, args) in runs.items():
         try:
@@ -101,8 +87,7 @@ def _worker(rank: int, world: int, tmp: str, job: str, runs: dict) -> None:
         except Exception:  # noqa: BLE001 - reported to the parent
             codes[name] = traceback.format_exc()
             break  # a later run would start collectives the other ranks are not in
-    dist.destroy_process_group()
-    torch.save(codes, root / f"{job}-rank{rank}.pt")
+    return codes
 
 
 def check_exit_codes(codes: list[dict], name: str) -> None:
@@ -115,8 +100,19 @@ def check_exit_codes(codes: list[dict], name: str) -> None:
 def spawn(tmp: Path, world: int, runs: dict) -> list[dict]:
     """Run ``runs`` on ``world`` gloo processes; each rank's ``{name: exit code}``."""
     job = f"job{len(list(tmp.glob('job*-rank0.pt')))}"  # a fresh store file for every spawn
-    mp.spawn(_worker, args=(world, str(tmp), job, runs), nprocs=world, join=True)
-    return [torch.load(tmp / f"{job}-rank{r}.pt") for r in range(world)]
+    return spawn_gloo(_runs, world, tmp, job, str(tmp), runs, env=_accelerate_env(world))
+
+
+def _accelerate_env(world: int) -> dict:
+    """What ``torchrun`` would set for ``accelerate`` on every rank (``_runs`` sets the rank's
+    own)."""
+    return {
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "true",
+    }
 
 
 @pytest.fixture(scope="module")

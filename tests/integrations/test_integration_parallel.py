@@ -22,16 +22,14 @@ single-process model without the dispatch's ``parallel_config`` gathering the vi
 
 from __future__ import annotations
 
-import datetime
-import importlib
 import os
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from gloo import spawn_gloo
 
 pytest.importorskip("diffusers")
 
@@ -102,25 +100,14 @@ def _case(case: str) -> float:
     return float((sharded - single).abs().max() / single.abs().max())
 
 
-def _worker(rank: int, store: str, out_dir: str) -> None:
-    os.environ["VIDSPARSE_BACKEND"] = "torch"
-    torch.set_num_threads(1)
-    importlib.import_module("torch._dynamo")  # before the group (tests/parallel/test_parallel.py)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
+def _all_cases(rank: int, world: int) -> dict:
     verdicts = {}
     for case in CASES:
         try:
             verdicts[case] = _case(case)
         except Exception as exc:  # noqa: BLE001 - reported to the parent per case
             verdicts[case] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    dist.destroy_process_group()
-    torch.save(verdicts, Path(out_dir) / f"rank{rank}.pt")
+    return verdicts
 
 
 @pytest.fixture(scope="module")
@@ -131,13 +118,12 @@ def verdicts(tmp_path_factory):
     tests_dir = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, saved) if p)
     try:
-        mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=WORLD, join=True)
+        return spawn_gloo(_all_cases, WORLD, tmp, "cases")
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 
 def _param(case: str):

@@ -13,19 +13,17 @@ second process are in ``test_parallel_errors.py``.
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import os
 import traceback
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from gloo import spawn_gloo
 from vidsparse.layout.grid import VideoGrid
 from vidsparse.masks.block_sparse import random_block_lists
 from vidsparse.masks.stripe import StripeSpec
@@ -552,22 +550,7 @@ if HAS_STRIPE:
     SCENARIOS["padded_tiled_exchange_bshd"] = lambda: _tiled_exchange_case("bshd", pad=True)
 
 
-def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
-    # The reference path: fast and exact on CPU (conftest's TRITON_INTERPRET is inherited).
-    os.environ["VIDSPARSE_BACKEND"] = "torch"
-    torch.set_num_threads(1)  # several processes on two cores
-    # Imported before the group exists: imported later (the engine does on its first call),
-    # torch._dynamo keeps references to the group past destroy_process_group, and gloo then
-    # aborts this process at interpreter exit about one run in four (torch 2.13).
-    importlib.import_module("torch._dynamo")
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_path}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),  # a bug that desynchronises ranks fails, not hangs
-    )
+def _all_scenarios(rank: int, world: int) -> dict:
     verdicts = {}
     for name, scenario in SCENARIOS.items():
         try:
@@ -575,8 +558,7 @@ def _worker(rank: int, world: int, store_path: str, out_dir: str) -> None:
             verdicts[name] = "ok"
         except Exception as exc:  # noqa: BLE001 - reported to the parent per scenario
             verdicts[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-    dist.destroy_process_group()
-    torch.save(verdicts, Path(out_dir) / f"rank{rank}.pt")
+    return verdicts
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"world{world}")
@@ -584,8 +566,7 @@ def verdicts(request, tmp_path_factory):
     """Spawn the ranks of one world size once; ``{scenario: [verdict of each rank]}``."""
     world = request.param
     tmp = tmp_path_factory.mktemp(f"ulysses{world}")
-    mp.spawn(_worker, args=(world, str(tmp / "store"), str(tmp)), nprocs=world, join=True)
-    per_rank = [torch.load(tmp / f"rank{r}.pt") for r in range(world)]
+    per_rank = spawn_gloo(_all_scenarios, world, tmp, "scenarios")
     return {name: [v[name] for v in per_rank] for name in SCENARIOS}
 
 
