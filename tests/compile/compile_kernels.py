@@ -161,7 +161,6 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
     from vidsparse.ops.block_sparse_attn.configs import override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
-    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
 
     meta = torch.device("meta")
     nq, nk = SEQ // block_q, SEQ // block_kv
@@ -186,12 +185,15 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
             )  # fmt: skip
         # VSA's fine stage with the fused gate epilogue, at its 4x4x4 tile (64 tokens). With
         # 128-token tiles the epilogue spills 2-7 registers on gfx942/gfx950 (not recorded).
+        # Inference, and training: 16-bit outputs then keep o's int8 residual for the backward.
         if has_kv_sizes and block_q == block_kv == 64:
             oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
-            block_sparse_attn_fwd(
-                q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
-                padding_finite=True, epilogue=CoarseCombine(oc, bhsd(), kv_sizes),
-            )  # fmt: skip
+            for residual in (False, True):
+                epilogue = _combine(q, oc, bhsd(), kv_sizes, residual=residual)
+                block_sparse_attn_fwd(
+                    q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
+                    padding_finite=True, epilogue=epilogue,
+                )  # fmt: skip
         # The backward as configs.py launches it (fused or not) and as two launches (what runs
         # wherever the configs do not fuse); on Hopper also as one fused launch (fused_modes).
         vsa = has_kv_sizes and block_q == block_kv == 64  # VSA's tiles: its combined backward
@@ -207,18 +209,25 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         for fused in vsa_modes if vsa else ():
             # the combine's gradients fused, and the coarse branch's (the tile means' shares
             # added on the finished gradients)
-            epilogue = _PooledGradStub(oc, bhsd(), kv_sizes, dpooled)
+            epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled)
             with override(fused=fused):
                 block_sparse_attn_bwd(*args, padding_finite=True, epilogue=epilogue)
     return sink
 
 
-def _PooledGradStub(oc, gate, sizes, dpooled):
-    """VSA's epilogue with the coarse attention's backward (a host step, nothing to compile)
-    replaced by a fixed ``dpooled``."""
-    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
+def _combine(q, oc, gate, sizes, pooled=None, *, residual: bool):
+    """VSA's epilogue as its fine stage builds it; with ``residual``, as under autograd."""
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine, combine_spec
 
-    epilogue = CoarseCombine(oc, gate, sizes, torch.empty_like(dpooled))
+    epilogue = CoarseCombine(oc, gate, sizes, pooled, spec=combine_spec((), residual))
+    epilogue.saved = epilogue.forward_saved(q)  # as the engine's custom op sets it
+    return epilogue
+
+
+def _PooledGradStub(q, oc, gate, sizes, dpooled):
+    """VSA's epilogue in training (o's residual kept for 16-bit outputs) with the coarse
+    attention's backward (a host step, nothing to compile) replaced by a fixed ``dpooled``."""
+    epilogue = _combine(q, oc, gate, sizes, torch.empty_like(dpooled), residual=True)
     epilogue._pooled_grad = lambda d_coarse, call: dpooled
     return epilogue
 

@@ -1,5 +1,5 @@
-"""Compile the Gluon block-sparse forward for sm_90 on any machine (no GPU needed), and read
-back ptxas's resource report and a SASS hazard count.
+"""Compile the Gluon block-sparse forward (and the dK/dV kernel) for sm_90 on any machine (no
+GPU needed), and read back ptxas's resource report and a SASS hazard count.
 
 ``tests/ops/block_sparse_attn/test_gluon_fwd.py`` builds every variant the library takes with
 ``compile_sm90``; ``benchmarks/tuning/try_gluon_fwd.py --compile-only`` does the same for the
@@ -35,35 +35,28 @@ def compile_sm90(
     dtype=torch.bfloat16,
     block: int = BLOCK,
     combine: bool = False,
+    residual: bool = False,
 ) -> dict:
     """Compile the Gluon kernel for cuda:90 on meta tensors; returns ptxas's resource report.
 
     ``options``: fields of the schedule (``configs.GluonOptions``: STAGES, PINGPONG, P_IN_SMEM,
     ...) overriding the library's (``{}``: the library's own). ``masked``: the variant with
     key-block sizes (padding keys masked, full blocks first); ``block``: 128 (one query block
-    per program) or 64 (two, VSA's tiles); ``combine``: VSA's gate epilogue (gate and real-row
-    sizes)."""
+    per program) or 64 (two, VSA's tiles); ``combine``: VSA's gate epilogue (the gate, and with
+    ``masked`` the real rows of each tile); ``residual``: the combine also stores the int8 residual of o that a backward
+    reads (as under autograd)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError(
             "compile_sm90 needs real Triton kernels: unset TRITON_INTERPRET before vidsparse's"
             " kernels are imported (e.g. run it in a child process without it)"
         )
-    import inspect
     from dataclasses import replace
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.runtime.jit import native_specialize_impl
 
     from vidsparse.ops.block_sparse_attn import configs
     from vidsparse.ops.block_sparse_attn import fwd_sm90 as launcher
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
-    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
+    from vidsparse.ops.video_sparse_attn.fine import CoarseCombine, combine_spec
 
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
     meta = torch.device("meta")
     q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D]
     lse = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S]
@@ -75,29 +68,62 @@ def compile_sm90(
     epilogue = NO_EPILOGUE
     if combine:  # o_coarse [B, H, NQ, D] fp32, gate like q, real rows per block [NQ]
         oc = torch.empty(B, H, nq, D, dtype=torch.float32, device=meta)
-        rows = torch.empty(nq, dtype=torch.int32, device=meta)
-        epilogue = CoarseCombine(oc, torch.empty_like(q), rows)
+        # partial tiles (padding rows zeroed) come with key-block sizes, full ones without
+        rows = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None
+        spec = combine_spec((), residual)
+        epilogue = CoarseCombine(oc, torch.empty_like(q), rows, spec=spec)
+        epilogue.saved = epilogue.forward_saved(q)  # as the engine's custom op sets it
     schedule = replace(configs.GLUON, **options) if options else None
     kernel, _, args, kwargs = launcher.kernel_args(
         q, q, q, q, lse, idx, cnt, block, block, D**-0.5, sizes, full,
         epilogue=epilogue, options=schedule,
     )  # fmt: skip
+    return _compile_report(kernel, args, kwargs)
+
+
+def compile_dkdv_sm90(
+    options: dict, *, masked: bool = False, dtype=torch.bfloat16, block: int = BLOCK,
+    epilogue=None,
+) -> dict:  # fmt: skip
+    """Compile the Gluon dK/dV kernel (``ops/block_sparse_attn/kernels/bwd_sm90.py``) for
+    cuda:90 on meta tensors; returns the report of ``compile_sm90``. ``options``: fields of
+    ``configs.GluonDkdvOptions`` overriding the library's; ``masked``: with key-block sizes;
+    ``epilogue``: ``(epilogue, grad_args)`` whose Gluon dK/dV hook is compiled in (None: none)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("compile_dkdv_sm90 needs real Triton kernels (see compile_sm90)")
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+
+    meta = torch.device("meta")
+    q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D], as k, v, do, dk, dv
+    lse2 = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S], as delta
+    nk = S // block
+    offsets = torch.empty(1, H, nk + 1, dtype=torch.int32, device=meta)  # [1, H, NK + 1]
+    indices = torch.empty(1, H, nk * (nk // 8), dtype=torch.int32, device=meta)  # [1, H, NQ*K]
+    sizes = torch.empty(nk, dtype=torch.int32, device=meta) if masked else None  # [NK]
+    hooked, grad_args = epilogue if epilogue is not None else (NO_EPILOGUE, ())
+    schedule = replace(configs.GLUON_DKDV, **options) if options else None
+    kernel, _, args, kwargs = bwd_sm90.kernel_args(
+        q, q, q, q, q, q, lse2, lse2, offsets, indices, block, D**-0.5, sizes,
+        epilogue=hooked, grad_args=grad_args, options=schedule,
+    )  # fmt: skip
+    return _compile_report(kernel, args, kwargs)
+
+
+def _compile_report(kernel, args, kwargs) -> dict:
+    """Compile one Gluon launch for cuda:90; ptxas's resource report and the SASS hazards."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
     call_kwargs = {k: v for k, v in kwargs.items() if k in kernel.arg_names}
     launch_options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
-    bound = inspect.signature(kernel.fn).bind(*args, **call_kwargs)
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(kernel.params):  # the JIT's own argument specialisation
-        value = bound.arguments[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
-            continue
-        ty, attr = native_specialize_impl(type(backend), value, param.is_const, True, True)
-        signature[param.name] = ty
-        if ty == "constexpr":
-            constexprs[param.name] = value
-        elif isinstance(attr, str) and attr:
-            attrs[(i,)] = backend.parse_attr(attr)
+    signature, constexprs, attrs = _specialise(kernel, backend, args, call_kwargs)
     src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=target, options=launch_options)
     log = ptxas_log(backend, compiled.asm["ptx"], launch_options)
@@ -117,6 +143,37 @@ def compile_sm90(
         "ptxas_warnings": re.findall(r"\(C7\d+\)[^\n]*", log),
         "sass_a_operand_hazards": len(a_operand_hazards(sass)),
     }
+
+
+def _specialise(kernel, backend, args, kwargs) -> tuple[dict, dict, dict]:
+    """``(signature, constexprs, attrs)`` of a launch as the JIT forms them: constexprs and
+    attributes keyed by their path into the arguments, so those inside a tuple argument (an
+    epilogue hook's flags) stay constexprs."""
+    import inspect
+
+    from triton._utils import find_paths_if, get_iterable_path
+    from triton.runtime.jit import native_specialize_impl
+
+    bound = inspect.signature(kernel.fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    values = [bound.arguments[param.name] for param in kernel.params]
+    specialised = [
+        ("constexpr", value) if param.is_constexpr
+        else native_specialize_impl(type(backend), value, param.is_const, True, True)
+        for param, value in zip(kernel.params, values)
+    ]  # fmt: skip
+    types = [entry[0] for entry in specialised]
+    signature = {param.name: ty for param, ty in zip(kernel.params, types)}
+    constexprs = {
+        path: get_iterable_path(values, path)
+        for path in find_paths_if(types, lambda _, ty: ty == "constexpr")
+    }
+    found = [entry[1] for entry in specialised]
+    attrs = {
+        path: backend.parse_attr(get_iterable_path(found, path))
+        for path in find_paths_if(found, lambda _, attr: isinstance(attr, str) and attr)
+    }
+    return signature, constexprs, attrs
 
 
 def ptxas_path(arch: int) -> str:

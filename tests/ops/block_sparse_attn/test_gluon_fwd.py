@@ -27,12 +27,14 @@ ROOT = Path(__file__).resolve().parents[3]
 _COMPILE = """
 import json, sys, torch
 from vidsparse.bench.compile import compile_sm90
-for block, combine in ((128, False), (64, False), (64, True)):
+# VSA's combine: without and with the residual a backward reads (inference, training)
+for block, combine, residual in ((128, 0, 0), (64, 0, 0), (64, 1, 0), (64, 1, 1)):
     for masked in (False, True):
         for dtype in (torch.bfloat16, torch.float16):
-            rep = compile_sm90({}, masked=masked, dtype=dtype, block=block, combine=combine)
-            print(json.dumps(dict(block=block, combine=combine, masked=masked, dtype=str(dtype),
-                                  **rep)))
+            rep = compile_sm90({}, masked=masked, dtype=dtype, block=block, combine=combine,
+                               residual=residual)
+            print(json.dumps(dict(block=block, combine=combine, residual=residual,
+                                  masked=masked, dtype=str(dtype), **rep)))
 """
 
 
@@ -55,7 +57,7 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
                     f"{proc.stderr.strip().splitlines()[-1:]}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 12
+    assert len(reports) == 16
 
     for r in reports:  # a correctness check (NaNs), whatever the Triton
         assert r["sass_a_operand_hazards"] == 0, r
@@ -64,7 +66,10 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
     if unchecked:
         pytest.skip(unchecked)
     for r in reports:
-        label = f"block={r['block']} combine={r['combine']} masked={r['masked']} {r['dtype']}"
+        label = (
+            f"block={r['block']} combine={r['combine']} residual={r['residual']} "
+            f"masked={r['masked']} {r['dtype']}"
+        )
         assert r["spill_bytes"] == 0, (label, r)
         assert r["sass_a_operand_hazards"] == 0, (label, r)
         assert not r["ptxas_warnings"], (label, r)  # e.g. wgmma serialised (C7510-C7515)

@@ -323,9 +323,10 @@ def _ours_op_forward(lists: BlockLists, device: torch.device, head_dim: int) -> 
     op = torch.ops.vidsparse.block_sparse_attn_fwd
 
     def forward(q, k, v):
-        o, _ = op(
+        # no padding promise, no epilogue: the op's (o, lse, epilogue's saved tensor)
+        o, _, _ = op(
             q, k, v, lists.kv_indices, lists.kv_counts, lists.kv_block_sizes,
-            block_q, block_kv, scale, backend,
+            block_q, block_kv, scale, backend, False, "none", None, None, None, None,
         )  # fmt: skip
         return o
 

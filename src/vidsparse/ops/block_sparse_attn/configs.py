@@ -107,6 +107,24 @@ class GluonOptions:
         return dict(vars(self))
 
 
+@dataclass(frozen=True)
+class GluonDkdvOptions:
+    """The Hopper Gluon dK/dV kernel's schedule (kernels/bwd_sm90.py; work in progress, not
+    dispatched). ``STAGES``: depth of the Q / dO ring (32.5 KB a slot; the 64-row kernel holds
+    two rings, so 2 is its most at D = 128). Registers as the forward's: the loader warp gives
+    its registers to the two consumer warpgroups, which hold dK and dV across the list."""
+
+    STAGES: int = 2
+    CONSUMER_REGS: int = 240
+    LOADER_REGS: int = 24
+
+    def as_kwargs(self) -> dict:
+        return dict(vars(self))
+
+
+GLUON_DKDV = GluonDkdvOptions()
+
+
 # Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
 # blocks a program, 4x4x4 video tiles); the one head_dim measured; 16-bit inputs (wgmma, TMA).
 GLUON_BLOCKS = (64, 128)

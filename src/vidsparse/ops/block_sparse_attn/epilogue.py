@@ -17,6 +17,10 @@ code that hands them their arguments. The engine calls them without knowing what
 
 ``rows`` index the (b, h) sequence, ``local_rows`` the query block (int), ``dims`` the head
 dim. ``grad_args`` are asked for after the prologue ran, so they may depend on what it wrote.
+An epilogue may also keep a tensor of its own from the forward to the backward
+(:meth:`Epilogue.forward_saved`): the custom ops allocate it as a forward output, keep it
+with o and set it as ``saved`` before either pass, so the forward hook can fill it and the
+backward hooks read it (what storing o in a 16-bit dtype rounded away, say).
 The same epilogue runs on the PyTorch backend through its ``*_torch`` methods, so every
 backend computes the same thing. Subclasses register with :func:`register_epilogue`; the
 engine's custom ops carry the epilogue as its name and at most ``MAX_TENSORS`` tensors, and
@@ -102,6 +106,13 @@ class Epilogue:
 
     name: ClassVar[str] = "none"
     spec: str = ""  # host facts of the call (module docstring)
+    saved: torch.Tensor | None = None  # forward_saved's tensor, set by the custom ops
+
+    def forward_saved(self, q: torch.Tensor) -> torch.Tensor | None:
+        """A new tensor for the forward hook to fill and the backward hooks to read (as
+        ``saved``), given the engine's q; None (the default): none. It must not depend on
+        the values of the epilogue's tensors (the fake forward calls it too)."""
+        return None
 
     def __init__(self, *tensors: torch.Tensor | None):
         if len(tensors) > MAX_TENSORS:

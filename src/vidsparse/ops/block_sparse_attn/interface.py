@@ -153,10 +153,11 @@ def block_sparse_attn_unchecked(
         kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
             kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap, k.shape[2] // block_kv
         )
-    return torch.ops.vidsparse.block_sparse_attn_fwd(
+    o, lse, _ = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         padding_finite, epilogue.call_name, *padded_tensors(epilogue),
     )  # fmt: skip
+    return o, lse
 
 
 def _kernel_blocks(kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap, num_kv_blocks):
@@ -288,7 +289,23 @@ def check_triton_blocks(block_q: int, block_kv: int) -> None:
 
 
 # --------------------------------------------------------------------------- custom ops
-# The epilogue travels as its registered name and MAX_TENSORS optional tensors (e0..e3).
+# The epilogue travels as its registered name and MAX_TENSORS optional tensors (e0..e3); the
+# tensor it keeps for the backward (Epilogue.forward_saved) is a third forward output, empty
+# where it keeps none.
+
+
+def _forward_saved(ep: Epilogue, q: torch.Tensor) -> torch.Tensor:
+    saved = ep.forward_saved(q)
+    if saved is None:
+        return q.new_empty(0)
+    ep.saved = saved  # (never on the shared NO_EPILOGUE: it keeps nothing)
+    return saved
+
+
+def _with_saved(ep: Epilogue, saved: torch.Tensor) -> Epilogue:
+    if saved.numel():
+        ep.saved = saved
+    return ep
 
 
 @torch.library.custom_op("vidsparse::block_sparse_attn_fwd", mutates_args=())
@@ -309,31 +326,35 @@ def _block_sparse_attn_fwd_op(
     e1: torch.Tensor | None,
     e2: torch.Tensor | None,
     e3: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(o, lse, the epilogue's saved tensor)``."""
     ep = epilogue_from(epilogue, (e0, e1, e2, e3))
+    saved = _forward_saved(ep, q)
     if _nothing_to_attend(q, k, block_kv, epilogue):
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-        return torch.zeros_like(q), lse
+        return torch.zeros_like(q), lse, saved
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
-        return block_sparse_attn_fwd(
+        o, lse = block_sparse_attn_fwd(
             q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
             padding_finite=padding_finite, epilogue=ep,
         )  # fmt: skip
+        return o, lse, saved
     o, lse = block_sparse_attn_ref(
         q, k, v, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
         kv_block_sizes=kv_block_sizes, scale=scale,
     )  # fmt: skip
     o = ep.forward_torch(o, EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype))
-    return torch.empty_like(q).copy_(o), lse.float()  # q's strides, as the Triton path
+    return torch.empty_like(q).copy_(o), lse.float(), saved  # q's strides, as the Triton path
 
 
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
       padding_finite, epilogue, e0, e1, e2, e3):  # fmt: skip
     B, H, Sq, _ = q.shape
-    return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32)
+    saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3)), q)
+    return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32), saved
 
 
 @torch.library.custom_op("vidsparse::block_sparse_attn_bwd", mutates_args=())
@@ -344,6 +365,7 @@ def _block_sparse_attn_bwd_op(
     v: torch.Tensor,
     o: torch.Tensor,
     lse: torch.Tensor,
+    saved: torch.Tensor,
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
     kv_block_sizes: torch.Tensor | None,
@@ -359,7 +381,7 @@ def _block_sparse_attn_bwd_op(
     e3: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none."""
-    ep = epilogue_from(epilogue, (e0, e1, e2, e3))
+    ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3)), saved)
     if _nothing_to_attend(q, k, block_kv, epilogue):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _slots((), do)
     if backend == "triton":
@@ -399,8 +421,8 @@ def _slots(grads, like: torch.Tensor) -> list[torch.Tensor]:
 
 
 @_block_sparse_attn_bwd_op.register_fake
-def _(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-      backend, padding_finite, epilogue, e0, e1, e2, e3):  # fmt: skip
+def _(do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
+      scale, backend, padding_finite, epilogue, e0, e1, e2, e3):  # fmt: skip
     ep = epilogue_from(epilogue, (e0, e1, e2, e3))
     grads = _slots(ep.fake_gradients(), do)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
@@ -409,18 +431,19 @@ def _(do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block
 def _setup_context(ctx, inputs, output):
     (q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
      finite, epilogue, *tensors) = inputs  # fmt: skip
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, *tensors)
+    o, lse, saved = output
+    ctx.save_for_backward(q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes,
+                          *tensors)  # fmt: skip
     ctx.meta = (block_q, block_kv, scale, backend, finite, epilogue)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, saved)
 
 
-def _backward(ctx, do, _dlse):
-    q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, *tensors = ctx.saved_tensors
+def _backward(ctx, do, _dlse, _dsaved):
+    q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, *tensors = ctx.saved_tensors
     block_q, block_kv, scale, backend, padding_finite, epilogue = ctx.meta
     dq, dk, dv, grads = torch.ops.vidsparse.block_sparse_attn_bwd(
-        do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-        backend, padding_finite, epilogue, *tensors,
+        do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
+        scale, backend, padding_finite, epilogue, *tensors,
     )  # fmt: skip
     # Only tensors that took part get a gradient (an empty slot means none).
     tensor_grads = [

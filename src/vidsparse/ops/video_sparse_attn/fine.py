@@ -7,10 +7,13 @@
 
 The engine forms ``o_fine`` and the kernels add the coarse term before the one store of ``o``
 (``kernels/combine.py``); ``o_fine`` is not kept: the backward's prologue recovers it from
-``o`` and forms the combine's gradients from its one read of ``do``. Given the coarse stage's
-tile means (``pooled``), the coarse attention's backward runs between the prologue and the
-gradient kernels, which add each tile mean's gradient share to the tile's real rows: the
-pooling's backward costs no pass of its own.
+``o`` and forms the combine's gradients from its one read of ``do``. Under autograd, 16-bit
+outputs come with an int8 residual (what the store of ``o`` rounded away; the engine keeps it
+for the backward as the epilogue's ``saved``): without it the recovered ``o_fine`` would carry
+o's rounding into the backward's ``delta``, which dominates dq and dk where softmax is sharp.
+Given the coarse stage's tile means (``pooled``), the coarse attention's backward runs between
+the prologue and the gradient kernels, which add each tile mean's gradient share to the
+tile's real rows: the pooling's backward costs no pass of its own.
 """
 
 from __future__ import annotations
@@ -69,7 +72,11 @@ def vsa_fine_combined(
     gate_t = None if gate_t is None else gate_t.contiguous()
     if q_block_sizes is not None and q_block_sizes.ndim == 2 and not segments:
         raise ValueError("a plan's q_info comes with the plan's segments")
-    spec = ",".join(map(str, segments))
+    # A backward will run: keep o's rounding residual for it (a plain bool under compile).
+    residual = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t)
+    )
+    spec = combine_spec(segments, residual)
     epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)
     o, _ = block_sparse_attn_unchecked(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
@@ -98,6 +105,43 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
     return tuple(x.stride()[:3])
 
 
+# The epilogue's spec: "r:" (keep the residual) before the plan's flat segments, if any.
+_RESIDUAL_FLAG = "r:"
+
+
+def combine_spec(segments: tuple[int, ...], residual: bool) -> str:
+    """``CoarseCombine``'s spec: the plan's flat segments (``()``: one grid), and whether the
+    forward keeps o's int8 rounding residual for the backward."""
+    flat = ",".join(map(str, segments))
+    return _RESIDUAL_FLAG + flat if residual else flat
+
+
+# 1 / u of the 16-bit outputs (u: unit roundoff; kernels/combine.py's residual steps).
+_INV_UNIT_ROUNDOFF = {torch.float16: 2048.0, torch.bfloat16: 256.0}
+
+
+def _binade(x: torch.Tensor) -> torch.Tensor:
+    """``2^e <= |x| < 2^(e+1)`` of fp32 ``x``, from its exponent bits (inf / NaN: inf)."""
+    return (x.view(torch.int32) & 0x7F800000).view(torch.float32)
+
+
+def _residual_int8(o: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels/combine.py``'s ``_store_residual``: int8 steps of ``o - o.to(dtype)``."""
+    o_low = o.to(dtype).float()
+    binade = _binade(o_low)
+    ok = (binade > 0) & (binade < float("inf"))
+    scale = 127.0 * _INV_UNIT_ROUNDOFF[dtype] / torch.where(ok, binade, 1.0)  # a power of two
+    ratio = torch.where(ok, (o - o_low) * scale, 0.0)
+    return torch.floor(ratio.clamp(-127.0, 127.0) + 0.5).to(torch.int8)
+
+
+def _residual_step(o_low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``kernels/combine.py``'s ``_residual_step`` (fp32 ``o_low`` stored in ``dtype``)."""
+    binade = _binade(o_low)
+    step = binade / (127.0 * _INV_UNIT_ROUNDOFF[dtype])
+    return torch.where(binade < float("inf"), step, 0.0)
+
+
 @register_epilogue
 class CoarseCombine(Epilogue):
     """VSA's combine as the engine's epilogue; tensors ``(o_coarse, gate, q_block_sizes,
@@ -108,20 +152,24 @@ class CoarseCombine(Epilogue):
     def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, *, spec=""):
         super().__init__(o_coarse, gate, q_block_sizes, pooled)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
-        self.spec = spec  # the plan's flat segments, comma-separated ("": one grid)
-        self._segments = segments_of(tuple(int(x) for x in spec.split(","))) if spec else ()
+        self.spec = spec  # [_RESIDUAL_FLAG] + the plan's flat segments, comma-separated
+        self._residual = spec.startswith(_RESIDUAL_FLAG)
+        flat = spec.removeprefix(_RESIDUAL_FLAG)
+        self._segments = segments_of(tuple(int(x) for x in flat.split(","))) if flat else ()
         self._d_coarse = self._d_gate = self._q_blocks = None
 
     def fns(self) -> EpilogueFns:
         return _kernel_fns()
 
+    def forward_saved(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The int8 residual of o (fp32 outputs store exactly: none)."""
+        if not self._residual or q.dtype not in _INV_UNIT_ROUNDOFF:
+            return None
+        return torch.empty(q.shape, device=q.device, dtype=torch.int8)
+
     # --- Triton
     def forward_args(self, call: EngineCall) -> tuple:
-        oc, gate, dummy = self.o_coarse, self.gate, self.o_coarse
-        gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *_strides3(gate))
-        sizes = dummy if self.q_sizes is None else self._q_block_sizes(call)
-        flags = (gate is not None, self.q_sizes is not None)
-        return (oc, *_strides3(oc), *gate_args, sizes, *map(_constexpr, flags))
+        return (*self._inputs(call), *self._residual_args(call)[0], *self._flags(call))
 
     def prologue_args(self, call: EngineCall, do: torch.Tensor) -> tuple:
         B, H, _, D = do.shape
@@ -129,10 +177,33 @@ class CoarseCombine(Epilogue):
         self._d_coarse = torch.empty((B, H, num_q_blocks, D), device=do.device,
                                      dtype=torch.float32)  # fmt: skip
         self._d_gate = None if self.gate is None else torch.empty_like(self.gate)
-        base = self.forward_args(call)
         dgate = (self._d_coarse, 0, 0, 0) if self._d_gate is None else (
             self._d_gate, *_strides3(self._d_gate))  # fmt: skip
-        return (*base[:-2], self._d_coarse, *_strides3(self._d_coarse), *dgate, *base[-2:])
+        return (*self._inputs(call), *self._residual_args(call)[0], self._d_coarse,
+                *_strides3(self._d_coarse), *dgate, *self._flags(call))  # fmt: skip
+
+    def _inputs(self, call: EngineCall) -> tuple:
+        """Both hooks' first arguments: o_coarse, the gate and the query block sizes."""
+        oc, gate, dummy = self.o_coarse, self.gate, self.o_coarse
+        gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *_strides3(gate))
+        sizes = dummy if self.q_sizes is None else self._q_block_sizes(call)
+        return (oc, *_strides3(oc), *gate_args, sizes)
+
+    def _residual_args(self, call: EngineCall) -> tuple[tuple, bool]:
+        """``((RES, strides), KEEP_RESIDUAL)``: the saved residual, or a dummy pointer."""
+        res = self.saved
+        if res is None:
+            return (self.o_coarse, 0, 0, 0), False
+        return (res, *_strides3(res)), True
+
+    def _flags(self, call: EngineCall) -> tuple:
+        """HAS_GATE, ZERO_PAD_ROWS, KEEP_RESIDUAL, OUT_DTYPE (the hooks' constexprs)."""
+        import triton.language as tl
+
+        out = tl.bfloat16 if call.dtype == torch.bfloat16 else tl.float16
+        keep = self._residual_args(call)[1]
+        flags = (self.gate is not None, self.q_sizes is not None, keep, out)
+        return tuple(map(_constexpr, flags))
 
     def grad_args(self, call: EngineCall) -> tuple:
         if self.pooled is None:
@@ -190,13 +261,18 @@ class CoarseCombine(Epilogue):
         o = o_fine.float() + self._coarse_term(call.block_q, torch.float32)
         if self.q_sizes is not None:
             o = o.masked_fill(_padding_rows(self._q_block_sizes(call), call.block_q), 0)
+        if self.saved is not None:
+            self.saved.copy_(_residual_int8(o, call.dtype))
         return o
 
     def prologue_torch(self, o, do, call: EngineCall):
         """The combine's sums in fp32 (fp64 for fp64)."""
         acc = torch.promote_types(do.dtype, torch.float32)
         block = call.block_q
-        o_fine = o.to(acc) - self._coarse_term(block, acc)
+        o = o.to(acc)
+        if self.saved is not None:  # o as the forward had it before the store rounded it
+            o = o + self.saved.to(acc) * _residual_step(o, call.dtype)
+        o_fine = o - self._coarse_term(block, acc)
         if self.q_sizes is not None:  # padding rows of o are constant zero: no gradient
             do = do.masked_fill(_padding_rows(self._q_block_sizes(call), block), 0)
         B, H, S, D = do.shape

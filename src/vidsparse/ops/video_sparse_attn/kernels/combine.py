@@ -10,6 +10,14 @@
     dq, dkdv   + d mean_i / size_i on tile i's real rows (the tile-mean pooling's backward;
                query tile sizes Q_SIZES, key tile sizes K_SIZES; key blocks from NK_POOLED on
                were not pooled (exempt text); ADD_POOLED)
+
+The residual (``KEEP_RESIDUAL``, fine.py turns it on under autograd): what storing o in
+``OUT_DTYPE`` rounds away, as int8 steps of ``2^e * u / 127`` (``2^e <= |o_low| < 2^(e+1)``, u
+the unit roundoff, so ``|o - o_low| <= 2^e * u``: a step is 1/254 of an ulp), written by the
+forward and added back by the prologue. Without it the recovered o_fine carries o's rounding
+into ``delta = rowsum(o_fine * do)``, and where softmax is sharp (large inputs) ``dP - delta``
+cancels to almost nothing, so that rounding dominates dq and dk. FlashAttention does not see
+it there: a one-hot row's o_fine is a row of v, which its store keeps exactly.
 """
 
 import triton
@@ -24,10 +32,49 @@ def _coarse_row(OC, stride_ocb, stride_och, stride_ocm, b, h, q_block, dims):
 
 
 @triton.jit
+def _binade_bits(x):
+    """The exponent bits of fp32 ``x``: as fp32 they are ``2^e <= |x| < 2^(e+1)``."""
+    return x.to(tl.int32, bitcast=True) & 0x7F800000
+
+
+@triton.jit
+def _store_residual(o, b, h, rows, dims, RES, stride_rb, stride_rh, stride_rs,
+                    OUT_DTYPE: tl.constexpr):  # fmt: skip
+    """int8 ``127 * (o - o_low) / (2^e * u)`` for o about to be stored as o_low in
+    ``OUT_DTYPE`` (``|o - o_low| <= 2^e * u``, u its unit roundoff; exact fp32 difference);
+    0 where o_low is 0, inf or NaN. Bit operations and multiplies: no division."""
+    o_low = o.to(OUT_DTYPE).to(tl.float32)  # the engine's store rounds the same way
+    bits = _binade_bits(o_low)
+    inv_binade = (0x7F000000 - bits).to(tl.float32, bitcast=True)  # 2^-e
+    if tl.bfloat16 == OUT_DTYPE:
+        ratio = (o - o_low) * inv_binade * (127.0 * 256.0)  # u = 2^-8
+    else:
+        ratio = (o - o_low) * inv_binade * (127.0 * 2048.0)  # fp16: u = 2^-11
+    ratio = tl.where((bits > 0) & (bits < 0x7F800000), ratio, 0.0)
+    steps = tl.floor(tl.minimum(tl.maximum(ratio, -127.0), 127.0) + 0.5)
+    r_ptrs = RES + b * stride_rb + h * stride_rh + rows[:, None] * stride_rs + dims[None, :]
+    tl.store(r_ptrs, steps.to(tl.int8))
+
+
+@triton.jit
+def _residual_step(o_low, OUT_DTYPE: tl.constexpr):
+    """What one int8 step of ``_store_residual`` is worth for the stored fp32 ``o_low``:
+    ``2^e * u / 127`` (0 where o_low is inf or NaN; the steps are 0 there and at 0)."""
+    bits = _binade_bits(o_low)
+    if tl.bfloat16 == OUT_DTYPE:
+        step = bits.to(tl.float32, bitcast=True) * (1.0 / (127.0 * 256.0))
+    else:
+        step = bits.to(tl.float32, bitcast=True) * (1.0 / (127.0 * 2048.0))
+    return tl.where(bits < 0x7F800000, step, 0.0)
+
+
+@triton.jit
 def combine_forward(o, b, h, q_block, rows, local_rows, dims,
                     OC, stride_ocb, stride_och, stride_ocm,
                     GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
-                    HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr):  # fmt: skip
+                    RES, stride_rb, stride_rh, stride_rs,
+                    HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
+                    KEEP_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
     oc = _coarse_row(OC, stride_ocb, stride_och, stride_ocm, b, h, q_block, dims)  # [D]
     if HAS_GATE:
         g_ptrs = GATE + b * stride_gb + h * stride_gh + rows[:, None] * stride_gs + dims[None, :]
@@ -36,6 +83,8 @@ def combine_forward(o, b, h, q_block, rows, local_rows, dims,
         o = o + oc[None, :]
     if ZERO_PAD_ROWS:
         o = tl.where((local_rows < tl.load(Q_SIZES + q_block))[:, None], o, 0.0)
+    if KEEP_RESIDUAL:
+        _store_residual(o, b, h, rows, dims, RES, stride_rb, stride_rh, stride_rs, OUT_DTYPE)
     return o
 
 
@@ -43,10 +92,15 @@ def combine_forward(o, b, h, q_block, rows, local_rows, dims,
 def combine_prologue(o, do, lse2, b, h, q_block, rows, local_rows, dims,
                      OC, stride_ocb, stride_och, stride_ocm,
                      GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
+                     RES, stride_rb, stride_rh, stride_rs,
                      DOC, stride_dcb, stride_dch, stride_dcm,
                      DGATE, stride_dgb, stride_dgh, stride_dgs,
-                     HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr):  # fmt: skip
+                     HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
+                     KEEP_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
     oc = _coarse_row(OC, stride_ocb, stride_och, stride_ocm, b, h, q_block, dims)  # [D]
+    if KEEP_RESIDUAL:  # o as the forward had it in fp32, before the store rounded it
+        r_ptrs = RES + b * stride_rb + h * stride_rh + rows[:, None] * stride_rs + dims[None, :]
+        o = o + tl.load(r_ptrs).to(tl.float32) * _residual_step(o, OUT_DTYPE)
     if HAS_GATE:
         g_offs = b * stride_gb + h * stride_gh + rows[:, None] * stride_gs + dims[None, :]
         gate = tl.load(GATE + g_offs).to(tl.float32)  # [BM, D]

@@ -5,12 +5,33 @@ from triton.experimental.gluon import language as gl
 
 
 @gluon.jit
+def _store_residual_sm90(o, b, h, rows, dims, RES, stride_rb, stride_rh, stride_rs,
+                         OUT_DTYPE: gl.constexpr):  # fmt: skip
+    """``combine.py``'s ``_store_residual``, the same arithmetic in o's layout."""
+    o_low = o.to(OUT_DTYPE).to(gl.float32)  # the engine's store rounds the same way
+    bits = o_low.to(gl.int32, bitcast=True) & 0x7F800000  # 2^e <= |o_low| < 2^(e+1)
+    inv_binade = (0x7F000000 - bits).to(gl.float32, bitcast=True)  # 2^-e
+    if gl.bfloat16 == OUT_DTYPE:
+        ratio = (o - o_low) * inv_binade * (127.0 * 256.0)  # u = 2^-8
+    else:
+        ratio = (o - o_low) * inv_binade * (127.0 * 2048.0)  # fp16: u = 2^-11
+    ratio = gl.where((bits > 0) & (bits < 0x7F800000), ratio, 0.0)
+    steps = gl.floor(gl.minimum(gl.maximum(ratio, -127.0), 127.0) + 0.5)
+    row_offs = gl.expand_dims(rows.to(gl.int64) * stride_rs, 1)  # [64, 1]
+    gl.store(RES + b * stride_rb + h * stride_rh + row_offs + gl.expand_dims(dims, 0),
+             steps.to(gl.int8))  # fmt: skip
+
+
+@gluon.jit
 def combine_forward_sm90(o, b, h, q_block, rows, local_rows, dims,
                          OC, stride_ocb, stride_och, stride_ocm,
                          GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
-                         HAS_GATE: gl.constexpr, ZERO_PAD_ROWS: gl.constexpr):  # fmt: skip
+                         RES, stride_rb, stride_rh, stride_rs,
+                         HAS_GATE: gl.constexpr, ZERO_PAD_ROWS: gl.constexpr,
+                         KEEP_RESIDUAL: gl.constexpr, OUT_DTYPE: gl.constexpr):  # fmt: skip
     """``o + gate * o_coarse[block]`` on o [64, D] fp32 (rows and dims in o's slice layouts),
-    rows at or past the block's real size zeroed."""
+    rows at or past the block's real size zeroed; with ``KEEP_RESIDUAL`` the int8 residual of
+    storing it in ``OUT_DTYPE`` (``combine.py``)."""
     oc_row = OC + b * stride_ocb + h * stride_och + q_block.to(gl.int64) * stride_ocm
     oc = gl.expand_dims(gl.load(oc_row + dims).to(gl.float32), 0)  # [1, D]
     if HAS_GATE:
@@ -22,4 +43,7 @@ def combine_forward_sm90(o, b, h, q_block, rows, local_rows, dims,
         o = o + oc
     if ZERO_PAD_ROWS:
         o = gl.where(gl.expand_dims(local_rows < gl.load(Q_SIZES + q_block), 1), o, 0.0)
+    if KEEP_RESIDUAL:
+        _store_residual_sm90(o, b, h, rows, dims, RES, stride_rb, stride_rh, stride_rs,
+                             OUT_DTYPE)  # fmt: skip
     return o

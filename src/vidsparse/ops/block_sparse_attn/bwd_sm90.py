@@ -1,0 +1,136 @@
+"""Launcher of the Hopper Gluon dK/dV kernel (``kernels/bwd_sm90.py``): descriptors, grid,
+options. Work in progress: compile-checked for sm_90, not yet run on a GPU, and not taken by
+the engine's backward (``bwd.py``); call ``dkdv_gluon`` directly to try it."""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from vidsparse.ops.block_sparse_attn import configs
+from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
+from vidsparse.ops.block_sparse_attn.fwd_sm90 import gluon_fits
+from vidsparse.ops.block_sparse_attn.kernels import no_epilogue
+from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
+    ROWS_PER_CONSUMER,
+    STEP_M,
+    block_sparse_attn_bwd_dkdv_gluon_kernel,
+    block_sparse_attn_bwd_dkdv_gluon_tiles_kernel,
+    dkdv_identity_sm90,
+)
+from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides
+
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+def dkdv_gluon_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
+    """Can the Gluon dK/dV kernel take these inputs? The Gluon forward's rule
+    (``fwd_sm90.gluon_fits``), and ``do`` like q."""
+    return (
+        gluon_fits(q, k, v, block_q, block_kv)
+        and do.dtype == q.dtype
+        and do.shape == q.shape
+        and do.is_contiguous()
+        and do.data_ptr() % 16 == 0
+    )
+
+
+def dkdv_hook(epilogue: Epilogue, block: int):
+    """The Gluon dK/dV hook of ``epilogue``: the identity without one, else the epilogue's
+    ``dkdv_sm90`` (a ``@gluon.jit`` version of its ``dkdv``; ``EpilogueFns`` has no such field
+    yet, so a client opts in by returning fns that carry it). Raises where there is none, and
+    at 128-row blocks, whose kernel hands the hook each 64-row half of a key block apart while
+    the contract (``dk, dv = f(dk, dv, b, h, kv_block, dims)``) has no rows argument."""
+    fns = epilogue.fns()
+    if fns.dkdv.fn is no_epilogue.dkdv_identity:
+        return dkdv_identity_sm90
+    hook = getattr(fns, "dkdv_sm90", None)
+    if hook is None:
+        raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dK/dV hook (dkdv_sm90)")
+    if block != ROWS_PER_CONSUMER.value:
+        raise ValueError("a dK/dV hook needs 64-row key blocks in the Gluon kernel (the 128-row"
+                         " kernel splits each block over two warpgroups)")  # fmt: skip
+    return hook.fn
+
+
+def _descriptors(q, k, v, do, dk, dv, lse2, delta):
+    """TMA descriptors: the [B*H*S, D] views in 64-row tiles, lse2 and delta [B*H*Sq] in
+    64-row steps."""
+    D = q.shape[-1]
+    rows = ROWS_PER_CONSUMER.value
+    tile_layout = gl.NVMMASharedLayout.get_default_for([rows, D], _GL_DTYPES[q.dtype])
+    row_layout = gl.NVMMASharedLayout.get_default_for([STEP_M.value], gl.float32)
+
+    def tiles(x):
+        x2 = x.view(-1, D)  # [B*H*S, D]
+        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], tile_layout)
+
+    def steps(x):
+        x1 = x.view(-1)  # [B*H*Sq]
+        return TensorDescriptor(x1, list(x1.shape), [1], [STEP_M.value], row_layout)
+
+    return (*(tiles(x) for x in (q, k, v, do, dk, dv)), steps(lse2), steps(delta))
+
+
+def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, scale,
+                kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
+                options: configs.GluonDkdvOptions | None = None):  # fmt: skip
+    """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
+    a GPU). ``q_offsets``, ``q_indices``: the transposed lists (``lists.cached_transpose``);
+    ``lse2``, ``delta``: the preprocess's outputs (``bwd._preprocess``); ``grad_args``: the
+    epilogue's (``epilogue.grad_args``, asked for here when None)."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    has_sizes = kv_block_sizes is not None
+    sizes = kv_block_sizes if has_sizes else q_offsets  # dummy pointer when unused
+    if grad_args is None:
+        grad_args = epilogue.grad_args(EngineCall(block, block, kv_block_sizes, scale, q.dtype))
+    nk = Skv // block
+    if block == 2 * ROWS_PER_CONSUMER.value:
+        kernel, grid = block_sparse_attn_bwd_dkdv_gluon_kernel, (nk, B * H)
+    else:
+        kernel, grid = block_sparse_attn_bwd_dkdv_gluon_tiles_kernel, ((nk + 1) // 2, B * H)
+    args = (*_descriptors(q, k, v, do, dk, dv, lse2, delta), q_offsets, q_indices, sizes,
+            *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
+            dkdv_hook(epilogue, block), grad_args, H, Sq, Skv, Sq // block - 1, nk,
+            q_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
+    opts = (options or configs.GLUON_DKDV).as_kwargs()
+    kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
+                  num_warps=4)  # fmt: skip
+    return kernel, grid, args, kwargs
+
+
+def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
+               kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
+               options: configs.GluonDkdvOptions | None = None):  # fmt: skip
+    """``(dk, dv)`` of the block-sparse attention backward by the Gluon kernel (Hopper).
+
+    Inputs as ``dkdv_gluon_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
+    backward's preprocess; the transposed lists int32 (``lists.cached_transpose``). With
+    ``kv_block_sizes``, padding keys are read by TMA and their gradients are 0 whatever they
+    hold. Raises only on what would make the kernel misread memory."""
+    B, H, Sq, D = q.shape
+    if not dkdv_gluon_fits(q, k, v, do, block, block):
+        raise ValueError("dkdv_gluon: needs square 64 or 128 blocks, head_dim 128, bf16/fp16 "
+                         "and contiguous 16-byte aligned q, k, v, do")  # fmt: skip
+    for name, x in (("lse2", lse2), ("delta", delta)):
+        if x.dtype != torch.float32 or x.shape != (B, H, Sq) or not x.is_contiguous():
+            raise ValueError(f"dkdv_gluon: {name} must be contiguous fp32 [B, H, Sq]")
+    for name, x in (("q_offsets", q_offsets), ("q_indices", q_indices)):
+        if x.dtype != torch.int32 or x.stride(-1) != 1:
+            raise ValueError(f"dkdv_gluon: {name} must be int32 with a unit last stride")
+    if q_offsets.shape[-1] != k.shape[2] // block + 1:
+        raise ValueError("dkdv_gluon: q_offsets must hold NK + 1 bounds per (batch, head)")
+    if kv_block_sizes is not None and (
+        kv_block_sizes.dtype != torch.int32 or kv_block_sizes.numel() < k.shape[2] // block
+    ):
+        raise ValueError("dkdv_gluon: kv_block_sizes must be int32 [NK]")  # fmt: skip
+    if scale is None:
+        scale = D**-0.5
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    kernel, grid, args, kwargs = kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets,
+                                             q_indices, block, scale, kv_block_sizes, epilogue,
+                                             grad_args, options)  # fmt: skip
+    kernel[grid](*args, **kwargs)
+    return dk, dv

@@ -1,0 +1,362 @@
+"""The Hopper (sm_90) dK/dV kernel of block-sparse flash attention, in Gluon (launcher:
+``../bwd_sm90.py``). Work in progress: compile-checked for sm_90, not yet run on a GPU, not
+dispatched by the engine (``bwd.py`` runs the Triton kernels).
+
+The arithmetic of the Triton ``_dkdv_program`` (``kernels/bwd.py``) at square 128 or 64
+blocks, D = 128, 16-bit inputs, written as FlashAttention-3's backward schedule:
+
+- a loader warp reads the program's K and V once, then walks the key block's *transposed*
+  list (the query blocks that list it, ``q_offsets`` / ``q_indices``) and issues TMA copies of
+  each 64-row query step's Q, dO, lse2 and delta into a ``STAGES``-deep ring; ``ready[s]``
+  says slot s landed, ``empty[s]`` that its consumers released it;
+- each consumer warpgroup owns 64 key rows and keeps their dK and dV in registers (fp32,
+  [64, D] each) across the whole list. Per step: ``S^T = K Q^T`` and ``dP^T = V dO^T`` from
+  shared memory (issued together), ``P^T = exp2(S^T * scale - lse2)``, ``dV += P^T dO`` issued
+  as soon as P^T is in registers (it runs while dS^T is formed), ``dS^T = P^T (dP^T -
+  delta)``, ``dK += dS^T Q``; both register-A wgmmas are retired before the slot is released
+  and before the next step writes any register (ptxas does not keep the A operand of an
+  in-flight wgmma reserved: see ``kernels/fwd_sm90.py``);
+- after the list: ``dK *= scale``, the declared epilogue's dK/dV hook, and a TMA store of
+  each 64-row half through the K / V buffers (dead by then).
+
+At 128x128 one program owns one key block, split over the two consumers (rows 0-63, 64-127),
+which share one ring (``empty`` counts two arrivals). At 64x64 (video tiles) a program owns
+two key blocks (2 pid, 2 pid + 1), each with its own list, ring and loader warp, one per
+consumer, as the Gluon forward's tiles kernel does. No atomics: each program writes only its
+own key rows, so the result is bit-identical across runs.
+
+Memory safety whatever the lists hold: the list bounds are clamped into ``[0, width]`` (width:
+``q_indices``'s last dim) and each entry into ``[0, NQ)`` in the loader, so a spoiled list
+reads rows of this (b, h) only: a wrong result, never a fault. Padding keys (``KV_SIZES``):
+their probabilities and dS are selected to 0, so what TMA reads there never reaches dK, dV.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Key rows each consumer warpgroup owns: a wgmma tile is 64 rows per warpgroup.
+ROWS_PER_CONSUMER = gl.constexpr(64)
+# Query rows per step (one ring slot): S^T and dP^T are [64, 64] fp32 (32 registers each), so
+# two of them, P^T's and dS^T's A operands and the dK, dV accumulators fit in 240 registers.
+STEP_M = gl.constexpr(64)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loader partition: 1 warp, issues every TMA copy of its consumers.
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _loader(
+    desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem, v_smem, q_smem, do_smem,
+    lse_smem, dl_smem, kv_bar, ready, empty, idx_row, start, end, Q_LAST, q_row0, kv_row,
+    BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KV_TILES: gl.constexpr,
+):  # fmt: skip
+    """K and V (``KV_TILES`` 64-row tiles from global row ``kv_row``) once, then Q, dO, lse2 and
+    delta of every step of list entries ``[start, end)`` into ring slot ``step % STAGES``.
+    ``q_row0``: first row of this (b, h)'s queries in the [B*H*Sq, D] view; ``Q_LAST``: the
+    last query block (a kernel argument, NQ - 1: computed in the kernel, ptxas kept it across
+    the loader's register handover in local memory)."""
+    NSUB: gl.constexpr = BLOCK_M // STEP_M
+    mbarrier.expect(kv_bar, KV_TILES * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
+    for i in gl.static_range(KV_TILES):
+        tma.async_copy_global_to_shared(
+            desc_k, [kv_row + i * ROWS_PER_CONSUMER, 0], kv_bar, k_smem.index(i)
+        )
+        tma.async_copy_global_to_shared(
+            desc_v, [kv_row + i * ROWS_PER_CONSUMER, 0], kv_bar, v_smem.index(i)
+        )
+    STEP_BYTES: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
+                                 + desc_lse2.block_type.nbytes
+                                 + desc_delta.block_type.nbytes)  # fmt: skip
+    entries = idx_row + start  # this key block's list (few live scalars: 24 registers)
+    for j in range((end - start) * NSUB):
+        slot = j % STAGES
+        # Use u = j // STAGES of a slot waits for the release of use u - 1 (parity (u - 1) & 1);
+        # for u = 0, parity 1 names the phase before the first and passes at once.
+        empty_parity = ((j // STAGES) & 1) ^ 1
+        q_block = gl.load(entries + j // NSUB)  # scalar int32 query-block index
+        q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)  # never another head's rows
+        row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+        mbarrier.wait(empty.index(slot), empty_parity)
+        # One barrier for all four: every GEMM of the step needs Q or dO, and the softmax rows
+        # are tiny (256 bytes each).
+        bar = ready.index(slot)
+        mbarrier.expect(bar, STEP_BYTES)
+        tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_lse2, [row], bar, lse_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_delta, [row], bar, dl_smem.index(slot))
+
+
+# ---------------------------------------------------------------------------------------------
+# Consumer partitions: one warpgroup each, 64 key rows each.
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _consumer(
+    desc_dk, desc_dv, k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
+    num_steps, KV_SIZES, kv_block, kv_row, valid, b, h, qk_scale, scale,
+    EPILOGUE: gl.constexpr, epilogue_args, K_INDEX: gl.constexpr, HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr, HAS_KV_SIZES: gl.constexpr,
+):  # fmt: skip
+    """dK, dV of key rows ``k_smem[K_INDEX]`` (rows ``64 K_INDEX ..`` of key block
+    ``kv_block``, global row ``kv_row + 64 K_INDEX``) over ``num_steps`` ring steps, stored only
+    if ``valid`` after the declared ``EPILOGUE``."""
+    M: gl.constexpr = ROWS_PER_CONSUMER
+    # wgmma accumulator layouts of this 4-warp partition: [64, STEP_M] for S^T and dP^T,
+    # [64, D] for dK and dV. P^T and dS^T feed the dV / dK wgmmas from registers (A operand
+    # of the [64, D] layout: a register-only repack from the S^T layout).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, STEP_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per query row
+
+    k = k_smem.index(K_INDEX)  # [64, D], A operand of S^T = K Q^T
+    v = v_smem.index(K_INDEX)  # [64, D], A operand of dP^T = V dO^T
+    dk = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([M, STEP_M], gl.float32, layout=s_layout)  # ignored acc (use_acc=False)
+    if HAS_KV_SIZES:  # padding keys: rows at or past the block's real size
+        key_rows = K_INDEX * M + gl.arange(0, M, layout=gl.SliceLayout(1, s_layout))
+        real = gl.expand_dims(key_rows < gl.load(KV_SIZES + kv_block), 1)  # [64, 1]
+
+    # Wait for K and V even when the list is empty: the store reuses their buffers, and the
+    # loader's TMA into them must have landed before we overwrite them.
+    mbarrier.wait(kv_bar, 0)
+    for j in range(num_steps):
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        q = q_smem.index(slot)  # [STEP_M, D]
+        do = do_smem.index(slot)
+        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        lse2 = gl.expand_dims(lse_smem.index(slot).load(col_layout), 0)  # [1, STEP_M]
+        delta = gl.expand_dims(dl_smem.index(slot).load(col_layout), 0)
+        # wgmma groups retire in order: with one outstanding, S^T (issued first) is done.
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+        p = gl.exp2(s * qk_scale - lse2)  # [64, STEP_M]; lse2 = +inf on empty rows: p = 0
+        if HAS_KV_SIZES:
+            p = gl.where(real, p, 0.0)
+        p_op = gl.convert_layout(p.to(q.dtype), op_layout)
+        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)  # dV += P^T dO, while dS^T forms
+        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))  # dP^T done, dV in flight
+        ds = p * (dp - delta)
+        if HAS_KV_SIZES:  # whatever the padding rows of V hold, their dS is 0
+            ds = gl.where(real, ds, 0.0)
+        ds_op = gl.convert_layout(ds.to(q.dtype), op_layout)
+        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)  # dK += dS^T Q
+        # Both register-A wgmmas retired: their operands may be overwritten, the slot reused.
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(
+            num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op)
+        )
+        mbarrier.arrive(empty.index(slot))
+
+    if valid:
+        dk = dk * scale
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))  # [D]
+        dk, dv = EPILOGUE(dk, dv, b.to(gl.int64), h.to(gl.int64), kv_block, dims,
+                          *epilogue_args)  # fmt: skip
+        # K and V are dead (every wgmma that read them has retired): they stage the stores.
+        row = kv_row + K_INDEX * M
+        k.store(dk.to(k.dtype))
+        fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+        tma.async_copy_shared_to_global(desc_dk, [row, 0], k)
+        v.store(dv.to(v.dtype))  # while dK's TMA store runs
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_dv, [row, 0], v)
+        tma.store_wait(pendings=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _list_of(Q_OFF, Q_IDX, b, h, kv_block, valid, WIDTH, stride_offb, stride_offh,
+             stride_qib, stride_qih):  # fmt: skip
+    """``(list pointer, start, end)`` of key block ``kv_block`` in the transposed lists; an
+    invalid block (past the last one) lists nothing. Bounds clamped into ``[0, WIDTH]``."""
+    b = b.to(gl.int64)
+    h = h.to(gl.int64)
+    off_row = Q_OFF + b * stride_offb + h * stride_offh + kv_block
+    start = gl.load(off_row, mask=valid, other=0)
+    end = gl.load(off_row + 1, mask=valid, other=0)
+    start = gl.minimum(gl.maximum(start, 0), WIDTH)
+    end = gl.minimum(gl.maximum(end, start), WIDTH)
+    return Q_IDX + b * stride_qib + h * stride_qih, start, end
+
+
+@gluon.jit
+def _init_ring(ready, empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)  # the loader's expect; TMA bytes complete it
+        mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+
+
+@gluon.jit
+def _ring(desc_q, desc_lse2, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Shared memory of one ring: Q, dO [STAGES, 64, D], lse2, delta [STAGES, 64]; barriers."""
+    q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES, STEP_M, HEAD_DIM], desc_q.layout)
+    do_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES, STEP_M, HEAD_DIM], desc_q.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, STEP_M], desc_lse2.layout)
+    dl_smem = gl.allocate_shared_memory(gl.float32, [STAGES, STEP_M], desc_lse2.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    return q_smem, do_smem, lse_smem, dl_smem, ready, empty
+
+
+@gluon.jit
+def block_sparse_attn_bwd_dkdv_gluon_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,  # TMA over [B*H*S, D], blocks [64, D]
+    desc_lse2, desc_delta,  # TMA over fp32 [B*H*Sq], blocks [64]
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, WIDTH]; [NK] (HAS_KV_SIZES)
+    stride_offb, stride_offh, stride_qib, stride_qih,  # stride_*b == 0: lists broadcast
+    EPILOGUE: gl.constexpr, epilogue_args,  # dk, dv = EPILOGUE(dk, dv, ..., *epilogue_args)
+    H, Sq, Skv, Q_LAST, NK, WIDTH,  # Q_LAST: NQ - 1, the last query block
+    qk_scale, scale,  # softmax scale * log2(e) and the scale, fp32
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(NK, B * H)``: a 128-row key block per program, its two 64-row halves on the two
+    consumer warpgroups, one list and one ring."""
+    gl.static_assert(BLOCK_N == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
+    gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    kv_row = pid_bh * Skv + pid_n * BLOCK_N  # first row of this key block in [B*H*Skv, D]
+    valid = pid_n < NK  # always: the grid has NK programs along dim 0
+    idx_row, start, end = _list_of(Q_OFF, Q_IDX, b, h, pid_n, valid, WIDTH, stride_offb,
+                                   stride_offh, stride_qib, stride_qih)  # fmt: skip
+    num_steps = (end - start) * (BLOCK_M // STEP_M)
+
+    # K, V (also dK, dV's staging buffers) 2 x 32 KB; the ring STAGES x 32.5 KB.
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                       desc_k.layout)  # fmt: skip
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                       desc_v.layout)  # fmt: skip
+    q_smem, do_smem, lse_smem, dl_smem, ready, empty = _ring(desc_q, desc_lse2, STAGES, HEAD_DIM)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    _init_ring(ready, empty, STAGES, 2)
+    fence_async_shared()  # barrier inits visible to the async proxy before any TMA uses them
+
+    # (Tuples are spelled out: concatenating them in a jit function unwraps the constexprs.)
+    gl.warp_specialize(
+        [
+            (_consumer, (desc_dk, desc_dv, k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem,
+                         kv_bar, ready, empty, num_steps, KV_SIZES, pid_n, kv_row, valid, b, h,
+                         qk_scale, scale, EPILOGUE, epilogue_args, gl.constexpr(0), HEAD_DIM,
+                         STAGES, HAS_KV_SIZES)),  # default partition: key rows 0-63
+            (_consumer, (desc_dk, desc_dv, k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem,
+                         kv_bar, ready, empty, num_steps, KV_SIZES, pid_n, kv_row, valid, b, h,
+                         qk_scale, scale, EPILOGUE, epilogue_args, gl.constexpr(1), HEAD_DIM,
+                         STAGES, HAS_KV_SIZES)),  # key rows 64-127
+            (_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem, v_smem,
+                       q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty, idx_row, start,
+                       end, Q_LAST, pid_bh * Sq, kv_row, BLOCK_M, STAGES, gl.constexpr(2))),
+        ],
+        [4, 1],  # warps: second consumer warpgroup, loader warp
+        [CONSUMER_REGS, LOADER_REGS],  # setmaxnreg: the loader gives its registers away
+    )  # fmt: skip
+
+
+@gluon.jit
+def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,
+    desc_lse2, desc_delta,
+    Q_OFF, Q_IDX, KV_SIZES,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    EPILOGUE: gl.constexpr, epilogue_args,
+    H, Sq, Skv, Q_LAST, NK, WIDTH,
+    qk_scale, scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(ceil(NK / 2), B * H)``: two 64-row key blocks per program (video tiles: 2 pid
+    and 2 pid + 1), each with its own list, ring and loader warp, one per consumer warpgroup.
+    The consumers do not take turns (their lists differ in length)."""
+    gl.static_assert(BLOCK_N == ROWS_PER_CONSUMER, "one consumer warpgroup per 64-row block")
+    gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
+    NSUB: gl.constexpr = BLOCK_M // STEP_M
+    pid = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    block0 = 2 * pid
+    block1 = 2 * pid + 1
+    valid0 = block0 < NK
+    valid1 = block1 < NK  # false in the last program when NK is odd
+    idx0, start0, end0 = _list_of(Q_OFF, Q_IDX, b, h, block0, valid0, WIDTH, stride_offb,
+                                  stride_offh, stride_qib, stride_qih)  # fmt: skip
+    idx1, start1, end1 = _list_of(Q_OFF, Q_IDX, b, h, block1, valid1, WIDTH, stride_offb,
+                                  stride_offh, stride_qib, stride_qih)  # fmt: skip
+    # Past the last block (NK odd) the loader still reads a K/V tile (rows of the next head,
+    # or zeros past the tensor: TMA bounds) so the consumer's wait completes; its list is
+    # empty and nothing is stored.
+    kv_row0 = pid_bh * Skv + block0 * BLOCK_N
+    kv_row1 = pid_bh * Skv + block1 * BLOCK_N
+
+    # Per consumer: K, V 2 x 16 KB; its ring STAGES x 32.5 KB.
+    k_smem0 = gl.allocate_shared_memory(desc_k.dtype, [1, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem0 = gl.allocate_shared_memory(desc_v.dtype, [1, BLOCK_N, HEAD_DIM], desc_v.layout)
+    k_smem1 = gl.allocate_shared_memory(desc_k.dtype, [1, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem1 = gl.allocate_shared_memory(desc_v.dtype, [1, BLOCK_N, HEAD_DIM], desc_v.layout)
+    q_smem0, do_smem0, lse_smem0, dl_smem0, ready0, empty0 = _ring(desc_q, desc_lse2, STAGES,
+                                                                   HEAD_DIM)  # fmt: skip
+    q_smem1, do_smem1, lse_smem1, dl_smem1, ready1, empty1 = _ring(desc_q, desc_lse2, STAGES,
+                                                                   HEAD_DIM)  # fmt: skip
+    kv_bar0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_bar1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar0, count=1)
+    mbarrier.init(kv_bar1, count=1)
+    _init_ring(ready0, empty0, STAGES, 1)
+    _init_ring(ready1, empty1, STAGES, 1)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_consumer, (desc_dk, desc_dv, k_smem0, v_smem0, q_smem0, do_smem0, lse_smem0,
+                         dl_smem0, kv_bar0, ready0, empty0, (end0 - start0) * NSUB, KV_SIZES,
+                         block0, kv_row0, valid0, b, h, qk_scale, scale, EPILOGUE,
+                         epilogue_args, gl.constexpr(0), HEAD_DIM, STAGES, HAS_KV_SIZES)),
+            (_consumer, (desc_dk, desc_dv, k_smem1, v_smem1, q_smem1, do_smem1, lse_smem1,
+                         dl_smem1, kv_bar1, ready1, empty1, (end1 - start1) * NSUB, KV_SIZES,
+                         block1, kv_row1, valid1, b, h, qk_scale, scale, EPILOGUE,
+                         epilogue_args, gl.constexpr(0), HEAD_DIM, STAGES, HAS_KV_SIZES)),
+            (_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem0,
+                       v_smem0, q_smem0, do_smem0, lse_smem0, dl_smem0, kv_bar0, ready0, empty0,
+                       idx0, start0, end0, Q_LAST, pid_bh * Sq, kv_row0, BLOCK_M, STAGES,
+                       gl.constexpr(1))),
+            (_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem1,
+                       v_smem1, q_smem1, do_smem1, lse_smem1, dl_smem1, kv_bar1, ready1, empty1,
+                       idx1, start1, end1, Q_LAST, pid_bh * Sq, kv_row1, BLOCK_M, STAGES,
+                       gl.constexpr(1))),
+        ],
+        [4, 1, 1],  # warps: second consumer warpgroup, two loader warps
+        [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit
+def dkdv_identity_sm90(dk, dv, b, h, kv_block, dims):
+    """The dK/dV hook when none is declared (``no_epilogue.py``'s, in Gluon)."""
+    return dk, dv
