@@ -284,7 +284,7 @@ def test_residual_on_both_backends(monkeypatch, exact_bf16_interpreter, dtype):
     for backend in ("torch", "triton"):
         _, grads = _combined(case, backend, monkeypatch)
         with monkeypatch.context() as m:  # the same call without the residual
-            m.setattr(fine, "_spec", lambda segments, residual: ",".join(map(str, segments)))
+            m.setattr(fine, "combine_spec", lambda segments, residual: ",".join(map(str, segments)))
             _, unkept = _combined(case, backend, monkeypatch)
         for name, g, g0, r in zip(names, grads, unkept, exact):
             if name in ("dk", "dv"):  # padding keys: undefined
