@@ -43,13 +43,9 @@ def compile_sm90(
     ...) overriding the library's (``{}``: the library's own). ``masked``: the variant with
     key-block sizes (padding keys masked, full blocks first); ``block``: 128 (one query block
     per program) or 64 (two, VSA's tiles); ``combine``: VSA's gate epilogue (the gate, and with
-    ``masked`` the real rows of each tile); ``residual``: the combine also stores the int8 residual of o that a backward
-    reads (as under autograd)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError(
-            "compile_sm90 needs real Triton kernels: unset TRITON_INTERPRET before vidsparse's"
-            " kernels are imported (e.g. run it in a child process without it)"
-        )
+    ``masked`` the real rows of each tile); ``residual``: the combine also stores the int8
+    residual of o that a backward reads (as under autograd)."""
+    _require_compiler("compile_sm90")
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import configs
@@ -89,8 +85,7 @@ def compile_dkdv_sm90(
     cuda:90 on meta tensors; returns the report of ``compile_sm90``. ``options``: fields of
     ``configs.GluonDkdvOptions`` overriding the library's; ``masked``: with key-block sizes;
     ``epilogue``: ``(epilogue, grad_args)`` whose Gluon dK/dV hook is compiled in (None: none)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("compile_dkdv_sm90 needs real Triton kernels (see compile_sm90)")
+    _require_compiler("compile_dkdv_sm90")
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
@@ -110,6 +105,14 @@ def compile_dkdv_sm90(
         epilogue=hooked, grad_args=grad_args, options=schedule,
     )  # fmt: skip
     return _compile_report(kernel, args, kwargs)
+
+
+def _require_compiler(name: str) -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError(
+            f"{name} needs real Triton kernels: unset TRITON_INTERPRET before vidsparse's"
+            " kernels are imported (e.g. run it in a child process without it)"
+        )
 
 
 def _compile_report(kernel, args, kwargs) -> dict:

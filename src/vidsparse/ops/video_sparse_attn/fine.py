@@ -169,7 +169,7 @@ class CoarseCombine(Epilogue):
 
     # --- Triton
     def forward_args(self, call: EngineCall) -> tuple:
-        return (*self._inputs(call), *self._residual_args(call)[0], *self._flags(call))
+        return (*self._inputs(call), *self._residual_args(), *self._flags(call))
 
     def prologue_args(self, call: EngineCall, do: torch.Tensor) -> tuple:
         B, H, _, D = do.shape
@@ -179,7 +179,7 @@ class CoarseCombine(Epilogue):
         self._d_gate = None if self.gate is None else torch.empty_like(self.gate)
         dgate = (self._d_coarse, 0, 0, 0) if self._d_gate is None else (
             self._d_gate, *_strides3(self._d_gate))  # fmt: skip
-        return (*self._inputs(call), *self._residual_args(call)[0], self._d_coarse,
+        return (*self._inputs(call), *self._residual_args(), self._d_coarse,
                 *_strides3(self._d_coarse), *dgate, *self._flags(call))  # fmt: skip
 
     def _inputs(self, call: EngineCall) -> tuple:
@@ -189,19 +189,17 @@ class CoarseCombine(Epilogue):
         sizes = dummy if self.q_sizes is None else self._q_block_sizes(call)
         return (oc, *_strides3(oc), *gate_args, sizes)
 
-    def _residual_args(self, call: EngineCall) -> tuple[tuple, bool]:
-        """``((RES, strides), KEEP_RESIDUAL)``: the saved residual, or a dummy pointer."""
+    def _residual_args(self) -> tuple:
+        """``(RES, strides)``: the saved residual, or a dummy pointer without one."""
         res = self.saved
-        if res is None:
-            return (self.o_coarse, 0, 0, 0), False
-        return (res, *_strides3(res)), True
+        return (self.o_coarse, 0, 0, 0) if res is None else (res, *_strides3(res))
 
     def _flags(self, call: EngineCall) -> tuple:
         """HAS_GATE, ZERO_PAD_ROWS, KEEP_RESIDUAL, OUT_DTYPE (the hooks' constexprs)."""
         import triton.language as tl
 
         out = tl.bfloat16 if call.dtype == torch.bfloat16 else tl.float16
-        keep = self._residual_args(call)[1]
+        keep = self.saved is not None
         flags = (self.gate is not None, self.q_sizes is not None, keep, out)
         return tuple(map(_constexpr, flags))
 
