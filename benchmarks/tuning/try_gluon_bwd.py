@@ -1,0 +1,166 @@
+"""Time the Hopper Gluon dK/dV kernel (``ops/block_sparse_attn/bwd_sm90.py``) against the Triton
+backward's dK/dV kernel, on the engine's timed shape and on VSA's Wan 480p tiles.
+
+Run on an H100/H200 from the repository root (its correctness tests first, apart, since a
+hung mbarrier protocol must not eat the run)::
+
+    PYTHONPATH=src python -m pytest -m gpu tests/ops/block_sparse_attn/test_gluon_bwd.py
+    PYTHONPATH=src python benchmarks/tuning/try_gluon_bwd.py
+
+Cases (bf16, D=128, random per-head lists, fresh random inputs):
+
+- ``engine``: B=1, H=12, S=32768, 128x128 blocks, density 1/8 (the engine's timed shape);
+- ``vsa480``: Wan 2.1 1.3B 480p's 4x4x4 tiles (624 tiles of 64 slots, real sizes from the
+  grid, padding keys finite), 64x64 blocks, top-78 lists (sparsity 0.875).
+
+Per case: the Gluon kernel's dK, dV against the Triton backward's (rel L2), then ``do_bench``
+medians of the Gluon kernel for each ``GluonDkdvOptions`` variant, and the Triton backward's
+kernels from the profiler (two launches: dK/dV and dQ apart; the library's own backward whole).
+At the engine shape cuDNN's dense backward is timed too (fwd+bwd minus fwd), since the issue's
+bar is the backward against it. Writes ``$OUT/try_gluon_bwd.json`` if ``OUT`` is set; prints a
+table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: real kernels only
+
+import torch  # noqa: E402
+
+VARIANTS = {"s2": dict(STAGES=2), "s3": dict(STAGES=3)}
+D = 128
+
+
+def _rel_l2(x, ref) -> float:
+    return ((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def _case(name: str, gen: torch.Generator):
+    """``(q, k, v, do, idx, cnt, sizes, block, density)`` of case ``name``."""
+    from vidsparse.layout.grid import VideoGrid
+    from vidsparse.masks.block_sparse import random_block_lists
+
+    if name == "engine":
+        B, H, S, bs, sizes = 1, 12, 32768, 128, None
+        nq = S // bs
+        idx, cnt = random_block_lists(1, H, nq, nq, density=0.125, generator=gen, device="cuda")
+    else:  # vsa480
+        grid = VideoGrid((21, 30, 52), tile=(4, 4, 4))
+        B, H, S, bs = 1, 12, grid.padded_len, 64
+        sizes = grid.tile_sizes.to(device="cuda", dtype=torch.int32)
+        nq = grid.num_tiles
+        idx, cnt = random_block_lists(1, H, nq, nq, count=78, generator=gen, device="cuda")
+    q, k, v, do = (
+        torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+        for _ in range(4)
+    )
+    density = cnt.double().sum().item() / (H * nq * nq)
+    return q, k, v, do, idx, cnt, sizes, bs, density
+
+
+def run_case(name: str, gen: torch.Generator) -> list[dict]:
+    import triton
+    from dataclasses import replace
+
+    from vidsparse.bench import harness
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
+
+    q, k, v, do, idx, cnt, sizes, bs, density = _case(name, gen)
+    B, H, S, _ = q.shape
+    scale = D**-0.5
+    pf = sizes is not None  # VSA's padding keys are finite (zeros of the tiling)
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale, padding_finite=pf)
+    delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    q_off, q_idx = cached_transpose(idx, cnt, S // bs)
+
+    def triton_bwd(fused=None):
+        with configs.override(fused=fused):
+            return bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, scale,
+                                             padding_finite=pf)  # fmt: skip
+
+    def gluon(options):
+        opts = replace(configs.GLUON_DKDV, **options)
+        return bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
+                                   kv_block_sizes=sizes, options=opts)  # fmt: skip
+
+    _, dk_t, dv_t = triton_bwd()
+    bwd_flops = 2.5 * 4.0 * B * H * S * S * D * density
+    rows = []
+
+    def bench(fn):
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    def row(provider, ms, **extra):
+        r = {"case": name, "provider": provider, "ms": ms, "density": density, **extra}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    for vname, options in VARIANTS.items():
+        try:
+            dk, dv = gluon(options)
+            errs = {"err_dk_vs_triton": _rel_l2(dk, dk_t), "err_dv_vs_triton": _rel_l2(dv, dv_t),
+                    "nan": bool(torch.isnan(dk).any() or torch.isnan(dv).any())}  # fmt: skip
+            row(f"gluon_dkdv_{vname}", bench(lambda o=options: gluon(o)), **errs)
+        except Exception as e:  # keep timing the others
+            row(f"gluon_dkdv_{vname}", None, error=f"{type(e).__name__}: {e}"[:800])
+    # The Triton kernels apart (two launches), from the profiler: per-call kernel time.
+    prof = harness.cuda_profile(lambda: triton_bwd(fused=False), calls=10)
+    for ev in prof.key_averages():
+        if "dkdv" in ev.key or "_dq_" in ev.key or "preprocess" in ev.key:
+            row(f"triton:{ev.key[:60]}", ev.device_time_total / 1e3 / 10)
+    row("triton_bwd_library", bench(triton_bwd), tflops=None)
+    rows[-1]["tflops"] = bwd_flops / (rows[-1]["ms"] * 1e-3) / 1e12
+    if name == "engine":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+
+        def cudnn_fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, scale=scale)
+
+        def cudnn_fwd_bwd():
+            torch.autograd.grad(cudnn_fwd(), (qg, kg, vg), do)
+
+        f, fb = bench(cudnn_fwd), bench(cudnn_fwd_bwd)
+        dense_bwd = 2.5 * 4.0 * B * H * S * S * D
+        row("cudnn_dense_bwd", fb - f, tflops=dense_bwd / ((fb - f) * 1e-3) / 1e12)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default="engine,vsa480")
+    args = ap.parse_args()
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    meta = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__,
+            "commit": os.environ.get("VIDSPARSE_GIT_COMMIT")}  # fmt: skip
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    rows = []
+    for name in args.cases.split(","):
+        rows += run_case(name, gen)
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "try_gluon_bwd.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"\n{'case':>7} {'provider':>60} {'ms':>8}  extra")
+    for r in rows:
+        ms = "-" if r["ms"] is None else f"{r['ms']:.3f}"
+        extra = {k: (round(v, 5) if isinstance(v, float) else v) for k, v in r.items()
+                 if k not in ("case", "provider", "ms", "density")}  # fmt: skip
+        print(f"{r['case']:>7} {r['provider']:>60} {ms:>8}  {extra}")
+
+
+if __name__ == "__main__":
+    main()
