@@ -85,7 +85,7 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
                                              padding_finite=pf)  # fmt: skip
 
     def gluon(options):
-        opts = replace(configs.GLUON_DKDV, **options)
+        opts = replace(configs.GLUON_DKDV[bs], **options)
         return bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
                                    kv_block_sizes=sizes, options=opts)  # fmt: skip
 

@@ -99,7 +99,7 @@ def compile_dkdv_sm90(
     indices = torch.empty(1, H, nk * (nk // 8), dtype=torch.int32, device=meta)  # [1, H, NQ*K]
     sizes = torch.empty(nk, dtype=torch.int32, device=meta) if masked else None  # [NK]
     hooked, grad_args = epilogue if epilogue is not None else (NO_EPILOGUE, ())
-    schedule = replace(configs.GLUON_DKDV, **options) if options else None
+    schedule = replace(configs.GLUON_DKDV[block], **options) if options else None
     kernel, _, args, kwargs = bwd_sm90.kernel_args(
         q, q, q, q, q, q, lse2, lse2, offsets, indices, block, D**-0.5, sizes,
         epilogue=hooked, grad_args=grad_args, options=schedule,

@@ -268,9 +268,10 @@ class EngineWorkload(Workload):
 
     def candidates(self) -> list:
         default, kernel, bq = self.default(), self.job.kernel, self.job.block[0]
-        if kernel == "fwd" and self._runs_gluon(default):
-            # The Gluon forward's schedule is GluonOptions: warps and stages, the fields swept
-            # here, do not reach it, so every candidate would time the same kernel.
+        if kernel in ("fwd", "bwd_dkdv") and self._runs_gluon(default):
+            # The Gluon kernels' schedules are GluonOptions / GluonDkdvOptions: warps, stages
+            # and steps, the fields swept here, do not reach them, so every candidate would
+            # time the same kernel.
             return [default]
         hip = self.target.backend == "hip"
         stages = (1, 2) if hip else ((1, 2, 3, 4) if kernel == "fwd" else (1, 2, 3))
@@ -283,8 +284,9 @@ class EngineWorkload(Workload):
         return dedup(out)
 
     def _runs_gluon(self, cfg) -> bool:
-        """Whether the forward would launch the Gluon kernel with ``cfg`` on these inputs (a
-        Gluon row whose inputs do not fit it, D=64 say, runs Triton's TMA kernel instead)."""
+        """Whether the forward (or dK/dV) would launch the Gluon kernel with ``cfg`` on these
+        inputs (a Gluon row whose inputs do not fit it, D=64 say, runs Triton's TMA kernel
+        instead; the tuner's do is like q, which is all dK/dV's rule adds)."""
         from vidsparse.ops.block_sparse_attn.fwd import gluon_fits
 
         if not (cfg.gluon and cfg.use_tma and self.target.is_hopper):

@@ -1,8 +1,9 @@
-"""The Gluon dK/dV kernel (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``), work in
-progress: not dispatched by the engine, so these tests call ``bwd_sm90.dkdv_gluon`` directly,
-with the preprocess's ``delta`` / ``lse2`` and the transposed lists the Triton backward uses.
-On a GPU only (its sm_90 compile check is ``tests/compile/test_compile_bwd_sm90.py``); not yet
-run on one when written.
+"""The Gluon dK/dV kernel (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``): called
+directly (``bwd_sm90.dkdv_gluon``, with the preprocess's ``delta`` / ``lse2`` and the transposed
+lists the Triton backward uses) at both block sizes, and through the engine's backward, which
+takes it at 128x128 (``configs.py``). On a GPU only (its sm_90 compile check is
+``tests/compile/test_compile_bwd_sm90.py``; which kernels a Hopper launches is checked on the
+CPU by ``test_target_paths.py``).
 """
 
 from __future__ import annotations
@@ -27,13 +28,13 @@ pytestmark = [
 D = 128
 
 
-def _problem(bs, dtype, padded, *, B=2, H=3, nq=7, nk=9, density=0.5, seed=0):
+def _problem(bs, dtype, padded, *, B=2, H=3, nq=7, nk=9, density=0.5, seed=0, scale=1.0):
     """Sq != Skv (an odd number of key blocks: the 64-row kernel's last program has one),
     lists broadcast over the batch with an empty row and a one-block row; with key-block sizes,
     blocks of every size whose padding keys hold large finite values (read by TMA, masked)."""
     torch.manual_seed(seed)
     Sq, Skv = nq * bs, nk * bs
-    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device="cuda")
+    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device="cuda", scale=scale)
     do = torch.randn_like(q)
     idx, cnt = make_lists(1, H, nq, nk, density=density, device="cuda", empty_rows=1)
     sizes = None
@@ -88,11 +89,13 @@ def _padding_rows(k, sizes, bs):
     return (torch.arange(k.shape[2], device=k.device) % bs) >= sizes.long().repeat_interleave(bs)
 
 
+@pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("bs", [128, 64])
-def test_gpu_gluon_dkdv_matches_reference_and_triton(dtype, padded, bs):
-    q, k, v, do, idx, cnt, sizes = _problem(bs, dtype, padded)
+def test_gpu_gluon_dkdv_matches_reference_and_triton(dtype, padded, bs, scale):
+    """Partial key blocks (``padded``) and input scales 1, 4 and 16 (sharp softmax rows)."""
+    q, k, v, do, idx, cnt, sizes = _problem(bs, dtype, padded, scale=scale)
     gluon, (dk_t, dv_t) = _gluon_and_triton(q, k, v, do, idx, cnt, sizes, bs)
     dk, dv = gluon()
     (dk64, dv64), (dk_low, dv_low) = _reference_grads(q, k, v, do, idx, cnt, sizes, bs)
@@ -125,3 +128,56 @@ def test_gpu_gluon_dkdv_bit_identical_and_unlisted_blocks_zero(bs):
     listed = (idx[..., :1] == 2) & (cnt[..., None] > 0)
     assert not listed.any()
     assert (first[0][:, :, rows] == 0).all() and (first[1][:, :, rows] == 0).all()
+
+
+def _engine_grads(q, k, v, do, idx, cnt, bs):
+    """``(dq, dk, dv)`` of the public op's backward (autograd)."""
+    import vidsparse
+
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o = vidsparse.block_sparse_attn(*leaves, idx, cnt, block_size=bs)
+    return torch.autograd.grad(o, leaves, do)
+
+
+@pytest.fixture
+def gluon_dkdv_calls(monkeypatch):
+    """Counts the engine's calls of the Gluon dK/dV launcher."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90
+
+    calls = []
+    real = bwd_sm90.dkdv_gluon
+    monkeypatch.setattr(bwd_sm90, "dkdv_gluon",
+                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    return calls
+
+
+@pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_engine_backward_takes_gluon_dkdv_and_matches_reference(gluon_dkdv_calls, dtype,
+                                                                     scale):  # fmt: skip
+    """The public op at 128x128, D=128: its backward runs dK/dV in the Gluon kernel, and dq,
+    dk, dv are within the error of PyTorch in the same low precision (fp64 reference)."""
+    bs = 128
+    q, k, v, do, idx, cnt, _ = _problem(bs, dtype, False, scale=scale, seed=3)
+    got = _engine_grads(q, k, v, do, idx, cnt, bs)
+    assert gluon_dkdv_calls, "the engine's backward did not take the Gluon dK/dV kernel"
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    o_ref, _ = masked_dense_attention(*exact, idx, cnt, bs, bs)
+    ref = torch.autograd.grad(o_ref, exact, do.double())
+    low = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    base = torch.autograd.grad(_lowprec_baseline(*low, idx, cnt, bs, bs, None), low, do)
+    for name, g, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+        assert not torch.isnan(g).any(), name
+        assert_error_relative(name, g, r, b, atol=2e-3)
+
+
+def test_gpu_engine_backward_is_bit_identical_across_runs(gluon_dkdv_calls):
+    """Deterministic by construction (no atomics in either kernel): two backward passes of the
+    same inputs give the same bits, at the engine's timed block size."""
+    bs = 128
+    q, k, v, do, idx, cnt, _ = _problem(bs, torch.bfloat16, False, nq=16, nk=16, seed=4)
+    first = _engine_grads(q, k, v, do, idx, cnt, bs)
+    second = _engine_grads(q, k, v, do, idx, cnt, bs)
+    assert len(gluon_dkdv_calls) == 2
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -19,7 +19,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from vidsparse.ops.block_sparse_attn import bwd, configs, fwd, fwd_sm90, lists  # noqa: E402
+from vidsparse.ops.block_sparse_attn import (  # noqa: E402
+    bwd,
+    bwd_sm90,
+    configs,
+    fwd,
+    fwd_sm90,
+    launch,
+    lists,
+)
 from vidsparse.ops.video_sparse_attn import configs as vsa_configs  # noqa: E402
 from vidsparse.utils import device as device_module  # noqa: E402
 from vidsparse.utils.device import Target  # noqa: E402
@@ -65,7 +73,7 @@ class _Recorder:
 
 
 def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=True,
-              sizes=False, padding_finite=False):  # fmt: skip
+              sizes=False, padding_finite=False, epilogue=None):  # fmt: skip
     """Kernel names (and launch kwargs) of one forward and one backward on meta tensors;
     ``sizes``: with key-block sizes (``padding_finite`` as the video ops pass it)."""
     sink = []
@@ -76,6 +84,9 @@ def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=T
     monkeypatch.setattr(fwd_sm90, "block_sparse_attn_fwd_sm90",
                         lambda *args, **kwargs: sink.append(("gluon_fwd_sm90", {})) or (
                             torch.empty_like(args[0]), None))  # fmt: skip
+    monkeypatch.setattr(bwd_sm90, "dkdv_gluon",
+                        lambda q, k, v, *args, **kwargs: sink.append(("gluon_dkdv_sm90", kwargs))
+                        or (torch.empty_like(k), torch.empty_like(v)))  # fmt: skip
     meta = torch.device("meta")
     B, H, S = 1, 2, 4 * block
     q, k, v, do = (torch.empty(B, H, S, head_dim, dtype=dtype, device=meta) for _ in range(4))
@@ -86,8 +97,9 @@ def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=T
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, *case, padding_finite=padding_finite)
     if backward:
         lse = torch.empty(B, H, S, dtype=torch.float32, device=meta)
+        more = {} if epilogue is None else {"epilogue": epilogue}
         bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, *case,
-                                  padding_finite=padding_finite)  # fmt: skip
+                                  padding_finite=padding_finite, **more)  # fmt: skip
     return sink
 
 
@@ -138,16 +150,48 @@ def test_hopper_configs_are_untouched_by_the_other_gpus_rows(monkeypatch):
 
 @pytest.mark.parametrize("block", [64, 128])
 def test_hopper_takes_the_gluon_forward_and_tma(monkeypatch, fake_gpu, block):
-    """The control: on sm_90 the same calls reach the Gluon forward and the TMA backward."""
+    """The control: on sm_90 the same calls reach the Gluon forward and the TMA backward, its
+    dK/dV in the Gluon kernel at 128x128 (then dQ alone), both Triton kernels at 64x64 (where
+    the Gluon dK/dV kernel was slower)."""
     fake_gpu(9, 0)
     names = [name for name, _ in _launches(monkeypatch, block)]
     assert names.count("gluon_fwd_sm90") == 1 and "block_sparse_attn_fwd_kernel" not in names
-    bwd_names = [n for n in names if "_bwd_" in n and "preprocess" not in n]
+    bwd_names = [n for n in names if ("_bwd_" in n or "dkdv" in n) and "preprocess" not in n]
     assert bwd_names == (
-        ["block_sparse_attn_bwd_fused_kernel"]
+        ["gluon_dkdv_sm90", "block_sparse_attn_bwd_dq_kernel"]
         if block == 128
         else ["block_sparse_attn_bwd_dkdv_kernel", "block_sparse_attn_bwd_dq_kernel"]
     )
+
+
+def _backward_names(launches):
+    return [n for n, _ in launches if ("_bwd_" in n or "dkdv" in n) and "preprocess" not in n]
+
+
+def test_hopper_dkdv_leaves_the_gluon_kernel_where_it_does_not_fit(monkeypatch, fake_gpu):
+    """At 128x128 the Gluon dK/dV kernel needs D=128, 16-bit inputs, TMA (padding keys vouched
+    finite) and an epilogue with a Gluon dK/dV hook: without one of these the fused Triton
+    backward (or, for unvouched padding, the two pointer kernels) runs, never a failure."""
+    from vidsparse.ops.block_sparse_attn.epilogue import Epilogue, EpilogueFns, FnSpecs
+
+    fake_gpu(9, 0)
+    fused = ["block_sparse_attn_bwd_fused_kernel"]
+    assert _backward_names(_launches(monkeypatch, 128, head_dim=64)) == fused
+    assert _backward_names(_launches(monkeypatch, 128, dtype=torch.float32)) != [
+        "gluon_dkdv_sm90", "block_sparse_attn_bwd_dq_kernel"]  # fmt: skip
+
+    class OwnDkdvHook(Epilogue):  # a client's dK/dV hook, Triton only
+        name = "test_own_dkdv_hook"
+
+        def fns(self):
+            base = super().fns()
+            hook = FnSpecs("own", object())
+            return EpilogueFns(base.forward, base.prologue, base.dq, hook, base.forward_sm90)
+
+    assert _backward_names(_launches(monkeypatch, 128, epilogue=OwnDkdvHook())) == fused
+    # key-block sizes with padding of unknown content: no TMA, so no Gluon either
+    masked = _backward_names(_launches(monkeypatch, 128, sizes=True, padding_finite=False))
+    assert "gluon_dkdv_sm90" not in masked and "block_sparse_attn_bwd_dq_kernel" in masked
 
 
 @pytest.mark.parametrize("gpu", AMD_GPUS)
@@ -211,14 +255,14 @@ def test_a_gluon_api_that_differs_switches_gluon_off_with_a_reason(monkeypatch, 
     import sys
 
     fake_gpu(9, 0)
-    fwd._gluon_launcher.cache_clear()
+    launch.gluon_launcher.cache_clear()
     monkeypatch.setitem(sys.modules, "vidsparse.ops.block_sparse_attn.fwd_sm90", None)
     try:
         with caplog.at_level("WARNING", logger="vidsparse"):
             names = [name for name, _ in _launches(monkeypatch, 128, backward=False)]
             _launches(monkeypatch, 128, backward=False)
     finally:
-        fwd._gluon_launcher.cache_clear()
+        launch.gluon_launcher.cache_clear()
     assert names == ["block_sparse_attn_fwd_tma_kernel"]
     notes = [r.getMessage() for r in caplog.records if "Gluon forward is off" in r.getMessage()]
     assert len(notes) == 1 and "TMA kernel runs instead" in notes[0]
@@ -227,18 +271,23 @@ def test_a_gluon_api_that_differs_switches_gluon_off_with_a_reason(monkeypatch, 
 @pytest.mark.parametrize("version", [(3, 9), (3, 5), None])
 def test_a_triton_outside_the_gluon_span_switches_gluon_off(monkeypatch, fake_gpu, caplog,
                                                             version):  # fmt: skip
-    """Triton 3.9 removed a Gluon TMA call the kernel makes: there (and before 3.6) the Hopper
-    forward is the Triton TMA kernel, with one log line naming the Triton."""
+    """Triton 3.9 removed a Gluon TMA call the kernels make: there (and before 3.6) the Hopper
+    forward is the Triton TMA kernel and dK/dV Triton's, with one log line each naming the
+    Triton."""
     from vidsparse.utils import device as device_mod
 
     fake_gpu(9, 0)
-    fwd._gluon_launcher.cache_clear()
+    launch.gluon_launcher.cache_clear()
     monkeypatch.setattr(device_mod, "triton_version", lambda: version)
     try:
         with caplog.at_level("WARNING", logger="vidsparse"):
-            names = [name for name, _ in _launches(monkeypatch, 128, backward=False)]
+            names = _backward_names(_launches(monkeypatch, 128))
+            forward = [name for name, _ in _launches(monkeypatch, 128, backward=False)]
     finally:
-        fwd._gluon_launcher.cache_clear()
-    assert names == ["block_sparse_attn_fwd_tma_kernel"]
-    (note,) = [r.getMessage() for r in caplog.records if "Gluon forward is off" in r.getMessage()]
-    assert "written for the Gluon API of Triton 3.6-3.8" in note
+        launch.gluon_launcher.cache_clear()
+    assert forward == ["block_sparse_attn_fwd_tma_kernel"]
+    assert names == ["block_sparse_attn_bwd_fused_kernel"]  # dK/dV in Triton's kernel too
+    for kernel in ("forward", "dK/dV"):
+        (note,) = [r.getMessage() for r in caplog.records
+                   if f"Gluon {kernel} is off" in r.getMessage()]  # fmt: skip
+        assert "written for the Gluon API of Triton 3.6-3.8" in note

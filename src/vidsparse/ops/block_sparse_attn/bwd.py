@@ -3,6 +3,9 @@
 Preprocess, then the dK/dV and dQ kernels (``kernels/bwd.py``), as two launches or one fused
 launch where both configs say ``fused`` and launch alike: the gradients are bit-identical
 either way. Each kernel reads its loop's tiles by TMA where its config and the inputs allow.
+On Hopper, dK/dV runs in the Gluon kernel (``bwd_sm90.py``: FlashAttention-3's structure)
+where its config says ``gluon`` and the inputs and epilogue fit it; dQ then runs alone. No
+kernel uses atomics: the gradients are the same bits on every run.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
     broadcast_strides,
     eviction_hints,
+    gluon_launcher,
     lists_full_first,
     tensor_descriptor,
     tma_compatible,
@@ -61,9 +65,10 @@ def block_sparse_attn_bwd(
     has_sizes = kv_block_sizes is not None
     kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
                                             padding_finite)  # fmt: skip
+    gluon_dkdv = _takes_gluon_dkdv(kv_cfg, kv_tma, q, k, v, do, block_q, block_kv, epilogue)
     desc = tensor_descriptor
-    kv_in = (q, k, v, do)  # the dK/dV kernel's q, k, v, do
-    if kv_tma:
+    kv_in = (q, k, v, do)  # the Triton dK/dV kernel's q, k, v, do
+    if kv_tma and not gluon_dkdv:
         kv_in = (
             desc(q, kv_cfg.sub_m),
             desc(k, block_kv),
@@ -76,14 +81,15 @@ def block_sparse_attn_bwd(
     dq_lists, dq_counts, full, checked = lists_full_first(kv_indices, kv_counts, kv_block_sizes,
                                                           block_kv)  # fmt: skip
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq = torch.empty_like(q)
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
     list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     scales = (scale * LOG2E, scale)
 
-    if fused_launch(kv_cfg, q_cfg, configs.active_overrides().fused):
+    if not gluon_dkdv and fused_launch(kv_cfg, q_cfg, configs.active_overrides().fused):
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
         num_dq_programs = Sq // q_cfg.sub_m * B * H
         block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
             *kv_in, q, *q_keys, do, dq, dk, dv, lse2, delta,
@@ -99,15 +105,22 @@ def block_sparse_attn_bwd(
         )  # fmt: skip
         return dq, dk, dv
 
-    block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
-        *kv_in, dk, dv, lse2, delta,
-        q_offsets, q_indices, sizes,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        *transposed_strides, *grad_hooks,
-        H, Sq, Sq // block_q, *scales,
-        SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
-        **kv_cfg.launch_kwargs(),
-    )  # fmt: skip
+    if gluon_dkdv:
+        dk, dv = gluon_launcher("bwd_sm90", "dK/dV").dkdv_gluon(
+            q, k, v, do, lse2, delta, q_offsets, q_indices, block_kv, scale,
+            kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
+        )  # fmt: skip
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
+            *kv_in, dk, dv, lse2, delta,
+            q_offsets, q_indices, sizes,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+            *transposed_strides, *grad_hooks,
+            H, Sq, Sq // block_q, *scales,
+            SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
+            **kv_cfg.launch_kwargs(),
+        )  # fmt: skip
     block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
         q, *q_keys, do, dq, lse2, delta,
         dq_lists, dq_counts, sizes, full, *broadcast_strides(full),
@@ -118,6 +131,21 @@ def block_sparse_attn_bwd(
         **common, **q_cfg.launch_kwargs(),
     )  # fmt: skip
     return dq, dk, dv
+
+
+def _takes_gluon_dkdv(kv_cfg, kv_tma, q, k, v, do, block_q, block_kv, epilogue) -> bool:
+    """Does dK/dV run in the Hopper Gluon kernel (``bwd_sm90.py``)? Where its config asks for
+    it on top of TMA (the inputs allow TMA reads, padding keys included), the inputs fit it,
+    the epilogue has a Gluon dK/dV hook for this block, and this Triton's Gluon is the one
+    the kernel is written for (else the Triton kernel runs, and the log says why, once)."""
+    if not (kv_cfg.gluon and kv_tma):
+        return False
+    launcher = gluon_launcher("bwd_sm90", "dK/dV")
+    return (
+        launcher is not None
+        and launcher.dkdv_gluon_fits(q, k, v, do, block_q, block_kv)
+        and launcher.dkdv_hook_fits(epilogue, block_kv)
+    )
 
 
 def _preprocess(do, o, lse, block_q, fns, prologue_args):

@@ -1,6 +1,7 @@
 """Launcher of the Hopper Gluon dK/dV kernel (``kernels/bwd_sm90.py``): descriptors, grid,
-options. Work in progress: compile-checked for sm_90, not yet run on a GPU, and not taken by
-the engine's backward (``bwd.py``); call ``dkdv_gluon`` directly to try it."""
+options. The engine's backward (``bwd.py``) takes it where the dK/dV config asks for it
+(``KernelConfig.gluon``) and the inputs and the epilogue fit (``dkdv_gluon_fits``,
+``dkdv_hook_fits``); the dQ kernel stays Triton's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     STEP_M,
     block_sparse_attn_bwd_dkdv_gluon_kernel,
     block_sparse_attn_bwd_dkdv_gluon_tiles_kernel,
-    dkdv_identity_sm90,
 )
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides
 
@@ -36,22 +36,23 @@ def dkdv_gluon_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
     )
 
 
-def dkdv_hook(epilogue: Epilogue, block: int):
-    """The Gluon dK/dV hook of ``epilogue``: the identity without one, else the epilogue's
-    ``dkdv_sm90`` (a ``@gluon.jit`` version of its ``dkdv``; ``EpilogueFns`` has no such field
-    yet, so a client opts in by returning fns that carry it). Raises where there is none, and
-    at 128-row blocks, whose kernel hands the hook each 64-row half of a key block apart while
-    the contract (``dk, dv = f(dk, dv, b, h, kv_block, dims)``) has no rows argument."""
+def dkdv_hook_fits(epilogue: Epilogue, block: int) -> bool:
+    """Does ``epilogue`` have a Gluon dK/dV hook this kernel can call at ``block``? Its
+    ``dkdv_sm90``; a client's own hook (not the identity) only at 64-row blocks: the 128-row
+    kernel hands the hook each 64-row half of a key block apart, and the contract
+    (``dk, dv = f(dk, dv, b, h, kv_block, dims)``) has no rows argument."""
     fns = epilogue.fns()
-    if fns.dkdv.fn is no_epilogue.dkdv_identity:
-        return dkdv_identity_sm90
-    hook = getattr(fns, "dkdv_sm90", None)
-    if hook is None:
-        raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dK/dV hook (dkdv_sm90)")
-    if block != ROWS_PER_CONSUMER.value:
-        raise ValueError("a dK/dV hook needs 64-row key blocks in the Gluon kernel (the 128-row"
-                         " kernel splits each block over two warpgroups)")  # fmt: skip
-    return hook.fn
+    if fns.dkdv_sm90 is None:
+        return False
+    return fns.dkdv.fn is no_epilogue.dkdv_identity or block == ROWS_PER_CONSUMER.value
+
+
+def dkdv_hook(epilogue: Epilogue, block: int):
+    """The Gluon dK/dV hook of ``epilogue`` (``dkdv_hook_fits`` says where there is one)."""
+    if not dkdv_hook_fits(epilogue, block):
+        raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dK/dV hook for {block}-row "
+                         "key blocks (EpilogueFns.dkdv_sm90; a client's own only at 64 rows)")  # fmt: skip
+    return epilogue.fns().dkdv_sm90.fn
 
 
 def _descriptors(q, k, v, do, dk, dv, lse2, delta):
@@ -95,7 +96,7 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
             *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
             dkdv_hook(epilogue, block), grad_args, H, Sq, Skv, Sq // block - 1, nk,
             q_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
-    opts = (options or configs.GLUON_DKDV).as_kwargs()
+    opts = (options or configs.GLUON_DKDV[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
                   num_warps=4)  # fmt: skip
     return kernel, grid, args, kwargs

@@ -58,7 +58,8 @@ class KernelConfig:
     use_tma: bool = False
     # Let Triton split the loop into producer / consumer warps (TMA forward only).
     warp_specialize: bool = False
-    # Forward on Hopper: the Gluon kernel (kernels/fwd_sm90.py) where the inputs fit it.
+    # Hopper: the Gluon kernel (forward: kernels/fwd_sm90.py; dK/dV: kernels/bwd_sm90.py) where
+    # the inputs fit it; it needs use_tma (its loads are TMA's).
     gluon: bool = False
     # Backward with use_tma: the step of the pointer-load kernel taken when the inputs do not
     # allow TMA (pointer loads hold more registers, so the TMA step can spill there).
@@ -109,10 +110,10 @@ class GluonOptions:
 
 @dataclass(frozen=True)
 class GluonDkdvOptions:
-    """The Hopper Gluon dK/dV kernel's schedule (kernels/bwd_sm90.py; work in progress, not
-    dispatched). ``STAGES``: depth of the Q / dO ring (32.5 KB a slot; the 64-row kernel holds
-    two rings, so 2 is its most at D = 128). Registers as the forward's: the loader warp gives
-    its registers to the two consumer warpgroups, which hold dK and dV across the list."""
+    """The Hopper Gluon dK/dV kernel's schedule (kernels/bwd_sm90.py). ``STAGES``: depth of the
+    Q / dO ring (32.5 KB a slot at D = 128; the 64-row kernel holds two rings, so 2 is its
+    most). Registers as the forward's: the loader warp gives its registers to the two consumer
+    warpgroups, which hold dK and dV across the list."""
 
     STAGES: int = 2
     CONSUMER_REGS: int = 240
@@ -122,7 +123,9 @@ class GluonDkdvOptions:
         return dict(vars(self))
 
 
-GLUON_DKDV = GluonDkdvOptions()
+# Per key-block size: 3 stages at 128 rows (H200, S=32k, 1/8: 2.50 ms against 2.66 with 2;
+# benchmarks/NOTES.md); the 64-row kernel's two rings fit 2.
+GLUON_DKDV = {128: GluonDkdvOptions(STAGES=3), 64: GluonDkdvOptions(STAGES=2)}
 
 
 # Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
@@ -174,9 +177,12 @@ HOPPER = {
     # Backward: TMA loads of the loop's tiles free the registers that made 64-row pointer
     # steps spill; pointer loads (fp32, padding of unknown content, unaligned strides) keep
     # the spill-free 32-row step. 128x128 fuses both kernels into one launch (24 B spilled
-    # outside the loops at D=128 with TMA, accepted for the measured gain).
+    # outside the loops at D=128 with TMA, accepted for the measured gain) where dK/dV does
+    # not run in the Gluon kernel (D=128, 16-bit, contiguous: ``gluon``; GLUON_DKDV). At 64x64
+    # the Gluon dK/dV kernel was slower than Triton's (4.14 vs 3.82 ms on 4x4x4 video tiles), so
+    # it is off there.
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
-        8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True
+        8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True, gluon=True
     ),
     ("bwd_dkdv", 128, 128, 64): KernelConfig(
         4, 2, sub_m=32, use_tma=True, pointer_sub_m=16, fused=True

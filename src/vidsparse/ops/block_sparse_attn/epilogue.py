@@ -54,14 +54,16 @@ class FnSpecs:
 
 @dataclass(frozen=True)
 class EpilogueFns:
-    """One function per hook point. ``forward_sm90`` is the Gluon forward's version; without
-    it that kernel is not taken (the Triton forward is)."""
+    """One function per hook point. ``forward_sm90`` and ``dkdv_sm90`` are the Hopper Gluon
+    kernels' versions of ``forward`` and ``dkdv``; without one that kernel is not taken (the
+    Triton one is)."""
 
     forward: FnSpecs
     prologue: FnSpecs
     dq: FnSpecs
     dkdv: FnSpecs
     forward_sm90: FnSpecs | None = None
+    dkdv_sm90: FnSpecs | None = None
 
 
 class EngineCall(NamedTuple):
@@ -76,7 +78,7 @@ class EngineCall(NamedTuple):
 
 def gluon_fn(name: str, module: str, attr: str) -> FnSpecs | None:
     """``FnSpecs`` of a ``@gluon.jit`` hook, or None where Triton has no Gluon (the engine
-    then runs its Triton forward on Hopper too)."""
+    then runs its Triton kernels on Hopper too)."""
     try:
         fn = getattr(importlib.import_module(module), attr)
     except ImportError:
@@ -96,6 +98,9 @@ def _identity_fns() -> EpilogueFns:
         dkdv=FnSpecs("none", no_epilogue.dkdv_identity),
         forward_sm90=gluon_fn(
             "none", "vidsparse.ops.block_sparse_attn.kernels.fwd_sm90", "forward_identity_sm90"
+        ),
+        dkdv_sm90=gluon_fn(
+            "none", "vidsparse.ops.block_sparse_attn.kernels.bwd_sm90", "dkdv_identity_sm90"
         ),
     )
 

@@ -9,9 +9,6 @@ eviction hints reach the pointer kernel only (TMA loads take none).
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 
 from vidsparse.ops.block_sparse_attn import configs
@@ -24,6 +21,7 @@ from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
     broadcast_strides,
     eviction_hints,
+    gluon_launcher,
     lists_full_first,
     tensor_descriptor,
     tma_compatible,
@@ -102,38 +100,5 @@ def block_sparse_attn_fwd(
 
 
 def gluon_fits(q, k, v, block_q, block_kv) -> bool:
-    launcher = _gluon_launcher()
+    launcher = gluon_launcher("fwd_sm90", "forward")
     return launcher is not None and launcher.gluon_fits(q, k, v, block_q, block_kv)
-
-
-# The Tritons whose Gluon API the Hopper forward is written for (compile-checked on 3.6 and 3.8:
-# tests/ops/block_sparse_attn/test_gluon_fwd.py). Gluon is experimental and moves: Triton 3.9
-# removed tma.async_copy_shared_to_global, which the kernel's epilogue stores with.
-GLUON_TRITONS = ((3, 6), (3, 8))
-
-
-@functools.cache
-def _gluon_launcher():
-    """The Gluon launcher (``fwd_sm90.py``), or None where this Triton's Gluon API is not the
-    one it is written for (``GLUON_TRITONS``, or the launcher does not import). Then the
-    Triton TMA kernel runs instead, and the log says why, once."""
-    from vidsparse.utils.device import triton_version
-
-    version = triton_version()
-    shown = ".".join(map(str, version)) if version else "?"
-    reason = None
-    if version is None or not GLUON_TRITONS[0] <= version <= GLUON_TRITONS[-1]:
-        span = "-".join(".".join(map(str, v)) for v in GLUON_TRITONS)
-        reason = f"it is written for the Gluon API of Triton {span}"
-    else:
-        try:
-            return importlib.import_module("vidsparse.ops.block_sparse_attn.fwd_sm90")
-        except (ImportError, AttributeError) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-    import logging
-
-    logging.getLogger("vidsparse").warning(
-        "vidsparse: the Hopper Gluon forward is off with Triton %s (%s); the Triton TMA kernel "
-        "runs instead", shown, reason,
-    )  # fmt: skip
-    return None

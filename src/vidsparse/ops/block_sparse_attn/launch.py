@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import functools
+import importlib
+import logging
+
 import torch
 
 from vidsparse.ops.block_sparse_attn import configs
@@ -72,3 +76,35 @@ def int32_contiguous(x: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.int32 and x.stride(-1) == 1:
         return x
     return derived_lists.get("int32", (x,), (), lambda: x.to(torch.int32).contiguous())
+
+
+# The Tritons whose Gluon API the Hopper kernels are written for (compile-checked on 3.6 and
+# 3.8: tests/ops/block_sparse_attn/test_gluon_fwd.py, tests/compile/test_compile_bwd_sm90.py).
+# Gluon is experimental and moves: Triton 3.9 removed tma.async_copy_shared_to_global, which
+# their stores use.
+GLUON_TRITONS = ((3, 6), (3, 8))
+
+
+@functools.cache
+def gluon_launcher(module: str, kernel: str):
+    """The Gluon launcher module ``module`` of this package (``"fwd_sm90"``, ``"bwd_sm90"``),
+    or None where this Triton's Gluon API is not the one it is written for
+    (``GLUON_TRITONS``) or it does not import. Then the Triton kernels run instead, and the log
+    says why, once per launcher (``kernel`` names it there: "forward", "dK/dV")."""
+    from vidsparse.utils.device import triton_version
+
+    version = triton_version()
+    shown = ".".join(map(str, version)) if version else "?"
+    if version is None or not GLUON_TRITONS[0] <= version <= GLUON_TRITONS[-1]:
+        span = "-".join(".".join(map(str, v)) for v in GLUON_TRITONS)
+        reason = f"it is written for the Gluon API of Triton {span}"
+    else:
+        try:
+            return importlib.import_module(f"vidsparse.ops.block_sparse_attn.{module}")
+        except (ImportError, AttributeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+    logging.getLogger("vidsparse").warning(
+        "vidsparse: the Hopper Gluon %s is off with Triton %s (%s); the Triton TMA kernel "
+        "runs instead", kernel, shown, reason,
+    )  # fmt: skip
+    return None
