@@ -13,9 +13,11 @@ Cases (bf16, D=128, random per-head lists, fresh random inputs):
 - ``vsa480``: Wan 2.1 1.3B 480p's 4x4x4 tiles (624 tiles of 64 slots, real sizes from the
   grid, padding keys finite), 64x64 blocks, top-78 lists (sparsity 0.875).
 
-Per case: the Gluon kernel's dK, dV against the Triton backward's (rel L2), then ``do_bench``
-medians of the Gluon kernel for each ``GluonDkdvOptions`` variant, and the Triton backward's
-kernels from the profiler (two launches: dK/dV and dQ apart; the library's own backward whole).
+Per case: the Gluon kernels' gradients against the Triton backward's (rel L2), then
+``do_bench`` medians of the Gluon dK/dV kernel (and, without key-block sizes, the dQ kernel)
+for each ring depth, the Triton backward's kernels from the profiler (two launches: dK/dV and
+dQ apart), the Triton backward whole (the library's rows without ``gluon``) and the library's
+backward whole (with its Gluon kernels where they apply) with its kernels from the profiler.
 At the engine shape cuDNN's dense backward is timed too (fwd+bwd minus fwd), since the issue's
 bar is the backward against it. Writes ``$OUT/try_gluon_bwd.json`` if ``OUT`` is set; prints a
 table last.
@@ -62,6 +64,16 @@ def _case(name: str, gen: torch.Generator):
     return q, k, v, do, idx, cnt, sizes, bs, density
 
 
+def _triton_row(configs, q, kernel, bs, sizes):
+    """The library's config of ``kernel`` for these inputs, without its Gluon kernel."""
+    from dataclasses import replace
+
+    from vidsparse.utils.device import target_of
+
+    row = configs.lookup(target_of(q.device), kernel, bs, bs, q.shape[-1], sizes is not None)
+    return replace(row, gluon=False)
+
+
 def run_case(name: str, gen: torch.Generator) -> list[dict]:
     import triton
     from dataclasses import replace
@@ -84,12 +96,21 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
             return bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, scale,
                                              padding_finite=pf)  # fmt: skip
 
+    def triton_only(fn):  # the library's rows without their Gluon kernels
+        def run():
+            with configs.override(bwd_dkdv=_triton_row(configs, q, "bwd_dkdv", bs, sizes),
+                                  bwd_dq=_triton_row(configs, q, "bwd_dq", bs, sizes)):
+                return fn()
+        return run
+
     def gluon(options):
         opts = replace(configs.GLUON_DKDV[bs], **options)
         return bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
                                    kv_block_sizes=sizes, options=opts)  # fmt: skip
 
-    _, dk_t, dv_t = triton_bwd()
+    with configs.override(bwd_dkdv=_triton_row(configs, q, "bwd_dkdv", bs, sizes),
+                          bwd_dq=_triton_row(configs, q, "bwd_dq", bs, sizes)):
+        dq_t, dk_t, dv_t = triton_bwd()
     bwd_flops = 2.5 * 4.0 * B * H * S * S * D * density
     rows = []
 
@@ -111,13 +132,30 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
             row(f"gluon_dkdv_{vname}", bench(lambda o=options: gluon(o)), **errs)
         except Exception as e:  # keep timing the others
             row(f"gluon_dkdv_{vname}", None, error=f"{type(e).__name__}: {e}"[:800])
+    if sizes is None:  # the dQ kernel takes no key-block sizes
+        for vname, stages in (("s2", 2), ("s3", 3), ("s4", 4)):
+            try:
+                opts = replace(configs.GLUON_DQ, STAGES=stages)
+                dq = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale,
+                                       options=opts)  # fmt: skip
+                errs = {"err_dq_vs_triton": _rel_l2(dq, dq_t), "nan": bool(torch.isnan(dq).any())}
+                ms = bench(lambda o=opts: bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt,
+                                                            bs, scale, options=o))  # fmt: skip
+                row(f"gluon_dq_{vname}", ms, **errs)
+            except Exception as e:
+                row(f"gluon_dq_{vname}", None, error=f"{type(e).__name__}: {e}"[:800])
     # The Triton kernels apart (two launches), from the profiler: per-call kernel time.
-    prof = harness.cuda_profile(lambda: triton_bwd(fused=False), calls=10)
+    prof = harness.cuda_profile(triton_only(lambda: triton_bwd(fused=False)), calls=10)
     for ev in prof.key_averages():
         if "dkdv" in ev.key or "_dq_" in ev.key or "preprocess" in ev.key:
             row(f"triton:{ev.key[:60]}", ev.device_time_total / 1e3 / 10)
-    row("triton_bwd_library", bench(triton_bwd), tflops=None)
-    rows[-1]["tflops"] = bwd_flops / (rows[-1]["ms"] * 1e-3) / 1e12
+    for name, fn in (("triton_bwd", triton_only(triton_bwd)), ("library_bwd", triton_bwd)):
+        ms = bench(fn)
+        row(name, ms, tflops=bwd_flops / (ms * 1e-3) / 1e12)
+    prof = harness.cuda_profile(triton_bwd, calls=10)  # the library's kernels, Gluon's included
+    for ev in prof.key_averages():
+        if "gluon" in ev.key or "_dq_" in ev.key or "dkdv" in ev.key:
+            row(f"library:{ev.key[:60]}", ev.device_time_total / 1e3 / 10)
     if name == "engine":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

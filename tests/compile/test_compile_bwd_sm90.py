@@ -1,7 +1,8 @@
-"""The Gluon dK/dV kernel (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``) compiles for
-sm_90 on any machine (``vidsparse.bench.compile.compile_dkdv_sm90``, run in a child process
-without ``TRITON_INTERPRET``): both block sizes, with and without key-block sizes, both 16-bit
-dtypes, and at 64x64 with a dK/dV hook of VSA's shape compiled in. No write to the registers
+"""The Gluon dK/dV and dQ kernels (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``) compile
+for sm_90 on any machine (``vidsparse.bench.compile.compile_dkdv_sm90`` / ``compile_dq_sm90``,
+run in a child process without ``TRITON_INTERPRET``): dK/dV at both block sizes, with and
+without key-block sizes, both 16-bit dtypes, and at 64x64 with a dK/dV hook of VSA's shape
+compiled in; dQ (128x128) in both dtypes. No write to the registers
 of an in-flight register-A wgmma (the SASS check of the Gluon forward), no ptxas warning, and
 no spill beyond the few bytes listed in ``ACCEPTED_SPILL_BYTES``.
 
@@ -45,7 +46,7 @@ _COMPILE = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
 from test_compile_bwd_sm90 import hooked_epilogue
-from vidsparse.bench.compile import compile_dkdv_sm90
+from vidsparse.bench.compile import compile_dkdv_sm90, compile_dq_sm90
 cases = [(block, masked, False, dtype) for block in (128, 64) for masked in (False, True)
          for dtype in (torch.bfloat16, torch.float16)]
 cases += [(64, masked, True, torch.bfloat16) for masked in (False, True)]
@@ -53,6 +54,9 @@ for block, masked, hook, dtype in cases:
     rep = compile_dkdv_sm90({{}}, masked=masked, dtype=dtype, block=block,
                             epilogue=hooked_epilogue(block) if hook else None)
     print(json.dumps(dict(block=block, masked=masked, hook=hook, dtype=str(dtype), **rep)))
+for dtype in (torch.bfloat16, torch.float16):
+    rep = compile_dq_sm90({{}}, dtype=dtype)
+    print(json.dumps(dict(kernel="dq", dtype=str(dtype), **rep)))
 """
 
 
@@ -109,7 +113,7 @@ def hooked_epilogue(block: int):
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_gluon_dkdv_compiles_for_sm90():
+def test_gluon_backward_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     script = _COMPILE.format(here=str(Path(__file__).parent))
@@ -123,15 +127,23 @@ def test_gluon_dkdv_compiles_for_sm90():
                     f"{proc.stderr.strip().splitlines()[-1:]}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 10
+    dq = [r for r in reports if r.get("kernel") == "dq"]
+    reports = [r for r in reports if r.get("kernel") != "dq"]
+    assert len(reports) == 10 and len(dq) == 2
+    for r in dq:  # the dQ kernel: no spill at all, no hazard, no warning
+        print(json.dumps(r))
+        assert r["sass_a_operand_hazards"] == 0 and r["shared"] <= 227 * 1024, r
+        assert not r["ptxas_warnings"], r
     for r in reports:
         print(json.dumps(r))  # the numbers benchmarks/NOTES.md quotes (pytest -s)
         assert r["sass_a_operand_hazards"] == 0, r  # a correctness check, whatever the Triton
         assert r["shared"] <= 227 * 1024, r  # an H100 / H200's shared memory per block
-    unchecked = spills_unchecked([f"{r}" for r in reports if r["spill_bytes"]])
+    unchecked = spills_unchecked([f"{r}" for r in reports + dq if r["spill_bytes"]])
     if unchecked:
         pytest.skip(unchecked)
     for r in reports:
         key = (r["block"], r["masked"], r["hook"])
         assert r["spill_bytes"] <= ACCEPTED_SPILL_BYTES[key], (key, r)
         assert not r["ptxas_warnings"], (key, r)  # e.g. wgmma serialised (C7510-C7515)
+    for r in dq:
+        assert r["spill_bytes"] == 0, r

@@ -268,8 +268,8 @@ class EngineWorkload(Workload):
 
     def candidates(self) -> list:
         default, kernel, bq = self.default(), self.job.kernel, self.job.block[0]
-        if kernel in ("fwd", "bwd_dkdv") and self._runs_gluon(default):
-            # The Gluon kernels' schedules are GluonOptions / GluonDkdvOptions: warps, stages
+        if kernel in ("fwd", "bwd_dkdv", "bwd_dq") and self._runs_gluon(default):
+            # The Gluon kernels' schedules are GluonOptions / GluonBwdOptions: warps, stages
             # and steps, the fields swept here, do not reach them, so every candidate would
             # time the same kernel.
             return [default]
@@ -284,12 +284,15 @@ class EngineWorkload(Workload):
         return dedup(out)
 
     def _runs_gluon(self, cfg) -> bool:
-        """Whether the forward (or dK/dV) would launch the Gluon kernel with ``cfg`` on these
-        inputs (a Gluon row whose inputs do not fit it, D=64 say, runs Triton's TMA kernel
-        instead; the tuner's do is like q, which is all dK/dV's rule adds)."""
+        """Whether the forward (or a backward kernel) would launch the Gluon kernel with
+        ``cfg`` on these inputs (a Gluon row whose inputs do not fit it, D=64 say, runs
+        Triton's TMA kernel instead; the tuner's do is like q, which is all dK/dV's rule adds,
+        and dQ's kernel also takes 128x128 blocks without key-block sizes only)."""
         from vidsparse.ops.block_sparse_attn.fwd import gluon_fits
 
         if not (cfg.gluon and cfg.use_tma and self.target.is_hopper):
+            return False
+        if self.job.kernel == "bwd_dq" and (self.job.masked or self.job.block != (128, 128)):
             return False
         return gluon_fits(self.q, self.k, self.v, *self.job.block)
 

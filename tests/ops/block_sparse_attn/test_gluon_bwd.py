@@ -1,7 +1,7 @@
-"""The Gluon dK/dV kernel (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``): called
-directly (``bwd_sm90.dkdv_gluon``, with the preprocess's ``delta`` / ``lse2`` and the transposed
-lists the Triton backward uses) at both block sizes, and through the engine's backward, which
-takes it at 128x128 (``configs.py``). On a GPU only (its sm_90 compile check is
+"""The Gluon dK/dV and dQ kernels (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``): called
+directly (``bwd_sm90.dkdv_gluon`` at both block sizes and ``bwd_sm90.dq_gluon`` at 128x128, with
+the preprocess's ``delta`` / ``lse2`` and the lists the Triton backward uses), and through the
+engine's backward, which takes both at 128x128 (``configs.py``). On a GPU only (its sm_90 compile check is
 ``tests/compile/test_compile_bwd_sm90.py``; which kernels a Hopper launches is checked on the
 CPU by ``test_target_paths.py``).
 """
@@ -111,6 +111,35 @@ def test_gpu_gluon_dkdv_matches_reference_and_triton(dtype, padded, bs, scale):
         assert_error_relative(f"{name} (vs Triton)", got, ref, tri, atol=2e-3)
 
 
+@pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gluon_dq_matches_reference_and_triton(dtype, scale):
+    """dQ at 128x128: Sq != Skv, lists broadcast over the batch with an empty row (dQ = 0
+    there) and a one-block row, input scales 1, 4 and 16; the output poisoned beforehand."""
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+
+    bs = 128
+    q, k, v, do, idx, cnt, _ = _problem(bs, dtype, False, scale=scale, seed=5)
+    sc = D**-0.5
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, sc)
+    delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    dq_t, _, _ = bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, None, bs, bs, sc)
+    torch.full_like(q, float("nan"))  # freed: the launcher's torch.empty_like may reuse it
+    dq = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, sc)
+    assert not torch.isnan(dq).any()
+    empty = (cnt.expand(q.shape[0], -1, -1) == 0).repeat_interleave(bs, dim=2)  # [B, H, Sq]
+    assert empty.any() and (dq[empty] == 0).all()
+    q64 = q.detach().double().requires_grad_()
+    o_ref, _ = masked_dense_attention(q64, k.double(), v.double(), idx, cnt, bs, bs)
+    (dq64,) = torch.autograd.grad(o_ref, (q64,), do.double())
+    q_low = q.detach().clone().requires_grad_()
+    (dq_low,) = torch.autograd.grad(_lowprec_baseline(q_low, k, v, idx, cnt, bs, bs, None),
+                                    (q_low,), do)  # fmt: skip
+    assert_error_relative("dq", dq, dq64, dq_low, atol=2e-3)
+    assert_error_relative("dq (vs Triton)", dq, dq64, dq_t, atol=2e-3)
+
+
 @pytest.mark.parametrize("bs", [128, 64])
 def test_gpu_gluon_dkdv_bit_identical_and_unlisted_blocks_zero(bs):
     """Two runs give the same bits (no atomics); a key block no query block lists gets
@@ -140,27 +169,29 @@ def _engine_grads(q, k, v, do, idx, cnt, bs):
 
 
 @pytest.fixture
-def gluon_dkdv_calls(monkeypatch):
-    """Counts the engine's calls of the Gluon dK/dV launcher."""
+def gluon_calls(monkeypatch):
+    """The engine's calls of the Gluon backward launchers, by name."""
     from vidsparse.ops.block_sparse_attn import bwd_sm90
 
     calls = []
-    real = bwd_sm90.dkdv_gluon
-    monkeypatch.setattr(bwd_sm90, "dkdv_gluon",
-                        lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    for name in ("dkdv_gluon", "dq_gluon"):
+        real = getattr(bwd_sm90, name)
+        monkeypatch.setattr(bwd_sm90, name,
+                            lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))  # fmt: skip
     return calls
 
 
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_engine_backward_takes_gluon_dkdv_and_matches_reference(gluon_dkdv_calls, dtype,
-                                                                     scale):  # fmt: skip
-    """The public op at 128x128, D=128: its backward runs dK/dV in the Gluon kernel, and dq,
-    dk, dv are within the error of PyTorch in the same low precision (fp64 reference)."""
+def test_gpu_engine_backward_takes_gluon_kernels_and_matches_reference(gluon_calls, dtype,
+                                                                        scale):  # fmt: skip
+    """The public op at 128x128, D=128: its backward runs dK/dV and dQ in the Gluon kernels,
+    and dq, dk, dv are within the error of PyTorch in the same low precision (fp64
+    reference)."""
     bs = 128
     q, k, v, do, idx, cnt, _ = _problem(bs, dtype, False, scale=scale, seed=3)
     got = _engine_grads(q, k, v, do, idx, cnt, bs)
-    assert gluon_dkdv_calls, "the engine's backward did not take the Gluon dK/dV kernel"
+    assert gluon_calls == ["dkdv_gluon", "dq_gluon"], gluon_calls
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     o_ref, _ = masked_dense_attention(*exact, idx, cnt, bs, bs)
     ref = torch.autograd.grad(o_ref, exact, do.double())
@@ -171,13 +202,13 @@ def test_gpu_engine_backward_takes_gluon_dkdv_and_matches_reference(gluon_dkdv_c
         assert_error_relative(name, g, r, b, atol=2e-3)
 
 
-def test_gpu_engine_backward_is_bit_identical_across_runs(gluon_dkdv_calls):
+def test_gpu_engine_backward_is_bit_identical_across_runs(gluon_calls):
     """Deterministic by construction (no atomics in either kernel): two backward passes of the
     same inputs give the same bits, at the engine's timed block size."""
     bs = 128
     q, k, v, do, idx, cnt, _ = _problem(bs, torch.bfloat16, False, nq=16, nk=16, seed=4)
     first = _engine_grads(q, k, v, do, idx, cnt, bs)
     second = _engine_grads(q, k, v, do, idx, cnt, bs)
-    assert len(gluon_dkdv_calls) == 2
+    assert gluon_calls == ["dkdv_gluon", "dq_gluon"] * 2
     for a, b in zip(first, second):
         assert torch.equal(a, b)

@@ -87,6 +87,9 @@ def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=T
     monkeypatch.setattr(bwd_sm90, "dkdv_gluon",
                         lambda q, k, v, *args, **kwargs: sink.append(("gluon_dkdv_sm90", kwargs))
                         or (torch.empty_like(k), torch.empty_like(v)))  # fmt: skip
+    monkeypatch.setattr(bwd_sm90, "dq_gluon",
+                        lambda q, *args, **kwargs: sink.append(("gluon_dq_sm90", kwargs))
+                        or torch.empty_like(q))  # fmt: skip
     meta = torch.device("meta")
     B, H, S = 1, 2, 4 * block
     q, k, v, do = (torch.empty(B, H, S, head_dim, dtype=dtype, device=meta) for _ in range(4))
@@ -101,6 +104,10 @@ def _launches(monkeypatch, block, head_dim=128, dtype=torch.bfloat16, backward=T
         bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, *case,
                                   padding_finite=padding_finite, **more)  # fmt: skip
     return sink
+
+
+def _backward_names(launches):
+    return [n for n, _ in launches if ("_bwd_" in n or "gluon_d" in n) and "preprocess" not in n]
 
 
 def test_target_of_reads_the_capability(fake_gpu):
@@ -150,48 +157,48 @@ def test_hopper_configs_are_untouched_by_the_other_gpus_rows(monkeypatch):
 
 @pytest.mark.parametrize("block", [64, 128])
 def test_hopper_takes_the_gluon_forward_and_tma(monkeypatch, fake_gpu, block):
-    """The control: on sm_90 the same calls reach the Gluon forward and the TMA backward, its
-    dK/dV in the Gluon kernel at 128x128 (then dQ alone), both Triton kernels at 64x64 (where
-    the Gluon dK/dV kernel was slower)."""
+    """The control: on sm_90 the same calls reach the Gluon forward and the TMA backward: at
+    128x128 its dK/dV and dQ in the Gluon kernels, at 64x64 both Triton kernels (where the
+    Gluon dK/dV kernel was slower, and there is no 64-row Gluon dQ kernel)."""
     fake_gpu(9, 0)
     names = [name for name, _ in _launches(monkeypatch, block)]
     assert names.count("gluon_fwd_sm90") == 1 and "block_sparse_attn_fwd_kernel" not in names
-    bwd_names = [n for n in names if ("_bwd_" in n or "dkdv" in n) and "preprocess" not in n]
-    assert bwd_names == (
-        ["gluon_dkdv_sm90", "block_sparse_attn_bwd_dq_kernel"]
+    assert _backward_names(_launches(monkeypatch, block)) == (
+        ["gluon_dkdv_sm90", "gluon_dq_sm90"]
         if block == 128
         else ["block_sparse_attn_bwd_dkdv_kernel", "block_sparse_attn_bwd_dq_kernel"]
     )
 
 
-def _backward_names(launches):
-    return [n for n, _ in launches if ("_bwd_" in n or "dkdv" in n) and "preprocess" not in n]
-
-
-def test_hopper_dkdv_leaves_the_gluon_kernel_where_it_does_not_fit(monkeypatch, fake_gpu):
-    """At 128x128 the Gluon dK/dV kernel needs D=128, 16-bit inputs, TMA (padding keys vouched
-    finite) and an epilogue with a Gluon dK/dV hook: without one of these the fused Triton
-    backward (or, for unvouched padding, the two pointer kernels) runs, never a failure."""
+def test_hopper_backward_leaves_the_gluon_kernels_where_they_do_not_fit(monkeypatch, fake_gpu):
+    """At 128x128 the Gluon dK/dV and dQ kernels need D=128, 16-bit inputs, TMA and an
+    epilogue with their Gluon hook; dQ also every key real (no key-block sizes). Without one
+    of these that gradient's Triton kernel runs (both in the fused launch when neither is
+    Gluon's), never a failure."""
     from vidsparse.ops.block_sparse_attn.epilogue import Epilogue, EpilogueFns, FnSpecs
 
     fake_gpu(9, 0)
     fused = ["block_sparse_attn_bwd_fused_kernel"]
     assert _backward_names(_launches(monkeypatch, 128, head_dim=64)) == fused
-    assert _backward_names(_launches(monkeypatch, 128, dtype=torch.float32)) != [
-        "gluon_dkdv_sm90", "block_sparse_attn_bwd_dq_kernel"]  # fmt: skip
+    fp32 = _backward_names(_launches(monkeypatch, 128, dtype=torch.float32))
+    assert not any("gluon" in n for n in fp32), fp32
 
-    class OwnDkdvHook(Epilogue):  # a client's dK/dV hook, Triton only
-        name = "test_own_dkdv_hook"
+    class OwnHooks(Epilogue):  # a client's dQ and dK/dV hooks, Triton only
+        name = "test_own_grad_hooks"
 
         def fns(self):
             base = super().fns()
             hook = FnSpecs("own", object())
-            return EpilogueFns(base.forward, base.prologue, base.dq, hook, base.forward_sm90)
+            return EpilogueFns(base.forward, base.prologue, hook, hook, base.forward_sm90)
 
-    assert _backward_names(_launches(monkeypatch, 128, epilogue=OwnDkdvHook())) == fused
-    # key-block sizes with padding of unknown content: no TMA, so no Gluon either
+    assert _backward_names(_launches(monkeypatch, 128, epilogue=OwnHooks())) == fused
+    # key-block sizes vouched finite: Triton's kernels (the masked 128x128 rows ask for no
+    # Gluon, and the Gluon dQ kernel takes no padding keys whatever its row says)
+    finite = _backward_names(_launches(monkeypatch, 128, sizes=True, padding_finite=True))
+    assert "gluon_dq_sm90" not in finite and "block_sparse_attn_bwd_dq_kernel" in finite
+    # padding of unknown content: no TMA, so no Gluon either
     masked = _backward_names(_launches(monkeypatch, 128, sizes=True, padding_finite=False))
-    assert "gluon_dkdv_sm90" not in masked and "block_sparse_attn_bwd_dq_kernel" in masked
+    assert not any("gluon" in n for n in masked), masked
 
 
 @pytest.mark.parametrize("gpu", AMD_GPUS)

@@ -3,9 +3,10 @@
 Preprocess, then the dK/dV and dQ kernels (``kernels/bwd.py``), as two launches or one fused
 launch where both configs say ``fused`` and launch alike: the gradients are bit-identical
 either way. Each kernel reads its loop's tiles by TMA where its config and the inputs allow.
-On Hopper, dK/dV runs in the Gluon kernel (``bwd_sm90.py``: FlashAttention-3's structure)
-where its config says ``gluon`` and the inputs and epilogue fit it; dQ then runs alone. No
-kernel uses atomics: the gradients are the same bits on every run.
+On Hopper, dK/dV and dQ each run in a Gluon kernel (``bwd_sm90.py``: FlashAttention-3's
+structure) where its config says ``gluon`` and the inputs and epilogue fit it; the two are
+then separate launches. No kernel uses atomics: the gradients are the same bits on every
+run.
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ def block_sparse_attn_bwd(
     kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
                                             padding_finite)  # fmt: skip
     gluon_dkdv = _takes_gluon_dkdv(kv_cfg, kv_tma, q, k, v, do, block_q, block_kv, epilogue)
+    gluon_dq = _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue, has_sizes)
     desc = tensor_descriptor
     kv_in = (q, k, v, do)  # the Triton dK/dV kernel's q, k, v, do
     if kv_tma and not gluon_dkdv:
@@ -75,21 +77,23 @@ def block_sparse_attn_bwd(
             desc(v, block_kv),
             desc(do, kv_cfg.sub_m),
         )
-    q_keys = (desc(k, block_kv), desc(v, block_kv)) if q_tma else (k, v)  # the dQ kernel's k, v
+    q_keys = (k, v)  # the Triton dQ kernel's k, v
+    if q_tma and not gluon_dq:
+        q_keys = (desc(k, block_kv), desc(v, block_kv))
 
     q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
     dq_lists, dq_counts, full, checked = lists_full_first(kv_indices, kv_counts, kv_block_sizes,
                                                           block_kv)  # fmt: skip
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
-    dq = torch.empty_like(q)
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
     list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     scales = (scale * LOG2E, scale)
 
-    if not gluon_dkdv and fused_launch(kv_cfg, q_cfg, configs.active_overrides().fused):
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+    if not (gluon_dkdv or gluon_dq) and fused_launch(kv_cfg, q_cfg,
+                                                      configs.active_overrides().fused):
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         num_dq_programs = Sq // q_cfg.sub_m * B * H
         block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
             *kv_in, q, *q_keys, do, dq, dk, dv, lse2, delta,
@@ -121,6 +125,13 @@ def block_sparse_attn_bwd(
             SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
             **kv_cfg.launch_kwargs(),
         )  # fmt: skip
+    if gluon_dq:
+        dq = gluon_launcher("bwd_sm90", "dQ").dq_gluon(
+            q, k, v, do, lse2, delta, dq_lists, dq_counts, block_q, scale,
+            epilogue=epilogue, grad_args=grad_hooks[2],
+        )  # fmt: skip
+        return dq, dk, dv
+    dq = torch.empty_like(q)
     block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
         q, *q_keys, do, dq, lse2, delta,
         dq_lists, dq_counts, sizes, full, *broadcast_strides(full),
@@ -192,3 +203,16 @@ def fused_launch(dkdv: KernelConfig, dq: KernelConfig, fused: bool | None = None
             f"{dkdv.launch_kwargs()} and {dq.launch_kwargs()}"
         )
     return bool(fused)
+
+
+def _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue, masked) -> bool:
+    """Does dQ run in the Hopper Gluon kernel? As ``_takes_gluon_dkdv`` says for dK/dV, at
+    128x128 blocks without key-block sizes (``bwd_sm90.dq_gluon_fits``)."""
+    if not (q_cfg.gluon and q_tma):
+        return False
+    launcher = gluon_launcher("bwd_sm90", "dQ")
+    return (
+        launcher is not None
+        and launcher.dq_gluon_fits(q, k, v, do, block_q, block_kv, masked)
+        and launcher.dq_hook_fits(epilogue)
+    )

@@ -1,7 +1,7 @@
-"""Launcher of the Hopper Gluon dK/dV kernel (``kernels/bwd_sm90.py``): descriptors, grid,
-options. The engine's backward (``bwd.py``) takes it where the dK/dV config asks for it
-(``KernelConfig.gluon``) and the inputs and the epilogue fit (``dkdv_gluon_fits``,
-``dkdv_hook_fits``); the dQ kernel stays Triton's."""
+"""Launchers of the Hopper Gluon backward kernels (``kernels/bwd_sm90.py``): descriptors, grid,
+options. The engine's backward (``bwd.py``) takes each where its config asks for it
+(``KernelConfig.gluon``) and the inputs and the epilogue fit (``dkdv_gluon_fits`` and
+``dkdv_hook_fits``; ``dq_gluon_fits`` and ``dq_hook_fits``)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     STEP_M,
     block_sparse_attn_bwd_dkdv_gluon_kernel,
     block_sparse_attn_bwd_dkdv_gluon_tiles_kernel,
+    block_sparse_attn_bwd_dq_gluon_kernel,
 )
-from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides
+from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -27,6 +28,20 @@ _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 def dkdv_gluon_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
     """Can the Gluon dK/dV kernel take these inputs? The Gluon forward's rule
     (``fwd_sm90.gluon_fits``), and ``do`` like q."""
+    return _fits(q, k, v, do, block_q, block_kv)
+
+
+def dq_gluon_fits(q, k, v, do, block_q: int, block_kv: int, masked: bool) -> bool:
+    """Can the Gluon dQ kernel take these inputs? As dK/dV, at 128x128 blocks only, and every
+    listed key real (no key-block sizes)."""
+    return not masked and block_q == DQ_BLOCK and _fits(q, k, v, do, block_q, block_kv)
+
+
+# The one block size of the dQ kernel (two 64-row consumers of one query block).
+DQ_BLOCK = 2 * ROWS_PER_CONSUMER.value
+
+
+def _fits(q, k, v, do, block_q, block_kv) -> bool:
     return (
         gluon_fits(q, k, v, block_q, block_kv)
         and do.dtype == q.dtype
@@ -55,6 +70,12 @@ def dkdv_hook(epilogue: Epilogue, block: int):
     return epilogue.fns().dkdv_sm90.fn
 
 
+def dq_hook_fits(epilogue: Epilogue) -> bool:
+    """Does ``epilogue`` have a Gluon dQ hook (``EpilogueFns.dq_sm90``)? Each consumer hands
+    it its 64 rows with their ``local_rows``, as the contract says."""
+    return epilogue.fns().dq_sm90 is not None
+
+
 def _descriptors(q, k, v, do, dk, dv, lse2, delta):
     """TMA descriptors: the [B*H*S, D] views in 64-row tiles, lse2 and delta [B*H*Sq] in
     64-row steps."""
@@ -76,7 +97,7 @@ def _descriptors(q, k, v, do, dk, dv, lse2, delta):
 
 def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, scale,
                 kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
-                options: configs.GluonDkdvOptions | None = None):  # fmt: skip
+                options: configs.GluonBwdOptions | None = None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
     a GPU). ``q_offsets``, ``q_indices``: the transposed lists (``lists.cached_transpose``);
     ``lse2``, ``delta``: the preprocess's outputs (``bwd._preprocess``); ``grad_args``: the
@@ -104,7 +125,7 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
 
 def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
                kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
-               options: configs.GluonDkdvOptions | None = None):  # fmt: skip
+               options: configs.GluonBwdOptions | None = None):  # fmt: skip
     """``(dk, dv)`` of the block-sparse attention backward by the Gluon kernel (Hopper).
 
     Inputs as ``dkdv_gluon_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
@@ -135,3 +156,51 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
                                              grad_args, options)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dk, dv
+
+
+def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, scale,
+                   epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
+                   options: configs.GluonBwdOptions | None = None):  # fmt: skip
+    """``(kernel, grid, args, kwargs)`` of one dQ launch (also used to compile for sm_90 without
+    a GPU). ``lse2``, ``delta``: the preprocess's outputs; the lists as the engine validated
+    them (int32, unit last stride); ``grad_args``: the epilogue's (asked for here when None)."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    if grad_args is None:
+        grad_args = epilogue.grad_args(EngineCall(block, block, None, scale, q.dtype))
+    if not dq_hook_fits(epilogue):
+        raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dQ hook (EpilogueFns.dq_sm90)")
+    tiles = _descriptors(q, k, v, do, dq, dq, lse2, delta)[:5]  # q, k, v, do, dq
+    args = (*tiles, lse2, delta, kv_indices, kv_counts, *broadcast_strides(kv_indices),
+            *broadcast_strides(kv_counts), epilogue.fns().dq_sm90.fn, grad_args, H, Sq, Skv,
+            Sq // block, kv_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
+    opts = (options or configs.GLUON_DQ).as_kwargs()
+    kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, **opts, num_warps=4)
+    return block_sparse_attn_bwd_dq_gluon_kernel, (Sq // block, B * H), args, kwargs
+
+
+def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=DQ_BLOCK, scale=None, *,
+             epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
+             options: configs.GluonBwdOptions | None = None):  # fmt: skip
+    """``dq`` of the block-sparse attention backward by the Gluon kernel (Hopper).
+
+    Inputs as ``dq_gluon_fits`` says (no key-block sizes); ``lse2``, ``delta`` fp32
+    [B, H, Sq] from the backward's preprocess; the lists [Bi, H, NQ, K] and [Bi, H, NQ]
+    (int32 with a unit last stride, converted once per list tensor otherwise). Raises only on
+    what would make the kernel misread memory."""
+    B, H, Sq, D = q.shape
+    if not dq_gluon_fits(q, k, v, do, block, block, False):
+        raise ValueError(f"dq_gluon: needs square {DQ_BLOCK} blocks, head_dim 128, bf16/fp16 "
+                         "and contiguous 16-byte aligned q, k, v, do")  # fmt: skip
+    for name, x in (("lse2", lse2), ("delta", delta)):
+        if x.dtype != torch.float32 or x.shape != (B, H, Sq) or not x.is_contiguous():
+            raise ValueError(f"dq_gluon: {name} must be contiguous fp32 [B, H, Sq]")
+    kv_indices, kv_counts = int32_contiguous(kv_indices), int32_contiguous(kv_counts)
+    if scale is None:
+        scale = D**-0.5
+    dq = torch.empty_like(q)
+    kernel, grid, args, kwargs = dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices,
+                                                kv_counts, block, scale, epilogue, grad_args,
+                                                options)  # fmt: skip
+    kernel[grid](*args, **kwargs)
+    return dq

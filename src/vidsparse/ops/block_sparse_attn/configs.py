@@ -58,8 +58,8 @@ class KernelConfig:
     use_tma: bool = False
     # Let Triton split the loop into producer / consumer warps (TMA forward only).
     warp_specialize: bool = False
-    # Hopper: the Gluon kernel (forward: kernels/fwd_sm90.py; dK/dV: kernels/bwd_sm90.py) where
-    # the inputs fit it; it needs use_tma (its loads are TMA's).
+    # Hopper: the Gluon kernel (forward: kernels/fwd_sm90.py; dK/dV, dQ: kernels/bwd_sm90.py)
+    # where the inputs fit it; it needs use_tma (its loads are TMA's).
     gluon: bool = False
     # Backward with use_tma: the step of the pointer-load kernel taken when the inputs do not
     # allow TMA (pointer loads hold more registers, so the TMA step can spill there).
@@ -109,11 +109,12 @@ class GluonOptions:
 
 
 @dataclass(frozen=True)
-class GluonDkdvOptions:
-    """The Hopper Gluon dK/dV kernel's schedule (kernels/bwd_sm90.py). ``STAGES``: depth of the
-    Q / dO ring (32.5 KB a slot at D = 128; the 64-row kernel holds two rings, so 2 is its
-    most). Registers as the forward's: the loader warp gives its registers to the two consumer
-    warpgroups, which hold dK and dV across the list."""
+class GluonBwdOptions:
+    """A Hopper Gluon backward kernel's schedule (kernels/bwd_sm90.py). ``STAGES``: depth of
+    its ring (dK/dV: Q / dO steps, 32.5 KB a slot at D = 128, and the 64-row kernel holds two
+    rings, so 2 is its most; dQ: 64-key K / V steps, 32 KB a slot). Registers as the
+    forward's: the loader warp gives its registers to the two consumer warpgroups, which hold
+    their gradient tiles across the list."""
 
     STAGES: int = 2
     CONSUMER_REGS: int = 240
@@ -123,9 +124,9 @@ class GluonDkdvOptions:
         return dict(vars(self))
 
 
-# Per key-block size: 3 stages at 128 rows (H200, S=32k, 1/8: 2.50 ms against 2.66 with 2;
-# benchmarks/NOTES.md); the 64-row kernel's two rings fit 2.
-GLUON_DKDV = {128: GluonDkdvOptions(STAGES=3), 64: GluonDkdvOptions(STAGES=2)}
+GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
+# dQ (128x128 only): Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit.
+GLUON_DQ = GluonBwdOptions(STAGES=4)
 
 
 # Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
@@ -192,7 +193,8 @@ HOPPER = {
     ("bwd_dkdv_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=32),
     ("bwd_dkdv_masked", 128, 64, 128): KernelConfig(4, 2, sub_m=32),
     ("bwd_dkdv_masked", 64, 64, 128): KernelConfig(4, 2, sub_m=64, use_tma=True, pointer_sub_m=32),
-    ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128, use_tma=True, fused=True),
+    ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128, use_tma=True, fused=True,
+                                            gluon=True),
     ("bwd_dq", 128, 128, 64): KernelConfig(4, 2, sub_m=64, use_tma=True, fused=True),
     ("bwd_dq", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
     ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),

@@ -54,9 +54,9 @@ class FnSpecs:
 
 @dataclass(frozen=True)
 class EpilogueFns:
-    """One function per hook point. ``forward_sm90`` and ``dkdv_sm90`` are the Hopper Gluon
-    kernels' versions of ``forward`` and ``dkdv``; without one that kernel is not taken (the
-    Triton one is)."""
+    """One function per hook point. ``forward_sm90``, ``dq_sm90`` and ``dkdv_sm90`` are the
+    Hopper Gluon kernels' versions of ``forward``, ``dq`` and ``dkdv``; without one that kernel
+    is not taken (the Triton one is)."""
 
     forward: FnSpecs
     prologue: FnSpecs
@@ -64,6 +64,7 @@ class EpilogueFns:
     dkdv: FnSpecs
     forward_sm90: FnSpecs | None = None
     dkdv_sm90: FnSpecs | None = None
+    dq_sm90: FnSpecs | None = None
 
 
 class EngineCall(NamedTuple):
@@ -101,6 +102,9 @@ def _identity_fns() -> EpilogueFns:
         ),
         dkdv_sm90=gluon_fn(
             "none", "vidsparse.ops.block_sparse_attn.kernels.bwd_sm90", "dkdv_identity_sm90"
+        ),
+        dq_sm90=gluon_fn(
+            "none", "vidsparse.ops.block_sparse_attn.kernels.bwd_sm90", "dq_identity_sm90"
         ),
     )
 

@@ -1,6 +1,6 @@
-"""The Hopper (sm_90) dK/dV kernel of block-sparse flash attention, in Gluon (launcher:
-``../bwd_sm90.py``). Work in progress: compile-checked for sm_90, not yet run on a GPU, not
-dispatched by the engine (``bwd.py`` runs the Triton kernels).
+"""The Hopper (sm_90) backward kernels of block-sparse flash attention, in Gluon (launcher:
+``../bwd_sm90.py``): dK/dV over the transposed lists, and dQ over the lists. The engine's
+backward (``bwd.py``) takes them where their configs say ``gluon`` and the inputs fit.
 
 The arithmetic of the Triton ``_dkdv_program`` (``kernels/bwd.py``) at square 128 or 64
 blocks, D = 128, 16-bit inputs, written as FlashAttention-3's backward schedule:
@@ -25,10 +25,18 @@ two key blocks (2 pid, 2 pid + 1), each with its own list, ring and loader warp,
 consumer, as the Gluon forward's tiles kernel does. No atomics: each program writes only its
 own key rows, so the result is bit-identical across runs.
 
-Memory safety whatever the lists hold: the list bounds are clamped into ``[0, width]`` (width:
-``q_indices``'s last dim) and each entry into ``[0, NQ)`` in the loader, so a spoiled list
-reads rows of this (b, h) only: a wrong result, never a fault. Padding keys (``KV_SIZES``):
-their probabilities and dS are selected to 0, so what TMA reads there never reaches dK, dV.
+The dQ kernel (128x128 blocks, every listed key real) is the same step seen from the query
+side: a loader warp reads the program's Q and dO once and walks the query block's list in
+64-key steps (K and V of one step per ring slot); each consumer warpgroup owns 64 query rows
+and keeps their dQ in registers. Per step ``S = Q K^T`` and ``dP = dO V^T`` are issued
+together, then ``P``, ``dS = P (dP - delta)`` and ``dQ += dS K``; after the list ``dQ *=
+scale``, the dQ hook and a TMA store through Q's buffer.
+
+Memory safety whatever the lists hold: the list bounds (counts) are clamped into ``[0, width]``
+(width: the lists' last dim) and each entry into ``[0, NQ)`` (dK/dV) or ``[0, NK)`` (dQ) in the
+loader, so a spoiled list reads rows of this (b, h) only: a wrong result, never a fault.
+Padding keys (``KV_SIZES``, dK/dV): their probabilities and dS are selected to 0, so what TMA
+reads there never reaches dK, dV.
 """
 
 from triton.experimental import gluon
@@ -354,6 +362,170 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
         [4, 1, 1],  # warps: second consumer warpgroup, two loader warps
         [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# dQ: one 128-row query block a program, its key blocks in 64-row steps
+# ---------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dq_loader(
+    desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
+    idx_row, stride_ik, count, q_row, kv_row0, NK, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Q and dO (two 64-row tiles each) once, then K and V of every step: listed key block
+    ``j // NSUB``, its rows ``64 (j % NSUB) ..``, into ring slot ``j % STAGES``."""
+    NSUB: gl.constexpr = BLOCK_N // STEP_M
+    mbarrier.expect(q_bar, 2 * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
+    for i in gl.static_range(2):
+        row = q_row + i * ROWS_PER_CONSUMER
+        tma.async_copy_global_to_shared(desc_q, [row, 0], q_bar, q_smem.index(i))
+        tma.async_copy_global_to_shared(desc_do, [row, 0], q_bar, do_smem.index(i))
+    STEP_BYTES: gl.constexpr = desc_k.block_type.nbytes + desc_v.block_type.nbytes
+    for j in range(count * NSUB):
+        slot = j % STAGES
+        empty_parity = ((j // STAGES) & 1) ^ 1  # as in _loader
+        kv_block = gl.load(idx_row + (j // NSUB) * stride_ik)  # scalar int32 key-block index
+        kv_block = gl.minimum(gl.maximum(kv_block, 0), NK - 1)  # never another head's rows
+        row = kv_row0 + kv_block * BLOCK_N + (j % NSUB) * STEP_M
+        mbarrier.wait(empty.index(slot), empty_parity)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, STEP_BYTES)  # S and dP need K and V together: one barrier
+        tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_v, [row, 0], bar, v_smem.index(slot))
+
+
+@gluon.jit
+def _dq_consumer(
+    desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2, DELTA, num_steps,
+    q_row, valid, b, h, q_block, qk_scale, scale, EPILOGUE: gl.constexpr, epilogue_args,
+    Q_INDEX: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """dQ of query rows ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 Q_INDEX``) over
+    ``num_steps`` ring steps of 64 keys, stored only if ``valid`` after the declared
+    ``EPILOGUE``. Per step: ``S = Q K^T`` and ``dP = dO V^T`` issued together,
+    ``P = exp2(S scale - lse2)``, ``dS = P (dP - delta)``, ``dQ += dS K`` (dS from registers),
+    retired before the slot is released and before the next step writes any register (the
+    A-operand hazard of ``kernels/fwd_sm90.py``)."""
+    M: gl.constexpr = ROWS_PER_CONSUMER
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, STEP_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)  # one value per query row
+
+    q = q_smem.index(Q_INDEX)  # [64, D], A operand of S = Q K^T
+    do = do_smem.index(Q_INDEX)  # [64, D], A operand of dP = dO V^T
+    rows = q_row + Q_INDEX * M + gl.arange(0, M, layout=row_layout)  # [64] global rows
+    # lse2 = +inf on rows that attend to nothing (the preprocess): their P, dS are 0.
+    lse2 = gl.expand_dims(gl.load(LSE2 + rows), 1)  # [64, 1]
+    delta = gl.expand_dims(gl.load(DELTA + rows), 1)
+    dq = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
+    s_zero = gl.zeros([M, STEP_M], gl.float32, layout=s_layout)  # ignored acc (use_acc=False)
+
+    # Wait for Q and dO even when the list is empty: the store reuses Q's buffer.
+    mbarrier.wait(q_bar, 0)
+    for j in range(num_steps):
+        slot = j % STAGES
+        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        k = k_smem.index(slot)  # [64 keys, D]
+        v = v_smem.index(slot)
+        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S (issued first) is done
+        p = gl.exp2(s * qk_scale - lse2)  # [64, 64]
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+        ds_op = gl.convert_layout((p * (dp - delta)).to(q.dtype), op_layout)
+        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)  # dQ += dS K
+        dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ds_op))
+        mbarrier.arrive(empty.index(slot))
+
+    if valid:
+        dq = dq * scale
+        local_rows = Q_INDEX * M + gl.arange(0, M, layout=gl.SliceLayout(1, acc_layout))
+        dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))  # [D]
+        dq = EPILOGUE(dq, b.to(gl.int64), h.to(gl.int64), q_block, local_rows, dims,
+                      *epilogue_args)  # fmt: skip
+        # Q is dead (every S wgmma has retired): it stages the store.
+        q.store(dq.to(q.dtype))
+        fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+        tma.async_copy_shared_to_global(desc_dq, [q_row + Q_INDEX * M, 0], q)
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def block_sparse_attn_bwd_dq_gluon_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dq,  # TMA over [B*H*S, D], blocks [64, D]
+    LSE2, DELTA,  # fp32 [B*H*Sq]
+    KV_IDX, KV_CNT,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]
+    stride_ib, stride_ih, stride_iq, stride_ik,  # stride_ib == 0 when lists broadcast over batch
+    stride_cb, stride_ch, stride_cq,
+    EPILOGUE: gl.constexpr, epilogue_args,  # dq = EPILOGUE(dq, b, h, q_block, local_rows, dims, ...)
+    H, Sq, Skv, NQ, K,  # K: the lists' width (bound of every count)
+    qk_scale, scale,  # softmax scale * log2(e) and the scale, fp32
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(NQ, B * H)``: a 128-row query block per program, its two 64-row halves on the
+    two consumer warpgroups, one list and one ring of 64-key steps. Every key of a listed
+    block is real (no key-block sizes)."""
+    gl.static_assert(BLOCK_M == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
+    gl.static_assert(BLOCK_N % STEP_M == 0, "key blocks are whole steps")
+    pid_m = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    q_row = pid_bh * Sq + pid_m * BLOCK_M
+    valid = pid_m < NQ  # always: the grid has NQ programs along dim 0
+    b64 = b.to(gl.int64)
+    h64 = h.to(gl.int64)
+    idx_row = KV_IDX + b64 * stride_ib + h64 * stride_ih + pid_m.to(gl.int64) * stride_iq
+    count = gl.load(KV_CNT + b64 * stride_cb + h64 * stride_ch + pid_m.to(gl.int64) * stride_cq)
+    count = gl.minimum(gl.maximum(count, 0), K)
+    num_steps = count * (BLOCK_N // STEP_M)
+
+    # Q, dO 2 x 32 KB (Q also dQ's staging buffer); the ring STAGES x 32 KB.
+    q_smem = gl.allocate_shared_memory(desc_q.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                       desc_q.layout)  # fmt: skip
+    do_smem = gl.allocate_shared_memory(desc_q.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                        desc_q.layout)  # fmt: skip
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES, STEP_M, HEAD_DIM], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, STEP_M, HEAD_DIM], desc_v.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(q_bar, count=1)
+    _init_ring(ready, empty, STAGES, 2)
+    fence_async_shared()  # barrier inits visible to the async proxy before any TMA uses them
+
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2,
+                            DELTA, num_steps, q_row, valid, b, h, pid_m, qk_scale, scale,
+                            EPILOGUE, epilogue_args, gl.constexpr(0), HEAD_DIM,
+                            STAGES)),  # default partition: query rows 0-63
+            (_dq_consumer, (desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2,
+                            DELTA, num_steps, q_row, valid, b, h, pid_m, qk_scale, scale,
+                            EPILOGUE, epilogue_args, gl.constexpr(1), HEAD_DIM,
+                            STAGES)),  # query rows 64-127
+            (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
+                          q_bar, ready, empty, idx_row, stride_ik, count, q_row, pid_bh * Skv,
+                          Skv // BLOCK_N, BLOCK_N, STAGES)),
+        ],
+        [4, 1],  # warps: second consumer warpgroup, loader warp
+        [CONSUMER_REGS, LOADER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit
+def dq_identity_sm90(dq, b, h, q_block, local_rows, dims):
+    """The dQ hook when none is declared (``no_epilogue.py``'s, in Gluon)."""
+    return dq
 
 
 @gluon.jit
