@@ -143,9 +143,12 @@ def _recording(target, tma_compatible: bool, sink: list):
             obj = getattr(module, attr)
             if attr.endswith("_kernel") and isinstance(obj, JITFunction):
                 patches.append((module, attr, _Recorder(obj, sink)))
-    # The Gluon forward (Hopper, fwd_sm90.py) has its own check (test_gluon_fwd.py); here the
-    # Triton kernels it falls back to are recorded.
+    # The Gluon kernels (Hopper: fwd_sm90.py, bwd_sm90.py) have their own checks
+    # (test_gluon_fwd.py, test_compile_bwd_sm90.py); here the Triton kernels they fall back to
+    # are recorded.
     patches.append((fwd, "gluon_fits", lambda *args: False))
+    patches.append((bwd, "_takes_gluon_dkdv", lambda *args: False))
+    patches.append((bwd, "_takes_gluon_dq", lambda *args: False))
     saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
     try:
         for module, attr, value in patches:
