@@ -75,8 +75,9 @@ def _triton_row(configs, q, kernel, bs, sizes):
 
 
 def run_case(name: str, gen: torch.Generator) -> list[dict]:
-    import triton
     from dataclasses import replace
+
+    import triton
 
     from vidsparse.bench import harness
     from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd

@@ -1,9 +1,9 @@
-"""The Gluon dK/dV and dQ kernels (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``): called
-directly (``bwd_sm90.dkdv_gluon`` at both block sizes and ``bwd_sm90.dq_gluon`` at 128x128, with
-the preprocess's ``delta`` / ``lse2`` and the lists the Triton backward uses), and through the
-engine's backward, which takes both at 128x128 (``configs.py``). On a GPU only (its sm_90 compile check is
-``tests/compile/test_compile_bwd_sm90.py``; which kernels a Hopper launches is checked on the
-CPU by ``test_target_paths.py``).
+"""The Gluon dK/dV and dQ kernels (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``):
+called directly (``bwd_sm90.dkdv_gluon`` at both block sizes and ``bwd_sm90.dq_gluon`` at
+128x128, with the preprocess's ``delta`` / ``lse2`` and the lists the Triton backward uses),
+and through the engine's backward, which takes both at 128x128 (``configs.py``). On a GPU
+only (their sm_90 compile check is ``tests/compile/test_compile_bwd_sm90.py``; which kernels
+a Hopper launches is checked on the CPU by ``test_target_paths.py``).
 """
 
 from __future__ import annotations
@@ -174,10 +174,11 @@ def gluon_calls(monkeypatch):
     from vidsparse.ops.block_sparse_attn import bwd_sm90
 
     calls = []
+    def counted(name, real):
+        return lambda *args, **kwargs: calls.append(name) or real(*args, **kwargs)
+
     for name in ("dkdv_gluon", "dq_gluon"):
-        real = getattr(bwd_sm90, name)
-        monkeypatch.setattr(bwd_sm90, name,
-                            lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))  # fmt: skip
+        monkeypatch.setattr(bwd_sm90, name, counted(name, getattr(bwd_sm90, name)))
     return calls
 
 

@@ -184,7 +184,8 @@ def _check_formula_matches_reference(q, k, v, gate, grid, topk, tiled):
     b = [x.clone().requires_grad_() for x in (q, k, v, gate)]
     o = _vsa_low_precision(*b, grid, parts["kv_indices"], q.shape[-1] ** -0.5, tiled)
     do = torch.randn_like(o)
-    for x, y in zip((o_ref, *torch.autograd.grad(o_ref, a, do)), (o, *torch.autograd.grad(o, b, do))):
+    expected = (o_ref, *torch.autograd.grad(o_ref, a, do))
+    for x, y in zip(expected, (o, *torch.autograd.grad(o, b, do))):
         torch.testing.assert_close(y, x, rtol=1e-9, atol=1e-9 * float(x.abs().max()))
 
 

@@ -65,8 +65,10 @@ def dkdv_hook_fits(epilogue: Epilogue, block: int) -> bool:
 def dkdv_hook(epilogue: Epilogue, block: int):
     """The Gluon dK/dV hook of ``epilogue`` (``dkdv_hook_fits`` says where there is one)."""
     if not dkdv_hook_fits(epilogue, block):
-        raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dK/dV hook for {block}-row "
-                         "key blocks (EpilogueFns.dkdv_sm90; a client's own only at 64 rows)")  # fmt: skip
+        raise ValueError(
+            f"epilogue {epilogue.name!r} has no Gluon dK/dV hook for {block}-row key blocks"
+            " (EpilogueFns.dkdv_sm90; a client's own only at 64 rows)"
+        )
     return epilogue.fns().dkdv_sm90.fn
 
 
@@ -76,23 +78,21 @@ def dq_hook_fits(epilogue: Epilogue) -> bool:
     return epilogue.fns().dq_sm90 is not None
 
 
-def _descriptors(q, k, v, do, dk, dv, lse2, delta):
-    """TMA descriptors: the [B*H*S, D] views in 64-row tiles, lse2 and delta [B*H*Sq] in
-    64-row steps."""
-    D = q.shape[-1]
+def _tiles(*xs):
+    """TMA descriptors of [B, H, S, D] tensors as [B*H*S, D] views in 64-row tiles."""
+    D = xs[0].shape[-1]
     rows = ROWS_PER_CONSUMER.value
-    tile_layout = gl.NVMMASharedLayout.get_default_for([rows, D], _GL_DTYPES[q.dtype])
-    row_layout = gl.NVMMASharedLayout.get_default_for([STEP_M.value], gl.float32)
+    layout = gl.NVMMASharedLayout.get_default_for([rows, D], _GL_DTYPES[xs[0].dtype])
+    views = [x.view(-1, D) for x in xs]
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, D], layout)
+                 for x in views)  # fmt: skip
 
-    def tiles(x):
-        x2 = x.view(-1, D)  # [B*H*S, D]
-        return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], tile_layout)
 
-    def steps(x):
-        x1 = x.view(-1)  # [B*H*Sq]
-        return TensorDescriptor(x1, list(x1.shape), [1], [STEP_M.value], row_layout)
-
-    return (*(tiles(x) for x in (q, k, v, do, dk, dv)), steps(lse2), steps(delta))
+def _steps(*xs):
+    """TMA descriptors of fp32 [B, H, Sq] tensors as [B*H*Sq] views in 64-row steps."""
+    layout = gl.NVMMASharedLayout.get_default_for([STEP_M.value], gl.float32)
+    return tuple(TensorDescriptor(x.view(-1), [x.numel()], [1], [STEP_M.value], layout)
+                 for x in xs)  # fmt: skip
 
 
 def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, scale,
@@ -113,7 +113,7 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
         kernel, grid = block_sparse_attn_bwd_dkdv_gluon_kernel, (nk, B * H)
     else:
         kernel, grid = block_sparse_attn_bwd_dkdv_gluon_tiles_kernel, ((nk + 1) // 2, B * H)
-    args = (*_descriptors(q, k, v, do, dk, dv, lse2, delta), q_offsets, q_indices, sizes,
+    args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), q_offsets, q_indices, sizes,
             *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
             dkdv_hook(epilogue, block), grad_args, H, Sq, Skv, Sq // block - 1, nk,
             q_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
@@ -170,10 +170,9 @@ def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, s
         grad_args = epilogue.grad_args(EngineCall(block, block, None, scale, q.dtype))
     if not dq_hook_fits(epilogue):
         raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dQ hook (EpilogueFns.dq_sm90)")
-    tiles = _descriptors(q, k, v, do, dq, dq, lse2, delta)[:5]  # q, k, v, do, dq
-    args = (*tiles, lse2, delta, kv_indices, kv_counts, *broadcast_strides(kv_indices),
-            *broadcast_strides(kv_counts), epilogue.fns().dq_sm90.fn, grad_args, H, Sq, Skv,
-            Sq // block, kv_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
+    lists = (kv_indices, kv_counts, *broadcast_strides(kv_indices), *broadcast_strides(kv_counts))
+    args = (*_tiles(q, k, v, do, dq), lse2, delta, *lists, epilogue.fns().dq_sm90.fn, grad_args,
+            H, Sq, Skv, Sq // block, kv_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
     opts = (options or configs.GLUON_DQ).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, **opts, num_warps=4)
     return block_sparse_attn_bwd_dq_gluon_kernel, (Sq // block, B * H), args, kwargs
