@@ -2,9 +2,10 @@
 for sm_90 on any machine (``vidsparse.bench.compile.compile_dkdv_sm90`` / ``compile_dq_sm90``,
 run in a child process without ``TRITON_INTERPRET``): dK/dV at both block sizes, with and
 without key-block sizes, both 16-bit dtypes, and at 64x64 with a dK/dV hook of VSA's shape
-compiled in; dQ (128x128) in both dtypes. No write to the registers
-of an in-flight register-A wgmma (the SASS check of the Gluon forward), no ptxas warning, and
-no spill beyond the few bytes listed in ``ACCEPTED_SPILL_BYTES``.
+compiled in; dQ at both block sizes, with and without key-block sizes, and at 64x64 with VSA's
+own Gluon dQ hook (``combine_sm90.pooled_dq_sm90``). No write to the registers of an in-flight
+register-A wgmma (the SASS check of the Gluon forward), no ptxas warning, no spill in dQ and
+none in dK/dV beyond the few bytes listed in ``ACCEPTED_SPILL_BYTES``.
 
 VSA's dK/dV hook (``video_sparse_attn/kernels/combine.py``'s ``pooled_dkdv``) is a
 ``@triton.jit`` function, whose ``tl.arange`` has no layout, so it cannot be called from Gluon;
@@ -45,7 +46,7 @@ ACCEPTED_SPILL_BYTES = {
 _COMPILE = """
 import json, sys, torch
 sys.path.insert(0, {here!r})
-from test_compile_bwd_sm90 import hooked_epilogue
+from test_compile_bwd_sm90 import hooked_epilogue, vsa_dq_epilogue
 from vidsparse.bench.compile import compile_dkdv_sm90, compile_dq_sm90
 cases = [(block, masked, False, dtype) for block in (128, 64) for masked in (False, True)
          for dtype in (torch.bfloat16, torch.float16)]
@@ -54,9 +55,14 @@ for block, masked, hook, dtype in cases:
     rep = compile_dkdv_sm90({{}}, masked=masked, dtype=dtype, block=block,
                             epilogue=hooked_epilogue(block) if hook else None)
     print(json.dumps(dict(block=block, masked=masked, hook=hook, dtype=str(dtype), **rep)))
-for dtype in (torch.bfloat16, torch.float16):
-    rep = compile_dq_sm90({{}}, dtype=dtype)
-    print(json.dumps(dict(kernel="dq", dtype=str(dtype), **rep)))
+dq_cases = [(128, False, False, torch.bfloat16), (128, False, False, torch.float16),
+            (128, True, False, torch.bfloat16), (64, False, False, torch.bfloat16),
+            (64, True, False, torch.bfloat16), (64, True, True, torch.bfloat16)]
+for block, masked, hook, dtype in dq_cases:
+    rep = compile_dq_sm90({{}}, masked=masked, dtype=dtype, block=block,
+                          epilogue=vsa_dq_epilogue(block) if hook else None)
+    print(json.dumps(dict(kernel="dq", block=block, masked=masked, hook=hook, dtype=str(dtype),
+                          **rep)))
 """
 
 
@@ -111,6 +117,26 @@ def hooked_epilogue(block: int):
     return PooledSm90(), args
 
 
+def vsa_dq_epilogue(block: int):
+    """``(epilogue, grad_args)`` with VSA's Gluon dQ hook (``combine_sm90.pooled_dq_sm90``),
+    grad_args of its shape, on meta tensors."""
+    epilogue, args = hooked_epilogue(block)
+    from vidsparse.ops.block_sparse_attn.epilogue import Epilogue, EpilogueFns, FnSpecs
+    from vidsparse.ops.video_sparse_attn.kernels.combine_sm90 import pooled_dq_sm90
+
+    hook = FnSpecs("vsa_pooled_dq", pooled_dq_sm90)
+
+    class PooledDqSm90(Epilogue):
+        name = "test_pooled_dq_sm90"
+
+        def fns(self):
+            base = super().fns()
+            kept = {f.name: getattr(base, f.name) for f in fields(base)}
+            return EpilogueFns(**{**kept, "dq_sm90": hook})
+
+    return PooledDqSm90(), args
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_gluon_backward_compiles_for_sm90():
@@ -129,8 +155,8 @@ def test_gluon_backward_compiles_for_sm90():
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     dq = [r for r in reports if r.get("kernel") == "dq"]
     reports = [r for r in reports if r.get("kernel") != "dq"]
-    assert len(reports) == 10 and len(dq) == 2
-    for r in dq:  # the dQ kernel: no spill at all, no hazard, no warning
+    assert len(reports) == 10 and len(dq) == 6
+    for r in dq:  # the dQ kernels (VSA's hook in too): no spill at all, no hazard, no warning
         print(json.dumps(r))
         assert r["sass_a_operand_hazards"] == 0 and r["shared"] <= 227 * 1024, r
         assert not r["ptxas_warnings"], r

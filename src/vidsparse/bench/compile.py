@@ -107,25 +107,33 @@ def compile_dkdv_sm90(
     return _compile_report(kernel, args, kwargs)
 
 
-def compile_dq_sm90(options: dict, *, dtype=torch.bfloat16) -> dict:
-    """Compile the Gluon dQ kernel (``ops/block_sparse_attn/kernels/bwd_sm90.py``, 128x128) for
-    cuda:90 on meta tensors; returns the report of ``compile_sm90``. ``options``: fields of
-    ``configs.GluonBwdOptions`` overriding the library's ``GLUON_DQ``."""
+def compile_dq_sm90(
+    options: dict, *, masked: bool = False, dtype=torch.bfloat16, block: int = BLOCK,
+    epilogue=None,
+) -> dict:  # fmt: skip
+    """Compile the Gluon dQ kernel (``ops/block_sparse_attn/kernels/bwd_sm90.py``) for cuda:90
+    on meta tensors; returns the report of ``compile_sm90``. ``options``: fields of
+    ``configs.GluonBwdOptions`` overriding the library's ``GLUON_DQ``; ``masked``: with
+    key-block sizes; ``epilogue``: ``(epilogue, grad_args)`` whose Gluon dQ hook is compiled in
+    (None: none)."""
     _require_compiler("compile_dq_sm90")
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 
     meta = torch.device("meta")
-    block = bwd_sm90.DQ_BLOCK
     q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D], as k, v, do, dq
     lse2 = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S], as delta
     nq = S // block
     idx = torch.empty(1, H, nq, nq // 8, dtype=torch.int32, device=meta)  # [1, H, NQ, K]
     cnt = torch.empty(1, H, nq, dtype=torch.int32, device=meta)  # [1, H, NQ]
-    schedule = replace(configs.GLUON_DQ, **options) if options else None
+    sizes = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None  # [NK]
+    hooked, grad_args = epilogue if epilogue is not None else (NO_EPILOGUE, ())
+    schedule = replace(configs.GLUON_DQ[block], **options) if options else None
     kernel, _, args, kwargs = bwd_sm90.dq_kernel_args(
-        q, q, q, q, q, lse2, lse2, idx, cnt, block, D**-0.5, options=schedule,
+        q, q, q, q, q, lse2, lse2, idx, cnt, block, D**-0.5, sizes,
+        epilogue=hooked, grad_args=grad_args, options=schedule,
     )  # fmt: skip
     return _compile_report(kernel, args, kwargs)
 

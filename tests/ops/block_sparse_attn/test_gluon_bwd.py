@@ -113,28 +113,32 @@ def test_gpu_gluon_dkdv_matches_reference_and_triton(dtype, padded, bs, scale):
 
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_gluon_dq_matches_reference_and_triton(dtype, scale):
-    """dQ at 128x128: Sq != Skv, lists broadcast over the batch with an empty row (dQ = 0
-    there) and a one-block row, input scales 1, 4 and 16; the output poisoned beforehand."""
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("bs", [128, 64])
+def test_gpu_gluon_dq_matches_reference_and_triton(dtype, padded, bs, scale):
+    """dQ: Sq != Skv (an odd number of query blocks: the 64-row kernel's last program has
+    one), lists broadcast over the batch with an empty row (dQ = 0 there) and a one-block row,
+    partial key blocks whose padding holds large finite values (``padded``), input scales 1,
+    4 and 16; the output poisoned beforehand."""
     from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 
-    bs = 128
-    q, k, v, do, idx, cnt, _ = _problem(bs, dtype, False, scale=scale, seed=5)
+    q, k, v, do, idx, cnt, sizes = _problem(bs, dtype, padded, scale=scale, seed=5)
     sc = D**-0.5
-    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, sc)
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
     delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
-    dq_t, _, _ = bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, None, bs, bs, sc)
+    dq_t, _, _ = bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, sc,
+                                           padding_finite=True)  # fmt: skip
     torch.full_like(q, float("nan"))  # freed: the launcher's torch.empty_like may reuse it
-    dq = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, sc)
+    dq = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, sc, kv_block_sizes=sizes)
     assert not torch.isnan(dq).any()
     empty = (cnt.expand(q.shape[0], -1, -1) == 0).repeat_interleave(bs, dim=2)  # [B, H, Sq]
     assert empty.any() and (dq[empty] == 0).all()
     q64 = q.detach().double().requires_grad_()
-    o_ref, _ = masked_dense_attention(q64, k.double(), v.double(), idx, cnt, bs, bs)
+    o_ref, _ = masked_dense_attention(q64, k.double(), v.double(), idx, cnt, bs, bs, sizes)
     (dq64,) = torch.autograd.grad(o_ref, (q64,), do.double())
     q_low = q.detach().clone().requires_grad_()
-    (dq_low,) = torch.autograd.grad(_lowprec_baseline(q_low, k, v, idx, cnt, bs, bs, None),
+    (dq_low,) = torch.autograd.grad(_lowprec_baseline(q_low, k, v, idx, cnt, bs, bs, sizes),
                                     (q_low,), do)  # fmt: skip
     assert_error_relative("dq", dq, dq64, dq_low, atol=2e-3)
     assert_error_relative("dq (vs Triton)", dq, dq64, dq_t, atol=2e-3)

@@ -67,7 +67,7 @@ def block_sparse_attn_bwd(
     kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
                                             padding_finite)  # fmt: skip
     gluon_dkdv = _takes_gluon_dkdv(kv_cfg, kv_tma, q, k, v, do, block_q, block_kv, epilogue)
-    gluon_dq = _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue, has_sizes)
+    gluon_dq = _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue)
     desc = tensor_descriptor
     kv_in = (q, k, v, do)  # the Triton dK/dV kernel's q, k, v, do
     if kv_tma and not gluon_dkdv:
@@ -128,7 +128,7 @@ def block_sparse_attn_bwd(
     if gluon_dq:
         dq = gluon_launcher("bwd_sm90", "dQ").dq_gluon(
             q, k, v, do, lse2, delta, dq_lists, dq_counts, block_q, scale,
-            epilogue=epilogue, grad_args=grad_hooks[2],
+            kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
         )  # fmt: skip
         return dq, dk, dv
     dq = torch.empty_like(q)
@@ -205,14 +205,13 @@ def fused_launch(dkdv: KernelConfig, dq: KernelConfig, fused: bool | None = None
     return bool(fused)
 
 
-def _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue, masked) -> bool:
-    """Does dQ run in the Hopper Gluon kernel? As ``_takes_gluon_dkdv`` says for dK/dV, at
-    128x128 blocks without key-block sizes (``bwd_sm90.dq_gluon_fits``)."""
+def _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue) -> bool:
+    """Does dQ run in the Hopper Gluon kernel? As ``_takes_gluon_dkdv`` says for dK/dV."""
     if not (q_cfg.gluon and q_tma):
         return False
     launcher = gluon_launcher("bwd_sm90", "dQ")
     return (
         launcher is not None
-        and launcher.dq_gluon_fits(q, k, v, do, block_q, block_kv, masked)
+        and launcher.dq_gluon_fits(q, k, v, do, block_q, block_kv)
         and launcher.dq_hook_fits(epilogue)
     )

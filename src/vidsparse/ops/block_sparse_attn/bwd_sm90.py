@@ -19,6 +19,7 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     block_sparse_attn_bwd_dkdv_gluon_kernel,
     block_sparse_attn_bwd_dkdv_gluon_tiles_kernel,
     block_sparse_attn_bwd_dq_gluon_kernel,
+    block_sparse_attn_bwd_dq_gluon_tiles_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
 
@@ -31,14 +32,10 @@ def dkdv_gluon_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
     return _fits(q, k, v, do, block_q, block_kv)
 
 
-def dq_gluon_fits(q, k, v, do, block_q: int, block_kv: int, masked: bool) -> bool:
-    """Can the Gluon dQ kernel take these inputs? As dK/dV, at 128x128 blocks only, and every
-    listed key real (no key-block sizes)."""
-    return not masked and block_q == DQ_BLOCK and _fits(q, k, v, do, block_q, block_kv)
-
-
-# The one block size of the dQ kernel (two 64-row consumers of one query block).
-DQ_BLOCK = 2 * ROWS_PER_CONSUMER.value
+def dq_gluon_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
+    """Can the Gluon dQ kernel take these inputs? As dK/dV (with key-block sizes too: the
+    caller vouches the padding finite, as for any TMA read of keys)."""
+    return _fits(q, k, v, do, block_q, block_kv)
 
 
 def _fits(q, k, v, do, block_q, block_kv) -> bool:
@@ -159,47 +156,59 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
 
 
 def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, scale,
-                   epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
+                   kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
                    options: configs.GluonBwdOptions | None = None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one dQ launch (also used to compile for sm_90 without
-    a GPU). ``lse2``, ``delta``: the preprocess's outputs; the lists as the engine validated
-    them (int32, unit last stride); ``grad_args``: the epilogue's (asked for here when None)."""
+    a GPU). ``lse2``, ``delta``: the preprocess's outputs; the lists int32 with a unit last
+    stride; ``grad_args``: the epilogue's (asked for here when None)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
+    has_sizes = kv_block_sizes is not None
+    sizes = kv_block_sizes if has_sizes else kv_counts  # dummy pointer when unused
     if grad_args is None:
-        grad_args = epilogue.grad_args(EngineCall(block, block, None, scale, q.dtype))
+        grad_args = epilogue.grad_args(EngineCall(block, block, kv_block_sizes, scale, q.dtype))
     if not dq_hook_fits(epilogue):
         raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dQ hook (EpilogueFns.dq_sm90)")
-    lists = (kv_indices, kv_counts, *broadcast_strides(kv_indices), *broadcast_strides(kv_counts))
+    nq = Sq // block
+    lists = (kv_indices, kv_counts, sizes, *broadcast_strides(kv_indices),
+             *broadcast_strides(kv_counts))  # fmt: skip
     args = (*_tiles(q, k, v, do, dq), lse2, delta, *lists, epilogue.fns().dq_sm90.fn, grad_args,
-            H, Sq, Skv, Sq // block, kv_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
-    opts = (options or configs.GLUON_DQ).as_kwargs()
-    kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, **opts, num_warps=4)
-    return block_sparse_attn_bwd_dq_gluon_kernel, (Sq // block, B * H), args, kwargs
+            H, Sq, Skv, nq, kv_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
+    opts = (options or configs.GLUON_DQ[block]).as_kwargs()
+    kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
+                  num_warps=4)  # fmt: skip
+    if block == 2 * ROWS_PER_CONSUMER.value:
+        return block_sparse_attn_bwd_dq_gluon_kernel, (nq, B * H), args, kwargs
+    return block_sparse_attn_bwd_dq_gluon_tiles_kernel, ((nq + 1) // 2, B * H), args, kwargs
 
 
-def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=DQ_BLOCK, scale=None, *,
-             epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
+def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=None, *,
+             kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
              options: configs.GluonBwdOptions | None = None):  # fmt: skip
     """``dq`` of the block-sparse attention backward by the Gluon kernel (Hopper).
 
-    Inputs as ``dq_gluon_fits`` says (no key-block sizes); ``lse2``, ``delta`` fp32
-    [B, H, Sq] from the backward's preprocess; the lists [Bi, H, NQ, K] and [Bi, H, NQ]
-    (int32 with a unit last stride, converted once per list tensor otherwise). Raises only on
-    what would make the kernel misread memory."""
+    Inputs as ``dq_gluon_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
+    backward's preprocess; the lists [Bi, H, NQ, K] and [Bi, H, NQ] (int32 with a unit last
+    stride, converted once per list tensor otherwise). With ``kv_block_sizes``, padding keys
+    are read by TMA and get no weight whatever they hold (finite). Raises only on what would
+    make the kernel misread memory."""
     B, H, Sq, D = q.shape
-    if not dq_gluon_fits(q, k, v, do, block, block, False):
-        raise ValueError(f"dq_gluon: needs square {DQ_BLOCK} blocks, head_dim 128, bf16/fp16 "
+    if not dq_gluon_fits(q, k, v, do, block, block):
+        raise ValueError("dq_gluon: needs square 64 or 128 blocks, head_dim 128, bf16/fp16 "
                          "and contiguous 16-byte aligned q, k, v, do")  # fmt: skip
     for name, x in (("lse2", lse2), ("delta", delta)):
         if x.dtype != torch.float32 or x.shape != (B, H, Sq) or not x.is_contiguous():
             raise ValueError(f"dq_gluon: {name} must be contiguous fp32 [B, H, Sq]")
+    if kv_block_sizes is not None and (
+        kv_block_sizes.dtype != torch.int32 or kv_block_sizes.numel() < k.shape[2] // block
+    ):
+        raise ValueError("dq_gluon: kv_block_sizes must be int32 [NK]")  # fmt: skip
     kv_indices, kv_counts = int32_contiguous(kv_indices), int32_contiguous(kv_counts)
     if scale is None:
         scale = D**-0.5
     dq = torch.empty_like(q)
     kernel, grid, args, kwargs = dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices,
-                                                kv_counts, block, scale, epilogue, grad_args,
-                                                options)  # fmt: skip
+                                                kv_counts, block, scale, kv_block_sizes,
+                                                epilogue, grad_args, options)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dq

@@ -125,8 +125,9 @@ class GluonBwdOptions:
 
 
 GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
-# dQ (128x128 only): Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit.
-GLUON_DQ = GluonBwdOptions(STAGES=4)
+# dQ: at 128 rows Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit (2-4 timed
+# alike on the H200); the 64-row kernel holds two rings, 2 steps each.
+GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 
 
 # Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
@@ -181,7 +182,7 @@ HOPPER = {
     # outside the loops at D=128 with TMA, accepted for the measured gain) where dK/dV does
     # not run in the Gluon kernel (D=128, 16-bit, contiguous: ``gluon``; GLUON_DKDV). At 64x64
     # the Gluon dK/dV kernel was slower than Triton's (4.14 vs 3.82 ms on 4x4x4 video tiles), so
-    # it is off there.
+    # it is off there; the 64x64 Gluon dQ kernel is compile-checked but not yet timed, so off.
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
         8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True, gluon=True
     ),

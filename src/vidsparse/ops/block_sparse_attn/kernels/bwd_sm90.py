@@ -25,12 +25,13 @@ two key blocks (2 pid, 2 pid + 1), each with its own list, ring and loader warp,
 consumer, as the Gluon forward's tiles kernel does. No atomics: each program writes only its
 own key rows, so the result is bit-identical across runs.
 
-The dQ kernel (128x128 blocks, every listed key real) is the same step seen from the query
-side: a loader warp reads the program's Q and dO once and walks the query block's list in
-64-key steps (K and V of one step per ring slot); each consumer warpgroup owns 64 query rows
-and keeps their dQ in registers. Per step ``S = Q K^T`` and ``dP = dO V^T`` are issued
-together, then ``P``, ``dS = P (dP - delta)`` and ``dQ += dS K``; after the list ``dQ *=
-scale``, the dQ hook and a TMA store through Q's buffer.
+The dQ kernel is the same step seen from the query side: a loader warp reads the program's Q
+and dO once and walks the query block's list in 64-key steps (K and V of one step per ring
+slot); each consumer warpgroup owns 64 query rows and keeps their dQ in registers. Per step
+``S = Q K^T`` and ``dP = dO V^T`` are issued together, then ``P`` (0 on padding keys: the
+step's ``KV_SIZES``), ``dS = P (dP - delta)`` and ``dQ += dS K``; after the list ``dQ *=
+scale``, the dQ hook and a TMA store through Q's buffer. At 128x128 one query block a program,
+split over the consumers; at 64x64 two, each with its own list, ring and loader.
 
 Memory safety whatever the lists hold: the list bounds (counts) are clamped into ``[0, width]``
 (width: the lists' last dim) and each entry into ``[0, NQ)`` (dK/dV) or ``[0, NK)`` (dQ) in the
@@ -365,7 +366,7 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# dQ: one 128-row query block a program, its key blocks in 64-row steps
+# dQ: a query block a program (128 rows) or two (64-row tiles), its key blocks in 64-row steps
 # ---------------------------------------------------------------------------------------------
 
 
@@ -373,12 +374,13 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
 def _dq_loader(
     desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty,
     idx_row, stride_ik, count, q_row, kv_row0, NK, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    Q_TILES: gl.constexpr,
 ):  # fmt: skip
-    """Q and dO (two 64-row tiles each) once, then K and V of every step: listed key block
-    ``j // NSUB``, its rows ``64 (j % NSUB) ..``, into ring slot ``j % STAGES``."""
+    """Q and dO (``Q_TILES`` 64-row tiles each) once, then K and V of every step: listed key
+    block ``j // NSUB``, its rows ``64 (j % NSUB) ..``, into ring slot ``j % STAGES``."""
     NSUB: gl.constexpr = BLOCK_N // STEP_M
-    mbarrier.expect(q_bar, 2 * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
-    for i in gl.static_range(2):
+    mbarrier.expect(q_bar, Q_TILES * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
+    for i in gl.static_range(Q_TILES):
         row = q_row + i * ROWS_PER_CONSUMER
         tma.async_copy_global_to_shared(desc_q, [row, 0], q_bar, q_smem.index(i))
         tma.async_copy_global_to_shared(desc_do, [row, 0], q_bar, do_smem.index(i))
@@ -386,8 +388,7 @@ def _dq_loader(
     for j in range(count * NSUB):
         slot = j % STAGES
         empty_parity = ((j // STAGES) & 1) ^ 1  # as in _loader
-        kv_block = gl.load(idx_row + (j // NSUB) * stride_ik)  # scalar int32 key-block index
-        kv_block = gl.minimum(gl.maximum(kv_block, 0), NK - 1)  # never another head's rows
+        kv_block = _listed_block(idx_row, stride_ik, j // NSUB, NK)
         row = kv_row0 + kv_block * BLOCK_N + (j % NSUB) * STEP_M
         mbarrier.wait(empty.index(slot), empty_parity)
         bar = ready.index(slot)
@@ -397,18 +398,29 @@ def _dq_loader(
 
 
 @gluon.jit
+def _listed_block(idx_row, stride_ik, entry, NK):
+    """Key block of list entry ``entry``, clamped into ``[0, NK)`` (never another head's
+    rows), as the loader and the consumers both read it."""
+    kv_block = gl.load(idx_row + entry * stride_ik)  # scalar int32
+    return gl.minimum(gl.maximum(kv_block, 0), NK - 1)
+
+
+@gluon.jit
 def _dq_consumer(
     desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2, DELTA, num_steps,
-    q_row, valid, b, h, q_block, qk_scale, scale, EPILOGUE: gl.constexpr, epilogue_args,
-    Q_INDEX: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    q_row, valid, b, h, q_block, idx_row, stride_ik, KV_SIZES, NK, qk_scale, scale,
+    EPILOGUE: gl.constexpr, epilogue_args, Q_INDEX: gl.constexpr, BLOCK_N: gl.constexpr,
+    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_KV_SIZES: gl.constexpr,
 ):  # fmt: skip
-    """dQ of query rows ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 Q_INDEX``) over
-    ``num_steps`` ring steps of 64 keys, stored only if ``valid`` after the declared
-    ``EPILOGUE``. Per step: ``S = Q K^T`` and ``dP = dO V^T`` issued together,
-    ``P = exp2(S scale - lse2)``, ``dS = P (dP - delta)``, ``dQ += dS K`` (dS from registers),
-    retired before the slot is released and before the next step writes any register (the
-    A-operand hazard of ``kernels/fwd_sm90.py``)."""
+    """dQ of query rows ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 Q_INDEX``, rows
+    ``64 Q_INDEX ..`` of query block ``q_block``) over ``num_steps`` ring steps of 64 keys,
+    stored only if ``valid`` after the declared ``EPILOGUE``. Per step: ``S = Q K^T`` and
+    ``dP = dO V^T`` issued together, ``P = exp2(S scale - lse2)`` (with ``HAS_KV_SIZES`` 0
+    on the step's padding keys: ``KV_SIZES`` of its listed block), ``dS = P (dP - delta)``,
+    ``dQ += dS K`` (dS from registers), retired before the slot is released and before the
+    next step writes any register (the A-operand hazard of ``kernels/fwd_sm90.py``)."""
     M: gl.constexpr = ROWS_PER_CONSUMER
+    NSUB: gl.constexpr = BLOCK_N // STEP_M
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, STEP_M, 16]
     )
@@ -421,9 +433,11 @@ def _dq_consumer(
     q = q_smem.index(Q_INDEX)  # [64, D], A operand of S = Q K^T
     do = do_smem.index(Q_INDEX)  # [64, D], A operand of dP = dO V^T
     rows = q_row + Q_INDEX * M + gl.arange(0, M, layout=row_layout)  # [64] global rows
-    # lse2 = +inf on rows that attend to nothing (the preprocess): their P, dS are 0.
-    lse2 = gl.expand_dims(gl.load(LSE2 + rows), 1)  # [64, 1]
-    delta = gl.expand_dims(gl.load(DELTA + rows), 1)
+    # lse2 = +inf on rows that attend to nothing (the preprocess): their P, dS are 0. Past the
+    # last query block (``valid`` false) the rows may lie past the tensor: nothing is read.
+    lse2 = gl.expand_dims(gl.load(LSE2 + rows, mask=valid, other=0.0), 1)  # [64, 1]
+    delta = gl.expand_dims(gl.load(DELTA + rows, mask=valid, other=0.0), 1)
+    cols = gl.arange(0, STEP_M, layout=gl.SliceLayout(0, s_layout))  # [64] key slots of a step
     dq = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([M, STEP_M], gl.float32, layout=s_layout)  # ignored acc (use_acc=False)
 
@@ -431,6 +445,9 @@ def _dq_consumer(
     mbarrier.wait(q_bar, 0)
     for j in range(num_steps):
         slot = j % STAGES
+        if HAS_KV_SIZES:  # the step's real keys, read while the slot may still be landing
+            size = gl.load(KV_SIZES + _listed_block(idx_row, stride_ik, j // NSUB, NK))
+            limit = size - (j % NSUB) * STEP_M
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
         k = k_smem.index(slot)  # [64 keys, D]
         v = v_smem.index(slot)
@@ -438,6 +455,8 @@ def _dq_consumer(
         dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S (issued first) is done
         p = gl.exp2(s * qk_scale - lse2)  # [64, 64]
+        if HAS_KV_SIZES:  # whatever TMA read for the padding keys, their P and dS are 0
+            p = gl.where(gl.expand_dims(cols < limit, 0), p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
         ds_op = gl.convert_layout((p * (dp - delta)).to(q.dtype), op_layout)
         dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)  # dQ += dS K
@@ -458,21 +477,35 @@ def _dq_consumer(
 
 
 @gluon.jit
+def _dq_list_of(KV_IDX, KV_CNT, b, h, q_block, valid, K, stride_ib, stride_ih, stride_iq,
+                stride_cb, stride_ch, stride_cq):  # fmt: skip
+    """``(list pointer, count)`` of query block ``q_block``; an invalid block lists nothing.
+    The count is clamped into ``[0, K]``."""
+    b = b.to(gl.int64)
+    h = h.to(gl.int64)
+    q_block = q_block.to(gl.int64)
+    idx_row = KV_IDX + b * stride_ib + h * stride_ih + q_block * stride_iq
+    count = gl.load(KV_CNT + b * stride_cb + h * stride_ch + q_block * stride_cq, mask=valid,
+                    other=0)  # fmt: skip
+    return idx_row, gl.minimum(gl.maximum(count, 0), K)
+
+
+@gluon.jit
 def block_sparse_attn_bwd_dq_gluon_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dq,  # TMA over [B*H*S, D], blocks [64, D]
     LSE2, DELTA,  # fp32 [B*H*Sq]
-    KV_IDX, KV_CNT,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]
+    KV_IDX, KV_CNT, KV_SIZES,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]; [NK] (HAS_KV_SIZES)
     stride_ib, stride_ih, stride_iq, stride_ik,  # stride_ib == 0 when lists broadcast over batch
     stride_cb, stride_ch, stride_cq,
     EPILOGUE: gl.constexpr, epilogue_args,  # dq = EPILOGUE(dq, b, h, q_block, local_rows, dims, ...)
     H, Sq, Skv, NQ, K,  # K: the lists' width (bound of every count)
     qk_scale, scale,  # softmax scale * log2(e) and the scale, fp32
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(NQ, B * H)``: a 128-row query block per program, its two 64-row halves on the
-    two consumer warpgroups, one list and one ring of 64-key steps. Every key of a listed
-    block is real (no key-block sizes)."""
+    two consumer warpgroups, one list and one ring of 64-key steps."""
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     gl.static_assert(BLOCK_N % STEP_M == 0, "key blocks are whole steps")
     pid_m = gl.program_id(0)
@@ -481,11 +514,9 @@ def block_sparse_attn_bwd_dq_gluon_kernel(
     h = pid_bh % H
     q_row = pid_bh * Sq + pid_m * BLOCK_M
     valid = pid_m < NQ  # always: the grid has NQ programs along dim 0
-    b64 = b.to(gl.int64)
-    h64 = h.to(gl.int64)
-    idx_row = KV_IDX + b64 * stride_ib + h64 * stride_ih + pid_m.to(gl.int64) * stride_iq
-    count = gl.load(KV_CNT + b64 * stride_cb + h64 * stride_ch + pid_m.to(gl.int64) * stride_cq)
-    count = gl.minimum(gl.maximum(count, 0), K)
+    NK = Skv // BLOCK_N
+    idx_row, count = _dq_list_of(KV_IDX, KV_CNT, b, h, pid_m, valid, K, stride_ib, stride_ih,
+                                 stride_iq, stride_cb, stride_ch, stride_cq)  # fmt: skip
     num_steps = count * (BLOCK_N // STEP_M)
 
     # Q, dO 2 x 32 KB (Q also dQ's staging buffer); the ring STAGES x 32 KB.
@@ -506,19 +537,103 @@ def block_sparse_attn_bwd_dq_gluon_kernel(
     gl.warp_specialize(
         [
             (_dq_consumer, (desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2,
-                            DELTA, num_steps, q_row, valid, b, h, pid_m, qk_scale, scale,
-                            EPILOGUE, epilogue_args, gl.constexpr(0), HEAD_DIM,
-                            STAGES)),  # default partition: query rows 0-63
+                            DELTA, num_steps, q_row, valid, b, h, pid_m, idx_row, stride_ik,
+                            KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
+                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES,
+                            HAS_KV_SIZES)),  # default partition: query rows 0-63
             (_dq_consumer, (desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2,
-                            DELTA, num_steps, q_row, valid, b, h, pid_m, qk_scale, scale,
-                            EPILOGUE, epilogue_args, gl.constexpr(1), HEAD_DIM,
-                            STAGES)),  # query rows 64-127
+                            DELTA, num_steps, q_row, valid, b, h, pid_m, idx_row, stride_ik,
+                            KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
+                            gl.constexpr(1), BLOCK_N, HEAD_DIM, STAGES,
+                            HAS_KV_SIZES)),  # query rows 64-127
             (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
                           q_bar, ready, empty, idx_row, stride_ik, count, q_row, pid_bh * Skv,
-                          Skv // BLOCK_N, BLOCK_N, STAGES)),
+                          NK, BLOCK_N, STAGES, gl.constexpr(2))),
         ],
         [4, 1],  # warps: second consumer warpgroup, loader warp
         [CONSUMER_REGS, LOADER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit
+def block_sparse_attn_bwd_dq_gluon_tiles_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dq,
+    LSE2, DELTA,
+    KV_IDX, KV_CNT, KV_SIZES,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    EPILOGUE: gl.constexpr, epilogue_args,
+    H, Sq, Skv, NQ, K,
+    qk_scale, scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """Grid ``(ceil(NQ / 2), B * H)``: two 64-row query blocks per program (video tiles:
+    2 pid and 2 pid + 1), each with its own list, ring and loader warp, one per consumer
+    warpgroup, as the Gluon forward's tiles kernel."""
+    gl.static_assert(BLOCK_M == ROWS_PER_CONSUMER, "one consumer warpgroup per 64-row block")
+    gl.static_assert(BLOCK_N == STEP_M, "64-key blocks: one step a listed block")
+    pid = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    block0 = 2 * pid
+    block1 = 2 * pid + 1
+    valid0 = block0 < NQ
+    valid1 = block1 < NQ  # false in the last program when NQ is odd
+    NK = Skv // BLOCK_N
+    idx0, count0 = _dq_list_of(KV_IDX, KV_CNT, b, h, block0, valid0, K, stride_ib, stride_ih,
+                               stride_iq, stride_cb, stride_ch, stride_cq)  # fmt: skip
+    idx1, count1 = _dq_list_of(KV_IDX, KV_CNT, b, h, block1, valid1, K, stride_ib, stride_ih,
+                               stride_iq, stride_cb, stride_ch, stride_cq)  # fmt: skip
+    # Past the last block (NQ odd) the loader still reads a Q tile (rows of the next head, or
+    # zeros past the tensor: TMA bounds) so the consumer's wait completes; nothing is stored.
+    q_row0 = pid_bh * Sq + block0 * BLOCK_M
+    q_row1 = pid_bh * Sq + block1 * BLOCK_M
+    kv_row0 = pid_bh * Skv
+
+    # Per consumer: Q, dO 2 x 16 KB; its ring STAGES x 32 KB.
+    q_smem0 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
+    do_smem0 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
+    q_smem1 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
+    do_smem1 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
+    k_smem0 = gl.allocate_shared_memory(desc_k.dtype, [STAGES, STEP_M, HEAD_DIM], desc_k.layout)
+    v_smem0 = gl.allocate_shared_memory(desc_v.dtype, [STAGES, STEP_M, HEAD_DIM], desc_v.layout)
+    k_smem1 = gl.allocate_shared_memory(desc_k.dtype, [STAGES, STEP_M, HEAD_DIM], desc_k.layout)
+    v_smem1 = gl.allocate_shared_memory(desc_v.dtype, [STAGES, STEP_M, HEAD_DIM], desc_v.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    q_bar0 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    q_bar1 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    mbarrier.init(q_bar0, count=1)
+    mbarrier.init(q_bar1, count=1)
+    _init_ring(ready0, empty0, STAGES, 1)
+    _init_ring(ready1, empty1, STAGES, 1)
+    fence_async_shared()
+
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (desc_dq, q_smem0, do_smem0, k_smem0, v_smem0, q_bar0, ready0,
+                            empty0, LSE2, DELTA, count0, q_row0, valid0, b, h, block0, idx0,
+                            stride_ik, KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
+                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES)),
+            (_dq_consumer, (desc_dq, q_smem1, do_smem1, k_smem1, v_smem1, q_bar1, ready1,
+                            empty1, LSE2, DELTA, count1, q_row1, valid1, b, h, block1, idx1,
+                            stride_ik, KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
+                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES)),
+            (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem0, do_smem0, k_smem0, v_smem0,
+                          q_bar0, ready0, empty0, idx0, stride_ik, count0, q_row0, kv_row0, NK,
+                          BLOCK_N, STAGES, gl.constexpr(1))),
+            (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem1, do_smem1, k_smem1, v_smem1,
+                          q_bar1, ready1, empty1, idx1, stride_ik, count1, q_row1, kv_row0, NK,
+                          BLOCK_N, STAGES, gl.constexpr(1))),
+        ],
+        [4, 1, 1],  # warps: second consumer warpgroup, two loader warps
+        [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
     )  # fmt: skip
 
 

@@ -1,4 +1,7 @@
-"""VSA's forward combine for the engine's Hopper Gluon forward (see ``combine.py``)."""
+"""VSA's hooks for the engine's Hopper Gluon kernels (see ``combine.py``): the forward combine,
+and the tile means' share of dQ (``pooled_dq_sm90``: compile-checked, not yet in VSA's
+``EpilogueFns``, so its backward runs Triton's dQ kernel until the Gluon one is timed at
+64x64; ``tests/ops/video_sparse_attn/test_vsa_gluon_dq.py`` puts it there to check it)."""
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -47,3 +50,19 @@ def combine_forward_sm90(o, b, h, q_block, rows, local_rows, dims,
         _store_residual_sm90(o, b, h, rows, dims, RES, stride_rb, stride_rh, stride_rs,
                              OUT_DTYPE)  # fmt: skip
     return o
+
+
+@gluon.jit
+def pooled_dq_sm90(dq, b, h, q_block, local_rows, dims,
+                   DPOOL, stride_pt, stride_pb, stride_ph, stride_pn, Q_SIZES, K_SIZES,
+                   NK_POOLED, ADD_POOLED: gl.constexpr):  # fmt: skip
+    """``combine.py``'s ``pooled_dq`` on dq [64, D] fp32 (local_rows and dims in its slice
+    layouts): each real row of query tile ``q_block`` gets ``dpooled[0, b, h, q_block] /
+    size``."""
+    if ADD_POOLED:
+        size = gl.load(Q_SIZES + q_block)
+        g = gl.load(DPOOL + b * stride_pb + h * stride_ph + q_block.to(gl.int64) * stride_pn
+                    + dims)  # fmt: skip
+        share = gl.expand_dims(g.to(gl.float32) / gl.maximum(size, 1).to(gl.float32), 0)
+        dq = dq + gl.where(gl.expand_dims(local_rows < size, 1), share, 0.0)
+    return dq
