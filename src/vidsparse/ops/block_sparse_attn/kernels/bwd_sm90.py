@@ -411,6 +411,7 @@ def _dq_consumer(
     q_row, valid, b, h, q_block, idx_row, stride_ik, KV_SIZES, NK, qk_scale, scale,
     EPILOGUE: gl.constexpr, epilogue_args, Q_INDEX: gl.constexpr, BLOCK_N: gl.constexpr,
     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_KV_SIZES: gl.constexpr,
+    PAST_LAST_BLOCK: gl.constexpr,
 ):  # fmt: skip
     """dQ of query rows ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 Q_INDEX``, rows
     ``64 Q_INDEX ..`` of query block ``q_block``) over ``num_steps`` ring steps of 64 keys,
@@ -418,7 +419,8 @@ def _dq_consumer(
     ``dP = dO V^T`` issued together, ``P = exp2(S scale - lse2)`` (with ``HAS_KV_SIZES`` 0
     on the step's padding keys: ``KV_SIZES`` of its listed block), ``dS = P (dP - delta)``,
     ``dQ += dS K`` (dS from registers), retired before the slot is released and before the
-    next step writes any register (the A-operand hazard of ``kernels/fwd_sm90.py``)."""
+    next step writes any register (the A-operand hazard of ``kernels/fwd_sm90.py``).
+    ``PAST_LAST_BLOCK``: the program may hold a block past the last one (``valid`` false)."""
     M: gl.constexpr = ROWS_PER_CONSUMER
     NSUB: gl.constexpr = BLOCK_N // STEP_M
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -433,10 +435,15 @@ def _dq_consumer(
     q = q_smem.index(Q_INDEX)  # [64, D], A operand of S = Q K^T
     do = do_smem.index(Q_INDEX)  # [64, D], A operand of dP = dO V^T
     rows = q_row + Q_INDEX * M + gl.arange(0, M, layout=row_layout)  # [64] global rows
-    # lse2 = +inf on rows that attend to nothing (the preprocess): their P, dS are 0. Past the
-    # last query block (``valid`` false) the rows may lie past the tensor: nothing is read.
-    lse2 = gl.expand_dims(gl.load(LSE2 + rows, mask=valid, other=0.0), 1)  # [64, 1]
-    delta = gl.expand_dims(gl.load(DELTA + rows, mask=valid, other=0.0), 1)
+    # lse2 = +inf on rows that attend to nothing (the preprocess): their P, dS are 0.
+    if PAST_LAST_BLOCK:  # ``valid`` false: the rows may lie past the tensor, read nothing
+        lse2 = gl.load(LSE2 + rows, mask=valid, other=0.0)
+        delta = gl.load(DELTA + rows, mask=valid, other=0.0)
+    else:
+        lse2 = gl.load(LSE2 + rows)
+        delta = gl.load(DELTA + rows)
+    lse2 = gl.expand_dims(lse2, 1)  # [64, 1]
+    delta = gl.expand_dims(delta, 1)
     cols = gl.arange(0, STEP_M, layout=gl.SliceLayout(0, s_layout))  # [64] key slots of a step
     dq = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([M, STEP_M], gl.float32, layout=s_layout)  # ignored acc (use_acc=False)
@@ -539,13 +546,13 @@ def block_sparse_attn_bwd_dq_gluon_kernel(
             (_dq_consumer, (desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2,
                             DELTA, num_steps, q_row, valid, b, h, pid_m, idx_row, stride_ik,
                             KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
-                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES,
-                            HAS_KV_SIZES)),  # default partition: query rows 0-63
+                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                            gl.constexpr(False))),  # default partition: query rows 0-63
             (_dq_consumer, (desc_dq, q_smem, do_smem, k_smem, v_smem, q_bar, ready, empty, LSE2,
                             DELTA, num_steps, q_row, valid, b, h, pid_m, idx_row, stride_ik,
                             KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
-                            gl.constexpr(1), BLOCK_N, HEAD_DIM, STAGES,
-                            HAS_KV_SIZES)),  # query rows 64-127
+                            gl.constexpr(1), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                            gl.constexpr(False))),  # query rows 64-127
             (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem, do_smem, k_smem, v_smem,
                           q_bar, ready, empty, idx_row, stride_ik, count, q_row, pid_bh * Skv,
                           NK, BLOCK_N, STAGES, gl.constexpr(2))),
@@ -620,11 +627,13 @@ def block_sparse_attn_bwd_dq_gluon_tiles_kernel(
             (_dq_consumer, (desc_dq, q_smem0, do_smem0, k_smem0, v_smem0, q_bar0, ready0,
                             empty0, LSE2, DELTA, count0, q_row0, valid0, b, h, block0, idx0,
                             stride_ik, KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
-                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES)),
+                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                            gl.constexpr(True))),
             (_dq_consumer, (desc_dq, q_smem1, do_smem1, k_smem1, v_smem1, q_bar1, ready1,
                             empty1, LSE2, DELTA, count1, q_row1, valid1, b, h, block1, idx1,
                             stride_ik, KV_SIZES, NK, qk_scale, scale, EPILOGUE, epilogue_args,
-                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES)),
+                            gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                            gl.constexpr(True))),
             (_dq_loader, (desc_q, desc_do, desc_k, desc_v, q_smem0, do_smem0, k_smem0, v_smem0,
                           q_bar0, ready0, empty0, idx0, stride_ik, count0, q_row0, kv_row0, NK,
                           BLOCK_N, STAGES, gl.constexpr(1))),
