@@ -129,30 +129,35 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
     backward's preprocess; the transposed lists int32 (``lists.cached_transpose``). With
     ``kv_block_sizes``, padding keys are read by TMA and their gradients are 0 whatever they
     hold. Raises only on what would make the kernel misread memory."""
-    B, H, Sq, D = q.shape
-    if not dkdv_gluon_fits(q, k, v, do, block, block):
-        raise ValueError("dkdv_gluon: needs square 64 or 128 blocks, head_dim 128, bf16/fp16 "
-                         "and contiguous 16-byte aligned q, k, v, do")  # fmt: skip
-    for name, x in (("lse2", lse2), ("delta", delta)):
-        if x.dtype != torch.float32 or x.shape != (B, H, Sq) or not x.is_contiguous():
-            raise ValueError(f"dkdv_gluon: {name} must be contiguous fp32 [B, H, Sq]")
+    _check_inputs("dkdv_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     for name, x in (("q_offsets", q_offsets), ("q_indices", q_indices)):
         if x.dtype != torch.int32 or x.stride(-1) != 1:
             raise ValueError(f"dkdv_gluon: {name} must be int32 with a unit last stride")
     if q_offsets.shape[-1] != k.shape[2] // block + 1:
         raise ValueError("dkdv_gluon: q_offsets must hold NK + 1 bounds per (batch, head)")
-    if kv_block_sizes is not None and (
-        kv_block_sizes.dtype != torch.int32 or kv_block_sizes.numel() < k.shape[2] // block
-    ):
-        raise ValueError("dkdv_gluon: kv_block_sizes must be int32 [NK]")  # fmt: skip
     if scale is None:
-        scale = D**-0.5
+        scale = q.shape[-1] ** -0.5
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     kernel, grid, args, kwargs = kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets,
                                              q_indices, block, scale, kv_block_sizes, epilogue,
                                              grad_args, options)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dk, dv
+
+
+def _check_inputs(launcher, q, k, v, do, lse2, delta, kv_block_sizes, block) -> None:
+    """What both launchers need of their inputs (``_fits``; the preprocess's outputs; the
+    key-block sizes), else a ValueError naming ``launcher``."""
+    if not _fits(q, k, v, do, block, block):
+        raise ValueError(f"{launcher}: needs square 64 or 128 blocks, head_dim 128, bf16/fp16 "
+                         "and contiguous 16-byte aligned q, k, v, do")  # fmt: skip
+    for name, x in (("lse2", lse2), ("delta", delta)):
+        if x.dtype != torch.float32 or x.shape != q.shape[:3] or not x.is_contiguous():
+            raise ValueError(f"{launcher}: {name} must be contiguous fp32 [B, H, Sq]")
+    if kv_block_sizes is not None and (
+        kv_block_sizes.dtype != torch.int32 or kv_block_sizes.numel() < k.shape[2] // block
+    ):
+        raise ValueError(f"{launcher}: kv_block_sizes must be int32 [NK]")
 
 
 def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, scale,
@@ -192,20 +197,10 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
     stride, converted once per list tensor otherwise). With ``kv_block_sizes``, padding keys
     are read by TMA and get no weight whatever they hold (finite). Raises only on what would
     make the kernel misread memory."""
-    B, H, Sq, D = q.shape
-    if not dq_gluon_fits(q, k, v, do, block, block):
-        raise ValueError("dq_gluon: needs square 64 or 128 blocks, head_dim 128, bf16/fp16 "
-                         "and contiguous 16-byte aligned q, k, v, do")  # fmt: skip
-    for name, x in (("lse2", lse2), ("delta", delta)):
-        if x.dtype != torch.float32 or x.shape != (B, H, Sq) or not x.is_contiguous():
-            raise ValueError(f"dq_gluon: {name} must be contiguous fp32 [B, H, Sq]")
-    if kv_block_sizes is not None and (
-        kv_block_sizes.dtype != torch.int32 or kv_block_sizes.numel() < k.shape[2] // block
-    ):
-        raise ValueError("dq_gluon: kv_block_sizes must be int32 [NK]")  # fmt: skip
+    _check_inputs("dq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     kv_indices, kv_counts = int32_contiguous(kv_indices), int32_contiguous(kv_counts)
     if scale is None:
-        scale = D**-0.5
+        scale = q.shape[-1] ** -0.5
     dq = torch.empty_like(q)
     kernel, grid, args, kwargs = dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices,
                                                 kv_counts, block, scale, kv_block_sizes,
