@@ -154,7 +154,7 @@ def _takes_gluon_dkdv(kv_cfg, kv_tma, q, k, v, do, block_q, block_kv, epilogue) 
     launcher = gluon_launcher("bwd_sm90", "dK/dV")
     return (
         launcher is not None
-        and launcher.dkdv_gluon_fits(q, k, v, do, block_q, block_kv)
+        and launcher.gluon_bwd_fits(q, k, v, do, block_q, block_kv)
         and launcher.dkdv_hook_fits(epilogue, block_kv)
     )
 
@@ -212,6 +212,6 @@ def _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue) -> b
     launcher = gluon_launcher("bwd_sm90", "dQ")
     return (
         launcher is not None
-        and launcher.dq_gluon_fits(q, k, v, do, block_q, block_kv)
+        and launcher.gluon_bwd_fits(q, k, v, do, block_q, block_kv)
         and launcher.dq_hook_fits(epilogue)
     )

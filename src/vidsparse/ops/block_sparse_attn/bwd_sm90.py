@@ -1,7 +1,7 @@
 """Launchers of the Hopper Gluon backward kernels (``kernels/bwd_sm90.py``): descriptors, grid,
 options. The engine's backward (``bwd.py``) takes each where its config asks for it
-(``KernelConfig.gluon``) and the inputs and the epilogue fit (``dkdv_gluon_fits`` and
-``dkdv_hook_fits``; ``dq_gluon_fits`` and ``dq_hook_fits``)."""
+(``KernelConfig.gluon``) and the inputs and the epilogue fit (``gluon_bwd_fits``;
+``dkdv_hook_fits``, ``dq_hook_fits``)."""
 
 from __future__ import annotations
 
@@ -26,19 +26,10 @@ from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def dkdv_gluon_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
-    """Can the Gluon dK/dV kernel take these inputs? The Gluon forward's rule
-    (``fwd_sm90.gluon_fits``), and ``do`` like q."""
-    return _fits(q, k, v, do, block_q, block_kv)
-
-
-def dq_gluon_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
-    """Can the Gluon dQ kernel take these inputs? As dK/dV (with key-block sizes too: the
-    caller vouches the padding finite, as for any TMA read of keys)."""
-    return _fits(q, k, v, do, block_q, block_kv)
-
-
-def _fits(q, k, v, do, block_q, block_kv) -> bool:
+def gluon_bwd_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
+    """Can the Gluon dK/dV and dQ kernels take these inputs? The Gluon forward's rule
+    (``fwd_sm90.gluon_fits``), and ``do`` like q. With key-block sizes too: the caller vouches
+    the padding finite, as for any TMA read of keys."""
     return (
         gluon_fits(q, k, v, block_q, block_kv)
         and do.dtype == q.dtype
@@ -125,7 +116,7 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
                options: configs.GluonBwdOptions | None = None):  # fmt: skip
     """``(dk, dv)`` of the block-sparse attention backward by the Gluon kernel (Hopper).
 
-    Inputs as ``dkdv_gluon_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
+    Inputs as ``gluon_bwd_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
     backward's preprocess; the transposed lists int32 (``lists.cached_transpose``). With
     ``kv_block_sizes``, padding keys are read by TMA and their gradients are 0 whatever they
     hold. Raises only on what would make the kernel misread memory."""
@@ -146,9 +137,9 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
 
 
 def _check_inputs(launcher, q, k, v, do, lse2, delta, kv_block_sizes, block) -> None:
-    """What both launchers need of their inputs (``_fits``; the preprocess's outputs; the
+    """What both launchers need of their inputs (``gluon_bwd_fits``; the preprocess's outputs; the
     key-block sizes), else a ValueError naming ``launcher``."""
-    if not _fits(q, k, v, do, block, block):
+    if not gluon_bwd_fits(q, k, v, do, block, block):
         raise ValueError(f"{launcher}: needs square 64 or 128 blocks, head_dim 128, bf16/fp16 "
                          "and contiguous 16-byte aligned q, k, v, do")  # fmt: skip
     for name, x in (("lse2", lse2), ("delta", delta)):
@@ -192,7 +183,7 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
              options: configs.GluonBwdOptions | None = None):  # fmt: skip
     """``dq`` of the block-sparse attention backward by the Gluon kernel (Hopper).
 
-    Inputs as ``dq_gluon_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
+    Inputs as ``gluon_bwd_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
     backward's preprocess; the lists [Bi, H, NQ, K] and [Bi, H, NQ] (int32 with a unit last
     stride, converted once per list tensor otherwise). With ``kv_block_sizes``, padding keys
     are read by TMA and get no weight whatever they hold (finite). Raises only on what would
