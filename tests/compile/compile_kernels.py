@@ -147,8 +147,7 @@ def _recording(target, tma_compatible: bool, sink: list):
     # (test_gluon_fwd.py, test_compile_bwd_sm90.py); here the Triton kernels they fall back to
     # are recorded.
     patches.append((fwd, "gluon_fits", lambda *args: False))
-    patches.append((bwd, "_takes_gluon_dkdv", lambda *args: False))
-    patches.append((bwd, "_takes_gluon_dq", lambda *args: False))
+    patches.append((bwd, "_gluon_kernels", lambda *args: (False, False)))
     saved = [(module, attr, getattr(module, attr)) for module, attr, _ in patches]
     try:
         for module, attr, value in patches:

@@ -286,13 +286,11 @@ class EngineWorkload(Workload):
     def _runs_gluon(self, cfg) -> bool:
         """Whether the forward (or a backward kernel) would launch the Gluon kernel with
         ``cfg`` on these inputs (a Gluon row whose inputs do not fit it, D=64 say, runs
-        Triton's TMA kernel instead; the tuner's do is like q, which is all dK/dV's rule adds,
-        and dQ's kernel also takes 128x128 blocks without key-block sizes only)."""
+        Triton's TMA kernel instead; the backward kernels' rule adds do like q, which the
+        tuner's is)."""
         from vidsparse.ops.block_sparse_attn.fwd import gluon_fits
 
         if not (cfg.gluon and cfg.use_tma and self.target.is_hopper):
-            return False
-        if self.job.kernel == "bwd_dq" and (self.job.masked or self.job.block != (128, 128)):
             return False
         return gluon_fits(self.q, self.k, self.v, *self.job.block)
 

@@ -66,8 +66,8 @@ def block_sparse_attn_bwd(
     has_sizes = kv_block_sizes is not None
     kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
                                             padding_finite)  # fmt: skip
-    gluon_dkdv = _takes_gluon_dkdv(kv_cfg, kv_tma, q, k, v, do, block_q, block_kv, epilogue)
-    gluon_dq = _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue)
+    gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma, q_cfg.gluon and q_tma,
+                                          q, k, v, do, block_q, block_kv, epilogue)  # fmt: skip
     desc = tensor_descriptor
     kv_in = (q, k, v, do)  # the Triton dK/dV kernel's q, k, v, do
     if kv_tma and not gluon_dkdv:
@@ -110,7 +110,7 @@ def block_sparse_attn_bwd(
         return dq, dk, dv
 
     if gluon_dkdv:
-        dk, dv = gluon_launcher("bwd_sm90", "dK/dV").dkdv_gluon(
+        dk, dv = gluon_launcher("bwd_sm90", "backward").dkdv_gluon(
             q, k, v, do, lse2, delta, q_offsets, q_indices, block_kv, scale,
             kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
         )  # fmt: skip
@@ -126,7 +126,7 @@ def block_sparse_attn_bwd(
             **kv_cfg.launch_kwargs(),
         )  # fmt: skip
     if gluon_dq:
-        dq = gluon_launcher("bwd_sm90", "dQ").dq_gluon(
+        dq = gluon_launcher("bwd_sm90", "backward").dq_gluon(
             q, k, v, do, lse2, delta, dq_lists, dq_counts, block_q, scale,
             kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
         )  # fmt: skip
@@ -144,18 +144,21 @@ def block_sparse_attn_bwd(
     return dq, dk, dv
 
 
-def _takes_gluon_dkdv(kv_cfg, kv_tma, q, k, v, do, block_q, block_kv, epilogue) -> bool:
-    """Does dK/dV run in the Hopper Gluon kernel (``bwd_sm90.py``)? Where its config asks for
-    it on top of TMA (the inputs allow TMA reads, padding keys included), the inputs fit it,
-    the epilogue has a Gluon dK/dV hook for this block, and this Triton's Gluon is the one
-    the kernel is written for (else the Triton kernel runs, and the log says why, once)."""
-    if not (kv_cfg.gluon and kv_tma):
-        return False
-    launcher = gluon_launcher("bwd_sm90", "dK/dV")
+def _gluon_kernels(dkdv_asked, dq_asked, q, k, v, do, block_q, block_kv,
+                   epilogue) -> tuple[bool, bool]:  # fmt: skip
+    """``(dK/dV, dQ)``: does each run in its Hopper Gluon kernel (``bwd_sm90.py``)? Where its
+    config asks for it on top of TMA (``*_asked``: the inputs allow TMA reads, padding keys
+    included), the inputs fit the kernels, the epilogue has that kernel's Gluon hook, and this
+    Triton's Gluon is the one the kernels are written for (else the Triton kernels run, and
+    the log says why, once)."""
+    if not (dkdv_asked or dq_asked):
+        return False, False
+    launcher = gluon_launcher("bwd_sm90", "backward")
+    if launcher is None or not launcher.gluon_bwd_fits(q, k, v, do, block_q, block_kv):
+        return False, False
     return (
-        launcher is not None
-        and launcher.gluon_bwd_fits(q, k, v, do, block_q, block_kv)
-        and launcher.dkdv_hook_fits(epilogue, block_kv)
+        dkdv_asked and launcher.dkdv_hook_fits(epilogue, block_kv),
+        dq_asked and launcher.dq_hook_fits(epilogue),
     )
 
 
@@ -204,14 +207,3 @@ def fused_launch(dkdv: KernelConfig, dq: KernelConfig, fused: bool | None = None
         )
     return bool(fused)
 
-
-def _takes_gluon_dq(q_cfg, q_tma, q, k, v, do, block_q, block_kv, epilogue) -> bool:
-    """Does dQ run in the Hopper Gluon kernel? As ``_takes_gluon_dkdv`` says for dK/dV."""
-    if not (q_cfg.gluon and q_tma):
-        return False
-    launcher = gluon_launcher("bwd_sm90", "dQ")
-    return (
-        launcher is not None
-        and launcher.gluon_bwd_fits(q, k, v, do, block_q, block_kv)
-        and launcher.dq_hook_fits(epilogue)
-    )

@@ -90,7 +90,7 @@ def gluon_launcher(module: str, kernel: str):
     """The Gluon launcher module ``module`` of this package (``"fwd_sm90"``, ``"bwd_sm90"``),
     or None where this Triton's Gluon API is not the one it is written for
     (``GLUON_TRITONS``) or it does not import. Then the Triton kernels run instead, and the log
-    says why, once per launcher (``kernel`` names it there: "forward", "dK/dV")."""
+    says why, once per launcher (``kernel`` names it there: "forward", "backward")."""
     from vidsparse.utils.device import triton_version
 
     version = triton_version()
