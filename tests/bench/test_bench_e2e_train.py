@@ -98,12 +98,48 @@ def test_default_output_names():
     assert args.methods == "dense,vsa" and args.vsa_sparsities == [0.875, 0.9]
     assert args.train_weights == "fp32" and not args.no_vsa_gate
     assert bench_e2e.parse_args(["--device", "cpu"]).methods == "dense,vsa,psa"  # inference
+    compiled = bench_e2e.parse_args(["--device", "cpu", "--train", "--compile", "blocks"])
+    assert compiled.share_reps == 0  # the share's events cannot sit inside compiled blocks
+    out = bench_e2e.default_out(cpu, bench_e2e.make_workload(compiled), "blocks", True)
+    assert out.name == "e2e_train_compiled_cpu.json"
+
+
+@pytest.mark.slow
+def test_compiled_blocks_train_to_the_eager_gradients():
+    """``--compile blocks`` under gradient checkpointing: each block's compiled forward runs
+    twice (the step's and the recomputation), the backward through VSA's gate and kernels;
+    the loss and every parameter's gradient are the eager step's."""
+    from vidsparse.integrations.diffusers import apply_sparse_attention
+
+    args = bench_e2e.parse_args(["--device", "cpu", "--tiny", "--train"])
+    work = bench_e2e.make_workload(args)
+    cpu = torch.device("cpu")
+    results = []
+    for compiled in (False, True):
+        model = bench_e2e.build_model(work, cpu, torch.float32, 0)
+        e2e_train.prepare_model(model)
+        apply_sparse_attention(model, "vsa", sparsity=0.5, gate=True)
+        for p in model.parameters():  # a nonzero gate: the sparse branch carries gradient
+            if p.ndim == 2 and p.abs().max() == 0:
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(1))
+        if compiled:
+            bench_e2e.compile_blocks(model, work)
+            assert all(block._compiled_call_impl is not None for block in model.blocks)
+        step = e2e_train.TrainStep(model, bench_e2e.make_inputs(work, cpu, torch.float32, 0),
+                                   cpu, autocast=False, seed=0)  # fmt: skip
+        loss = step()
+        results.append((loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (eager_loss, eager), (loss, grads) = results
+    assert loss.item() == pytest.approx(eager_loss.item(), rel=1e-5)
+    assert eager.keys() == grads.keys()
+    for name, g in grads.items():
+        scale = eager[name].norm().clamp_min(1e-12)
+        assert (g - eager[name]).norm() / scale < 1e-4, name
 
 
 @pytest.mark.parametrize(
     "argv, says",
     [
-        (["--train", "--compile", "blocks"], "--compile is not supported"),
         (["--vsa-sparsities", "0.9"], "--vsa-sparsities is an option of --train"),
         (["--train-weights", "bf16"], "--train-weights is an option of --train"),
         (["--train", "--vsa-sparsities", "0.9,1.0"], "must lie in [0, 1)"),

@@ -105,6 +105,20 @@ def test_a_resumed_arm_repeats_the_uninterrupted_run(tmp_path):
     assert meta["complete"] and [c["end_step"] for c in meta["calls"]] == [3, 4]
 
 
+@pytest.mark.slow
+def test_compiled_blocks_train_as_the_eager_arm(tmp_path):
+    """``--compile blocks``: the training steps run compiled blocks (checkpointed, through
+    VSA's gate), the evals eagerly; the losses and metrics are the eager arm's."""
+    eager = run_arm(tmp_path / "eager", "vsa0.875", "--no-plot")
+    compiled = run_arm(tmp_path / "compiled", "vsa0.875", "--no-plot", "--compile", "blocks")
+    assert read(tmp_path / "compiled", "vsa0.875")["meta"]["compile"] == "blocks"
+    assert [r["step"] for r in compiled] == [r["step"] for r in eager] == [0, 2, 4]
+    for ours, theirs in zip(compiled, eager):
+        for key in ("train_loss", "eval_loss", "kept_mass_mean", "attn_rel_l2_mean"):
+            if theirs[key] is not None:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-3), (ours["step"], key)
+
+
 def test_kept_mass_is_one_at_sparsity_zero():
     grid = VideoGrid((3, 5, 6), (2, 2, 4))  # partial tiles along every axis
     q, k = torch.randn(2, 2, grid.num_tokens, 8), torch.randn(2, 2, grid.num_tokens, 8)

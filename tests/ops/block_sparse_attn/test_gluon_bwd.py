@@ -178,6 +178,7 @@ def gluon_calls(monkeypatch):
     from vidsparse.ops.block_sparse_attn import bwd_sm90
 
     calls = []
+
     def counted(name, real):
         return lambda *args, **kwargs: calls.append(name) or real(*args, **kwargs)
 

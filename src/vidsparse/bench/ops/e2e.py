@@ -57,6 +57,7 @@ from vidsparse.bench.ops.e2e_common import (
     video_output,
 )
 from vidsparse.bench.ops.e2e_model import (
+    COMPILE_MODES,
     DEFAULT_PSA_TILE,
     LATENT_HW,
     MODELS,
@@ -65,6 +66,7 @@ from vidsparse.bench.ops.e2e_model import (
     WAN_CONFIGS,
     Workload,
     build_model,
+    compile_blocks,
     import_model,
     import_wan,
     make_inputs,
@@ -193,27 +195,6 @@ def default_out(
     if compile_mode != "none":
         stem += "_compiled"
     return harness.results_dir() / f"{stem}_{gpu}.json"
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.compile
-# ---------------------------------------------------------------------------------------------
-
-COMPILE_MODES = ("none", "blocks")
-
-
-def compile_blocks(model, work: Workload | None = None) -> None:
-    """``torch.compile(fullgraph=True)`` of every transformer block, in place (diffusers'
-    regional compilation: blocks share one compiled graph while their code sees the same
-    Python constants). A graph break anywhere in a block is an error. Every method recompiles
-    the blocks once (its hooks are new objects); torch's recompile limit stays as users
-    have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
-    the excess layers eagerly). A class that declares no ``_repeated_blocks`` (Cosmos) gets
-    its family's block class on the instance."""
-    names = work.spec.repeated_blocks if work is not None else ()
-    if names and not getattr(model, "_repeated_blocks", None):
-        model._repeated_blocks = list(names)
-    model.compile_repeated_blocks(fullgraph=True)
 
 
 @contextlib.contextmanager

@@ -317,3 +317,24 @@ def plan_file_method(path: str, work: Workload) -> tuple[Any, int, float, dict]:
     patterns = Counter(str(c.candidate) for c in choices)
     sparsity = sum(c.sparsity for c in choices) / len(choices)
     return plan, step, sparsity, dict(patterns.most_common())
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.compile
+# ---------------------------------------------------------------------------------------------
+
+COMPILE_MODES = ("none", "blocks")
+
+
+def compile_blocks(model, work: Workload | None = None) -> None:
+    """``torch.compile(fullgraph=True)`` of every transformer block, in place (diffusers'
+    regional compilation: blocks share one compiled graph while their code sees the same
+    Python constants). A graph break anywhere in a block is an error. Every method recompiles
+    the blocks once (its hooks are new objects); torch's recompile limit stays as users
+    have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
+    the excess layers eagerly). A class that declares no ``_repeated_blocks`` (Cosmos) gets
+    its family's block class on the instance."""
+    names = work.spec.repeated_blocks if work is not None else ()
+    if names and not getattr(model, "_repeated_blocks", None):
+        model._repeated_blocks = list(names)
+    model.compile_repeated_blocks(fullgraph=True)

@@ -47,7 +47,7 @@ from vidsparse.bench.ops.e2e_common import (
     time_steps,
     video_output,
 )
-from vidsparse.bench.ops.e2e_model import Workload, build_model, make_inputs
+from vidsparse.bench.ops.e2e_model import Workload, build_model, compile_blocks, make_inputs
 from vidsparse.testing import rel_l2
 
 DEFAULT_VSA_SPARSITIES = "0.875,0.9"
@@ -107,8 +107,6 @@ def check_args(args) -> None:
             if getattr(args, name) is not None:
                 usage_error(f"--{name.replace('_', '-')} is an option of --train")
         return
-    if args.compile != "none":
-        usage_error("--train runs the blocks eagerly: --compile is not supported with it")
     args.vsa_sparsities = parse_sparsities(args.vsa_sparsities or DEFAULT_VSA_SPARSITIES)
     args.train_weights = args.train_weights or "fp32"
 
@@ -318,6 +316,8 @@ def run(args, work: Workload, device: torch.device, out: Path) -> list[dict]:
     model = build_model(work, device, dtype, args.seed)
     build_s = time.perf_counter() - start
     prepare_model(model)
+    if args.compile == "blocks":
+        compile_blocks(model, work)
     group, params = grad_group(model)
     inputs = make_inputs(work, device, dtype, args.seed)
     step = TrainStep(model, inputs, device, autocast, args.seed)

@@ -24,9 +24,11 @@ the eval loss measures the fit to this clip, not generalisation to other video.
 Training: flow matching as Wan (``x_t = (1 - t) x0 + t noise``, the model predicts ``noise -
 x0`` at ``timestep = 1000 t``, ``t`` uniform, MSE in float32), AdamW (linear lr warmup, then
 constant; gradient clipping), bf16 autocast over float32 weights on a GPU (float32 on the
-CPU), gradient checkpointing. Crops, flips, ``t`` and noise are functions of the seed and the
-data index (the step; a fine-tune continues at its init checkpoint's step), so every arm sees
-the same samples in the same order, and a resumed arm the samples of an uninterrupted one.
+CPU), gradient checkpointing; ``--compile blocks`` compiles each transformer block for the
+training steps (regional compilation, as a trainer would; evals and samples run eagerly).
+Crops, flips, ``t`` and noise are functions of the seed and the data index (the step; a
+fine-tune continues at its init checkpoint's step), so every arm sees the same samples in the
+same order, and a resumed arm the samples of an uninterrupted one.
 
 Arms (``ARMS``): ``dense``; ``vsa0.875`` and ``vsa0.9`` from scratch
 (``apply_sparse_attention(model, "vsa", sparsity=s, gate=True)``, zero gates, the target from
@@ -237,7 +239,15 @@ def build_model(args, device, init_state=None):
         model.enable_gradient_checkpointing()
     if args.arm in SPARSITY:
         apply_sparse_attention(model, "vsa", sparsity=SPARSITY[args.arm], tile=TILE, gate=True)
+    if args.compile == "blocks":
+        model.compile_repeated_blocks(fullgraph=True)  # WanTransformerBlock, one graph
     return model
+
+
+def eager():
+    """Evals, metrics and samples run the blocks eagerly: the training step alone is compiled
+    (no-grad forwards and the metrics' capture would each need graphs of their own)."""
+    return torch.compiler.set_stance("force_eager")
 
 
 def make_schedule(args) -> SparsitySchedule | None:
@@ -339,8 +349,17 @@ def layer_metrics(run: Run, sparsity: float) -> tuple[list[float], list[float]]:
 
 def evaluate(run: Run) -> dict:
     """The row of step ``run.step``: the interval's training numbers and the held-out ones."""
-    args, step = run.args, run.step
     start = time.perf_counter()
+    with eager():
+        row = measure(run, run.step)
+    row["eval_s"] = time.perf_counter() - start
+    run.pending = {"losses": [], "step_ms": []}
+    return row
+
+
+def measure(run: Run, step: int) -> dict:
+    """Held-out losses and the attention metrics at ``step``, with the interval's numbers."""
+    args = run.args
     trained = sparsity_at(run, max(step - 1, 0))  # the sparsity the last step trained at
     if run.schedule is not None:
         run.schedule.apply(run.model, max(step - 1, 0))
@@ -359,9 +378,8 @@ def evaluate(run: Run) -> dict:
         "eval_loss": statistics.fmean(losses.values()), "eval_loss_by_t": losses,
         "metric_sparsity": metric_sparsity, "metric_as_if": trained is None,
         "kept_mass": mass, "attn_rel_l2": rel, "kept_mass_mean": statistics.fmean(mass),
-        "attn_rel_l2_mean": statistics.fmean(rel), "eval_s": time.perf_counter() - start,
+        "attn_rel_l2_mean": statistics.fmean(rel),
     }  # fmt: skip
-    run.pending = {"losses": [], "step_ms": []}
     return row
 
 
@@ -431,7 +449,8 @@ def run_identity(args, init: dict | None) -> dict:
         "lr": args.lr, "lr_warmup": args.lr_warmup, "weight_decay": args.weight_decay,
         "max_grad_norm": args.max_grad_norm, "eval_every": args.eval_every,
         "eval_crops": args.eval_crops, "holdout_frames": args.holdout_frames,
-        "schedule": None if schedule is None else schedule.state_dict(), "init": init,
+        "compile": args.compile, "init": init,
+        "schedule": None if schedule is None else schedule.state_dict(),
     }  # fmt: skip
     return json.loads(json.dumps(identity))  # tuples as lists, as a checkpoint holds them
 
@@ -536,6 +555,7 @@ def restore(run: Run, state: dict) -> None:
 
 
 @torch.no_grad()
+@eager()
 def generate(run: Run) -> torch.Tensor:
     """``--samples`` videos from seeded noise by ``--sample-steps`` Euler steps of the flow
     (t from 1 to 0, ``dx/dt`` = the predicted velocity), in [-1, 1] on the CPU."""
@@ -566,7 +586,7 @@ def metadata(run: Run, complete: bool) -> dict:
         tokens_per_sample=args.tokens, tile=list(TILE), batch_size=args.batch_size,
         steps=args.steps, step=run.step, lr=args.lr, lr_warmup=args.lr_warmup,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
-        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed,
+        gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, seed=args.seed,
         sparsity=SPARSITY.get(args.arm), schedule=run.identity["schedule"],
         init=run.identity["init"], init_step=run.init_step, calls=run.calls,
         data={"clip": CLIP_ATTRIBUTION, "pixels": "[-1, 1]",
@@ -649,6 +669,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--samples", type=int, help="generated videos at the end (2)")
     add("--sample-steps", type=int, help="Euler steps of each (20)")
     add("--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false")
+    add("--compile", choices=("none", "blocks"), default="none",
+        help="blocks: torch.compile each transformer block for the training steps (diffusers' "
+        "compile_repeated_blocks, fullgraph); evals and samples run eagerly")  # fmt: skip
     add("--no-plot", dest="plot", action="store_false", help="no train_vsa.png")
     return ap
 

@@ -91,8 +91,9 @@ def block_sparse_attn_bwd(
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     scales = (scale * LOG2E, scale)
 
-    if not (gluon_dkdv or gluon_dq) and fused_launch(kv_cfg, q_cfg,
-                                                      configs.active_overrides().fused):
+    if not (gluon_dkdv or gluon_dq) and fused_launch(
+        kv_cfg, q_cfg, configs.active_overrides().fused
+    ):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         num_dq_programs = Sq // q_cfg.sub_m * B * H
         block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
@@ -206,4 +207,3 @@ def fused_launch(dkdv: KernelConfig, dq: KernelConfig, fused: bool | None = None
             f"{dkdv.launch_kwargs()} and {dq.launch_kwargs()}"
         )
     return bool(fused)
-
