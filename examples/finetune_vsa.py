@@ -26,7 +26,8 @@ x0`` at ``timestep = t * 1000``), MSE in float32; ``t`` uniform on [0, 1) by def
 ``--timestep-sampling logit-normal``. VSA: ``apply_sparse_attention(model, "vsa",
 sparsity=target, gate=True)`` (zero gates: step 0 is the fine stage alone, dense at sparsity
 0), and ``SparsitySchedule.apply(model, step)`` before each step. ``--train all`` (default)
-or ``--train gates``; AdamW, gradient clipping, gradient checkpointing. ``--method dense``:
+or ``--train gates``; AdamW, gradient clipping, gradient checkpointing; ``--compile``
+compiles each transformer block (a VSA step is otherwise bound by its launches). ``--method dense``:
 the stock model with the same loss, data and seed, the baseline to compare with.
 
 ``accelerate`` places the model and runs the processes: on a GPU the weights stay float32 (the
@@ -566,6 +567,8 @@ def make_run(args, accelerator, model, schedule, clips, identity, resume, saved)
     checkpoint's optimiser and RNG states when resuming."""
     if args.gradient_checkpointing:  # recompute each block's activations in the backward
         model.enable_gradient_checkpointing()
+    if args.compile:  # regional: one graph for every block (diffusers' _repeated_blocks)
+        model.compile_repeated_blocks(fullgraph=True)
     params = trainable_parameters(model, args.train)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model.train(), optimizer)
@@ -754,6 +757,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--no-gradient-checkpointing", dest="gradient_checkpointing", action="store_false"
     )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each transformer block (fewer, fused kernels: the step's host time)",
+    )
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints")
     parser.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoints/step-N folder")
     parser.add_argument("--seed", type=int, default=0)
@@ -773,6 +781,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key in ("max_steps", "batch_size", "checkpoint_every", "sequence_parallel"):
         if getattr(args, key) < 1:
             parser.error(f"--{key.replace('_', '-')} must be at least 1")
+    if args.compile and args.sequence_parallel > 1:
+        parser.error("--compile does not take --sequence-parallel: the exchange breaks the graph")
     if args.method == "dense" and args.train == "gates":
         parser.error("--train gates needs --method vsa (dense attention has no gates)")
     return args

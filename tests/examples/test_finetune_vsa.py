@@ -193,6 +193,31 @@ def test_the_dense_baseline_with_logit_normal_levels(tmp_path, data):
     assert weights.keys() == recipe.MODEL_CLASS(**recipe.TINY_TRANSFORMER).state_dict().keys()
 
 
+@pytest.mark.slow
+def test_compiled_blocks_train_as_the_eager_run(tmp_path, data):
+    """``--compile``: the same losses through the schedule (compiled blocks, checkpointed,
+    through VSA's gates), and a result that loads into the stock model."""
+    args = ["--max-steps", "6", *RAMP]
+    assert finetune(data, tmp_path / "eager", *args) == 0
+    assert finetune(data, tmp_path / "compiled", *args, "--compile") == 0
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    assert [(s, p) for s, _, p in compiled] == [(s, p) for s, _, p in eager]
+    assert [loss for _, loss, _ in compiled] == pytest.approx([loss for _, loss, _ in eager],
+                                                              rel=1e-3)  # fmt: skip
+    weights = load_file(tmp_path / "compiled" / "final" / "transformer" /
+                        "diffusion_pytorch_model.safetensors")  # fmt: skip
+    assert weights.keys() == load_file(tmp_path / "eager" / "final" / "transformer" /
+                                       "diffusion_pytorch_model.safetensors").keys()  # fmt: skip
+
+
+def test_compile_refuses_sequence_parallelism(tmp_path, data, capsys):
+    with pytest.raises(SystemExit) as info:
+        finetune(data, tmp_path / "run", "--compile", "--sequence-parallel", "2")
+    assert info.value.code == 2
+    assert "--compile does not take --sequence-parallel" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------ bad input
 
 
