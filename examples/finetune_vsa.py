@@ -86,6 +86,7 @@ from tqdm import tqdm
 from vidsparse.integrations.diffusers import (
     apply_sequence_parallel,
     apply_sparse_attention,
+    compile_for_training,
     load_sparse_attention,
     remove_sparse_attention,
 )
@@ -568,7 +569,7 @@ def make_run(args, accelerator, model, schedule, clips, identity, resume, saved)
     if args.gradient_checkpointing:  # recompute each block's activations in the backward
         model.enable_gradient_checkpointing()
     if args.compile:  # regional: one graph for every block (diffusers' _repeated_blocks)
-        model.compile_repeated_blocks(fullgraph=True)
+        compile_for_training(model)
     params = trainable_parameters(model, args.train)
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     model, optimizer = accelerator.prepare(model.train(), optimizer)

@@ -99,9 +99,12 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
 
     def triton_only(fn):  # the library's rows without their Gluon kernels
         def run():
-            with configs.override(bwd_dkdv=_triton_row(configs, q, "bwd_dkdv", bs, sizes),
-                                  bwd_dq=_triton_row(configs, q, "bwd_dq", bs, sizes)):
+            with configs.override(
+                bwd_dkdv=_triton_row(configs, q, "bwd_dkdv", bs, sizes),
+                bwd_dq=_triton_row(configs, q, "bwd_dq", bs, sizes),
+            ):
                 return fn()
+
         return run
 
     def gluon(options):
@@ -109,8 +112,10 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
         return bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
                                    kv_block_sizes=sizes, options=opts)  # fmt: skip
 
-    with configs.override(bwd_dkdv=_triton_row(configs, q, "bwd_dkdv", bs, sizes),
-                          bwd_dq=_triton_row(configs, q, "bwd_dq", bs, sizes)):
+    with configs.override(
+        bwd_dkdv=_triton_row(configs, q, "bwd_dkdv", bs, sizes),
+        bwd_dq=_triton_row(configs, q, "bwd_dq", bs, sizes),
+    ):
         dq_t, dk_t, dv_t = triton_bwd()
     bwd_flops = 2.5 * 4.0 * B * H * S * S * D * density
     rows = []

@@ -326,15 +326,19 @@ def plan_file_method(path: str, work: Workload) -> tuple[Any, int, float, dict]:
 COMPILE_MODES = ("none", "blocks")
 
 
-def compile_blocks(model, work: Workload | None = None) -> None:
+def compile_blocks(model, work: Workload | None = None, training: bool = False) -> None:
     """``torch.compile(fullgraph=True)`` of every transformer block, in place (diffusers'
     regional compilation: blocks share one compiled graph while their code sees the same
     Python constants). A graph break anywhere in a block is an error. Every method recompiles
     the blocks once (its hooks are new objects); torch's recompile limit stays as users
     have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
     the excess layers eagerly). A class that declares no ``_repeated_blocks`` (Cosmos) gets
-    its family's block class on the instance."""
+    its family's block class on the instance. ``training``: with the inductor options of
+    ``compile_for_training`` (every parameter's gradient computed)."""
     names = work.spec.repeated_blocks if work is not None else ()
     if names and not getattr(model, "_repeated_blocks", None):
         model._repeated_blocks = list(names)
-    model.compile_repeated_blocks(fullgraph=True)
+    from vidsparse.integrations.diffusers.compile import training_compile_options
+
+    options = training_compile_options() if training else {}
+    model.compile_repeated_blocks(fullgraph=True, options=options)

@@ -317,7 +317,7 @@ def run(args, work: Workload, device: torch.device, out: Path) -> list[dict]:
     build_s = time.perf_counter() - start
     prepare_model(model)
     if args.compile == "blocks":
-        compile_blocks(model, work)
+        compile_blocks(model, work, training=True)
     group, params = grad_group(model)
     inputs = make_inputs(work, device, dtype, args.seed)
     step = TrainStep(model, inputs, device, autocast, args.seed)

@@ -228,7 +228,7 @@ def build_model(args, device, init_state=None):
     arm (zero gates at the target; the schedule sets their sparsity every step)."""
     from diffusers import WanTransformer3DModel
 
-    from vidsparse.integrations.diffusers import apply_sparse_attention
+    from vidsparse.integrations.diffusers import apply_sparse_attention, compile_for_training
 
     torch.manual_seed(args.seed)
     model = WanTransformer3DModel(**args.model_config)
@@ -240,7 +240,7 @@ def build_model(args, device, init_state=None):
     if args.arm in SPARSITY:
         apply_sparse_attention(model, "vsa", sparsity=SPARSITY[args.arm], tile=TILE, gate=True)
     if args.compile == "blocks":
-        model.compile_repeated_blocks(fullgraph=True)  # WanTransformerBlock, one graph
+        compile_for_training(model)  # WanTransformerBlock, one graph
     return model
 
 

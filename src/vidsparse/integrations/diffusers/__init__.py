@@ -14,7 +14,8 @@ is routed to the method (``METHODS``: ``"dense"``, ``"vsa"``, ``"psa"``, ``"sta"
 pre-hook, the denoising step from the pipeline's scheduler. :func:`load_sparse_attention`
 loads trained VSA gates (ours or FastVideo's), :func:`capture_calibration` writes q/k/v for the
 PSA search, :func:`apply_sequence_parallel` shards a model's sequence over a process group
-(with ``ulysses=`` for its self-attention). ``docs/diffusers.md`` shows the call flow and the
+(with ``ulysses=`` for its self-attention), :func:`compile_for_training` compiles its blocks
+for a training step. ``docs/diffusers.md`` shows the call flow and the
 modules' layering.
 """
 
@@ -28,6 +29,7 @@ from vidsparse.integrations.diffusers.api import (
     set_denoising_step,
 )
 from vidsparse.integrations.diffusers.capture import CalibrationCapture
+from vidsparse.integrations.diffusers.compile import compile_for_training
 from vidsparse.integrations.diffusers.methods import GATE_MODULE_NAME, METHODS
 from vidsparse.integrations.diffusers.models import SUPPORTED_MODELS, UNSUPPORTED_MODELS
 from vidsparse.integrations.diffusers.sequence_parallel import (
@@ -50,4 +52,5 @@ __all__ = [
     "CalibrationCapture",
     "SequenceParallel",
     "apply_sequence_parallel",
+    "compile_for_training",
 ]
