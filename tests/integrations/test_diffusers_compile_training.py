@@ -45,9 +45,10 @@ def test_blocks_compile_with_the_training_options(monkeypatch):
 @pytest.mark.parametrize("method", ["dense", "vsa"])
 def test_gpu_compiled_training_gradients_are_eager(method):
     """A 2-block Wan model at ``train_vsa``'s size, where inductor fuses the norm backward's
-    reductions (32,768 tokens of width 768), bf16 autocast over fp32 weights, gradient checkpointing: every parameter's
-    gradient of the compiled step is the eager step's (``scale_shift_table`` and the time
-    embedder were 20-260x off with mix-order reduction on)."""
+    reductions (32,768 tokens of width 768), bf16 autocast over fp32 weights, gradient
+    checkpointing: every parameter's gradient of the compiled step is the eager step's
+    (``scale_shift_table`` and the time embedder were 20-260x off with mix-order reduction
+    on)."""
     from diffusers import WanTransformer3DModel
 
     from vidsparse.integrations.diffusers import apply_sparse_attention, remove_sparse_attention
