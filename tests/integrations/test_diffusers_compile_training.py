@@ -79,7 +79,8 @@ def test_gpu_compiled_training_gradients_are_eager(method):
                             return_dict=False)[0]  # fmt: skip
             torch.nn.functional.mse_loss(out.float(), target).backward()
         grads.append({n: p.grad.float().clone() for n, p in model.named_parameters()})
-        remove_sparse_attention(model)
+        if method == "vsa":
+            remove_sparse_attention(model)
     eager, compiled = grads
     assert eager.keys() == compiled.keys()
     floor = 1e-3 * max(g.norm().item() for g in eager.values())

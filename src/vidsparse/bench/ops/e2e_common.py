@@ -490,7 +490,12 @@ def run_metadata(args, work: Workload, device, dtype, weights_gb, sdpa, build_s)
         share_reps=args.share_reps,
         compile=(
             "every transformer block torch.compile'd (fullgraph, inductor), all methods; "
-            "first_step_s includes the compilation"
+            + (
+                "inductor's mix-order reduction off (compile_for_training's options); "
+                if getattr(args, "train", False)
+                else ""
+            )
+            + "first_step_s includes the compilation"
             if args.compile == "blocks"
             else "eager"
         ),
