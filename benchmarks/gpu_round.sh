@@ -8,7 +8,10 @@
 #   e2e-dry: each of those models at full width, 1 block, one dense step; e2e-dry-all: the
 #   same with all blocks (does the whole model fit?), JSON under $OUT;
 #   e2e-train|e2e-train-14b: the training step (fwd+bwd, gradient checkpointing) of Wan 2.1
-#   1.3B 480p / 14B 720p (4 blocks), dense vs VSA 0.875/0.9 with gate (e2e_train_*_h200.json)
+#   1.3B 480p / 14B 720p (4 blocks), dense vs VSA 0.875/0.9 with gate (e2e_train_*_h200.json);
+#   e2e-train-compiled: the 1.3B step compiled (compile_for_training);
+#   train-vsa-dense-compiled, then train-vsa-vsa-compiled: train_vsa's from-scratch arms with
+#   compiled blocks, each in its own call (the second's plot holds both)
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -54,6 +57,14 @@ for what in "$@"; do
     e2e) step e2e 200 python3 -m vidsparse.bench e2e --out "$OUT/e2e_h200.json" ;;
     e2e-train) step e2e_train 240 python3 -m vidsparse.bench e2e --train \
       --out "$OUT/e2e_train_h200.json" ;;
+    e2e-train-compiled) step e2e_train_compiled 270 python3 -m vidsparse.bench e2e --train \
+      --compile blocks --out "$OUT/e2e_train_compiled_h200.json" ;;
+    train-vsa-dense-compiled|train-vsa-vsa-compiled)  # one arm a call: ~5 minutes each
+      arm=$([ "$what" = train-vsa-dense-compiled ] && echo dense || echo vsa0.875)
+      mkdir -p out/train_vsa_compiled  # kept across calls on a warm machine (out/ is ignored)
+      step "train_vsa_${arm}_compiled" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
+        --compile blocks --out out/train_vsa_compiled --max-minutes 7.5
+      cp out/train_vsa_compiled/*.json out/train_vsa_compiled/*.png "$OUT/" ;;
     e2e-train-14b) step e2e_train_14b 240 python3 -m vidsparse.bench e2e --train --model wan14b \
       --layers 4 --warmup 1 --reps 3 --share-reps 1 \
       --out "$OUT/e2e_train_wan14b-720p_h200.json" ;;
