@@ -105,6 +105,18 @@ def test_default_output_names():
 
 
 @pytest.mark.slow
+def test_compiled_run_checks_every_gradient_against_eager(tmp_path):
+    out = tmp_path / "e2e_train_compiled.json"
+    argv = [*FAST, "--methods", "dense", "--compile", "blocks", "--out", str(out)]
+    (row,) = bench_e2e.main(argv)
+    assert "error" not in row, row
+    assert row["compiled_grad_missing"] == []
+    assert 0 <= row["compiled_grad_max_rel"] < 1e-3, row["compiled_grad_worst"]
+    meta = json.loads(out.read_text())["meta"]
+    assert "mix-order reduction off" in meta["compile"] and meta["compiled_grad_check"]
+
+
+@pytest.mark.slow
 def test_compiled_blocks_train_to_the_eager_gradients():
     """``--compile blocks`` under gradient checkpointing: each block's compiled forward runs
     twice (the step's and the recomputation), the backward through VSA's gate and kernels;

@@ -295,6 +295,28 @@ def train_attention_share(model, step, device, reps: int, work: Workload) -> dic
     return out
 
 
+def all_grads(model, step: TrainStep) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of one step, float32 on the CPU (off the device's peak)."""
+    step()
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()
+             if p.grad is not None}  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def compiled_against_eager(model, step: TrainStep, eager: dict) -> dict:
+    """The compiled dense step's gradients against the eager step's, parameter by parameter
+    (relative L2, below 1e-3 of the largest gradient's norm counted as that floor): a compiler
+    that drops a parameter's gradient shows here, not only in a diverging run."""
+    compiled = all_grads(model, step)
+    floor = 1e-3 * max(g.norm().item() for g in eager.values())
+    errors = {n: (compiled[n] - g).norm().item() / max(g.norm().item(), floor)
+              for n, g in eager.items() if n in compiled}  # fmt: skip
+    worst = max(errors, key=errors.get)
+    return {"compiled_grad_max_rel": errors[worst], "compiled_grad_worst": worst,
+            "compiled_grad_missing": sorted(set(eager) ^ set(compiled))}  # fmt: skip
+
+
 def add_train_relative(rows: list[dict]) -> None:
     """Speedups and the peak memory ratio against the dense row."""
     add_relative(rows)
@@ -316,11 +338,13 @@ def run(args, work: Workload, device: torch.device, out: Path) -> list[dict]:
     model = build_model(work, device, dtype, args.seed)
     build_s = time.perf_counter() - start
     prepare_model(model)
-    if args.compile == "blocks":
-        compile_blocks(model, work, training=True)
     group, params = grad_group(model)
     inputs = make_inputs(work, device, dtype, args.seed)
     step = TrainStep(model, inputs, device, autocast, args.seed)
+    eager = None
+    if args.compile == "blocks":
+        eager = all_grads(model, step)  # the dense step before compiling: the check's reference
+        compile_blocks(model, work, training=True)
     weights_gb = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     sdpa = check_cudnn(work, device, torch.bfloat16 if autocast else dtype)
     methods = train_methods(args, work)
@@ -338,6 +362,8 @@ def run(args, work: Workload, device: torch.device, out: Path) -> list[dict]:
         row, grads = run_train_method(method, model, step, params, work, device, args, ref)
         if method.name == "dense":
             ref = grads
+            if eager is not None and "error" not in row:
+                row.update(compiled_against_eager(model, step, eager))
         rows.append({**base, **row})
         add_train_relative(rows)
         harness.write_results(out, meta, rows)
@@ -382,6 +408,13 @@ def train_metadata(args, work, device, dtype, weights_gb, sdpa, build_s, group) 
             ("CUDA events" if device.type == "cuda" else f"{harness.CPU_TIMER_LABEL} perf_counter")
             + f": 1 + {args.warmup} untimed steps, median of {args.reps} timed steps "
             "(forward + backward each); peak memory over the timed steps"
+        ),
+        compiled_grad_check=(
+            "dense: every parameter's gradient of one compiled step against one eager step "
+            "taken before compiling (relative L2, norms below 1e-3 of the largest count as "
+            "that floor): compiled_grad_max_rel, compiled_grad_worst, compiled_grad_missing"
+            if args.compile == "blocks"
+            else None
         ),
         attention_share=(
             "forward: event pair around every call of dispatch_attention_fn in the attention "
