@@ -29,9 +29,17 @@ class Target:
 CPU_INTERPRETER = Target("cpu", 0)
 
 
-@functools.cache
 def target_of(device: torch.device) -> Target:
-    """The compile target for ``device``; the interpreter target for CPU tensors."""
+    """The compile target for ``device``; the interpreter target for CPU tensors. Cached per
+    device (``target_of.cache_clear()``); under ``torch.compile`` the lookup is traced into a
+    graph constant, so it reads the uncached function there (Dynamo warns on caches)."""
+    if torch.compiler.is_compiling():
+        return _query_target.__wrapped__(device)
+    return _query_target(device)
+
+
+@functools.cache
+def _query_target(device: torch.device) -> Target:
     if device.type != "cuda":
         return CPU_INTERPRETER
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -39,6 +47,9 @@ def target_of(device: torch.device) -> Target:
     if getattr(torch.version, "hip", None):
         return Target("hip", props.gcnArchName.split(":")[0])
     return Target("cuda", props.major * 10 + props.minor)
+
+
+target_of.cache_clear = _query_target.cache_clear
 
 
 def num_sms(device: torch.device) -> int:

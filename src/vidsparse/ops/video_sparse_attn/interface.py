@@ -173,9 +173,7 @@ def _fine_block_cap(q) -> int:
     tensor fails its checks later: the default)."""
     if not isinstance(q, torch.Tensor):
         return kernel_block_max(CPU_INTERPRETER, None)
-    # Dynamo traces through the cache anyway; the wrapped function spares users its warning.
-    lookup = target_of.__wrapped__ if torch.compiler.is_compiling() else target_of
-    return kernel_block_max(lookup(q.device), q.dtype)
+    return kernel_block_max(target_of(q.device), q.dtype)
 
 
 def _video_sparse_attn_segmented(
