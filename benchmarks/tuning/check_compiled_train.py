@@ -14,6 +14,7 @@ from diffusers import ModelMixin
 
 from vidsparse.bench.ops import train_vsa as tv
 from vidsparse.integrations.diffusers import compile as tv_compile
+from vidsparse.testing import grad_errors
 
 # CHECK_BACKEND=aot_eager: AOTAutograd's graphs run eagerly (is it inductor?);
 # CHECK_NO_SPLIT=1: inductor without split reductions; CHECK_MIX_ORDER=1: inductor's
@@ -73,10 +74,8 @@ for name, run in variants.items():
 ref_loss, ref = results["eager"]
 for name, (loss, g) in results.items():
     print(f"{name}: loss {loss:.6f} (eager {ref_loss:.6f}); params {len(g)} (eager {len(ref)})")
-    floor = 1e-3 * max(x.norm().item() for x in ref.values())  # near-zero grads: noise
-    worst = sorted(((((g[n] - ref[n]).norm() / ref[n].norm().clamp_min(floor)).item(), n)
-                    for n in ref if n in g), reverse=True)  # fmt: skip
-    missing = [n for n in ref if n not in g]
-    print("  missing:", missing[:10])
+    errors = grad_errors(g, ref)
+    worst = sorted(((e, n) for n, e in errors.items()), reverse=True)
+    print("  missing:", [n for n in ref if n not in g][:10])
     for r, n in worst[:12]:
         print(f"  {r:.3e}  {n}  |g| {ref[n].norm().item():.3e}")

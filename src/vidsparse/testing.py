@@ -21,6 +21,22 @@ def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float(num / denom)
 
 
+def grad_errors(grads: dict, ref: dict, floor: float = 1e-3) -> dict[str, float]:
+    """Per parameter, the relative L2 of ``grads[name]`` against ``ref[name]``; a reference
+    norm below ``floor`` times the largest one counts as that (near-zero gradients are rounding
+    noise). A parameter ``ref`` has and ``grads`` lacks: ``inf``."""
+    largest = max((float(g.detach().double().norm()) for g in ref.values()), default=0.0)
+    errors = {}
+    for name, r in ref.items():
+        if name not in grads:
+            errors[name] = float("inf")
+            continue
+        r64 = r.detach().double()
+        diff = float((grads[name].detach().double() - r64).norm())
+        errors[name] = diff / max(float(r64.norm()), floor * largest, 1e-30)
+    return errors
+
+
 def max_abs_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return float((x.detach().double() - ref.detach().double()).abs().max()) if x.numel() else 0.0
 

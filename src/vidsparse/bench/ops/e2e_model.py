@@ -333,12 +333,14 @@ def compile_blocks(model, work: Workload | None = None, training: bool = False) 
     the blocks once (its hooks are new objects); torch's recompile limit stays as users
     have it, so a method that needed one graph per layer would show it (Dynamo warns and runs
     the excess layers eagerly). A class that declares no ``_repeated_blocks`` (Cosmos) gets
-    its family's block class on the instance. ``training``: with the inductor options of
-    ``compile_for_training`` (every parameter's gradient computed)."""
+    its family's block class on the instance. ``training``: through ``compile_for_training``
+    (its inductor options keep every parameter's gradient)."""
     names = work.spec.repeated_blocks if work is not None else ()
     if names and not getattr(model, "_repeated_blocks", None):
         model._repeated_blocks = list(names)
-    from vidsparse.integrations.diffusers.compile import training_compile_options
+    if training:
+        from vidsparse.integrations.diffusers import compile_for_training
 
-    options = training_compile_options() if training else {}
-    model.compile_repeated_blocks(fullgraph=True, options=options)
+        compile_for_training(model)
+    else:
+        model.compile_repeated_blocks(fullgraph=True)

@@ -48,7 +48,7 @@ from vidsparse.bench.ops.e2e_common import (
     video_output,
 )
 from vidsparse.bench.ops.e2e_model import Workload, build_model, compile_blocks, make_inputs
-from vidsparse.testing import rel_l2
+from vidsparse.testing import grad_errors, rel_l2
 
 DEFAULT_VSA_SPARSITIES = "0.875,0.9"
 WEIGHTS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -309,9 +309,7 @@ def compiled_against_eager(model, step: TrainStep, eager: dict) -> dict:
     (relative L2, below 1e-3 of the largest gradient's norm counted as that floor): a compiler
     that drops a parameter's gradient shows here, not only in a diverging run."""
     compiled = all_grads(model, step)
-    floor = 1e-3 * max(g.norm().item() for g in eager.values())
-    errors = {n: (compiled[n] - g).norm().item() / max(g.norm().item(), floor)
-              for n, g in eager.items() if n in compiled}  # fmt: skip
+    errors = grad_errors(compiled, eager)
     worst = max(errors, key=errors.get)
     return {"compiled_grad_max_rel": errors[worst], "compiled_grad_worst": worst,
             "compiled_grad_missing": sorted(set(eager) ^ set(compiled))}  # fmt: skip
