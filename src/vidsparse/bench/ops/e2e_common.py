@@ -492,7 +492,7 @@ def run_metadata(args, work: Workload, device, dtype, weights_gb, sdpa, build_s)
             "every transformer block torch.compile'd (fullgraph, inductor), all methods; "
             + (
                 "inductor's mix-order reduction off (compile_for_training's options); "
-                if getattr(args, "train", False)
+                if args.train
                 else ""
             )
             + "first_step_s includes the compilation"
