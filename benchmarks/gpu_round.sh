@@ -10,8 +10,9 @@
 #   e2e-train|e2e-train-14b: the training step (fwd+bwd, gradient checkpointing) of Wan 2.1
 #   1.3B 480p / 14B 720p (4 blocks), dense vs VSA 0.875/0.9 with gate (e2e_train_*_h200.json);
 #   e2e-train-compiled: the 1.3B step compiled (compile_for_training);
-#   train-vsa-dense-compiled, then train-vsa-vsa-compiled: train_vsa's from-scratch arms with
-#   compiled blocks, each in its own call (the second's plot holds both)
+#   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
+#   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
+#   on a warm machine, so each plot holds the arms before it
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -59,8 +60,12 @@ for what in "$@"; do
       --out "$OUT/e2e_train_h200.json" ;;
     e2e-train-compiled) step e2e_train_compiled 270 python3 -m vidsparse.bench e2e --train \
       --compile blocks --out "$OUT/e2e_train_compiled_h200.json" ;;
-    train-vsa-dense-compiled|train-vsa-vsa-compiled)  # one arm a call: ~5 minutes each
-      arm=$([ "$what" = train-vsa-dense-compiled ] && echo dense || echo vsa0.875)
+    train-vsa-*-compiled)  # one arm a call: ~5 minutes each (fine-tunes: after dense, warm)
+      arm=${what#train-vsa-}; arm=${arm%-compiled}
+      case $arm in
+        dense|vsa0.875|vsa0.9|finetune-dense|finetune-vsa) ;;
+        *) echo "unknown train_vsa arm: $arm" >&2; exit 2 ;;
+      esac
       mkdir -p out/train_vsa_compiled  # kept across calls on a warm machine (out/ is ignored)
       step "train_vsa_${arm}_compiled" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
         --compile blocks --out out/train_vsa_compiled --max-minutes 7.5

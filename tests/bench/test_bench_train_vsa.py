@@ -105,6 +105,29 @@ def test_a_resumed_arm_repeats_the_uninterrupted_run(tmp_path):
     assert meta["complete"] and [c["end_step"] for c in meta["calls"]] == [3, 4]
 
 
+def test_the_cosine_lr_warms_up_then_decays_to_its_floor_at_the_last_step():
+    args = train_vsa.parse_args(["--arm", "dense", "--steps", "600", "--lr-warmup", "50"])
+    assert args.lr_schedule == "cosine"
+    lrs = [train_vsa.lr_at(args, step) for step in range(args.steps)]
+    assert lrs[0] == pytest.approx(args.lr / 50) and lrs[49] == lrs[50] == args.lr
+    decay = lrs[50:]
+    assert all(a >= b for a, b in zip(decay, decay[1:])) and decay[0] > decay[-1]
+    assert decay[-1] == pytest.approx(train_vsa.LR_FLOOR * args.lr)
+    middle = 50 + (args.steps - 1 - 50) // 2
+    assert lrs[middle] == pytest.approx(args.lr * (1 + train_vsa.LR_FLOOR) / 2, rel=1e-2)
+    constant = train_vsa.parse_args(["--arm", "dense", "--lr-schedule", "constant"])
+    assert {train_vsa.lr_at(constant, step) for step in range(50, 600)} == {constant.lr}
+
+
+def test_a_cosine_arm_resumes_only_with_its_steps(tmp_path, capsys):
+    """The cosine spans the arm's steps: a resume with others is refused, nothing written."""
+    run_arm(tmp_path, "dense", "--no-plot", "--stop-at", "2")
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    assert runner.main(bench(tmp_path, "--arm", "dense", "--resume", "--steps", "8")) == 2
+    assert "lr_steps 4 there, 8 here" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == before
+
+
 @pytest.mark.slow
 def test_compiled_blocks_train_as_the_eager_arm(tmp_path):
     """``--compile blocks``: the training steps run compiled blocks (checkpointed, through

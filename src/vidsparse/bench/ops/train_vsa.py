@@ -22,11 +22,12 @@ training crop, but they are the next 0.6 s of the same shot: the same scene and 
 the eval loss measures the fit to this clip, not generalisation to other video.
 
 Training: flow matching as Wan (``x_t = (1 - t) x0 + t noise``, the model predicts ``noise -
-x0`` at ``timestep = 1000 t``, ``t`` uniform, MSE in float32), AdamW (linear lr warmup, then
-constant; gradient clipping), bf16 autocast over float32 weights on a GPU (float32 on the
-CPU), gradient checkpointing; ``--compile blocks`` compiles each transformer block for the
-training steps (regional compilation, as a trainer would; evals and samples run eagerly).
-Crops, flips, ``t`` and noise are functions of the seed and the data index (the step; a
+x0`` at ``timestep = 1000 t``, ``t`` uniform, MSE in float32), AdamW (linear lr warmup, then a
+cosine to a tenth of the lr at the arm's last step, or ``--lr-schedule constant`` as the runs
+up to commit d48f07c had it; gradient clipping), bf16 autocast over float32 weights on a GPU
+(float32 on the CPU), gradient checkpointing; ``--compile blocks`` compiles each transformer
+block for the training steps (regional compilation, as a trainer would; evals and samples run
+eagerly). Crops, flips, ``t`` and noise are functions of the seed and the data index (the step; a
 fine-tune continues at its init checkpoint's step), so every arm sees the same samples in the
 same order, and a resumed arm the samples of an uninterrupted one.
 
@@ -257,8 +258,19 @@ def make_schedule(args) -> SparsitySchedule | None:
     return SparsitySchedule(SPARSITY[args.arm]) if args.arm in SPARSITY else None
 
 
+LR_SCHEDULES = ("cosine", "constant")
+LR_FLOOR = 0.1  # cosine: the last step's lr, as a fraction of --lr
+
+
 def lr_at(args, step: int) -> float:
-    return args.lr * min(1.0, (step + 1) / max(1, args.lr_warmup))
+    """Linear warmup to ``--lr``, then constant, or a cosine down to ``LR_FLOOR * lr`` at the
+    arm's last step (the final weights settle, so the last evals compare arms, not where the
+    constant-lr noise of batch-1 steps left each of them)."""
+    warm = args.lr_warmup
+    if step < warm or args.lr_schedule == "constant":
+        return args.lr * min(1.0, (step + 1) / max(1, warm))
+    progress = min(1.0, (step - warm) / max(1, args.steps - 1 - warm))
+    return args.lr * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ------------------------------------------------------------------------------ the run
@@ -441,12 +453,16 @@ def flat(prefix: str, value) -> dict:
 
 
 def run_identity(args, init: dict | None) -> dict:
-    """What a checkpoint must share with the command that resumes it (``--steps`` may grow)."""
+    """What a checkpoint must share with the command that resumes it (``--steps`` may grow
+    under a constant lr)."""
     schedule = make_schedule(args)
     identity = {
         "arm": args.arm, "tiny": args.tiny, "model": args.model_config, "crop": args.crop,
         "text_tokens": TEXT_TOKENS, "seed": args.seed, "batch_size": args.batch_size,
-        "lr": args.lr, "lr_warmup": args.lr_warmup, "weight_decay": args.weight_decay,
+        "lr": args.lr, "lr_warmup": args.lr_warmup, "lr_schedule": args.lr_schedule,
+        # the cosine spans the arm's steps: a resume must keep them (constant: they may grow)
+        "lr_steps": args.steps if args.lr_schedule == "cosine" else None,
+        "weight_decay": args.weight_decay,
         "max_grad_norm": args.max_grad_norm, "eval_every": args.eval_every,
         "eval_crops": args.eval_crops, "holdout_frames": args.holdout_frames,
         "compile": args.compile, "init": init,
@@ -585,6 +601,7 @@ def metadata(run: Run, complete: bool) -> dict:
         crop_pixels=[f, h, w], latent_grid=[f // patch[0], h // patch[1], w // patch[2]],
         tokens_per_sample=args.tokens, tile=list(TILE), batch_size=args.batch_size,
         steps=args.steps, step=run.step, lr=args.lr, lr_warmup=args.lr_warmup,
+        lr_schedule=args.lr_schedule, lr_floor=LR_FLOOR if args.lr_schedule == "cosine" else None,
         weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, seed=args.seed,
         sparsity=SPARSITY.get(args.arm), schedule=run.identity["schedule"],
@@ -649,6 +666,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--batch-size", type=int, default=1, help="crops a step")
     add("--lr", type=float, help="AdamW's lr after warmup (3e-4)")
     add("--lr-warmup", type=int, help="steps of linear lr warmup (50)")
+    add(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default="cosine",
+        help=f"after warmup: cosine to {LR_FLOOR:g} lr at the last step (default), or constant",
+    )
     add("--weight-decay", type=float, default=0.01)
     add("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     add("--eval-every", type=int, help="steps between evals (50)")
