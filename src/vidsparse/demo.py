@@ -391,10 +391,9 @@ def run_demo(
         )
     ]
     # An untrained model's gate is zero (the coarse branch is learned during fine-tuning), so the
-    # output compared with dense attention is the fine stage over the selected tiles.
-    gate = torch.zeros_like(q)
+    # output compared with dense attention is the fine stage over the selected tiles (gate=0).
     vsa_ms, vsa = _time(
-        lambda: vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate), **timing
+        lambda: vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=0), **timing
     )
     rows.append(
         dict(

@@ -193,7 +193,10 @@ def _block_sparse_case(
     _compare_with_single_process(full_fn, sharded_fn, _qkv(B, H, S, D), layout)
 
 
-def _vsa_case(layout: str, tiled: bool, gate: bool = True, pad: bool = False) -> None:
+def _vsa_case(
+    layout: str, tiled: bool, gate: bool = True, pad: bool = False, fine_only: bool = False
+) -> None:
+    """``fine_only``: ``gate=0`` on both sides (no gate tensor travels)."""
     from vidsparse.ops.video_sparse_attn import video_sparse_attn
 
     grid = VSA_GRID
@@ -203,11 +206,11 @@ def _vsa_case(layout: str, tiled: bool, gate: bool = True, pad: bool = False) ->
     vsa = {"sparsity": 0.5, "tiled": tiled}
 
     def full_fn(q, k, v, gate=None):
-        return video_sparse_attn(q, k, v, grid, gate=gate, **vsa)
+        return video_sparse_attn(q, k, v, grid, gate=0 if fine_only else gate, **vsa)
 
     def sharded_fn(q, k, v, gate=None):
         return ulysses_video_sparse_attn(
-            q, k, v, grid, gate=gate, layout=layout, pad_heads=pad, **vsa
+            q, k, v, grid, gate=0 if fine_only else gate, layout=layout, pad_heads=pad, **vsa
         )
 
     _compare_with_single_process(full_fn, sharded_fn, inputs, layout)
@@ -516,6 +519,7 @@ SCENARIOS = {
     "vsa_natural_bshd": lambda: _vsa_case("bshd", tiled=False),
     "vsa_natural_bhsd": lambda: _vsa_case("bhsd", tiled=False),
     "vsa_no_gate_bshd": lambda: _vsa_case("bshd", tiled=False, gate=False),
+    "vsa_fine_only_bhsd": lambda: _vsa_case("bhsd", tiled=False, gate=False, fine_only=True),
     "vsa_tiled_bshd": lambda: _vsa_case("bshd", tiled=True),
     "vsa_tiled_bhsd": lambda: _vsa_case("bhsd", tiled=True),
     "generic_bshd": lambda: _generic_case("bshd"),

@@ -146,16 +146,14 @@ class VideoSparseAttention(_Sparsity, nn.Module):
         """
         self._check_heads(q)
         sparsity = self.sparsity if sparsity is None else check_sparsity("sparsity", sparsity)
-        gate = self.gate(hidden_states, q)
+        gate = 0 if hidden_states is None else self.gate(hidden_states, q)  # 0: fine stage
         return video_sparse_attn(
             q, k, v, grid, sparsity=sparsity, gate=gate, tiled=tiled, scale=self.scale
         )
 
     def gate(self, hidden_states: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         """The gate in q's layout ``[B, H, S, D]`` and dtype; zeros without ``hidden_states``."""
-        if hidden_states is None:
-            # A broadcast view here, but the fine stage needs a unit-stride gate and copies it
-            # to q's size; the zero coarse term still costs its epilogue and backward.
+        if hidden_states is None:  # forward passes 0 instead: no tensor, no coarse term
             return q.new_zeros(()).expand_as(q)
         self._check_hidden_states(hidden_states, q)
         B, S, _ = hidden_states.shape

@@ -17,7 +17,7 @@ def ulysses_video_sparse_attn(
     *,
     topk: int | None = None,
     sparsity: float | None = None,
-    gate: torch.Tensor | None = None,
+    gate: torch.Tensor | float | None = None,
     tiled: bool = False,
     scale: float | None = None,
     group=None,
@@ -32,14 +32,20 @@ def ulysses_video_sparse_attn(
     consecutive raster tokens. ``tiled=True``: each rank holds a contiguous ``padded_len / P``
     chunk of the padded tile-order sequence (whole tiles when ``P`` divides ``num_tiles``,
     but any split works: the all-to-all reassembles the full sequence before the op). ``gate``
-    is sharded like q and exchanged with it. Differentiable in q, k, v and gate.
+    is sharded like q and exchanged with it (``0``, the fine stage alone, is not exchanged).
+    Differentiable in q, k, v and gate.
     ``head_chunks``: pipelined exchange for inference (see :func:`ulysses_attention`).
     ``pad_heads``: pad ``H`` with zero heads (and zero gates) to a multiple of the world size
     (see :func:`ulysses_attention`).
     """
     from vidsparse.ops.video_sparse_attn import video_sparse_attn
+    from vidsparse.ops.video_sparse_attn.reference import check_number_gate, is_fine_only
     from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 
+    check_number_gate(gate)
+    fine_only = is_fine_only(gate)
+    if fine_only:
+        gate = None  # nothing to exchange; each rank's call gets 0 back
     ctx = resolve_context(group, layout)
     _, S_local, H, _ = validate_shards(ctx, pad_heads, q=q, k=k, v=v, gate=gate)
     check_head_chunks(head_chunks, ctx.padded_heads(H), ctx.world_size)
@@ -56,7 +62,7 @@ def ulysses_video_sparse_attn(
             grid,
             topk=topk,
             sparsity=sparsity,
-            gate=gate_h,
+            gate=0 if fine_only else gate_h,
             tiled=tiled,
             scale=scale,
         )

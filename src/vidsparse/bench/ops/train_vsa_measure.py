@@ -102,8 +102,7 @@ def attention_metrics(captured: Captured, sparsity: float, tile) -> tuple[float,
     mass = kept_mass(q, k, grid, *select_tiles(q, k, grid, sparsity), captured.scale)
     out = captured.out
     if out is None:  # a dense model: VSA as on a stock checkpoint (no gate: the fine stage)
-        out = video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=torch.zeros_like(q),
-                                scale=captured.scale)  # fmt: skip
+        out = video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=0, scale=captured.scale)
     dense = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=captured.scale)
     return mass, float((out.float() - dense).norm() / dense.norm())
 

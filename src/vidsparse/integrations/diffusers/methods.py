@@ -38,6 +38,7 @@ from vidsparse.ops.stripe_attn.interface import (
     stripe_engine_lists,
 )
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
+from vidsparse.ops.video_sparse_attn.reference import is_fine_only
 from vidsparse.search.plan import Plan, load_plan
 
 # The VSA gate's name on the block that holds each video self-attention module: FastVideo's
@@ -198,15 +199,16 @@ class _VSA(_SparseMethod):
             self.grid(call.shape),
             topk=self.topk,
             sparsity=None if self.topk is not None else sparsity,
-            gate=gate.transpose(1, 2),
+            gate=gate if is_fine_only(gate) else gate.transpose(1, 2),
             scale=call.scale,
         )
 
     def _gate(self, q, call, text_tokens):
-        """``(gate [B, H, S, D], sparsity)`` for q ``[B, H, S, D]``."""
+        """``(gate [B, H, S, D], sparsity)`` for q ``[B, H, S, D]``; gate 0 without a gate
+        module (the fine stage alone, as a zero gate gives, at no gate's cost)."""
         module = getattr(call.attn, _GATE_REF, None) if self.gate else None
-        if module is None:  # no gate: the fine stage alone, as a zero gate gives
-            return q.new_zeros(()).expand_as(q), self.sparsity
+        if module is None:
+            return 0, self.sparsity
         # The gate reads the video stream (HunyuanVideo's attention gets the video tokens as
         # hidden_states, the text separately); text rows have no coarse term, so their gate
         # rows are zeros that video_sparse_attn ignores.

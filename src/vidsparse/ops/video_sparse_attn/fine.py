@@ -51,6 +51,7 @@ def vsa_fine_combined(
     scale: float,
     pooled: torch.Tensor | None = None,
     segments: tuple[int, ...] = (),
+    fine_only: bool = False,
 ) -> torch.Tensor:
     """``o_fine + gate * o_coarse`` over tile-order queries ``q_t [B, H, Nt*V, D]``.
 
@@ -64,7 +65,15 @@ def vsa_fine_combined(
     the engine's kernels, and ``o_coarse`` itself gets none (the coarse stage's own backward
     then never runs). ``segments``: the plan's flat segments (``segments.py``), required with
     a plan's ``q_info``: that backward runs per segment on its own tiles.
+
+    ``fine_only``: ``o_fine`` alone (``gate_t`` and ``pooled`` must be None). The combine adds
+    zeros, so the kernels and the padding rows' handling stay those of VSA, and o needs no
+    rounding residual: what it stores is ``o_fine`` itself, as in any flash attention.
     """
+    if fine_only:
+        if gate_t is not None or pooled is not None:
+            raise ValueError("fine_only takes no gate_t and no pooled")
+        o_coarse = torch.zeros(o_coarse.shape, device=o_coarse.device, dtype=torch.float32)
     if pooled is not None:
         # Its gradient is formed in the engine's backward: cut the coarse stage's own backward
         # out of the graph (a None gradient would be materialised as zeros and still run it).
@@ -73,8 +82,10 @@ def vsa_fine_combined(
     if q_block_sizes is not None and q_block_sizes.ndim == 2 and not segments:
         raise ValueError("a plan's q_info comes with the plan's segments")
     # A backward will run: keep o's rounding residual for it (a plain bool under compile).
-    residual = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t)
+    residual = (
+        not fine_only
+        and torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t))
     )
     spec = combine_spec(segments, residual)
     epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)

@@ -46,7 +46,11 @@ from vidsparse.ops._video_inputs import (
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES, kernel_block_max
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
 from vidsparse.ops.video_sparse_attn.multi import MultiCall, video_sparse_attn_multi
-from vidsparse.ops.video_sparse_attn.reference import video_sparse_attn_ref
+from vidsparse.ops.video_sparse_attn.reference import (
+    check_number_gate,
+    is_fine_only,
+    video_sparse_attn_ref,
+)
 from vidsparse.ops.video_sparse_attn.segments import plan_tiles
 from vidsparse.ops.video_sparse_attn.topk import resolve_topk
 from vidsparse.utils import ceil_div
@@ -72,7 +76,7 @@ def video_sparse_attn(
     *,
     topk: int | None = None,
     sparsity: float | None = None,
-    gate: torch.Tensor | None = None,
+    gate: torch.Tensor | float | None = None,
     tiled: bool = False,
     scale: float | None = None,
     text_tokens: int = 0,
@@ -89,7 +93,8 @@ def video_sparse_attn(
         coarse:  Oc = softmax(mean(Q) mean(K)^T * scale) mean(V)     per tile
         select:  top-k key tiles per query tile, by coarse score
         fine:    exact attention over the real tokens of the selected tiles
-        o = o_fine + gate * o_coarse        (o_fine + o_coarse without a gate)
+        o = o_fine + gate * o_coarse        (o_fine + o_coarse without a gate;
+                                             o_fine alone with gate=0)
 
     Args:
         q, k, v: ``[B, H, S, D]``; ``S == grid.num_tokens + text_tokens`` (video in natural
@@ -99,7 +104,10 @@ def video_sparse_attn(
         topk / sparsity: exactly one. ``topk = clamp(ceil((1 - sparsity) * num_tiles), 1,
             num_tiles)``; a ``topk`` above ``num_tiles`` is clamped to ``num_tiles``.
         gate: optional tensor shaped like ``q`` weighting the coarse output. Its text rows
-            are ignored (text rows have no coarse term; their gradient is zero).
+            are ignored (text rows have no coarse term; their gradient is zero). ``0`` (the
+            number): the fine stage alone, as a zero gate gives (a stock checkpoint, or an
+            untrained gate), without a gate tensor to tile and read, o's rounding residual,
+            or the coarse branch's backward.
         tiled: the video part of inputs and output in tile order (padding rows of the output
             are zero). Padding rows of k and v get no weight but must be finite
             (``grid.tile`` writes zeros): ``0 * inf`` would be NaN.
@@ -183,7 +191,7 @@ def _video_sparse_attn_segmented(
         q, k, v, grid, kv_grid, causal, text_mode, topk, sparsity, gate, tiled, scale,
         text_tokens,
     )  # fmt: skip
-    device = check_same_device(q=q, k=k, v=v, gate=gate)
+    device = check_same_device(q=q, k=k, v=v, gate=_gate_tensor(gate))
     scale = softmax_scale(scale, q.shape[-1])
     backend = resolve_backend(device)
     if backend == "triton":
@@ -309,6 +317,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     o_coarse, kv_indices, kv_counts, pooled = vsa_coarse_stage(
         q_t, k_t, v_t, grid, topk, scale, return_pooled=True
     )
+    fine_only = is_fine_only(gate)
     if text_tokens:
         # operator.index: plain ints (Dynamo specializes them), never SymInts, as plan keys
         plan = _cached_text_plan(grid_key(grid), text_tokens, operator.index(H), q.device)
@@ -335,11 +344,12 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         kv_counts,
         sizes,
         o_coarse,
-        None if gate is None else video_tiles(gate, grid, tiled, video_len),
+        None if gate is None or fine_only else video_tiles(gate, grid, tiled, video_len),
         sizes[:Nt] if tiled else None,  # tiled output: padding rows zero; untiling drops them
         V,
         scale,
-        pooled=pooled,  # the coarse branch's backward runs inside the fine stage's
+        pooled=None if fine_only else pooled,  # the coarse branch's backward, fused
+        fine_only=fine_only,
     )  # [B, H, P, D]
     if not tiled:
         o = grid.untile(o, dim=-2)
@@ -389,7 +399,12 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) ->
     check_count("text_tokens", text_tokens)
     check_sequence_length(q.shape[2], grid, tiled, text_tokens)
     _check_selection_and_gate(q, grid.num_tiles, topk, sparsity, gate)
-    return check_same_device(q=q, k=k, v=v, gate=gate)
+    return check_same_device(q=q, k=k, v=v, gate=_gate_tensor(gate))
+
+
+def _gate_tensor(gate) -> torch.Tensor | None:
+    """The gate if it is a tensor (``0``, the fine stage alone, has no device)."""
+    return gate if isinstance(gate, torch.Tensor) else None
 
 
 def _check_selection_and_gate(q, num_tiles: int, topk, sparsity, gate) -> None:
@@ -398,7 +413,8 @@ def _check_selection_and_gate(q, num_tiles: int, topk, sparsity, gate) -> None:
     if is_number and not 0.0 <= sparsity < 1.0:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     resolve_topk(num_tiles, topk, sparsity)
-    if gate is not None:
+    check_number_gate(gate)
+    if gate is not None and not is_fine_only(gate):
         check_tensor("gate", gate, ndim=4, dtypes=REFERENCE_DTYPES)
         if gate.shape != q.shape:
             raise ValueError(

@@ -32,7 +32,11 @@ from vidsparse.ops._video_inputs import (
     text_block_sizes,
 )
 from vidsparse.ops.block_sparse_attn.configs import kernel_block_max
-from vidsparse.ops.video_sparse_attn.reference import dense_attention, vsa_segments_ref
+from vidsparse.ops.video_sparse_attn.reference import (
+    dense_attention,
+    is_fine_only,
+    vsa_segments_ref,
+)
 from vidsparse.ops.video_sparse_attn.segments import TilePlan, plan_tensors
 from vidsparse.utils import ceil_div
 from vidsparse.utils.device import target_of
@@ -110,7 +114,8 @@ def _multi_torch(q, k, v, gate, call: MultiCall, q_lens, scale):
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     tensors = plan_tensors(call.plan, q.device)
     q_t = _pack_tiles(q.to(compute), call.grids, q_lens, call.tiled)
-    gate_t = None if gate is None else _pack_tiles(gate.to(compute), call.grids, q_lens, call.tiled)
+    gate_t = gate if gate is None or is_fine_only(gate) else _pack_tiles(
+        gate.to(compute), call.grids, q_lens, call.tiled)  # fmt: skip
     k_all, v_all = _key_tiles(k.to(compute), call), _key_tiles(v.to(compute), call)
     pooled_keys = call.plan.num_k_tiles * call.plan.tile_volume
     k_x = v_x = None
@@ -157,7 +162,11 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
         text = _cached_text_keys(plan.k_sizes, plan.tile_volume, call.text_tokens, q.device)
         sizes = text.kv_block_sizes
         kv_indices, kv_counts = append_columns(kv_indices, kv_counts, text.columns)
-    gate_t = None if gate is None else _pack_tiles(gate, call.grids, q_lens, call.tiled)
+    fine_only = is_fine_only(gate)
+    if fine_only:
+        pooled = None
+    gate_t = None if gate is None or fine_only else _pack_tiles(gate, call.grids, q_lens,
+                                                                call.tiled)  # fmt: skip
     split = max(1, volume // kernel_block_max(target_of(q.device), q.dtype))
     block = volume // split
     if split > 1:  # large tiles: the engine runs them as `split` blocks each
@@ -165,7 +174,7 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
                                                          block)  # fmt: skip
     o_t = vsa_fine_combined(
         q_t, k_seq, v_seq, kv_indices, kv_counts, sizes, oc, gate_t, tensors.q_info, block,
-        scale, pooled=pooled, segments=plan.flat_segments,
+        scale, pooled=pooled, segments=plan.flat_segments, fine_only=fine_only,
     )  # fmt: skip
     o = _unpack_tiles(o_t, call.grids, call.tiled)
     if not call.text_tokens:

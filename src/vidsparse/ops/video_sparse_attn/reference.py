@@ -8,8 +8,9 @@ VSA attends in two stages over the tiles of a :class:`~vidsparse.layout.VideoGri
 2. **Fine.** For every query tile keep the ``topk`` key tiles with the largest coarse scores,
    and run exact attention from each query token over the real tokens of those tiles only.
 
-``o = o_fine + gate * o_coarse`` (``o_fine + o_coarse`` without a gate). Selection is a discrete
-choice and is not differentiated; everything else is, by autograd.
+``o = o_fine + gate * o_coarse`` (``o_fine + o_coarse`` without a gate; ``o_fine`` alone with
+``gate=0``, see :func:`is_fine_only`). Selection is a discrete choice and is not
+differentiated; everything else is, by autograd.
 
 **Text tokens** (joint attention, HunyuanVideo): ``text_tokens = N`` non-video tokens after the
 video tokens. The coarse stage and the selection see video tokens only. Every video query
@@ -47,6 +48,21 @@ __all__ = [
 # Budget, in elements, for the per-chunk temporaries of the fine stage (gathered K and V and the
 # score matrix together). 2**26 fp32 elements is 256 MiB.
 _FINE_CHUNK_ELEMENTS = 2**26
+
+
+def is_fine_only(gate) -> bool:
+    """Whether ``gate`` is the number 0: the fine stage alone, as a zero gate gives, with no
+    gate tensor to read and no coarse term to combine or differentiate (a stock checkpoint)."""
+    return isinstance(gate, (int, float)) and not isinstance(gate, bool) and gate == 0
+
+
+def check_number_gate(gate) -> None:
+    """A number given as the gate must be 0 (a bool is no number here)."""
+    if isinstance(gate, (int, float)) and not is_fine_only(gate):
+        raise ValueError(
+            f"a number as gate must be 0 (the fine stage alone), got {gate!r}; weight the "
+            "coarse output with a tensor shaped like q"
+        )
 
 
 def tile_means(x_tiled: torch.Tensor, grid: VideoGrid) -> torch.Tensor:
@@ -303,10 +319,11 @@ def vsa_segments_ref(
 
     ``q_t [B, H, Nq*V, D]`` and ``k_t, v_t [B, H, Nk*V, D]`` in tile order (compute dtype),
     ``q_info`` int32 ``[4, Nq]`` (real tokens, key range and topk per query tile), ``k_sizes``
-    int32 ``[Nk]``; ``gate_t`` like ``q_t``; ``k_extra, v_extra [B, H, N, D]`` exempt keys every
-    query attends (text). Coarse attention and selection run within each query tile's key
-    range. ``max_topk``: the largest topk of ``q_info`` if the caller knows it (saves reading
-    it back). Returns ``o_t`` like ``q_t`` (padding rows 0), or ``(o_t, parts)``.
+    int32 ``[Nk]``; ``gate_t`` like ``q_t`` or 0 (:func:`is_fine_only`); ``k_extra, v_extra
+    [B, H, N, D]`` exempt keys every query attends (text). Coarse attention and selection run
+    within each query tile's key range. ``max_topk``: the largest topk of ``q_info`` if the
+    caller knows it (saves reading it back). Returns ``o_t`` like ``q_t`` (padding rows 0),
+    or ``(o_t, parts)``.
     """
     nq, nk = q_info.shape[1], k_sizes.shape[0]
     V = q_t.shape[2] // nq
@@ -323,10 +340,12 @@ def vsa_segments_ref(
         q_t, k_t, v_t, kv_indices, kv_counts, key_valid, scale, k_extra, v_extra
     )
     B, H, _, Dv = o_fine.shape
-    coarse = o_coarse.unsqueeze(-2)  # [B, H, Nq, 1, Dv]
-    if gate_t is not None:
-        coarse = gate_t.reshape(B, H, nq, V, Dv) * coarse
-    o5 = o_fine.view(B, H, nq, V, Dv) + coarse
+    o5 = o_fine.view(B, H, nq, V, Dv)
+    if not is_fine_only(gate_t):
+        coarse = o_coarse.unsqueeze(-2)  # [B, H, Nq, 1, Dv]
+        if gate_t is not None:
+            coarse = gate_t.reshape(B, H, nq, V, Dv) * coarse
+        o5 = o5 + coarse
     real = torch.arange(V, device=q_t.device) < q_info[0].view(-1, 1)  # [Nq, V]
     o_t = o5.masked_fill(~real.view(nq, V, 1), 0).reshape(B, H, nq * V, Dv)
     if not return_parts:
@@ -394,7 +413,7 @@ def video_sparse_attn_ref(
         grid: the :class:`VideoGrid` the sequence lives on.
         topk / sparsity: exactly one; see :func:`resolve_topk`.
         gate: optional tensor shaped like ``q`` (same layout) weighting the coarse output of
-            the video rows; its text rows are ignored.
+            the video rows; its text rows are ignored. ``0``: the fine stage alone.
         tiled: the video part of inputs and output is in tile order; padding rows of the output
             are zero.
         scale: softmax scale, ``1/sqrt(D)`` by default (both stages).
@@ -435,7 +454,9 @@ def video_sparse_attn_ref(
     Dv = o_fine.shape[-1]
     o_fine5 = o_fine.view(B, H, Nt, V, Dv)
     o_coarse5 = o_coarse_tiles.unsqueeze(-2)  # [B, H, Nt, 1, Dv]: broadcast, not materialised
-    if gate is None:
+    if is_fine_only(gate):
+        o5 = o_fine5
+    elif gate is None:
         o5 = o_fine5 + o_coarse5
     else:
         gate5 = to_compute_tiles(gate).reshape(B, H, Nt, V, Dv)
@@ -511,7 +532,8 @@ def _check_shapes(q, k, v, gate, grid: VideoGrid, tiled: bool, text_tokens: int 
         v.shape[:3] == q.shape[:3],
         f"v must be [{q.shape[0]}, {q.shape[1]}, {q.shape[2]}, Dv], got {tuple(v.shape)}",
     )
-    if gate is not None:
+    check_number_gate(gate)
+    if gate is not None and not is_fine_only(gate):
         _require(
             isinstance(gate, torch.Tensor) and tuple(gate.shape) == tuple(v.shape),
             f"gate must be shaped like the output {tuple(v.shape)}, got "
