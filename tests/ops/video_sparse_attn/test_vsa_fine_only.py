@@ -11,7 +11,7 @@ import torch
 import vidsparse
 import vidsparse.ops.video_sparse_attn.fine as fine
 from vidsparse.ops.video_sparse_attn import video_sparse_attn_ref
-from vidsparse.testing import assert_rel_l2
+from vidsparse.testing import add_tile_structure, assert_rel_l2
 
 GRID = vidsparse.VideoGrid((5, 6, 7))  # 8 tiles, every one partial
 
@@ -138,6 +138,9 @@ def test_gpu_gate_zero_equals_a_zero_gate(tiled):
     grid = vidsparse.VideoGrid((9, 14, 22))
     q, k, v = _qkv(grid.padded_len if tiled else grid.num_tokens, B=1, H=4, D=128,
                    dtype=torch.bfloat16, device="cuda")  # fmt: skip
+    with torch.no_grad():  # no near-tie top-k choices between bf16 and the fp32 reference
+        for x in (q, k):
+            x.copy_(add_tile_structure(x.float(), grid, 1.0, tiled=tiled))
 
     def vsa(q, k, v, gate):
         return vidsparse.video_sparse_attn(q, k, v, grid, sparsity=0.75, gate=gate, tiled=tiled)
@@ -145,4 +148,5 @@ def test_gpu_gate_zero_equals_a_zero_gate(tiled):
     _zero_gate_vs_fine_only(vsa, q, k, v, 2e-2)
     ref = video_sparse_attn_ref(*(x.float() for x in (q, k, v)), grid, sparsity=0.75, gate=0,
                                 tiled=tiled)  # fmt: skip
-    assert_rel_l2("o vs fp32 reference", vsa(q, k, v, 0).float(), ref, 2e-2)
+    # test_vsa.py's bf16 bound against the fp32 reference on this grid
+    assert_rel_l2("o vs fp32 reference", vsa(q, k, v, 0).float(), ref, 3e-2)
