@@ -223,6 +223,27 @@ def test_fullgraph_compile(kernel_calls):
     assert kernel_calls["tile"] >= 2 and kernel_calls["untile"] >= 2
 
 
+@pytest.mark.interpreter
+def test_untile_into_bshd_storage_is_untile_and_its_fake_agrees(kernel_calls):
+    """``untile_op(..., bshd=True)``: untile's values and gradient, stored as [B, S, H, D] (so
+    ``transpose(1, 2).flatten(2)`` is a view), its fake tensor with the same strides."""
+    grid = VideoGrid((5, 6, 7), (2, 4, 4))
+    y = torch.randn(2, 3, grid.padded_len, 16, requires_grad=True)
+    key = (grid.shape, grid.tile_shape)
+    got = permute_ops.untile_op(y, *key, bshd=True)
+    assert got.shape == (2, 3, grid.num_tokens, 16)
+    assert got.transpose(1, 2).is_contiguous()
+    _assert_bitwise(got, grid.untile(y.detach()))
+    do = torch.randn_like(got)
+    (grad,) = torch.autograd.grad(got, y, do)
+    _assert_bitwise(grad, grid.tile(do))
+
+    # The fake (what torch.compile traces with) has the real op's strides, and the rest of
+    # the custom op's registration holds.
+    args = (y, list(grid.shape), list(grid.tile_shape), True)
+    torch.library.opcheck(torch.ops.vidsparse.video_grid_untile.default, args)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 

@@ -248,10 +248,15 @@ def _tile(x, dims, strides, shape, tile, *, chunk_len: int, stride_xc: int, own=
     return out
 
 
-def untile_rows(x: torch.Tensor, shape, tile) -> torch.Tensor:
-    """Tile order ``[B, H, padded_len, D]`` -> contiguous natural ``[B, H, T*H*W, D]``."""
+def untile_rows(x: torch.Tensor, shape, tile, bshd: bool = False) -> torch.Tensor:
+    """Tile order ``[B, H, padded_len, D]`` -> natural ``[B, H, T*H*W, D]``: contiguous, or
+    (``bshd``) stored as a contiguous ``[B, T*H*W, H, D]``."""
     B, heads, _, D = x.shape
-    out = torch.empty((B, heads, math.prod(shape), D), dtype=x.dtype, device=x.device)
+    S = math.prod(shape)
+    if bshd:
+        out = torch.empty((B, S, heads, D), dtype=x.dtype, device=x.device).transpose(1, 2)
+    else:
+        out = torch.empty((B, heads, S, D), dtype=x.dtype, device=x.device)
     _untile(x, shape, tile, out, *out.stride()[:3], chunk_len=out.shape[2], stride_oc=0)
     return out
 

@@ -61,9 +61,11 @@ def tile_op(x: torch.Tensor, shape, tile) -> torch.Tensor:
     return torch.ops.vidsparse.video_grid_tile(x, list(shape), list(tile))
 
 
-def untile_op(x: torch.Tensor, shape, tile) -> torch.Tensor:
-    """Tile order ``[B, H, padded_len, D]`` -> contiguous natural ``[B, H, S, D]``."""
-    return torch.ops.vidsparse.video_grid_untile(x, list(shape), list(tile))
+def untile_op(x: torch.Tensor, shape, tile, bshd: bool = False) -> torch.Tensor:
+    """Tile order ``[B, H, padded_len, D]`` -> natural ``[B, H, S, D]``, contiguous, or with
+    ``bshd`` a ``transpose(1, 2)`` view of a contiguous ``[B, S, H, D]`` (what a model that
+    holds q, k, v as ``[B, S, H, D]`` flattens back for free)."""
+    return torch.ops.vidsparse.video_grid_untile(x, list(shape), list(tile), bshd)
 
 
 # --------------------------------------------------------------------------- custom ops
@@ -83,21 +85,25 @@ def _(x, shape, tile):
 
 
 @torch.library.custom_op("vidsparse::video_grid_untile", mutates_args=())
-def _video_grid_untile(x: torch.Tensor, shape: list[int], tile: list[int]) -> torch.Tensor:
+def _video_grid_untile(
+    x: torch.Tensor, shape: list[int], tile: list[int], bshd: bool = False
+) -> torch.Tensor:
     from vidsparse.layout.permute import untile_rows
 
-    return untile_rows(x, shape, tile)
+    return untile_rows(x, shape, tile, bshd)
 
 
 @_video_grid_untile.register_fake
-def _(x, shape, tile):
+def _(x, shape, tile, bshd=False):
     B, H, _, D = x.shape
     T, Hh, W = shape
+    if bshd:
+        return x.new_empty((B, T * Hh * W, H, D)).transpose(1, 2)
     return x.new_empty((B, H, T * Hh * W, D))
 
 
 def _setup_context(ctx, inputs, output):
-    _, shape, tile = inputs
+    _, shape, tile, *_ = inputs
     ctx.grid = (list(shape), list(tile))
 
 
@@ -109,7 +115,7 @@ def _tile_backward(ctx, grad):
 
 def _untile_backward(ctx, grad):
     # Each token is a copy of one real slot; padding slots were not used: gradient 0.
-    return torch.ops.vidsparse.video_grid_tile(grad, *ctx.grid), None, None
+    return torch.ops.vidsparse.video_grid_tile(grad, *ctx.grid), None, None, None
 
 
 _video_grid_tile.register_autograd(_tile_backward, setup_context=_setup_context)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from vidsparse.layout.grid import VideoGrid
+from vidsparse.layout import permute_ops
+from vidsparse.layout.grid import VideoGrid, grid_key
 from vidsparse.utils import ceil_div
 
 __all__ = [
@@ -112,6 +113,17 @@ def video_tiles(x, grid: VideoGrid, tiled: bool, video_len: int) -> torch.Tensor
     """The video part of ``x`` in tile order, ``[B, H, padded_len, D]`` (a view when tiled)."""
     video = x[:, :, :video_len]
     return video if tiled else grid.tile(video, dim=-2)
+
+
+def untile_output(o_t: torch.Tensor, grid: VideoGrid, like: torch.Tensor | None) -> torch.Tensor:
+    """``o_t`` (tile order) in natural order, stored as ``like`` is where that is a
+    ``[B, S, H, D]`` tensor seen as ``[B, H, S, D]`` (q as diffusers' processors pass it; so is
+    SDPA's output then): transposing and flattening it back costs no copy. Otherwise (no
+    ``like``, another layout, or no untile kernel for it) contiguous."""
+    bshd = like is not None and like.shape[1] > 1 and like.stride(1) < like.stride(2)
+    if bshd and permute_ops.kernel_supports(o_t, 2, grid.padded_len):
+        return permute_ops.untile_op(o_t, *grid_key(grid), bshd=True)
+    return grid.untile(o_t, dim=-2)
 
 
 def key_sequence(x, grid: VideoGrid, tiled: bool, video_len: int, text_pad: int, video=None):

@@ -23,7 +23,7 @@ import torch
 
 from vidsparse.layout.grid import VideoGrid, check_video_qkv, grid_key
 from vidsparse.masks.sliding_tile import check_sliding_window, sliding_tile_lists
-from vidsparse.ops._video_inputs import check_sequence_length, check_triton_tile
+from vidsparse.ops._video_inputs import check_sequence_length, check_triton_tile, untile_output
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
 from vidsparse.ops.block_sparse_attn.interface import (
     block_sparse_attn_unchecked,
@@ -105,7 +105,7 @@ def sliding_tile_attn(
         kv_block_sizes=plan.kv_block_sizes, scale=scale, padding_finite=True,
     )  # fmt: skip
     if not tiled:
-        return grid.untile(o, dim=-2)
+        return untile_output(o, grid, q)
     if plan.kv_block_sizes is None:
         return o
     # Padding query rows attended like real ones (their q is zero, not absent): blank them.

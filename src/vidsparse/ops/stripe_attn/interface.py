@@ -38,6 +38,7 @@ from vidsparse.ops._video_inputs import (
     dense_rows,
     key_sequence,
     text_block_sizes,
+    untile_output,
     video_tiles,
 )
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES
@@ -360,7 +361,8 @@ def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
 
     q_video = video_tiles(q, grid, tiled, video_len)  # [B, H, P, D]
     o, lse = attend(q_video, plan.video_indices, plan.video_counts)
-    o, lse = _video_output(o, lse, grid, tiled)  # [B, H, video_len, D], [B, H, video_len]
+    like = None if plan.text_blocks else q  # with text, o is a concatenation anyway
+    o, lse = _video_output(o, lse, grid, tiled, like)  # [B, H, video_len, D], [B, H, video_len]
     if not plan.text_blocks:
         return o, lse
     o_text, lse_text = attend_text_queries(
@@ -370,10 +372,11 @@ def _run_engine(q, k, v, grid, plan: _EnginePlan, tiled, text_tokens, scale):
     return torch.cat([o, o_text], dim=-2), torch.cat([lse, lse_text], dim=-1)
 
 
-def _video_output(o, lse, grid: VideoGrid, tiled: bool):
-    """Engine output of the video query blocks -> the caller's layout."""
+def _video_output(o, lse, grid: VideoGrid, tiled: bool, like=None):
+    """Engine output of the video query blocks -> the caller's layout (o stored as ``like``
+    where that is q in ``[B, S, H, D]`` storage: ``untile_output``)."""
     if not tiled:
-        return grid.untile(o, dim=-2), grid.untile(lse, dim=-1)
+        return untile_output(o, grid, like), grid.untile(lse, dim=-1)
     if grid.padded_len == grid.num_tokens:
         return o, lse
     # Padding query rows attended like real ones (their q is zero, not absent): blank them.

@@ -41,6 +41,7 @@ from vidsparse.ops._video_inputs import (
     dense_rows,
     key_sequence,
     text_block_sizes,
+    untile_output,
     video_tiles,
 )
 from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES, kernel_block_max
@@ -352,7 +353,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         fine_only=fine_only,
     )  # [B, H, P, D]
     if not tiled:
-        o = grid.untile(o, dim=-2)
+        o = untile_output(o, grid, q if not text_tokens else None)
     if not text_tokens:
         return o
     o_text, _ = attend_text_queries(
