@@ -66,14 +66,15 @@ def vsa_fine_combined(
     then never runs). ``segments``: the plan's flat segments (``segments.py``), required with
     a plan's ``q_info``: that backward runs per segment on its own tiles.
 
-    ``fine_only``: ``o_fine`` alone (``gate_t`` and ``pooled`` must be None). The combine adds
-    zeros, so the kernels and the padding rows' handling stay those of VSA, and o needs no
-    rounding residual: what it stores is ``o_fine`` itself, as in any flash attention.
+    ``fine_only``: ``o_fine`` alone (``gate_t`` must be None; ``o_coarse`` and ``pooled`` are
+    not used, so the coarse branch has no backward). The combine adds zeros, so the kernels and
+    the padding rows' handling stay those of VSA, and o needs no rounding residual: what it
+    stores is ``o_fine`` itself, as in any flash attention.
     """
     if fine_only:
-        if gate_t is not None or pooled is not None:
-            raise ValueError("fine_only takes no gate_t and no pooled")
-        o_coarse = torch.zeros(o_coarse.shape, device=o_coarse.device, dtype=torch.float32)
+        if gate_t is not None:
+            raise ValueError("fine_only takes no gate_t")
+        o_coarse, pooled = torch.zeros_like(o_coarse, dtype=torch.float32), None
     if pooled is not None:
         # Its gradient is formed in the engine's backward: cut the coarse stage's own backward
         # out of the graph (a None gradient would be materialised as zeros and still run it).

@@ -349,7 +349,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         sizes[:Nt] if tiled else None,  # tiled output: padding rows zero; untiling drops them
         V,
         scale,
-        pooled=None if fine_only else pooled,  # the coarse branch's backward, fused
+        pooled=pooled,  # the coarse branch's backward runs inside the fine stage's
         fine_only=fine_only,
     )  # [B, H, P, D]
     if not tiled:

@@ -163,8 +163,6 @@ def _multi_triton(q, k, v, gate, call: MultiCall, q_lens, scale):
         sizes = text.kv_block_sizes
         kv_indices, kv_counts = append_columns(kv_indices, kv_counts, text.columns)
     fine_only = is_fine_only(gate)
-    if fine_only:
-        pooled = None
     gate_t = None if gate is None or fine_only else _pack_tiles(gate, call.grids, q_lens,
                                                                 call.tiled)  # fmt: skip
     split = max(1, volume // kernel_block_max(target_of(q.device), q.dtype))
