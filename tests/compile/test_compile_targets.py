@@ -70,6 +70,13 @@ KNOWN_SPILLS: dict[tuple, dict[str, str]] = {
     # the hottest loop is expected to be noise, to be confirmed on the GPU before a retune.
     ("cuda:90", "bwd_dkdv", 64, 64, 128, False): {"3.8": "8 B, unmeasured (above)"},
     ("cuda:90", "bwd_dkdv", 128, 64, 128, False): {"3.8": "8 B, unmeasured (above)"},
+    # Hopper's masked dK/dV by TMA with the short walks of partial key blocks (its program
+    # branches to a 64-, 32- or 16-row body, kernels/bwd.py _dkdv_program), without an
+    # epilogue: 4 B at 255 registers (as one if/elif chain; three separate ifs spilled 84 B).
+    # VSA's dK/dV (64x64 D=128 with its pooled hook) is spill-free. Unmeasured: the GPU round
+    # that times the short walks (benchmarks/tuning/try_key_tails.py) decides.
+    ("cuda:90", "bwd_dkdv", 64, 64, 128, True): {"3.6": "4 B, unmeasured (above)"},
+    ("cuda:90", "bwd_dkdv", 128, 128, 64, True): {"3.6": "4 B, unmeasured (above)"},
     # MI350's 128x128 forward at D=128 with key-block sizes, 4 warps at occupancy 1: Triton
     # 3.8's AMD backend allocates 384 VGPRs and spills 22 (3.6: none). The AMD rows follow the
     # vendor's guidance and are compile-checked, never timed: listed until an MI350 measures it.

@@ -460,10 +460,10 @@ def test_derived_lists_are_cached_per_source_and_version():
 
     from vidsparse.masks.block_sparse import transpose_block_lists
     from vidsparse.ops.block_sparse_attn.lists import (
-        cached_full_blocks_first,
+        blocks_by_size_ref,
+        cached_blocks_by_size,
         cached_transpose,
         derived_lists,
-        full_blocks_first_ref,
     )
 
     idx, cnt = random_block_lists(1, 2, 6, 8, density=0.5)
@@ -476,14 +476,15 @@ def test_derived_lists_are_cached_per_source_and_version():
     for got, want in zip(again, transpose_block_lists(idx, cnt, 8)):
         assert torch.equal(got, want)
     sizes = torch.tensor([4, 2, 4, 4, 0, 4, 1, 4], dtype=torch.int32)
-    reordered, full, counts = cached_full_blocks_first(idx, cnt, sizes, 4)
-    assert cached_full_blocks_first(idx, cnt, sizes, 4)[0] is reordered
-    ref, ref_full, ref_counts = full_blocks_first_ref(idx, cnt, sizes, 4)
-    assert torch.equal(full, ref_full) and torch.equal(counts, ref_counts)
+    reordered, ends, counts = cached_blocks_by_size(idx, cnt, sizes, 4, (0, 0))
+    assert cached_blocks_by_size(idx, cnt, sizes, 4, (0, 0))[0] is reordered
+    assert cached_blocks_by_size(idx, cnt, sizes, 4, (2, 0))[0] is not reordered  # other tails
+    ref, ref_ends, ref_counts = blocks_by_size_ref(idx, cnt, sizes, 4)
+    assert torch.equal(ends, ref_ends) and torch.equal(counts, ref_counts)
     live = torch.arange(idx.shape[-1]) < cnt[..., None]
     assert torch.equal(reordered[live], ref[live])
     before = len(derived_lists)
-    del idx, cnt, first, again, reordered, full, counts
+    del idx, cnt, first, again, reordered, ends, counts
     gc.collect()
     assert len(derived_lists) <= before - 3
 
@@ -592,11 +593,13 @@ def test_reference_ignores_nan_in_padding_and_unread_blocks(torch_backend):
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_full_blocks_first_partitions_each_list_stably(index_dtype):
-    """The forward's list reorder (lists.py) against its Python reference: full key blocks
-    first, then the partial ones, each in list order; counts of full ones; strided int64 lists
-    with K not a power of two, more rows than one program takes, empty rows."""
-    from vidsparse.ops.block_sparse_attn.lists import full_blocks_first, full_blocks_first_ref
+@pytest.mark.parametrize("tails", [(0, 0), (4, 0), (4, 2)])
+def test_blocks_by_size_groups_each_list_stably(index_dtype, tails):
+    """The kernels' list reorder (lists.py) against its Python reference: full key blocks
+    first, then the partial ones walked with all rows, with tails[0] and with tails[1] rows,
+    each group in list order; the groups' ends; strided int64 lists with K not a power of two,
+    more rows than one program takes, empty rows."""
+    from vidsparse.ops.block_sparse_attn.lists import blocks_by_size, blocks_by_size_ref
 
     bk, nk = 8, 23
     idx, cnt = make_lists(2, 3, 40, nk, density=0.3, device="cpu", empty_rows=2)  # K = 7
@@ -604,21 +607,62 @@ def test_full_blocks_first_partitions_each_list_stably(index_dtype):
     idx = idx.to(index_dtype)
     sizes = torch.randint(0, bk + 1, (nk,), dtype=torch.int32)
     sizes[::3] = bk
-    got, got_full, got_counts = full_blocks_first(idx, cnt, sizes, bk)
-    ref, ref_full, ref_counts = full_blocks_first_ref(idx, cnt, sizes, bk)
-    assert torch.equal(got_full, ref_full) and torch.equal(got_counts, cnt)
+    sizes[1:3] = torch.tensor([2, 5], dtype=torch.int32)  # a block of each group
+    got, got_ends, got_counts = blocks_by_size(idx, cnt, sizes, bk, tails)
+    ref, ref_ends, ref_counts = blocks_by_size_ref(idx, cnt, sizes, bk, tails)
+    assert torch.equal(got_ends, ref_ends) and torch.equal(got_counts, cnt)
     assert torch.equal(ref_counts, cnt)
     live = torch.arange(idx.shape[-1]) < cnt[..., None]
     assert torch.equal(got[live], ref[live])
-    assert 0 < int(ref_full.sum()) < int(cnt.sum())  # both groups occur
+    group_sizes = torch.diff(ref_ends, dim=-1, prepend=torch.zeros_like(ref_ends[..., :1]))
+    group_sizes = torch.cat([group_sizes, (ref_counts - ref_ends[..., 2])[..., None]], -1)
+    present = (group_sizes.sum((0, 1, 2)) > 0).tolist()
+    # Full blocks, then every group the tails make, occur; a group no tail makes stays empty.
+    assert present == [True, True, bool(tails[0]), bool(tails[1])]
     # Lists no check saw: counts past K clamp, entries out of [0, NK) are dropped.
     idx[0, 0, 5, 0], idx[1, 2, 7, 1], cnt[0, 1, 3] = nk, -3, 99
-    got, got_full, got_counts = full_blocks_first(idx, cnt, sizes, bk)
-    ref, ref_full, ref_counts = full_blocks_first_ref(idx, cnt, sizes, bk)
-    assert torch.equal(got_full, ref_full) and torch.equal(got_counts, ref_counts)
+    got, got_ends, got_counts = blocks_by_size(idx, cnt, sizes, bk, tails)
+    ref, ref_ends, ref_counts = blocks_by_size_ref(idx, cnt, sizes, bk, tails)
+    assert torch.equal(got_ends, ref_ends) and torch.equal(got_counts, ref_counts)
     live = torch.arange(idx.shape[-1]) < ref_counts[..., None]
     assert torch.equal(got[live], ref[live])
     assert int(ref_counts[0, 1, 3]) <= idx.shape[-1]
+
+
+def test_size_groups_follow_the_key_tails():
+    """``configs.key_tails``: a quarter and a half of the block, none under 16 rows, none when
+    tuning turns them off; ``lists.size_group`` puts each size in the shortest walk that
+    holds it, full blocks apart."""
+    from vidsparse.ops.block_sparse_attn.configs import key_tails, override
+    from vidsparse.ops.block_sparse_attn.lists import size_group
+
+    assert key_tails(128) == (64, 32) and key_tails(64) == (32, 16)
+    assert key_tails(32) == (16, 0) and key_tails(16) == (0, 0)
+    with override(key_tails=False):
+        assert key_tails(64) == (0, 0)
+    groups = {n: size_group(n, 64, (32, 16)) for n in (64, 63, 33, 32, 17, 16, 1, 0)}
+    assert groups == {64: 0, 63: 1, 33: 1, 32: 2, 17: 2, 16: 3, 1: 3, 0: 3}
+    assert size_group(16, 64, (0, 0)) == 1 and size_group(16, 32, (16, 0)) == 2
+
+
+def test_short_walks_per_target():
+    """Which configs take the short walks (``KernelConfig.key_tails``): Hopper's masked rows
+    and the interpreter's (what the next GPU round times, what CPU CI tests); not the AMD or
+    other NVIDIA rows (untimed, and spilling with them). A config without them gets TAIL1 =
+    TAIL2 = 0 (its kernel walks those groups with all rows)."""
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, lookup
+    from vidsparse.ops.block_sparse_attn.launch import walk_tails
+    from vidsparse.utils.device import CPU_INTERPRETER, Target
+
+    def takes(target, kernel, block):
+        return lookup(target, kernel, block, block, 128, masked=True).key_tails
+
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        assert takes(Target("cuda", 90), kernel, 64) and takes(CPU_INTERPRETER, kernel, 64)
+        for other in (Target("cuda", 100), Target("cuda", 80), Target("hip", "gfx942")):
+            assert not takes(other, kernel, 64) and not takes(other, kernel, 128)
+    assert walk_tails(KernelConfig(), (32, 16)) == {"TAIL1": 32, "TAIL2": 16}
+    assert walk_tails(KernelConfig(key_tails=False), (32, 16)) == {"TAIL1": 0, "TAIL2": 0}
 
 
 @pytest.mark.interpreter
@@ -651,6 +695,51 @@ def test_full_first_walk_equals_masking_every_block(use_tma):
     torch.testing.assert_close(lse, lse_all, rtol=0, atol=1e-5)
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("use_tma", [False, True])
+def test_short_walks_of_partial_key_blocks(use_tma):
+    """Partial 64-key blocks walked with 32 or 16 key rows where they fit (``key_tails``), in
+    the forward, dQ and dK/dV (its programs of a short block run with that many rows and zero
+    the block's other rows): against the fp64 masked reference, and against every partial
+    block walked with all 64 rows (``override(key_tails=False)``). Blocks of every group:
+    full, 63 and 33 keys (64 rows), 32 and 17 (32), 16, 1 and 0 (16); padding keys hold NaN
+    for pointer loads, which never read them, and large finite values for TMA."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, override
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    bs, D = 64, 16
+    sizes = torch.tensor([64, 63, 32, 17, 16, 1, 0, 33], dtype=torch.int32)
+    S = bs * len(sizes)
+    q, k, v = make_qkv(1, 1, S, S, D, dtype=torch.float16, device="cpu")
+    idx, cnt = make_lists(1, 1, S // bs, len(sizes), density=0.9, device="cpu", empty_rows=1)
+    pad = (torch.arange(S) % bs) >= sizes.long().repeat_interleave(bs)
+    k[:, :, pad] = 1e4 if use_tma else float("nan")
+    v[:, :, pad] = 1e4 if use_tma else float("nan")
+    do = torch.randn_like(q)
+    cfg = KernelConfig(4, 1, use_tma=use_tma, sub_m=32)
+    args = (q, k, v, idx, cnt, sizes, bs, bs, D**-0.5)
+
+    def run():
+        with override(fwd=cfg, bwd_dkdv=cfg, bwd_dq=cfg, fused=False):
+            o, lse = block_sparse_attn_fwd(*args, padding_finite=True)
+            grads = block_sparse_attn_bwd(do, *args[:3], o, lse, *args[3:], padding_finite=True)
+        return (o, *grads)
+
+    got = run()
+    with override(key_tails=False):
+        full_rows = run()
+    qr, kr, vr = (x.nan_to_num(0).double().requires_grad_() for x in (q, k, v))
+    ref_o, _ = masked_dense_attention(qr, kr, vr, idx, cnt, bs, bs, sizes)
+    ref_o.backward(do.double())
+    refs = (ref_o.detach(), qr.grad, kr.grad, vr.grad)
+    for name, a, b, ref in zip(("o", "dq", "dk", "dv"), got, full_rows, refs):
+        assert_rel_l2(name, a, ref, 5e-3)  # fp16 inputs
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-3)
+    assert (got[2][:, :, pad] == 0).all() and (got[3][:, :, pad] == 0).all()
+
+
 # ----------------------------------------------------------------------------- fused backward
 
 FUSED_CASES = {
@@ -659,6 +748,7 @@ FUSED_CASES = {
     "kv_sizes": (1, 1, 2, 64, 64, 16, 16, 16, True),
     "sq_ne_skv": (1, 1, 2, 32, 64, 16, 16, 8, True),
     "batch": (2, 2, 2, 64, 48, 32, 32, 16, False),
+    "key_tails": (1, 1, 1, 128, 256, 16, 64, 64, True),  # 64-key blocks: short walks
 }
 
 

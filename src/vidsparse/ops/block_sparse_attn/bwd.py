@@ -11,6 +11,8 @@ run.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from vidsparse.ops.block_sparse_attn import configs
@@ -27,10 +29,13 @@ from vidsparse.ops.block_sparse_attn.launch import (
     broadcast_strides,
     eviction_hints,
     gluon_launcher,
-    lists_full_first,
+    list_end_strides,
+    lists_by_size,
+    tail_descriptors,
     tensor_descriptor,
     tma_compatible,
     tma_reads_keys,
+    walk_tails,
 )
 from vidsparse.ops.block_sparse_attn.lists import cached_transpose
 from vidsparse.utils.device import target_of
@@ -82,13 +87,17 @@ def block_sparse_attn_bwd(
         q_keys = (desc(k, block_kv), desc(v, block_kv))
 
     q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
-    dq_lists, dq_counts, full, checked = lists_full_first(kv_indices, kv_counts, kv_block_sizes,
-                                                          block_kv)  # fmt: skip
+    by_size = lists_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv)
+    dq_lists, dq_counts, ends, tails, checked = by_size
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
     list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
+    ends_args = (ends, *list_end_strides(ends))
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
+    # K, V for the short walks: their own TMA boxes, or the tensors for pointer loads.
+    kv_tails = tail_descriptors(k, v, block_kv, tails) if kv_tma else (k, v) * 2
+    q_tails = tail_descriptors(k, v, block_kv, tails) if q_tma else (k, v) * 2
     scales = (scale * LOG2E, scale)
 
     if not (gluon_dkdv or gluon_dq) and fused_launch(
@@ -97,13 +106,15 @@ def block_sparse_attn_bwd(
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         num_dq_programs = Sq // q_cfg.sub_m * B * H
         block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
-            *kv_in, q, *q_keys, do, dq, dk, dv, lse2, delta,
-            q_offsets, q_indices, dq_lists, dq_counts, sizes, full, *broadcast_strides(full),
+            *kv_in, q, *q_keys, do, *kv_tails, *q_tails, dq, dk, dv, lse2, delta,
+            q_offsets, q_indices, dq_lists, dq_counts, sizes, *ends_args,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             *dq.stride(), *dk.stride(), *dv.stride(),
             *transposed_strides, *list_strides, *grad_hooks,
             H, Sq, Sq // block_q, num_kv_blocks, B * H, dq_lists.shape[-1], *scales,
             SUB_M_DKDV=kv_cfg.sub_m, SUB_M_DQ=q_cfg.sub_m,
+            # one pair for both halves: the short walks where both configs take them
+            **walk_tails(replace(kv_cfg, key_tails=kv_cfg.key_tails and q_cfg.key_tails), tails),
             USE_TMA_DKDV=kv_tma, USE_TMA_DQ=q_tma, CHECK_LISTS=checked, **common,
             **eviction_hints(kv_cfg, "_DKDV"), **eviction_hints(q_cfg, "_DQ"),
             **kv_cfg.launch_kwargs(),  # both halves': fused_launch checked they agree
@@ -118,12 +129,13 @@ def block_sparse_attn_bwd(
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
-            *kv_in, dk, dv, lse2, delta,
+            *kv_in, dk, dv, lse2, delta, *kv_tails,
             q_offsets, q_indices, sizes,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             *transposed_strides, *grad_hooks,
             H, Sq, Sq // block_q, *scales,
             SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
+            **walk_tails(kv_cfg, tails),
             **kv_cfg.launch_kwargs(),
         )  # fmt: skip
     if gluon_dq:
@@ -134,12 +146,13 @@ def block_sparse_attn_bwd(
         return dq, dk, dv
     dq = torch.empty_like(q)
     block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
-        q, *q_keys, do, dq, lse2, delta,
-        dq_lists, dq_counts, sizes, full, *broadcast_strides(full),
+        q, *q_keys, do, dq, lse2, delta, *q_tails,
+        dq_lists, dq_counts, sizes, *ends_args,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *list_strides, *grad_hooks,
         H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
         SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
+        **walk_tails(q_cfg, tails),
         **common, **q_cfg.launch_kwargs(),
     )  # fmt: skip
     return dq, dk, dv

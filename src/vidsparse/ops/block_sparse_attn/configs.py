@@ -72,6 +72,11 @@ class KernelConfig:
     # launch options: each half of a fused launch keeps its own.
     evict_streamed: str = ""
     evict_resident: str = ""
+    # Masked kernels: partial key blocks that fit in half or a quarter of the block are walked
+    # with that many key rows (``key_tails``; forward and dQ: their list walks, dK/dV: a
+    # partial block's program). Off where not yet timed: the extra walks cost registers
+    # (tests/compile/ found spills on AMD and sm_100 with them).
+    key_tails: bool = True
 
     def __post_init__(self):
         for name in ("evict_streamed", "evict_resident"):
@@ -150,12 +155,27 @@ class ListReorderConfig:
 
 LIST_REORDER = ListReorderConfig()
 
+# Partial key blocks (VSA's and STA's edge tiles, a text tail) are walked with fewer key rows
+# than the block holds: a block of s real keys takes the smallest of block_kv / 4, block_kv / 2
+# and block_kv rows that holds s, so its dots shrink with it (Wan 480p's 4x4x4 grid has edge
+# tiles of 8, 16 and 32 tokens). A dot needs at least 16 rows on every target.
+MIN_TAIL_ROWS = 16
+
+
+def key_tails(block_kv: int) -> tuple[int, int]:
+    """``(tail1, tail2)``: the rows of the two short walks of ``block_kv``-token key blocks,
+    ``block_kv // 2`` and ``block_kv // 4``, each 0 where under ``MIN_TAIL_ROWS`` (no such
+    walk) or where tuning turned them off (``override(key_tails=False)``)."""
+    if not _active.key_tails:
+        return 0, 0
+    return tuple(r if r >= MIN_TAIL_ROWS else 0 for r in (block_kv // 2, block_kv // 4))
+
 
 def _amd(num_warps, *, stages, waves_per_eu, sub_m=None, streamed="", resident="", nonkdim=16,
          kpack=2):  # fmt: skip
     extra = (("waves_per_eu", waves_per_eu), ("matrix_instr_nonkdim", nonkdim), ("kpack", kpack))
     return KernelConfig(num_warps, stages, extra, sub_m, evict_streamed=streamed,
-                        evict_resident=resident)  # fmt: skip
+                        evict_resident=resident, key_tails=False)  # fmt: skip
 
 
 # Kernels: "fwd", "bwd_dkdv", "bwd_dq"; "<kernel>_masked" rows apply when kv_block_sizes masks
@@ -201,24 +221,25 @@ HOPPER = {
     ("bwd_dq_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=64),
 }
 # Every NVIDIA GPU that is not a Hopper (Ampere sm_80, Ada, Blackwell sm_100, ...): the Triton
-# pointer kernels, no TMA, no Gluon. Compile-checked for cuda:100 with Triton 3.6 and 3.8
-# (spill-free; tests/compile/), not timed: 128-row forward blocks take 8 warps (4 spill
+# pointer kernels, no TMA, no Gluon, no short walks of partial key blocks (not timed; sm_100's
+# masked 128x128 dQ at D=64 spills 4 B with them). Compile-checked for cuda:100 with Triton
+# 3.6 and 3.8 (spill-free; tests/compile/), not timed: 128-row forward blocks take 8 warps (4 spill
 # 84-3,608 bytes, the S and O tiles of 128 rows in 128 threads' registers), one stage with
 # key-block sizes at 128x128 (two spill 280 B on 3.8); 64x64 with sizes three stages (two
 # spill 16 B on 3.8); the masked 128x128 backward 8 warps of 64-row steps (4 spill 8-60 B).
 # (A table of its own, ahead of NVIDIA_GENERIC: its masked rows must not reach a Hopper, whose
 # lookup would take them over its own plain rows.)
 NVIDIA_NON_HOPPER = {
-    ("fwd", 128, "*", "*"): KernelConfig(8, 2),
-    ("fwd_masked", 128, 128, "*"): KernelConfig(8, 1),
-    ("fwd_masked", 64, 64, "*"): KernelConfig(4, 3),
-    ("bwd_dkdv_masked", 128, 128, "*"): KernelConfig(8, 1, sub_m=64),
-    ("bwd_dq_masked", 128, 128, "*"): KernelConfig(8, 1, sub_m=64),
+    ("fwd", 128, "*", "*"): KernelConfig(8, 2, key_tails=False),
+    ("fwd_masked", 128, 128, "*"): KernelConfig(8, 1, key_tails=False),
+    ("fwd_masked", 64, 64, "*"): KernelConfig(4, 3, key_tails=False),
+    ("bwd_dkdv_masked", 128, 128, "*"): KernelConfig(8, 1, sub_m=64, key_tails=False),
+    ("bwd_dq_masked", 128, 128, "*"): KernelConfig(8, 1, sub_m=64, key_tails=False),
 }
 NVIDIA_GENERIC = {
-    ("fwd", "*", "*", "*"): KernelConfig(4, 2),
-    ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
-    ("bwd_dq", "*", "*", "*"): KernelConfig(4, 1, sub_m=64),
+    ("fwd", "*", "*", "*"): KernelConfig(4, 2, key_tails=False),
+    ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=64, key_tails=False),
+    ("bwd_dq", "*", "*", "*"): KernelConfig(4, 1, sub_m=64, key_tails=False),
 }
 # CDNA3/4 (MI300, MI350). Each kernel's rows state its own stages: one for every pass for now,
 # as ROCm's Triton attention kernels run (not yet timed per pass). Eviction hints as the ROCm
@@ -226,7 +247,8 @@ NVIDIA_GENERIC = {
 # backward's Q, dO, K and V (the dK/dV loop's Q, dO and its program's own K, V tile, which no
 # other dK/dV program reads; the dQ loop's K, V). The AMD backends of Triton 3.6 and 3.8 drop
 # the hint when they lower the loads (buffer loads carry none): the rows compile as unhinted
-# ones there, and take effect with a Triton that lowers it.
+# ones there, and take effect with a Triton that lowers it. No short walks of partial key
+# blocks (``_amd``): with them the masked kernels spill 1-32 VGPRs on gfx942 and gfx950.
 AMD_CDNA = {
     # 8 warps cap a wave at 256 VGPRs: the 128x128x128 tile with key-block sizes spills there
     # on gfx942, so it runs 4 warps at occupancy 1.
@@ -282,6 +304,7 @@ class Overrides:
     bwd_dq: KernelConfig | None = None
     fused: bool | None = None  # backward: one launch (True) or two (False)
     full_first: bool = True  # False: walk every key block masked, in the given order
+    key_tails: bool = True  # False: partial key blocks are walked with all block_kv rows
     gluon: GluonOptions | None = None
 
 

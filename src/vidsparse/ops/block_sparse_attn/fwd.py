@@ -22,10 +22,13 @@ from vidsparse.ops.block_sparse_attn.launch import (
     broadcast_strides,
     eviction_hints,
     gluon_launcher,
-    lists_full_first,
+    list_end_strides,
+    lists_by_size,
+    tail_descriptors,
     tensor_descriptor,
     tma_compatible,
     tma_reads_keys,
+    walk_tails,
 )
 from vidsparse.utils.device import target_of
 
@@ -51,8 +54,8 @@ def block_sparse_attn_fwd(
     masked = kv_block_sizes is not None
     cfg = configs.lookup(target_of(q.device), "fwd", block_q, block_kv, D, masked,
                          fp32=q.dtype == torch.float32)  # fmt: skip
-    kv_indices, kv_counts, full, checked = lists_full_first(kv_indices, kv_counts, kv_block_sizes,
-                                                            block_kv)  # fmt: skip
+    by_size = lists_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv)
+    kv_indices, kv_counts, ends, tails, checked = by_size
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     fns = epilogue.fns()
     tma_possible = tma_reads_keys(q.dtype, kv_block_sizes, padding_finite)
@@ -67,23 +70,25 @@ def block_sparse_attn_fwd(
 
         return block_sparse_attn_fwd_sm90(
             q, k, v, kv_indices, kv_counts, block_q, block_kv, scale,
-            kv_block_sizes=kv_block_sizes, full_counts=full if masked else None,
+            kv_block_sizes=kv_block_sizes, full_counts=ends[..., 0] if masked else None,
             epilogue=epilogue,
         )  # fmt: skip
     o = torch.empty_like(q)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sizes = kv_block_sizes if masked else kv_counts  # dummy pointer when unused
-    lists = (kv_indices, kv_counts, sizes, full, *broadcast_strides(full))
+    lists = (kv_indices, kv_counts, sizes, ends, *list_end_strides(ends))
     hook = (fns.forward.fn, epilogue.forward_args(call))
     grid = (Sq // block_q, B * H)
     bounds = (k.shape[2] // block_kv, kv_indices.shape[-1])  # NK, K: the kernels' memory safety
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=masked,
-                  CHECK_LISTS=checked, **cfg.launch_kwargs())  # fmt: skip
+                  CHECK_LISTS=checked, **walk_tails(cfg, tails),
+                  **cfg.launch_kwargs())  # fmt: skip
     if use_tma:
         desc = tensor_descriptor
         block_sparse_attn_fwd_tma_kernel[grid](
             desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
-            *lists, *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
+            *tail_descriptors(k, v, block_kv, tails), *lists,
+            *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
             *hook, H, Sq, *bounds, scale * LOG2E,
             WARP_SPECIALIZE=cfg.warp_specialize, **common,
         )  # fmt: skip

@@ -52,7 +52,7 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
                 options: configs.GluonOptions | None = None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
     a GPU). With ``kv_block_sizes``, ``kv_indices`` must list each row's full blocks first and
-    ``full_counts`` count them (``lists.full_blocks_first``)."""
+    ``full_counts`` count them (``lists.blocks_by_size``: its first end)."""
     B, H, Sq, D = q.shape
     nq = Sq // block_q
     has_sizes = kv_block_sizes is not None
@@ -88,7 +88,7 @@ def block_sparse_attn_fwd_sm90(q, k, v, kv_indices, kv_counts, block_q=128, bloc
         raise ValueError("block_sparse_attn_fwd_sm90: needs square 64 or 128 blocks, head_dim "
                          "128, bf16/fp16 and contiguous 16-byte aligned q, k, v")  # fmt: skip
     if (kv_block_sizes is None) != (full_counts is None):
-        raise ValueError("kv_block_sizes and full_counts go together (lists.full_blocks_first)")
+        raise ValueError("kv_block_sizes and full_counts go together (lists.blocks_by_size)")
     kv_indices = int32_contiguous(kv_indices)
     if kv_counts.dtype != torch.int32:
         kv_counts = int32_contiguous(kv_counts)

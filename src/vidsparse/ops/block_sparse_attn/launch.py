@@ -9,7 +9,7 @@ import logging
 import torch
 
 from vidsparse.ops.block_sparse_attn import configs
-from vidsparse.ops.block_sparse_attn.lists import cached_full_blocks_first, derived_lists
+from vidsparse.ops.block_sparse_attn.lists import cached_blocks_by_size, derived_lists
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: log2(e) joins the scale
 
@@ -54,21 +54,50 @@ def tensor_descriptor(x: torch.Tensor, rows: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
 
 
-def lists_full_first(kv_indices, kv_counts, kv_block_sizes, block_kv):
-    """``(lists, counts, full counts, checked)`` for the kernels' two walks: without key-block
-    sizes the lists as given (every block full; ``kv_counts`` stands in for the full counts),
-    else reordered full blocks first (``lists.full_blocks_first``), with their own counts.
-    ``checked``: the kernels must check each entry and count against the bounds (the caller's
-    lists, which a write behind the validation's back may have spoiled); the reordered lists
-    are valid by construction, so the kernels walk them as they are. Tuning can turn the
-    reorder off (``configs.override(full_first=False)``): every block then takes the masked
-    walk."""
+def walk_tails(cfg: configs.KernelConfig, tails: tuple[int, int]) -> dict:
+    """The kernels' ``TAIL1``, ``TAIL2`` constexprs: the short walks' rows ``tails`` (the
+    lists' groups, ``lists_by_size``) where config ``cfg`` takes them, else 0 (the kernel walks
+    those groups with all rows, ``kernels/common.walk_ends``)."""
+    tail1, tail2 = tails if cfg.key_tails else (0, 0)
+    return {"TAIL1": tail1, "TAIL2": tail2}
+
+
+def tail_descriptors(k, v, block_kv, tails) -> tuple:
+    """TMA descriptors of K and V in boxes of each short walk's rows (``tails``), for the
+    kernels' ``desc_k1, desc_v1, desc_k2, desc_v2``; a walk that does not run (0) gets the
+    full-block ones, never read."""
+    out = []
+    for rows in tails:
+        out += [tensor_descriptor(k, rows or block_kv), tensor_descriptor(v, rows or block_kv)]
+    return tuple(out)
+
+
+def lists_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv):
+    """``(lists, counts, ends, tails, checked)`` for the kernels' walks: without key-block
+    sizes the lists as given (every block full; ``kv_counts`` stands in for the ends, which the
+    kernels then do not read), else reordered by ``lists.blocks_by_size`` (full blocks, then
+    partial ones walked with all rows, ``tails[0]`` and ``tails[1]`` rows; ``ends`` int32
+    ``[Bi, H, NQ, 3]``), with their own counts. ``checked``: the kernels must check each entry
+    and count against the bounds (the caller's lists, which a write behind the validation's
+    back may have spoiled); the reordered lists are valid by construction, so the kernels walk
+    them as they are. Tuning can turn the reorder off (``configs.override(full_first=False)``):
+    every block then takes the masked walk with all rows."""
     if kv_block_sizes is None:
-        return kv_indices, kv_counts, kv_counts, True
+        return kv_indices, kv_counts, kv_counts, (0, 0), True
     if not configs.active_overrides().full_first:
-        return kv_indices, kv_counts, torch.zeros_like(kv_counts, dtype=torch.int32), True
-    lists, full, counts = cached_full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv)
-    return lists, counts, full, False
+        width = kv_indices.shape[-1]
+        ends = torch.zeros((*kv_counts.shape, 3), device=kv_counts.device, dtype=torch.int32)
+        ends[..., 1:] = width  # the kernels clamp ends to the count: all masked, all rows
+        return kv_indices, kv_counts, ends, (0, 0), True
+    tails = configs.key_tails(block_kv)
+    lists, ends, counts = cached_blocks_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv,
+                                                tails)  # fmt: skip
+    return lists, counts, ends, tails, False
+
+
+def list_end_strides(ends: torch.Tensor) -> tuple[int, int, int]:
+    """The kernels' ``(b, h, query block)`` strides of ``ends`` (a batch of 1 broadcasts)."""
+    return broadcast_strides(ends)[:3]
 
 
 def int32_contiguous(x: torch.Tensor) -> torch.Tensor:

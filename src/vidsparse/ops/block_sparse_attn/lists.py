@@ -1,15 +1,18 @@
-"""Key-block lists reordered for the forward: full blocks first.
+"""Key-block lists reordered for the kernels: full blocks first, the partial ones by size.
 
-With ``kv_block_sizes``, a listed key block may end in padding keys, whose scores the forward
+With ``kv_block_sizes``, a listed key block may end in padding keys, whose scores the kernels
 must mask: one compare and select per score, ~160 extra integer and select instructions per
 128x128 step (benchmarks/NOTES.md). Most listed blocks are full (Wan 480p's 4x4x4 tiles: 455
-of 624), so the forward walks each list in two loops, the full blocks without the mask and then
-the partial ones with it. That needs the full blocks at the front of each list::
+of 624), so the kernels walk each list in loops: the full blocks without the mask, then the
+partial ones with it, those that fit in a quarter or a half of a block with that many key rows
+(``configs.key_tails``), so that an edge tile of 16 tokens costs a quarter of a full one::
 
-    kv_indices[b, h, i]   = [ 7, 12, 13, 20, 31, ...]      (ascending, any order is legal)
-    kv_block_sizes[block] =  64  40  64  64  17            (block_kv = 64)
-    reordered             = [ 7, 13, 20, 12, 31, ...]      full_counts[b, h, i] = 3
-                              |- full --|  |partial|
+    block_kv = 64: tail1 = 32, tail2 = 16
+    kv_indices[b, h, i]   = [ 7, 12, 13, 20, 31, 40, ...]  (ascending, any order is legal)
+    kv_block_sizes[block] =  64  40  64  64  16  32
+    reordered             = [ 7, 13, 20, 12, 40, 31, ...]  ends[b, h, i] = [3, 4, 5]
+                              |- full --| 64 | 32 | 16 |
+                              64 rows, unmasked | masked, with 64, 32, 16 rows
 
 A stable partition per row, in one small kernel (the lists are O(B*H*NQ*K) int32; the
 attention that reads them is O(B*H*NQ*K*block_q*block_kv*D)).
@@ -28,7 +31,7 @@ import triton
 
 from vidsparse.masks.block_sparse import transpose_block_lists
 from vidsparse.ops.block_sparse_attn.configs import LIST_REORDER
-from vidsparse.ops.block_sparse_attn.kernels.lists import full_blocks_first_kernel
+from vidsparse.ops.block_sparse_attn.kernels.lists import blocks_by_size_kernel
 from vidsparse.utils.tensor_cache import TensorCache
 
 # Lists derived from block lists, per source tensors (see TensorCache).
@@ -41,11 +44,11 @@ def forget_derived(sources) -> None:
     derived_lists.discard(sources)
 
 
-def cached_full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv):
-    """``full_blocks_first``, computed once per source lists (``derived_lists``)."""
+def cached_blocks_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv, tails):
+    """``blocks_by_size``, computed once per source lists (``derived_lists``)."""
     return derived_lists.get(
-        "full_first", (kv_indices, kv_counts, kv_block_sizes), (block_kv,),
-        lambda: full_blocks_first(kv_indices, kv_counts, kv_block_sizes, block_kv),
+        "by_size", (kv_indices, kv_counts, kv_block_sizes), (block_kv, tails),
+        lambda: blocks_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv, tails),
     )  # fmt: skip
 
 
@@ -57,46 +60,68 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks):
     )  # fmt: skip
 
 
-def full_blocks_first(
+def blocks_by_size(
     kv_indices: torch.Tensor,
     kv_counts: torch.Tensor,
     kv_block_sizes: torch.Tensor,
     block_kv: int,
+    tails: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(indices, full_counts, counts)``: each row of ``kv_indices`` with its full key blocks
-    (``kv_block_sizes[j] == block_kv``) first and its partial ones after, each group in list
-    order; ``full_counts[b, h, i]`` full ones, ``counts[b, h, i]`` in all. int32, contiguous,
-    shaped like the inputs; entries at or past ``counts`` are unspecified (no kernel reads
-    them). Valid by construction whatever the inputs hold: counts clamp to ``K`` and entries out
-    of ``[0, NK)`` are dropped (lists changed behind the validation's back stay memory-safe)."""
+    """``(indices, ends, counts)``: each row of ``kv_indices`` in four groups, each in list
+    order: its full key blocks (``kv_block_sizes[j] == block_kv``), then its partial ones
+    walked with ``block_kv`` rows, with ``tails[0]`` rows (size <= tails[0]) and with
+    ``tails[1]`` rows (size <= tails[1]); a tail of 0 has no group. ``ends[b, h, i]`` holds
+    where the first three groups end, ``counts[b, h, i]`` the entries in all. int32,
+    contiguous, shaped like the inputs (``ends`` with a last dim of 3); entries at or past
+    ``counts`` are unspecified (no kernel reads them). Valid by construction whatever the inputs
+    hold: counts clamp to ``K`` and entries out of ``[0, NK)`` are dropped (lists changed behind
+    the validation's back stay memory-safe)."""
     bi, h, nq, k = kv_indices.shape
-    indices = torch.empty((bi, h, nq, k), device=kv_indices.device, dtype=torch.int32)
-    full_counts = torch.empty((bi, h, nq), device=kv_indices.device, dtype=torch.int32)
-    counts = torch.empty((bi, h, nq), device=kv_indices.device, dtype=torch.int32)
+    device = kv_indices.device
+    indices = torch.empty((bi, h, nq, k), device=device, dtype=torch.int32)
+    ends = torch.empty((bi, h, nq, 3), device=device, dtype=torch.int32)
+    counts = torch.empty((bi, h, nq), device=device, dtype=torch.int32)
     num_rows = bi * h * nq
     if num_rows == 0 or k == 0:
-        full_counts.zero_()
+        ends.zero_()
         counts.zero_()
-        return indices, full_counts, counts
+        return indices, ends, counts
     width = triton.next_power_of_2(k)
     rows = max(1, LIST_REORDER.row_elements // width)
-    full_blocks_first_kernel[(triton.cdiv(num_rows, rows),)](
-        kv_indices, kv_counts, kv_block_sizes, indices, full_counts, counts,
+    blocks_by_size_kernel[(triton.cdiv(num_rows, rows),)](
+        kv_indices, kv_counts, kv_block_sizes, indices, ends, counts,
         *kv_indices.stride(), *kv_counts.stride(),
-        h, nq, k, kv_block_sizes.shape[0], num_rows, block_kv,
+        h, nq, k, kv_block_sizes.shape[0], num_rows, block_kv, *tails,
         ROWS=rows, WIDTH=width,
         num_warps=LIST_REORDER.num_warps(rows * width),
     )  # fmt: skip
-    return indices, full_counts, counts
+    return indices, ends, counts
 
 
-def full_blocks_first_ref(
-    kv_indices: torch.Tensor, kv_counts: torch.Tensor, kv_block_sizes: torch.Tensor, block_kv: int
+def size_group(size: int, block_kv: int, tails: tuple[int, int]) -> int:
+    """``blocks_by_size``'s group of a block of ``size`` real keys: 0 full, 1 partial walked
+    with ``block_kv`` rows, 2 with ``tails[0]``, 3 with ``tails[1]``."""
+    tail1, tail2 = tails
+    if size == block_kv:
+        return 0
+    if tail2 and size <= tail2:
+        return 3
+    if tail1 and size <= tail1:
+        return 2
+    return 1
+
+
+def blocks_by_size_ref(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    kv_block_sizes: torch.Tensor,
+    block_kv: int,
+    tails: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Python reference of ``full_blocks_first`` (entries past the counts are 0 here)."""
+    """Python reference of ``blocks_by_size`` (entries past the counts are 0 here)."""
     bi, h, nq, k = kv_indices.shape
     indices = torch.zeros((bi, h, nq, k), dtype=torch.int32)
-    full_counts = torch.zeros((bi, h, nq), dtype=torch.int32)
+    ends = torch.zeros((bi, h, nq, 3), dtype=torch.int32)
     counts = torch.zeros((bi, h, nq), dtype=torch.int32)
     sizes = kv_block_sizes.cpu().tolist()
     for b in range(bi):
@@ -104,9 +129,9 @@ def full_blocks_first_ref(
             for i in range(nq):
                 row = kv_indices[b, hh, i, : max(0, int(kv_counts[b, hh, i]))].cpu().tolist()
                 row = [j for j in row if 0 <= j < len(sizes)]
-                full = [j for j in row if sizes[j] == block_kv]
-                partial = [j for j in row if sizes[j] != block_kv]
-                indices[b, hh, i, : len(row)] = torch.tensor(full + partial, dtype=torch.int32)
-                full_counts[b, hh, i] = len(full)
+                groups = [size_group(sizes[j], block_kv, tails) for j in row]
+                ordered = [j for _, j in sorted(zip(groups, row), key=lambda gj: gj[0])]
+                indices[b, hh, i, : len(ordered)] = torch.tensor(ordered, dtype=torch.int32)
+                ends[b, hh, i] = torch.tensor([sum(g <= e for g in groups) for e in range(3)])
                 counts[b, hh, i] = len(row)
-    return indices, full_counts, counts
+    return indices, ends, counts

@@ -24,7 +24,7 @@ Triton's tensor-descriptor ``load`` has no eviction argument.
 import triton
 import triton.language as tl
 
-from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, num_full_blocks
+from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
 from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
 
 
@@ -49,9 +49,21 @@ def block_sparse_attn_bwd_preprocess_kernel(
     h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
+    o = tl.load(
+        O
+        + b * stride_ob
+        + h * stride_oh
+        + offs_m[:, None] * stride_os
+        + offs_d[None, :] * stride_od
+    )
     o = o.to(tl.float32)  # [BM, D]
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
+    do = tl.load(
+        DO
+        + b * stride_dob
+        + h * stride_doh
+        + offs_m[:, None] * stride_dos
+        + offs_d[None, :] * stride_dod
+    )
     do = do.to(tl.float32)  # [BM, D]
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse = tl.load(LSE + row)
@@ -67,31 +79,41 @@ def block_sparse_attn_bwd_preprocess_kernel(
 def _key_block(K, V, b, h, block, real, offs_d,
                stride_kb, stride_kh, stride_ks, stride_kd,
                stride_vb, stride_vh, stride_vs, stride_vd,
-               BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
                HAS_KV_SIZES: tl.constexpr, USE_TMA: tl.constexpr,
                EVICT: tl.constexpr):  # fmt: skip
-    """K and V rows of one key block, ``[BN, D]`` each: by TMA when K and V are descriptors
-    (padding rows read too: the caller vouched them finite; no eviction hint, a descriptor
-    load takes none), else by pointers with eviction hint ``EVICT`` and padding rows (``real``
-    False) never read."""
+    """The first ``ROWS`` K and V rows of key block ``block``, ``[ROWS, D]`` each: by TMA when
+    K and V are descriptors (of ``ROWS``-row boxes; padding rows read too: the caller vouched
+    them finite; no eviction hint, a descriptor load takes none), else by pointers with
+    eviction hint ``EVICT`` and padding rows (``real`` False) never read."""
     if USE_TMA:
         row0 = (block * BLOCK_N).to(tl.int32)
-        k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(BLOCK_N, HEAD_DIM)
+        k = K.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(ROWS, HEAD_DIM)
+        v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(ROWS, HEAD_DIM)
     else:
-        rows = block.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-        k_ptrs = K + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + offs_d[None, :] * stride_kd
-        v_ptrs = V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        rows = block.to(tl.int64) * BLOCK_N + tl.arange(0, ROWS)  # [ROWS]
+        k_ptrs = (
+            K
+            + b * stride_kb
+            + h * stride_kh
+            + rows[:, None] * stride_ks
+            + offs_d[None, :] * stride_kd
+        )
+        v_ptrs = (
+            V
+            + b * stride_vb
+            + h * stride_vh
+            + rows[:, None] * stride_vs
+            + offs_d[None, :] * stride_vd
+        )
         k = load_rows(k_ptrs, real, HAS_KV_SIZES, EVICT)
         v = load_rows(v_ptrs, real, HAS_KV_SIZES, EVICT)
     return k, v
 
 
 @triton.jit
-def _dkdv_program(
-    pid_n, pid_bh,  # key block, batch * H + head
-    Q, K, V, DO, DK, DV, LSE2, DELTA,
-    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+def _dkdv_rows(
+    pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -99,34 +121,48 @@ def _dkdv_program(
     stride_dkb, stride_dkh, stride_dks, stride_dkd,
     stride_dvb, stride_dvh, stride_dvs, stride_dvd,
     stride_offb, stride_offh, stride_qib, stride_qih,
-    DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
-    H, Sq, NQ,
-    qk_scale, scale,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
+    DKDV_EPILOGUE: tl.constexpr, epilogue_args,
+    H, Sq, qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SUB_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,
 ):  # fmt: skip
-    """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
-    ``block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
-    arithmetic. With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V (blocks
-    [1, 1, BLOCK_N, D]) are tensor descriptors read by TMA; padding keys are then read too, so
-    the caller vouches that they are finite (their probabilities are zeroed, and 0 x finite
-    keeps dS finite). ``DKDV_EPILOGUE`` sees the finished (scaled) dK, dV before their store."""
+    """dK and dV of the first ``ROWS`` rows of key block ``pid_n`` (its real keys among them),
+    zeros for the rest of the block (padding rows get no gradient)."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
 
-    offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    offs_r = tl.arange(0, ROWS)
+    offs_n = pid_n.to(tl.int64) * BLOCK_N + offs_r  # [ROWS]
     offs_d = tl.arange(0, HEAD_DIM)
     offs_sub = tl.arange(0, SUB_M)
-    real = tl.arange(0, BLOCK_N) < BLOCK_N  # [BN]
+    real = offs_r < ROWS  # [ROWS]
     if HAS_KV_SIZES:
-        real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)
-    k, v = _key_block(K, V, b, h, pid_n, real, offs_d,
-                      stride_kb, stride_kh, stride_ks, stride_kd,
-                      stride_vb, stride_vh, stride_vs, stride_vd,
-                      BLOCK_N, HEAD_DIM, HAS_KV_SIZES, USE_TMA,
-                      EVICT_RESIDENT)  # [BN, D] each; fmt: skip
+        real = offs_r < tl.load(KV_SIZES + pid_n)
+    k, v = _key_block(
+        K,
+        V,
+        b,
+        h,
+        pid_n,
+        real,
+        offs_d,
+        stride_kb,
+        stride_kh,
+        stride_ks,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vs,
+        stride_vd,
+        BLOCK_N,
+        ROWS,
+        HEAD_DIM,
+        HAS_KV_SIZES,
+        USE_TMA,
+        EVICT_RESIDENT,
+    )  # [ROWS, D] each; fmt: skip
 
     if not USE_TMA:
         q_base = Q + b * stride_qb + h * stride_qh
@@ -137,8 +173,8 @@ def _dkdv_program(
     start = tl.load(off_row + pid_n)
     end = tl.load(off_row + pid_n + 1)
 
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     # One flat loop over (listed query block, sub-block) pairs pipelines better than two.
     for t in range(start * NSUB, end * NSUB):
         q_block = tl.load(idx_row + t // NSUB)
@@ -154,26 +190,43 @@ def _dkdv_program(
                          eviction_policy=EVICT_STREAMED)  # fmt: skip
         lse2 = tl.load(LSE2 + row_base + offs_m)  # [SUB_M]
         delta = tl.load(DELTA + row_base + offs_m)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [BN, SUB_M]
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [ROWS, SUB_M]
         p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
         if HAS_KV_SIZES:
             p_t = tl.where(real[:, None], p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # [BN, D]
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [BN, SUB_M]
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # [ROWS, D]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [ROWS, SUB_M]
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # [BN, D]
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # [ROWS, D]
     dk = dk * scale
     dk, dv = DKDV_EPILOGUE(dk, dv, b, h, pid_n, offs_d, *epilogue_args)
 
-    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
+    dk_ptrs = (
+        DK
+        + b * stride_dkb
+        + h * stride_dkh
+        + offs_n[:, None] * stride_dks
+        + offs_d[None, :] * stride_dkd
+    )
+    dv_ptrs = (
+        DV
+        + b * stride_dvb
+        + h * stride_dvh
+        + offs_n[:, None] * stride_dvs
+        + offs_d[None, :] * stride_dvd
+    )
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+    for part in tl.static_range(1, BLOCK_N // ROWS):  # the block's rows past ROWS: padding
+        tl.store(dk_ptrs + part * ROWS * stride_dks, tl.zeros_like(dk).to(DK.dtype.element_ty))
+        tl.store(dv_ptrs + part * ROWS * stride_dvs, tl.zeros_like(dv).to(DV.dtype.element_ty))
 
 
 @triton.jit
-def block_sparse_attn_bwd_dkdv_kernel(
+def _dkdv_program(
+    pid_n, pid_bh,  # key block, batch * H + head
     Q, K, V, DO, DK, DV, LSE2, DELTA,
+    K1, V1, K2, V2,  # K, V for the TAIL1- and TAIL2-row programs (TMA: their own boxes)
     Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
@@ -186,13 +239,81 @@ def block_sparse_attn_bwd_dkdv_kernel(
     H, Sq, NQ,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr,  # rows of the short programs (0: none)
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
+):  # fmt: skip
+    """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
+    ``block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
+    arithmetic. A partial block that fits in ``TAIL2`` or ``TAIL1`` rows runs with that many
+    (``lists.size_group``'s rule). With USE_TMA, Q and DO (blocks [1, 1, SUB_M, D]) and K and V
+    (blocks of the program's rows) are tensor descriptors read by TMA; padding keys are then
+    read too, so the caller vouches that they are finite (their probabilities are zeroed, and
+    0 x finite keeps dS finite). ``DKDV_EPILOGUE`` sees the finished (scaled) dK, dV of the
+    program's rows before their store."""
+    group = 0  # 0: all BLOCK_N rows; 1: TAIL1 rows; 2: TAIL2 rows
+    if HAS_KV_SIZES:
+        size = tl.load(KV_SIZES + pid_n)
+        if TAIL1 > 0:
+            group = tl.where((size < BLOCK_N) & (size <= TAIL1), 1, group)
+        if TAIL2 > 0:
+            group = tl.where((size < BLOCK_N) & (size <= TAIL2), 2, group)
+    strides = (stride_qb, stride_qh, stride_qs, stride_qd,
+               stride_kb, stride_kh, stride_ks, stride_kd,
+               stride_vb, stride_vh, stride_vs, stride_vd,
+               stride_dob, stride_doh, stride_dos, stride_dod,
+               stride_dkb, stride_dkh, stride_dks, stride_dkd,
+               stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+               stride_offb, stride_offh, stride_qib, stride_qih)  # fmt: skip
+    # One if/elif chain (three separate ifs spilled on sm_90), each short walk behind its
+    # constexpr test, so a walk of 0 rows is never compiled.
+    if group == 0:
+        _dkdv_rows(pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+                   *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
+                   BLOCK_M, BLOCK_N, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
+                   USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+    elif TAIL2 > 0:
+        if group == 2:
+            _dkdv_rows(pid_n, pid_bh, Q, K2, V2, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+                       *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
+                       BLOCK_M, BLOCK_N, TAIL2, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
+                       USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+        else:
+            _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+                       *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
+                       BLOCK_M, BLOCK_N, TAIL1, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
+                       USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+    elif TAIL1 > 0:
+        _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+                   *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
+                   BLOCK_M, BLOCK_N, TAIL1, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
+                   USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+
+
+@triton.jit
+def block_sparse_attn_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE2, DELTA,
+    K1, V1, K2, V2,  # as in _dkdv_program
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    stride_dkb, stride_dkh, stride_dks, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvs, stride_dvd,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    DQ_EPILOGUE: tl.constexpr, DKDV_EPILOGUE: tl.constexpr, epilogue_args,  # on the gradients
+    H, Sq, NQ,
+    qk_scale, scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
     _dkdv_program(
         tl.program_id(0), tl.program_id(1),
-        Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+        Q, K, V, DO, DK, DV, LSE2, DELTA, K1, V1, K2, V2, Q_OFF, Q_IDX, KV_SIZES,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
@@ -202,37 +323,59 @@ def block_sparse_attn_bwd_dkdv_kernel(
         stride_offb, stride_offh, stride_qib, stride_qih,
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NQ, qk_scale, scale,
-        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
         EVICT_STREAMED, EVICT_RESIDENT,
     )  # fmt: skip
 
 
 @triton.jit
 def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi, NK, b, h,
-             offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
+             offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
              stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, CHECK: tl.constexpr,
-             EVICT: tl.constexpr):  # fmt: skip
-    """dQ over list entries ``[lo, hi)``; ``MASKED``: the blocks may end in padding keys;
-    ``CHECK``: entries may be out of range; ``EVICT``: the K, V loads' eviction hint."""
+             BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+             MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+             CHECK: tl.constexpr, EVICT: tl.constexpr):  # fmt: skip
+    """dQ over list entries ``[lo, hi)``, each block's first ``ROWS`` keys (the walk's blocks
+    hold no more real ones; TMA: ``K``, ``V`` have ``ROWS``-row boxes); ``MASKED``: the blocks
+    may end in padding keys; ``CHECK``: entries may be out of range; ``EVICT``: the K, V
+    loads' eviction hint."""
+    offs_n = tl.arange(0, ROWS)
     for j in range(lo, hi):
         kv_block = tl.load(idx_row + j * stride_ik)
         ok = True
         if CHECK:
             kv_block, ok = key_block_in_range(kv_block, NK)
-        real = offs_n < BLOCK_N  # [BN]
+        real = offs_n < ROWS  # [ROWS]
         if MASKED:
             if CHECK:
                 real = offs_n < tl.where(ok, tl.load(KV_SIZES + kv_block), 0)
             else:
                 real = offs_n < tl.load(KV_SIZES + kv_block)
-        k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
-                          stride_kb, stride_kh, stride_ks, stride_kd,
-                          stride_vb, stride_vh, stride_vs, stride_vd,
-                          BLOCK_N, HEAD_DIM, MASKED, USE_TMA, EVICT)  # [BN, D] each; fmt: skip
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [SUB_M, BN]
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [SUB_M, BN]
+        k, v = _key_block(
+            K,
+            V,
+            b,
+            h,
+            kv_block,
+            real,
+            offs_d,
+            stride_kb,
+            stride_kh,
+            stride_ks,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vs,
+            stride_vd,
+            BLOCK_N,
+            ROWS,
+            HEAD_DIM,
+            MASKED,
+            USE_TMA,
+            EVICT,
+        )  # [ROWS, D] each; fmt: skip
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [SUB_M, ROWS]
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [SUB_M, ROWS]
         if CHECK and not MASKED:  # an entry out of range: subtract +inf, p = 0 (per row)
             p = tl.math.exp2(qk * qk_scale - tl.where(ok, lse2, float("inf"))[:, None])
         else:
@@ -248,8 +391,9 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
 def _dq_program(
     pid, pid_bh,  # query sub-block (of SUB_M rows), batch * H + head
     Q, K, V, DO, DQ, LSE2, DELTA,
+    K1, V1, K2, V2,  # K, V for the TAIL1- and TAIL2-row walks (TMA: their own boxes)
     KV_IDX, KV_CNT, KV_SIZES,
-    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    KV_ENDS, stride_eb, stride_eh, stride_eq,  # HAS_KV_SIZES: int32 [Bi, H, NQ, 3], the walks' ends
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -261,6 +405,7 @@ def _dq_program(
     H, Sq, NK, K_WIDTH,  # key blocks and list width: bounds of every entry and count
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr,  # rows of the short walks (0: none)
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q, dO loads' hints
@@ -277,12 +422,23 @@ def _dq_program(
     q_block = (pid // NSUB).to(tl.int64)
 
     offs_m = pid.to(tl.int64) * SUB_M + tl.arange(0, SUB_M)  # [SUB_M]; sub-blocks tile the rows
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                eviction_policy=EVICT_RESIDENT)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
-                 eviction_policy=EVICT_RESIDENT)
+    q = tl.load(
+        Q
+        + b * stride_qb
+        + h * stride_qh
+        + offs_m[:, None] * stride_qs
+        + offs_d[None, :] * stride_qd,
+        eviction_policy=EVICT_RESIDENT,
+    )
+    do = tl.load(
+        DO
+        + b * stride_dob
+        + h * stride_doh
+        + offs_m[:, None] * stride_dos
+        + offs_d[None, :] * stride_dod,
+        eviction_policy=EVICT_RESIDENT,
+    )
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse2 = tl.load(LSE2 + row)  # [SUB_M]
     delta = tl.load(DELTA + row)
@@ -293,33 +449,49 @@ def _dq_program(
         count = tl.minimum(count, K_WIDTH)
 
     dq = tl.zeros([SUB_M, HEAD_DIM], dtype=tl.float32)
-    # With key-block sizes the lists come full blocks first (lists.full_blocks_first): those
-    # are walked without the padding mask, the partial ones after them with it.
-    num_full = num_full_blocks(KV_FULL, b, h, q_block, stride_fb, stride_fh, stride_fq, count,
-                                HAS_KV_SIZES)  # fmt: skip
-    dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, 0, num_full, NK, b, h,
-                  offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
-                  stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                  BLOCK_N, HEAD_DIM, False, DOT_PRECISION, USE_TMA, CHECK_LISTS,
+    # With key-block sizes the lists come by size (lists.blocks_by_size): the full blocks are
+    # walked without the padding mask, the partial ones after them with it, with fewer rows
+    # where they fit.
+    end0, end1, end2 = walk_ends(KV_ENDS, b, h, q_block, stride_eb, stride_eh, stride_eq, count,
+                                 HAS_KV_SIZES, TAIL1, TAIL2)  # fmt: skip
+    rows = (q, do, lse2, delta)
+    walk = (KV_SIZES, idx_row, stride_ik)
+    strides = (stride_kb, stride_kh, stride_ks, stride_kd, stride_vb, stride_vh, stride_vs,
+               stride_vd, qk_scale)  # fmt: skip
+    dq = _dq_walk(*rows, dq, K, V, *walk, 0, end0, NK, b, h, offs_d, *strides,
+                  BLOCK_N, BLOCK_N, HEAD_DIM, False, DOT_PRECISION, USE_TMA, CHECK_LISTS,
                   EVICT_STREAMED)  # fmt: skip
     if HAS_KV_SIZES:
-        dq = _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, num_full,
-                      count, NK, b, h, offs_n, offs_d, stride_kb, stride_kh, stride_ks, stride_kd,
-                      stride_vb, stride_vh, stride_vs, stride_vd, qk_scale,
-                      BLOCK_N, HEAD_DIM, True, DOT_PRECISION, USE_TMA, CHECK_LISTS,
+        dq = _dq_walk(*rows, dq, K, V, *walk, end0, end1, NK, b, h, offs_d, *strides,
+                      BLOCK_N, BLOCK_N, HEAD_DIM, True, DOT_PRECISION, USE_TMA, CHECK_LISTS,
                       EVICT_STREAMED)  # fmt: skip
+        if TAIL1 > 0:
+            dq = _dq_walk(*rows, dq, K1, V1, *walk, end1, end2, NK, b, h, offs_d, *strides,
+                          BLOCK_N, TAIL1, HEAD_DIM, True, DOT_PRECISION, USE_TMA, CHECK_LISTS,
+                          EVICT_STREAMED)  # fmt: skip
+        if TAIL2 > 0:
+            dq = _dq_walk(*rows, dq, K2, V2, *walk, end2, count, NK, b, h, offs_d, *strides,
+                          BLOCK_N, TAIL2, HEAD_DIM, True, DOT_PRECISION, USE_TMA, CHECK_LISTS,
+                          EVICT_STREAMED)  # fmt: skip
     dq = dq * scale
     dq = DQ_EPILOGUE(dq, b, h, q_block, (pid % NSUB) * SUB_M + tl.arange(0, SUB_M), offs_d,
                      *epilogue_args)  # fmt: skip
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
+    dq_ptrs = (
+        DQ
+        + b * stride_dqb
+        + h * stride_dqh
+        + offs_m[:, None] * stride_dqs
+        + offs_d[None, :] * stride_dqd
+    )
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
 
 
 @triton.jit
 def block_sparse_attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE2, DELTA,
+    K1, V1, K2, V2,  # as in _dq_program
     KV_IDX, KV_CNT, KV_SIZES,
-    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    KV_ENDS, stride_eb, stride_eh, stride_eq,  # as in _dq_program
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -331,6 +503,7 @@ def block_sparse_attn_bwd_dq_kernel(
     H, Sq, NK, K_WIDTH,  # as in _dq_program
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # as in _dq_program
@@ -338,8 +511,8 @@ def block_sparse_attn_bwd_dq_kernel(
     """Grid ``(Sq // SUB_M, B * H)``: one ``_dq_program`` per query sub-block."""
     _dq_program(
         tl.program_id(0), tl.program_id(1),
-        Q, K, V, DO, DQ, LSE2, DELTA, KV_IDX, KV_CNT, KV_SIZES,
-        KV_FULL, stride_fb, stride_fh, stride_fq,
+        Q, K, V, DO, DQ, LSE2, DELTA, K1, V1, K2, V2, KV_IDX, KV_CNT, KV_SIZES,
+        KV_ENDS, stride_eb, stride_eh, stride_eq,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
@@ -349,7 +522,8 @@ def block_sparse_attn_bwd_dq_kernel(
         stride_cb, stride_ch, stride_cq,
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NK, K_WIDTH, qk_scale, scale,
-        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA, CHECK_LISTS,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+        CHECK_LISTS,
         EVICT_STREAMED, EVICT_RESIDENT,
     )  # fmt: skip
 
@@ -358,10 +532,12 @@ def block_sparse_attn_bwd_dq_kernel(
 def block_sparse_attn_bwd_fused_kernel(
     Q_DKDV, K_DKDV, V_DKDV, DO_DKDV,  # the dK/dV half's: descriptors with USE_TMA_DKDV
     Q_DQ, K_DQ, V_DQ, DO_DQ,  # the dQ half's: Q, DO tensors; K, V descriptors with USE_TMA_DQ
+    K1_DKDV, V1_DKDV, K2_DKDV, V2_DKDV,  # each half's K, V for its short walks
+    K1_DQ, V1_DQ, K2_DQ, V2_DQ,
     DQ, DK, DV, LSE2, DELTA,
     Q_OFF, Q_IDX,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K]: the transposed lists
     KV_IDX, KV_CNT, KV_SIZES,  # [Bi, H, NQ, K], [Bi, H, NQ], int32 [NK]
-    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    KV_ENDS, stride_eb, stride_eh, stride_eq,  # HAS_KV_SIZES: int32 [Bi, H, NQ, 3], the walks' ends
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -376,6 +552,7 @@ def block_sparse_attn_bwd_fused_kernel(
     H, Sq, NQ, NK, BH, K_WIDTH,  # K_WIDTH: the lists' width (bound of every count)
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr,
     SUB_M_DKDV: tl.constexpr, SUB_M_DQ: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr,
@@ -398,7 +575,8 @@ def block_sparse_attn_bwd_fused_kernel(
     if pid < num_dkdv:
         _dkdv_program(
             pid % NK, pid // NK,
-            Q_DKDV, K_DKDV, V_DKDV, DO_DKDV, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+            Q_DKDV, K_DKDV, V_DKDV, DO_DKDV, DK, DV, LSE2, DELTA,
+            K1_DKDV, V1_DKDV, K2_DKDV, V2_DKDV, Q_OFF, Q_IDX, KV_SIZES,
             stride_qb, stride_qh, stride_qs, stride_qd,
             stride_kb, stride_kh, stride_ks, stride_kd,
             stride_vb, stride_vh, stride_vs, stride_vd,
@@ -408,7 +586,8 @@ def block_sparse_attn_bwd_fused_kernel(
             stride_offb, stride_offh, stride_qib, stride_qih,
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
             H, Sq, NQ, qk_scale, scale,
-            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA_DKDV,
+            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION,
+            USE_TMA_DKDV,
             EVICT_STREAMED_DKDV, EVICT_RESIDENT_DKDV,
         )  # fmt: skip
     else:
@@ -416,8 +595,8 @@ def block_sparse_attn_bwd_fused_kernel(
         pid_q = pid - num_dkdv
         _dq_program(
             pid_q % num_sub, pid_q // num_sub,
-            Q_DQ, K_DQ, V_DQ, DO_DQ, DQ, LSE2, DELTA, KV_IDX, KV_CNT, KV_SIZES,
-            KV_FULL, stride_fb, stride_fh, stride_fq,
+            Q_DQ, K_DQ, V_DQ, DO_DQ, DQ, LSE2, DELTA, K1_DQ, V1_DQ, K2_DQ, V2_DQ,
+            KV_IDX, KV_CNT, KV_SIZES, KV_ENDS, stride_eb, stride_eh, stride_eq,
             stride_qb, stride_qh, stride_qs, stride_qd,
             stride_kb, stride_kh, stride_ks, stride_kd,
             stride_vb, stride_vh, stride_vs, stride_vd,
@@ -427,6 +606,7 @@ def block_sparse_attn_bwd_fused_kernel(
             stride_cb, stride_ch, stride_cq,
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
             H, Sq, NK, K_WIDTH, qk_scale, scale,
-            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA_DQ, CHECK_LISTS,
+            BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION,
+            USE_TMA_DQ, CHECK_LISTS,
             EVICT_STREAMED_DQ, EVICT_RESIDENT_DQ,
         )  # fmt: skip

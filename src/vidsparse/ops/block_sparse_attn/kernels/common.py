@@ -5,13 +5,25 @@ import triton.language as tl
 
 
 @triton.jit
-def num_full_blocks(KV_FULL, b, h, pid_m, stride_fb, stride_fh, stride_fq, count,
-                     HAS_KV_SIZES: tl.constexpr):
-    """How many leading entries of the list are full key blocks: all of them without
-    key-block sizes, else ``KV_FULL`` (the lists were reordered by ``lists.full_blocks_first``)."""
+def walk_ends(KV_ENDS, b, h, pid_m, stride_eb, stride_eh, stride_eq, count,
+              HAS_KV_SIZES: tl.constexpr, TAIL1: tl.constexpr, TAIL2: tl.constexpr):
+    """Where the kernel's walks of the list end (``lists.blocks_by_size``'s groups): its full
+    key blocks, then the partial ones walked with all ``BLOCK_N`` rows, then those walked with
+    ``TAIL1`` rows; those walked with ``TAIL2`` rows end at ``count``. A kernel without a
+    short walk (``TAIL1`` or ``TAIL2`` 0) walks the groups it would take with the walk before:
+    its end is then ``count``. Without key-block sizes every entry is full. Clamped to
+    ``count`` (and so to the lists' width), so every walk stays in the list."""
     if HAS_KV_SIZES:
-        return tl.load(KV_FULL + b * stride_fb + h * stride_fh + pid_m.to(tl.int64) * stride_fq)
-    return count
+        row = KV_ENDS + b * stride_eb + h * stride_eh + pid_m.to(tl.int64) * stride_eq
+        end0 = tl.minimum(tl.load(row), count)
+        end1 = count
+        end2 = count
+        if TAIL1 > 0:
+            end1 = tl.minimum(tl.load(row + 1), count)
+        if TAIL2 > 0:
+            end2 = tl.minimum(tl.load(row + 2), count)
+        return end0, end1, end2
+    return count, count, count
 
 
 @triton.jit

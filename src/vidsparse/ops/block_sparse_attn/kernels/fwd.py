@@ -3,8 +3,9 @@
 One program per (query block, batch*head): its query block stays in registers while it walks
 the key blocks listed for it with FlashAttention's online softmax in base 2 (``log2(e)``
 folded into the scale). With key-block sizes the list comes full blocks first and is walked in
-two loops, the full blocks unmasked, then the partial ones masked. Before the one store of
-``o`` the kernels call the declared epilogue (``../epilogue.py``).
+up to four loops (``lists.blocks_by_size``): the full blocks unmasked, then the partial ones
+masked, those that fit in ``TAIL1`` or ``TAIL2`` rows with that many rows (smaller dots).
+Before the one store of ``o`` the kernels call the declared epilogue (``../epilogue.py``).
 
 Memory safety whatever the lists hold (the public entry validates them, but a list written
 behind its validation's back is not seen): on the caller's own lists (``CHECK_LISTS``: no
@@ -21,7 +22,7 @@ Triton's tensor-descriptor ``load`` has no eviction argument.
 import triton
 import triton.language as tl
 
-from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, num_full_blocks
+from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
 
 
 @triton.jit
@@ -76,30 +77,33 @@ def _block_size(KV_SIZES, kv_block, ok, CHECK: tl.constexpr):
 
 @triton.jit
 def _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, ok, offs_n,
-                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr,
-                   CHECK: tl.constexpr):
-    """K, V tiles of one listed block by TMA, and the mask of its real keys [BN].
+                   BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   HAS_KV_SIZES: tl.constexpr, CHECK: tl.constexpr):
+    """The first ``ROWS`` K, V rows of one listed block by TMA (descriptors of ``ROWS``-row
+    boxes), and the mask of its real keys [ROWS].
 
     TMA cannot mask rows, so padding keys are read: their scores are masked, and their values
     (finite, as the caller vouched with ``padding_finite``) meet probability 0. No eviction
     hint: a descriptor load takes none."""
-    k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)  # [BN, D]
-    v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(BLOCK_N, HEAD_DIM)
+    k = desc_k.load([b, h, kv_block * BLOCK_N, 0]).reshape(ROWS, HEAD_DIM)  # [ROWS, D]
+    v = desc_v.load([b, h, kv_block * BLOCK_N, 0]).reshape(ROWS, HEAD_DIM)
     if HAS_KV_SIZES:
-        real = offs_n < _block_size(KV_SIZES, kv_block, ok, CHECK)  # [BN]
+        real = offs_n < _block_size(KV_SIZES, kv_block, ok, CHECK)  # [ROWS]
     else:
-        real = offs_n < BLOCK_N
+        real = offs_n < ROWS
     return k, v, real
 
 
 @triton.jit
 def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
-                  m_i, l_i, acc, qk_scale, offs_n, offs_d,
+                  m_i, l_i, acc, qk_scale, offs_d,
                   stride_ks, stride_kd, stride_vs, stride_vd,
-                  BLOCK_N: tl.constexpr, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  CHECK: tl.constexpr, EVICT: tl.constexpr):
-    """List entries ``[lo, hi)`` by pointer loads; ``MASKED``: blocks may end in padding;
-    ``CHECK``: entries may be out of range; ``EVICT``: the K, V loads' eviction hint."""
+                  BLOCK_N: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, CHECK: tl.constexpr, EVICT: tl.constexpr):
+    """List entries ``[lo, hi)`` by pointer loads of each block's first ``ROWS`` keys (the
+    walk's blocks hold no more real ones); ``MASKED``: blocks may end in padding; ``CHECK``:
+    entries may be out of range; ``EVICT``: the K, V loads' eviction hint."""
+    offs_n = tl.arange(0, ROWS)
     for j in range(lo, hi):
         kv_block = tl.load(idx_row + j * stride_ik)
         ok = True
@@ -113,8 +117,8 @@ def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
             # Padding keys are neither read nor weighted: whatever they hold cannot leak in.
             real = offs_n < _block_size(KV_SIZES, kv_block, ok, CHECK)  # [BN]
         else:
-            real = offs_n < BLOCK_N
-        k = load_rows(k_ptrs, real, MASKED, EVICT)  # [BN, D]
+            real = offs_n < ROWS
+        k = load_rows(k_ptrs, real, MASKED, EVICT)  # [ROWS, D]
         v = load_rows(v_ptrs, real, MASKED, EVICT)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
                                              MASKED, DOT_PRECISION, CHECK)
@@ -123,18 +127,20 @@ def _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, lo, hi, NK,
 
 @triton.jit
 def _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, lo, hi, NK, b, h,
-              m_i, l_i, acc, qk_scale, offs_n,
-              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr,
-              WARP_SPECIALIZE: tl.constexpr, CHECK: tl.constexpr):
-    """List entries ``[lo, hi)`` by TMA; ``MASKED``: blocks may end in padding; ``CHECK``:
+              m_i, l_i, acc, qk_scale,
+              BLOCK_N: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              MASKED: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, CHECK: tl.constexpr):
+    """List entries ``[lo, hi)`` by TMA of each block's first ``ROWS`` keys (``desc_k``,
+    ``desc_v`` have ``ROWS``-row boxes); ``MASKED``: blocks may end in padding; ``CHECK``:
     entries may be out of range."""
+    offs_n = tl.arange(0, ROWS)
     for j in tl.range(lo, hi, warp_specialize=WARP_SPECIALIZE):
         kv_block = tl.load(idx_row + j * stride_ik)
         ok = True
         if CHECK:
             kv_block, ok = key_block_in_range(kv_block, NK)
         k, v, real = _tma_key_block(desc_k, desc_v, KV_SIZES, b, h, kv_block, ok, offs_n,
-                                    BLOCK_N, HEAD_DIM, MASKED, CHECK)
+                                    BLOCK_N, ROWS, HEAD_DIM, MASKED, CHECK)
         m_i, l_i, acc = _online_softmax_step(q, k, v, m_i, l_i, acc, real, ok, qk_scale,
                                              MASKED, None, CHECK)
     return m_i, l_i, acc
@@ -156,7 +162,7 @@ def _finish_rows(acc, m_i, l_i):
 def block_sparse_attn_fwd_kernel(
     Q, K, V, O, LSE,  # q [B, H, Sq, D]; k, v [B, H, Skv, D]; o like q; lse fp32 [B, H, Sq]
     KV_IDX, KV_CNT, KV_SIZES,  # int32 [Bi, H, NQ, K], [Bi, H, NQ], [NK] (unused unless HAS_KV_SIZES)
-    KV_FULL, stride_fb, stride_fh, stride_fq,  # HAS_KV_SIZES: int32 [Bi, H, NQ], full blocks first
+    KV_ENDS, stride_eb, stride_eh, stride_eq,  # HAS_KV_SIZES: int32 [Bi, H, NQ, 3], the walks' ends
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -168,6 +174,7 @@ def block_sparse_attn_fwd_kernel(
     NK, K_WIDTH,  # key blocks and list width: the bounds of every entry and count (memory safety)
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr,  # rows of the short walks (0: none)
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q loads' hints
@@ -178,7 +185,6 @@ def block_sparse_attn_fwd_kernel(
     h = (pid_bh % H).to(tl.int64)
 
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
-    offs_n = tl.arange(0, BLOCK_N)  # [BN]
     offs_d = tl.arange(0, HEAD_DIM)  # [D]
 
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
@@ -195,19 +201,25 @@ def block_sparse_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
 
-    num_full = num_full_blocks(KV_FULL, b, h, pid_m, stride_fb, stride_fh, stride_fq, count,
-                                HAS_KV_SIZES)
-    m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, 0, num_full,
-                                  NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
-                                  stride_ks, stride_kd, stride_vs, stride_vd,
-                                  BLOCK_N, False, DOT_PRECISION, CHECK_LISTS,
+    end0, end1, end2 = walk_ends(KV_ENDS, b, h, pid_m, stride_eb, stride_eh, stride_eq, count,
+                                 HAS_KV_SIZES, TAIL1, TAIL2)  # fmt: skip
+    walk = (k_base, v_base, KV_SIZES, idx_row, stride_ik)
+    strides = (stride_ks, stride_kd, stride_vs, stride_vd)
+    m_i, l_i, acc = _pointer_walk(q, *walk, 0, end0, NK, m_i, l_i, acc, qk_scale, offs_d,
+                                  *strides, BLOCK_N, BLOCK_N, False, DOT_PRECISION, CHECK_LISTS,
                                   EVICT_STREAMED)  # fmt: skip
     if HAS_KV_SIZES:
-        m_i, l_i, acc = _pointer_walk(q, k_base, v_base, KV_SIZES, idx_row, stride_ik, num_full,
-                                      count, NK, m_i, l_i, acc, qk_scale, offs_n, offs_d,
-                                      stride_ks, stride_kd, stride_vs, stride_vd,
-                                      BLOCK_N, True, DOT_PRECISION, CHECK_LISTS,
-                                      EVICT_STREAMED)  # fmt: skip
+        m_i, l_i, acc = _pointer_walk(q, *walk, end0, end1, NK, m_i, l_i, acc, qk_scale, offs_d,
+                                      *strides, BLOCK_N, BLOCK_N, True, DOT_PRECISION,
+                                      CHECK_LISTS, EVICT_STREAMED)  # fmt: skip
+        if TAIL1 > 0:
+            m_i, l_i, acc = _pointer_walk(q, *walk, end1, end2, NK, m_i, l_i, acc, qk_scale,
+                                          offs_d, *strides, BLOCK_N, TAIL1, True, DOT_PRECISION,
+                                          CHECK_LISTS, EVICT_STREAMED)  # fmt: skip
+        if TAIL2 > 0:
+            m_i, l_i, acc = _pointer_walk(q, *walk, end2, count, NK, m_i, l_i, acc, qk_scale,
+                                          offs_d, *strides, BLOCK_N, TAIL2, True, DOT_PRECISION,
+                                          CHECK_LISTS, EVICT_STREAMED)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
@@ -219,8 +231,9 @@ def block_sparse_attn_fwd_kernel(
 @triton.jit
 def block_sparse_attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
+    desc_k1, desc_v1, desc_k2, desc_v2,  # K, V in TAIL1- and TAIL2-row boxes (unused where 0)
     KV_IDX, KV_CNT, KV_SIZES,
-    KV_FULL, stride_fb, stride_fh, stride_fq,
+    KV_ENDS, stride_eb, stride_eh, stride_eq,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
     EPILOGUE: tl.constexpr, epilogue_args,  # as in the pointer kernel
@@ -228,6 +241,7 @@ def block_sparse_attn_fwd_tma_kernel(
     NK, K_WIDTH,  # as in the pointer kernel
     qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     CHECK_LISTS: tl.constexpr,
 ):
@@ -245,16 +259,24 @@ def block_sparse_attn_fwd_tma_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)  # [BM, D]
-    offs_n = tl.arange(0, BLOCK_N)
-    num_full = num_full_blocks(KV_FULL, b.to(tl.int64), h.to(tl.int64), pid_m,
-                                stride_fb, stride_fh, stride_fq, count, HAS_KV_SIZES)
-    m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, 0, num_full,
-                              NK, b, h, m_i, l_i, acc, qk_scale, offs_n,
-                              BLOCK_N, HEAD_DIM, False, WARP_SPECIALIZE, CHECK_LISTS)  # fmt: skip
+    end0, end1, end2 = walk_ends(KV_ENDS, b.to(tl.int64), h.to(tl.int64), pid_m,
+                                 stride_eb, stride_eh, stride_eq, count, HAS_KV_SIZES, TAIL1, TAIL2)
+    walk = (KV_SIZES, idx_row, stride_ik)
+    m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, *walk, 0, end0, NK, b, h, m_i, l_i, acc,
+                              qk_scale, BLOCK_N, BLOCK_N, HEAD_DIM, False, WARP_SPECIALIZE,
+                              CHECK_LISTS)  # fmt: skip
     if HAS_KV_SIZES:
-        m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, KV_SIZES, idx_row, stride_ik, num_full,
-                                  count, NK, b, h, m_i, l_i, acc, qk_scale, offs_n,
-                                  BLOCK_N, HEAD_DIM, True, WARP_SPECIALIZE, CHECK_LISTS)  # fmt: skip
+        m_i, l_i, acc = _tma_walk(q, desc_k, desc_v, *walk, end0, end1, NK, b, h, m_i, l_i, acc,
+                                  qk_scale, BLOCK_N, BLOCK_N, HEAD_DIM, True, WARP_SPECIALIZE,
+                                  CHECK_LISTS)  # fmt: skip
+        if TAIL1 > 0:
+            m_i, l_i, acc = _tma_walk(q, desc_k1, desc_v1, *walk, end1, end2, NK, b, h, m_i, l_i,
+                                      acc, qk_scale, BLOCK_N, TAIL1, HEAD_DIM, True,
+                                      WARP_SPECIALIZE, CHECK_LISTS)  # fmt: skip
+        if TAIL2 > 0:
+            m_i, l_i, acc = _tma_walk(q, desc_k2, desc_v2, *walk, end2, count, NK, b, h, m_i,
+                                      l_i, acc, qk_scale, BLOCK_N, TAIL2, HEAD_DIM, True,
+                                      WARP_SPECIALIZE, CHECK_LISTS)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -1,4 +1,4 @@
-"""The full-blocks-first reorder of the key-block lists (launcher: ``../lists.py``).
+"""The by-size reorder of the key-block lists (launcher: ``../lists.py``).
 
 Memory-safe whatever the lists hold, and its output is valid by construction: counts are
 clamped to ``K``, and an entry out of ``[0, NK)`` is dropped (not looked up, not stored), so
@@ -10,13 +10,21 @@ import triton.language as tl
 
 
 @triton.jit
-def full_blocks_first_kernel(
-    KV_IDX, KV_CNT, KV_SIZES, OUT_IDX, OUT_FULL, OUT_CNT,
+def _group_slots(member, start):
+    """Slots of a group's entries, in list order from ``start`` [R], and its size [R]."""
+    member = member.to(tl.int32)
+    return start[:, None] + tl.cumsum(member, axis=1) - 1, tl.sum(member, axis=1)
+
+
+@triton.jit
+def blocks_by_size_kernel(
+    KV_IDX, KV_CNT, KV_SIZES, OUT_IDX, OUT_ENDS, OUT_CNT,
     # kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], kv_sizes int32 [NK];
-    # out_idx int32 [Bi, H, NQ, K], out_full and out_cnt int32 [Bi, H, NQ], all contiguous
+    # out_idx int32 [Bi, H, NQ, K], out_ends int32 [Bi, H, NQ, 3], out_cnt int32 [Bi, H, NQ],
+    # all contiguous
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
-    H, NQ, K, NK, num_rows, full_size,
+    H, NQ, K, NK, num_rows, full_size, tail1, tail2,  # tail1, tail2: 0 where there is no such walk
     ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R] flat (b, h, i) rows
@@ -34,13 +42,25 @@ def full_blocks_first_kernel(
     blocks = tl.load(KV_IDX + in_row[:, None] + offs[None, :] * stride_ik, mask=live, other=0)
     live = live & (blocks >= 0) & (blocks < NK)  # entries out of range are dropped
     sizes = tl.load(KV_SIZES + blocks, mask=live, other=0)  # [R, W]
-    full = (live & (sizes == full_size)).to(tl.int32)
-    partial = (live & (sizes != full_size)).to(tl.int32)
-    num_full = tl.sum(full, axis=1)  # [R]
-    slot = tl.where(
-        full != 0, tl.cumsum(full, axis=1) - 1, num_full[:, None] + tl.cumsum(partial, axis=1) - 1
-    )  # [R, W]: each row's full blocks, then its partial ones, both in list order
+    full = live & (sizes == full_size)
+    partial = live & (sizes != full_size)
+    short2 = partial & (tail2 > 0) & (sizes <= tail2)
+    short1 = partial & (tail1 > 0) & (sizes <= tail1) & ~short2
+    long = partial & ~short1 & ~short2
+    # Each row: full blocks, partial ones walked with all rows, with tail1, with tail2; each
+    # group in list order.
+    zero = tl.zeros([ROWS], dtype=tl.int32)
+    slot_full, end0 = _group_slots(full, zero)
+    slot_long, n_long = _group_slots(long, end0)
+    end1 = end0 + n_long
+    slot_short1, n_short1 = _group_slots(short1, end1)
+    end2 = end1 + n_short1
+    slot_short2, n_short2 = _group_slots(short2, end2)
+    slot = tl.where(full, slot_full, tl.where(long, slot_long,
+                                              tl.where(short1, slot_short1, slot_short2)))
     out_row = rows64 * K
     tl.store(OUT_IDX + out_row[:, None] + slot, blocks.to(tl.int32), mask=live)
-    tl.store(OUT_FULL + rows64, num_full, mask=row_ok)
-    tl.store(OUT_CNT + rows64, num_full + tl.sum(partial, axis=1), mask=row_ok)
+    tl.store(OUT_ENDS + rows64 * 3, end0, mask=row_ok)
+    tl.store(OUT_ENDS + rows64 * 3 + 1, end1, mask=row_ok)
+    tl.store(OUT_ENDS + rows64 * 3 + 2, end2, mask=row_ok)
+    tl.store(OUT_CNT + rows64, end2 + n_short2, mask=row_ok)

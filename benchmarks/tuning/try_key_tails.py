@@ -1,0 +1,128 @@
+"""Partial key blocks walked with fewer rows (``configs.key_tails``) against all rows: VSA's
+fwd, bwd and fwd+bwd, and the backward's kernels, with the short walks on and off.
+
+Run on a GPU from the repository root::
+
+    PYTHONPATH=src python benchmarks/tuning/try_key_tails.py [--cases vsa480,vsa720]
+
+Cases (bf16, D=128, gate, natural order, sparsity 0.875, fresh random inputs): ``vsa480``
+(Wan 2.1 1.3B 480p: 21x30x52 latent, 12 heads; 169 of its 624 4x4x4 tiles are partial, of 8,
+16 and 32 tokens) and ``vsa720`` (Wan 14B 720p: 21x45x80, 40 heads; 340 of 1,440 partial, of 4
+and 16 tokens). Per case: the share of VSA's selected key tiles that are partial (random q, k
+select them more often than their share of the grid: the tile means of fewer tokens spread
+wider), the outputs and gradients with the short walks against without (rel L2), alternating
+``do_bench`` medians of each mode for both, and the backward's kernels from the profiler.
+Writes ``$OUT/try_key_tails.json`` if ``OUT`` is set; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: real kernels only
+
+import torch  # noqa: E402
+
+CASES = {  # latent grid, heads
+    "vsa480": ((21, 30, 52), 12),
+    "vsa720": ((21, 45, 80), 40),
+}
+MODES = ("fwd", "bwd", "fwd+bwd")
+SPARSITY = 0.875
+D = 128
+
+
+def _rel_l2(x, ref) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def _partial_share(q, k, grid) -> float:
+    """Of the key tiles VSA selects at ``SPARSITY``, the share that are partial tiles."""
+    from vidsparse.ops.video_sparse_attn.reference import coarse_attention, tile_means
+
+    tiled_q, tiled_k = grid.tile(q, dim=2), grid.tile(k, dim=2)
+    _, scores = coarse_attention(tile_means(tiled_q, grid), tile_means(tiled_k, grid),
+                                 tile_means(tiled_k, grid), D**-0.5)  # fmt: skip
+    topk = max(1, round(grid.num_tiles * (1 - SPARSITY)))
+    chosen = scores.topk(topk, dim=-1).indices
+    sizes = grid.tile_sizes_on(q.device)
+    return float((sizes[chosen] < grid.tile_volume).float().mean())
+
+
+def run_case(name: str) -> list[dict]:
+    import vidsparse
+    from vidsparse.bench import harness
+    from vidsparse.ops.block_sparse_attn.configs import override
+
+    shape, heads = CASES[name]
+    grid = vidsparse.VideoGrid(shape, (4, 4, 4))
+    S = grid.num_tokens
+    q, k, v, gate = (torch.randn(1, heads, S, D, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(4))  # fmt: skip
+
+    def forward(q, k, v, gate):
+        return vidsparse.video_sparse_attn(q, k, v, grid, gate=gate, sparsity=SPARSITY)
+
+    def grads(tails: bool):
+        with override(key_tails=tails):
+            leaves = [x.detach().requires_grad_() for x in (q, k, v, gate)]
+            out = forward(*leaves)
+            out.backward(do)
+            return [out.detach()] + [x.grad for x in leaves]
+
+    do = torch.randn(1, heads, S, D, device="cuda", dtype=torch.bfloat16)
+    with_tails, without = grads(True), grads(False)
+    diffs = {n: _rel_l2(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dgate"),
+                                                   with_tails, without)}  # fmt: skip
+    share = _partial_share(q, k, grid)
+    print(f"{name}: selected partial tiles {share:.3f} (grid {grid.num_tiles}); "
+          f"tails vs none rel L2 {diffs}", flush=True)  # fmt: skip
+
+    rows = []
+    for mode in MODES:
+        times = {True: [], False: []}
+        for _ in range(3):
+            for tails in (True, False):
+                with override(key_tails=tails):
+                    fn = harness.mode_callable(forward, (q, k, v, gate), mode)
+                    times[tails].append(harness.time_ms(fn, device=q.device))
+        for tails, ms_all in times.items():
+            ms = sorted(ms_all)[1]
+            rows.append(dict(case=name, mode=mode, key_tails=tails, ms=ms, ms_all=ms_all,
+                             selected_partial_share=share, rel_l2_vs_no_tails=diffs))  # fmt: skip
+            print(f"{name} {mode} key_tails={tails}: {ms:.3f} ms {ms_all}", flush=True)
+    for tails in (True, False):
+        with override(key_tails=tails):
+            fn = harness.mode_callable(forward, (q, k, v, gate), "bwd")
+            prof = harness.cuda_profile(fn)
+        kernels = {
+            e.key: round(e.device_time_total / 5 / 1e3, 4)
+            for e in prof.key_averages()
+            if "bwd" in e.key and e.device_time_total > 0
+        }
+        rows.append(dict(case=name, mode="bwd kernels", key_tails=tails, kernels_ms=kernels))
+        print(f"{name} bwd kernels key_tails={tails}: {kernels}", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    from vidsparse.bench import harness
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ",".join(CASES))
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.cases.split(","):
+        rows += run_case(name)
+    out = os.environ.get("OUT")
+    if out:
+        meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_key_tails")
+        harness.write_results(os.path.join(out, "try_key_tails.json"), meta, rows)
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
