@@ -49,21 +49,9 @@ def block_sparse_attn_bwd_preprocess_kernel(
     h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(
-        O
-        + b * stride_ob
-        + h * stride_oh
-        + offs_m[:, None] * stride_os
-        + offs_d[None, :] * stride_od
-    )
+    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
     o = o.to(tl.float32)  # [BM, D]
-    do = tl.load(
-        DO
-        + b * stride_dob
-        + h * stride_doh
-        + offs_m[:, None] * stride_dos
-        + offs_d[None, :] * stride_dod
-    )
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
     do = do.to(tl.float32)  # [BM, D]
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse = tl.load(LSE + row)
@@ -92,20 +80,8 @@ def _key_block(K, V, b, h, block, real, offs_d,
         v = V.load([b.to(tl.int32), h.to(tl.int32), row0, 0]).reshape(ROWS, HEAD_DIM)
     else:
         rows = block.to(tl.int64) * BLOCK_N + tl.arange(0, ROWS)  # [ROWS]
-        k_ptrs = (
-            K
-            + b * stride_kb
-            + h * stride_kh
-            + rows[:, None] * stride_ks
-            + offs_d[None, :] * stride_kd
-        )
-        v_ptrs = (
-            V
-            + b * stride_vb
-            + h * stride_vh
-            + rows[:, None] * stride_vs
-            + offs_d[None, :] * stride_vd
-        )
+        k_ptrs = K + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        v_ptrs = V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + offs_d[None, :] * stride_vd
         k = load_rows(k_ptrs, real, HAS_KV_SIZES, EVICT)
         v = load_rows(v_ptrs, real, HAS_KV_SIZES, EVICT)
     return k, v
@@ -140,29 +116,11 @@ def _dkdv_rows(
     real = offs_r < ROWS  # [ROWS]
     if HAS_KV_SIZES:
         real = offs_r < tl.load(KV_SIZES + pid_n)
-    k, v = _key_block(
-        K,
-        V,
-        b,
-        h,
-        pid_n,
-        real,
-        offs_d,
-        stride_kb,
-        stride_kh,
-        stride_ks,
-        stride_kd,
-        stride_vb,
-        stride_vh,
-        stride_vs,
-        stride_vd,
-        BLOCK_N,
-        ROWS,
-        HEAD_DIM,
-        HAS_KV_SIZES,
-        USE_TMA,
-        EVICT_RESIDENT,
-    )  # [ROWS, D] each; fmt: skip
+    # [ROWS, D] each
+    k, v = _key_block(K, V, b, h, pid_n, real, offs_d,
+                      stride_kb, stride_kh, stride_ks, stride_kd,
+                      stride_vb, stride_vh, stride_vs, stride_vd,
+                      BLOCK_N, ROWS, HEAD_DIM, HAS_KV_SIZES, USE_TMA, EVICT_RESIDENT)  # fmt: skip
 
     if not USE_TMA:
         q_base = Q + b * stride_qb + h * stride_qh
@@ -201,20 +159,8 @@ def _dkdv_rows(
     dk = dk * scale
     dk, dv = DKDV_EPILOGUE(dk, dv, b, h, pid_n, offs_d, *epilogue_args)
 
-    dk_ptrs = (
-        DK
-        + b * stride_dkb
-        + h * stride_dkh
-        + offs_n[:, None] * stride_dks
-        + offs_d[None, :] * stride_dkd
-    )
-    dv_ptrs = (
-        DV
-        + b * stride_dvb
-        + h * stride_dvh
-        + offs_n[:, None] * stride_dvs
-        + offs_d[None, :] * stride_dvd
-    )
+    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
     tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
     tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
     for part in tl.static_range(1, BLOCK_N // ROWS):  # the block's rows past ROWS: padding
@@ -351,29 +297,11 @@ def _dq_walk(q, do, lse2, delta, dq, K, V, KV_SIZES, idx_row, stride_ik, lo, hi,
                 real = offs_n < tl.where(ok, tl.load(KV_SIZES + kv_block), 0)
             else:
                 real = offs_n < tl.load(KV_SIZES + kv_block)
-        k, v = _key_block(
-            K,
-            V,
-            b,
-            h,
-            kv_block,
-            real,
-            offs_d,
-            stride_kb,
-            stride_kh,
-            stride_ks,
-            stride_kd,
-            stride_vb,
-            stride_vh,
-            stride_vs,
-            stride_vd,
-            BLOCK_N,
-            ROWS,
-            HEAD_DIM,
-            MASKED,
-            USE_TMA,
-            EVICT,
-        )  # [ROWS, D] each; fmt: skip
+        # [ROWS, D] each
+        k, v = _key_block(K, V, b, h, kv_block, real, offs_d,
+                          stride_kb, stride_kh, stride_ks, stride_kd,
+                          stride_vb, stride_vh, stride_vs, stride_vd,
+                          BLOCK_N, ROWS, HEAD_DIM, MASKED, USE_TMA, EVICT)  # fmt: skip
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [SUB_M, ROWS]
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)  # [SUB_M, ROWS]
         if CHECK and not MASKED:  # an entry out of range: subtract +inf, p = 0 (per row)
@@ -423,22 +351,10 @@ def _dq_program(
 
     offs_m = pid.to(tl.int64) * SUB_M + tl.arange(0, SUB_M)  # [SUB_M]; sub-blocks tile the rows
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(
-        Q
-        + b * stride_qb
-        + h * stride_qh
-        + offs_m[:, None] * stride_qs
-        + offs_d[None, :] * stride_qd,
-        eviction_policy=EVICT_RESIDENT,
-    )
-    do = tl.load(
-        DO
-        + b * stride_dob
-        + h * stride_doh
-        + offs_m[:, None] * stride_dos
-        + offs_d[None, :] * stride_dod,
-        eviction_policy=EVICT_RESIDENT,
-    )
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                eviction_policy=EVICT_RESIDENT)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                 eviction_policy=EVICT_RESIDENT)
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse2 = tl.load(LSE2 + row)  # [SUB_M]
     delta = tl.load(DELTA + row)
@@ -476,13 +392,7 @@ def _dq_program(
     dq = dq * scale
     dq = DQ_EPILOGUE(dq, b, h, q_block, (pid % NSUB) * SUB_M + tl.arange(0, SUB_M), offs_d,
                      *epilogue_args)  # fmt: skip
-    dq_ptrs = (
-        DQ
-        + b * stride_dqb
-        + h * stride_dqh
-        + offs_m[:, None] * stride_dqs
-        + offs_d[None, :] * stride_dqd
-    )
+    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
 
 
