@@ -31,7 +31,7 @@ from vidsparse.ops.block_sparse_attn.launch import (
     gluon_launcher,
     list_end_strides,
     lists_by_size,
-    tail_descriptors,
+    tail_keys,
     tensor_descriptor,
     tma_compatible,
     tma_reads_keys,
@@ -96,8 +96,13 @@ def block_sparse_attn_bwd(
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     # K, V for the short walks: their own TMA boxes, or the tensors for pointer loads.
-    kv_tails = tail_descriptors(k, v, block_kv, tails) if kv_tma else (k, v) * 2
-    q_tails = tail_descriptors(k, v, block_kv, tails) if q_tma else (k, v) * 2
+    kv_walks, q_walks = walk_tails(kv_cfg, tails), walk_tails(q_cfg, tails)
+    kv_tails = tail_keys(k, v, block_kv, kv_walks.values(), kv_tma)
+    q_tails = (
+        kv_tails
+        if (q_tma, q_walks) == (kv_tma, kv_walks)
+        else tail_keys(k, v, block_kv, q_walks.values(), q_tma)
+    )
     scales = (scale * LOG2E, scale)
 
     if not (gluon_dkdv or gluon_dq) and fused_launch(
@@ -135,7 +140,7 @@ def block_sparse_attn_bwd(
             *transposed_strides, *grad_hooks,
             H, Sq, Sq // block_q, *scales,
             SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
-            **walk_tails(kv_cfg, tails),
+            **kv_walks,
             **kv_cfg.launch_kwargs(),
         )  # fmt: skip
     if gluon_dq:
@@ -152,7 +157,7 @@ def block_sparse_attn_bwd(
         *list_strides, *grad_hooks,
         H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
         SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
-        **walk_tails(q_cfg, tails),
+        **q_walks,
         **common, **q_cfg.launch_kwargs(),
     )  # fmt: skip
     return dq, dk, dv

@@ -62,13 +62,16 @@ def walk_tails(cfg: configs.KernelConfig, tails: tuple[int, int]) -> dict:
     return {"TAIL1": tail1, "TAIL2": tail2}
 
 
-def tail_descriptors(k, v, block_kv, tails) -> tuple:
-    """TMA descriptors of K and V in boxes of each short walk's rows (``tails``), for the
-    kernels' ``desc_k1, desc_v1, desc_k2, desc_v2``; a walk that does not run (0) gets the
-    full-block ones, never read."""
+def tail_keys(k, v, block_kv, tails, by_tma: bool) -> tuple:
+    """The kernels' K, V for their short walks (``desc_k1, desc_v1, desc_k2, desc_v2``):
+    with ``by_tma`` TMA descriptors in boxes of each walk's rows (``tails``, from
+    ``walk_tails``), else ``k, v`` themselves (pointer loads). A walk that does not run (0)
+    gets the tensors, never read, and so costs no descriptor on the host."""
+    if not by_tma:
+        return (k, v) * 2
     out = []
     for rows in tails:
-        out += [tensor_descriptor(k, rows or block_kv), tensor_descriptor(v, rows or block_kv)]
+        out += [tensor_descriptor(k, rows), tensor_descriptor(v, rows)] if rows else [k, v]
     return tuple(out)
 
 
