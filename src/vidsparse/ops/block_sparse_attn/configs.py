@@ -155,7 +155,7 @@ class ListReorderConfig:
 
 LIST_REORDER = ListReorderConfig()
 
-# Partial key blocks (VSA's and STA's edge tiles, a text tail) are walked with fewer key rows
+# Partial key blocks (a video grid's edge tiles, a text tail) are walked with fewer key rows
 # than the block holds: a block of s real keys takes the smallest of block_kv / 4, block_kv / 2
 # and block_kv rows that holds s, so its dots shrink with it (Wan 480p's 4x4x4 grid has edge
 # tiles of 8, 16 and 32 tokens). A dot needs at least 16 rows on every target.
