@@ -1,5 +1,8 @@
 """Partial key blocks walked with fewer rows (``configs.key_tails``) against all rows: VSA's
-fwd, bwd and fwd+bwd, and the backward's kernels, with the short walks on and off.
+fwd, bwd and fwd+bwd, and the backward's kernels, in three arms: ``none`` (every partial block
+walked with all rows), ``triton`` (the Triton kernels' short walks, the library's default:
+on Hopper the backward, since the forward runs in Gluon) and ``gluon`` (also the Gluon
+forward's, ``GluonOptions.KEY_TAILS``, off by default until this has run).
 
 Run on a GPU from the repository root::
 
@@ -10,8 +13,8 @@ Cases (bf16, D=128, gate, natural order, sparsity 0.875, fresh random inputs): `
 16 and 32 tokens) and ``vsa720`` (Wan 14B 720p: 21x45x80, 40 heads; 340 of 1,440 partial, of 4
 and 16 tokens). Per case: the share of VSA's selected key tiles that are partial (random q, k
 select them more often than their share of the grid: the tile means of fewer tokens spread
-wider), the outputs and gradients with the short walks against without (rel L2), alternating
-``do_bench`` medians of each mode for both, and the backward's kernels from the profiler.
+wider), each arm's outputs and gradients against ``none``'s (rel L2), alternating ``do_bench``
+medians of each mode for every arm, and the backward's kernels from the profiler.
 Writes ``$OUT/try_key_tails.json`` if ``OUT`` is set; prints a table last.
 """
 
@@ -51,10 +54,21 @@ def _partial_share(q, k, grid) -> float:
     return float((sizes[chosen] < grid.tile_volume).float().mean())
 
 
+ARMS = ("none", "triton", "gluon")
+
+
+def _arm(name: str):
+    """The overrides of arm ``name`` (``ARMS``)."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn.configs import GLUON, override
+
+    return override(key_tails=name != "none", gluon=replace(GLUON, KEY_TAILS=name == "gluon"))
+
+
 def run_case(name: str) -> list[dict]:
     import vidsparse
     from vidsparse.bench import harness
-    from vidsparse.ops.block_sparse_attn.configs import override
 
     shape, heads = CASES[name]
     grid = vidsparse.VideoGrid(shape, (4, 4, 4))
@@ -65,36 +79,38 @@ def run_case(name: str) -> list[dict]:
     def forward(q, k, v, gate):
         return vidsparse.video_sparse_attn(q, k, v, grid, gate=gate, sparsity=SPARSITY)
 
-    def grads(tails: bool):
-        with override(key_tails=tails):
+    def grads(arm: str):
+        with _arm(arm):
             leaves = [x.detach().requires_grad_() for x in (q, k, v, gate)]
             out = forward(*leaves)
             out.backward(do)
             return [out.detach()] + [x.grad for x in leaves]
 
     do = torch.randn(1, heads, S, D, device="cuda", dtype=torch.bfloat16)
-    with_tails, without = grads(True), grads(False)
-    diffs = {n: _rel_l2(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dgate"),
-                                                   with_tails, without)}  # fmt: skip
+    results = {arm: grads(arm) for arm in ARMS}
+    diffs = {arm: {n: _rel_l2(a, b) for n, a, b in zip(("o", "dq", "dk", "dv", "dgate"),
+                                                         results[arm], results["none"])}
+             for arm in ARMS[1:]}  # fmt: skip
     share = _partial_share(q, k, grid)
     print(f"{name}: selected partial tiles {share:.3f} (grid {grid.num_tiles}); "
-          f"tails vs none rel L2 {diffs}", flush=True)  # fmt: skip
+          f"rel L2 against none {diffs}", flush=True)  # fmt: skip
 
     rows = []
     for mode in MODES:
-        times = {True: [], False: []}
+        times = {arm: [] for arm in ARMS}
         for _ in range(3):
-            for tails in (True, False):
-                with override(key_tails=tails):
+            for arm in ARMS:
+                with _arm(arm):
                     fn = harness.mode_callable(forward, (q, k, v, gate), mode)
-                    times[tails].append(harness.time_ms(fn, device=q.device))
-        for tails, ms_all in times.items():
+                    times[arm].append(harness.time_ms(fn, device=q.device))
+        for arm, ms_all in times.items():
             ms = sorted(ms_all)[1]
-            rows.append(dict(case=name, mode=mode, key_tails=tails, ms=ms, ms_all=ms_all,
-                             selected_partial_share=share, rel_l2_vs_no_tails=diffs))  # fmt: skip
-            print(f"{name} {mode} key_tails={tails}: {ms:.3f} ms {ms_all}", flush=True)
-    for tails in (True, False):
-        with override(key_tails=tails):
+            rows.append(dict(case=name, mode=mode, arm=arm, ms=ms, ms_all=ms_all,
+                             selected_partial_share=share,
+                             rel_l2_vs_none=diffs.get(arm)))  # fmt: skip
+            print(f"{name} {mode} {arm}: {ms:.3f} ms {ms_all}", flush=True)
+    for arm in ARMS[:2]:  # the Gluon arm's backward is the triton arm's
+        with _arm(arm):
             fn = harness.mode_callable(forward, (q, k, v, gate), "bwd")
             prof = harness.cuda_profile(fn)
         kernels = {
@@ -102,8 +118,8 @@ def run_case(name: str) -> list[dict]:
             for e in prof.key_averages()
             if "bwd" in e.key and e.device_time_total > 0
         }
-        rows.append(dict(case=name, mode="bwd kernels", key_tails=tails, kernels_ms=kernels))
-        print(f"{name} bwd kernels key_tails={tails}: {kernels}", flush=True)
+        rows.append(dict(case=name, mode="bwd kernels", arm=arm, kernels_ms=kernels))
+        print(f"{name} bwd kernels {arm}: {kernels}", flush=True)
     return rows
 
 

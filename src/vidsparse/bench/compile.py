@@ -36,6 +36,7 @@ def compile_sm90(
     block: int = BLOCK,
     combine: bool = False,
     residual: bool = False,
+    key_tails: bool = False,
 ) -> dict:
     """Compile the Gluon kernel for cuda:90 on meta tensors; returns ptxas's resource report.
 
@@ -44,7 +45,8 @@ def compile_sm90(
     key-block sizes (padding keys masked, full blocks first); ``block``: 128 (one query block
     per program) or 64 (two, VSA's tiles); ``combine``: VSA's gate epilogue (the gate, and with
     ``masked`` the real rows of each tile); ``residual``: the combine also stores the int8
-    residual of o that a backward reads (as under autograd)."""
+    residual of o that a backward reads (as under autograd); ``key_tails``: with ``masked``,
+    partial key blocks walked with fewer rows (``GluonOptions.KEY_TAILS``)."""
     _require_compiler("compile_sm90")
     from dataclasses import replace
 
@@ -60,7 +62,7 @@ def compile_sm90(
     idx = torch.empty(1, H, nq, nq // 8, dtype=torch.int32, device=meta)  # [1, H, NQ, K]
     cnt = torch.empty(1, H, nq, dtype=torch.int32, device=meta)  # [1, H, NQ]
     sizes = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None  # [NK]
-    full = cnt.clone() if masked else None  # [1, H, NQ]
+    ends = torch.empty(1, H, nq, 3, dtype=torch.int32, device=meta) if masked else None
     epilogue = NO_EPILOGUE
     if combine:  # o_coarse [B, H, NQ, D] fp32, gate like q, real rows per block [NQ]
         oc = torch.empty(B, H, nq, D, dtype=torch.float32, device=meta)
@@ -69,10 +71,11 @@ def compile_sm90(
         spec = combine_spec((), residual)
         epilogue = CoarseCombine(oc, torch.empty_like(q), rows, spec=spec)
         epilogue.saved = epilogue.forward_saved(q)  # as the engine's custom op sets it
+    options = {**options, "KEY_TAILS": True} if key_tails else options
     schedule = replace(configs.GLUON, **options) if options else None
     kernel, _, args, kwargs = launcher.kernel_args(
-        q, q, q, q, lse, idx, cnt, block, block, D**-0.5, sizes, full,
-        epilogue=epilogue, options=schedule,
+        q, q, q, q, lse, idx, cnt, block, block, D**-0.5, sizes, ends,
+        configs.key_tails(block), epilogue=epilogue, options=schedule,
     )  # fmt: skip
     return _compile_report(kernel, args, kwargs)
 

@@ -34,7 +34,13 @@ for block, combine, residual in ((128, 0, 0), (64, 0, 0), (64, 1, 0), (64, 1, 1)
             rep = compile_sm90({}, masked=masked, dtype=dtype, block=block, combine=combine,
                                residual=residual)
             print(json.dumps(dict(block=block, combine=combine, residual=residual,
-                                  masked=masked, dtype=str(dtype), **rep)))
+                                  masked=masked, key_tails=False, dtype=str(dtype), **rep)))
+# the short walks of partial key blocks (GluonOptions.KEY_TAILS), bf16 (fp16 shares the code)
+for block, combine, residual in ((128, 0, 0), (64, 0, 0), (64, 1, 0), (64, 1, 1)):
+    rep = compile_sm90({}, masked=True, block=block, combine=combine, residual=residual,
+                       key_tails=True)
+    print(json.dumps(dict(block=block, combine=combine, residual=residual, masked=True,
+                          key_tails=True, dtype=str(torch.bfloat16), **rep)))
 """
 
 
@@ -57,7 +63,7 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
                     f"{proc.stderr.strip().splitlines()[-1:]}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 16
+    assert len(reports) == 20
 
     for r in reports:  # a correctness check (NaNs), whatever the Triton
         assert r["sass_a_operand_hazards"] == 0, r
@@ -68,34 +74,88 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
     for r in reports:
         label = (
             f"block={r['block']} combine={r['combine']} residual={r['residual']} "
-            f"masked={r['masked']} {r['dtype']}"
+            f"masked={r['masked']} key_tails={r['key_tails']} {r['dtype']}"
         )
         assert r["spill_bytes"] == 0, (label, r)
         assert r["sass_a_operand_hazards"] == 0, (label, r)
         assert not r["ptxas_warnings"], (label, r)  # e.g. wgmma serialised (C7510-C7515)
 
 
+@pytest.mark.parametrize("block", [64, 128])
+def test_gluon_launch_takes_the_short_walks_only_where_asked(block):
+    """``kernel_args`` on meta tensors: TAIL1 / TAIL2 reach the kernel only with key-block
+    sizes and ``GluonOptions.KEY_TAILS``, and the ends go in whole (the kernel reads their
+    three columns)."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import configs, fwd_sm90
+
+    meta = torch.device("meta")
+    B, H, S, D = 1, 2, 8 * block, 128
+    q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
+    lse = torch.empty(B, H, S, device=meta)
+    idx = torch.empty(1, H, 8, 2, dtype=torch.int32, device=meta)
+    cnt = torch.empty(1, H, 8, dtype=torch.int32, device=meta)
+    sizes = torch.empty(8, dtype=torch.int32, device=meta)
+    ends = torch.empty(1, H, 8, 3, dtype=torch.int32, device=meta)
+    tails = configs.key_tails(block)
+    assert tails == (block // 2, block // 4)
+    for has_sizes, on, want in ((True, True, tails), (True, False, (0, 0)),
+                                (False, True, (0, 0))):  # fmt: skip
+        options = replace(configs.GLUON, KEY_TAILS=on)
+        _, _, args, kwargs = fwd_sm90.kernel_args(
+            q, q, q, q, lse, idx, cnt, block, block, D**-0.5,
+            sizes if has_sizes else None, ends if has_sizes else None, tails, options=options,
+        )  # fmt: skip
+        assert (kwargs["TAIL1"], kwargs["TAIL2"]) == want
+        assert "KEY_TAILS" not in kwargs
+        assert any(a is ends for a in args) == has_sizes
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _gluon_key_tails(on: bool):
+    """``GluonOptions.KEY_TAILS`` set to ``on`` for the calls inside."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn.configs import GLUON, override
+
+    return override(gluon=replace(GLUON, KEY_TAILS=on))
+
+
+# (padded, key_tails): the short walks only exist where key blocks are partial
+_WALKS = [(False, False), (True, False), (True, True)]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward is Hopper's")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(("padded", "key_tails"), _WALKS)
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("bs", [128, 64])
-def test_gpu_gluon_forward_matches_reference(monkeypatch, dtype, padded, scale, bs):
+def test_gpu_gluon_forward_matches_reference(monkeypatch, dtype, padded, key_tails, scale, bs):
     """Through ``fwd.block_sparse_attn_fwd`` (which must pick the Gluon kernel): Sq != Skv
     (an odd number of query blocks: the 64-row kernel's last program has one), lists broadcast
     over the batch, an empty row and a one-block row; with key-block sizes, padding keys hold
-    large finite values (read by TMA, masked) and blocks of every size."""
+    large finite values (read by TMA, masked) and blocks of every size: with ``key_tails``
+    those of at most half and a quarter of a block take the short walks (their TAIL1 / TAIL2
+    reach the kernel)."""
     from vidsparse.ops.block_sparse_attn import fwd, fwd_sm90
 
-    calls = []
+    calls, tails = [], []
     real = fwd_sm90.block_sparse_attn_fwd_sm90
     monkeypatch.setattr(fwd_sm90, "block_sparse_attn_fwd_sm90",
                         lambda *a, **kw: calls.append(1) or real(*a, **kw))  # fmt: skip
+    real_args = fwd_sm90.kernel_args
+
+    def spy(*a, **kw):
+        out = real_args(*a, **kw)
+        tails.append((out[3]["TAIL1"], out[3]["TAIL2"]))
+        return out
+
+    monkeypatch.setattr(fwd_sm90, "kernel_args", spy)
     B, H, Sq, Skv, D = 2, 3, 7 * bs, 9 * bs, 128
     q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=dtype, device="cuda", scale=scale)
     idx, cnt = make_lists(1, H, Sq // bs, Skv // bs, density=0.5, device="cuda", empty_rows=1)
@@ -106,9 +166,11 @@ def test_gpu_gluon_forward_matches_reference(monkeypatch, dtype, padded, scale, 
         pad = (torch.arange(Skv, device="cuda") % bs) >= sizes.long().repeat_interleave(bs)
         k[:, :, pad] = 300.0
         v[:, :, pad] = -300.0
-    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
-                                       padding_finite=True)  # fmt: skip
+    with _gluon_key_tails(key_tails):
+        o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
+                                           padding_finite=True)  # fmt: skip
     assert calls, "the Gluon kernel was not taken"
+    assert tails == [(bs // 2, bs // 4) if key_tails else (0, 0)]
     ref_o, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bs, bs, sizes)
     low_o = _lowprec_baseline(q, k, v, idx, cnt, bs, bs, sizes)
     assert_error_relative("o", o, ref_o, low_o, atol=2e-3)

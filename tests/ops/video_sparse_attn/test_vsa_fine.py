@@ -58,26 +58,32 @@ def _hopper() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _hopper(), reason="the Gluon forward is Hopper's")
+@pytest.mark.parametrize("key_tails", [False, True])
 @pytest.mark.parametrize("gate", [True, False])
-def test_gpu_gluon_vsa_epilogue_matches_reference(gate):
+def test_gpu_gluon_vsa_epilogue_matches_reference(gate, key_tails):
     """VSA's fine stage on 64-token tiles: ``o = o_fine + gate * o_coarse[tile]`` with the
-    padding rows of each query tile zeroed, and lse o_fine's; odd tile count, partial tiles."""
+    padding rows of each query tile zeroed, and lse o_fine's; odd tile count, partial tiles
+    (with ``key_tails`` those of at most 32 and 16 tokens walked with that many rows)."""
+    from dataclasses import replace
+
     from vidsparse.ops.block_sparse_attn import fwd
+    from vidsparse.ops.block_sparse_attn.configs import GLUON, override
     from vidsparse.ops.video_sparse_attn.fine import CoarseCombine
 
     B, H, bs, nt, D = 1, 3, 64, 9, 128
     S = nt * bs
     q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
-    sizes = torch.tensor([64, 64, 16, 64, 40, 64, 64, 1, 64], dtype=torch.int32, device="cuda")
+    sizes = torch.tensor([64, 64, 16, 64, 40, 64, 32, 1, 64], dtype=torch.int32, device="cuda")
     pad = (torch.arange(S, device="cuda") % bs) >= sizes.long().repeat_interleave(bs)
     k[:, :, pad] = 0.0  # VSA's tiling pads with zeros
     v[:, :, pad] = 0.0
     idx, cnt = make_lists(1, H, nt, nt, density=0.5, device="cuda", empty_rows=1)
     oc = torch.randn(B, H, nt, D, device="cuda")
     g = torch.rand(B, H, S, D, device="cuda").to(torch.bfloat16) if gate else None
-    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
-                                       padding_finite=True,
-                                       epilogue=CoarseCombine(oc, g, sizes))  # fmt: skip
+    with override(gluon=replace(GLUON, KEY_TAILS=key_tails)):
+        o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
+                                           padding_finite=True,
+                                           epilogue=CoarseCombine(oc, g, sizes))  # fmt: skip
     ref_fine, ref_lse = masked_dense_attention(q, k, v, idx, cnt, bs, bs, sizes)
     oc_rows = oc.double().repeat_interleave(bs, dim=2)  # [B, H, S, D]
     ref = ref_fine + (g.double() if gate else 1.0) * oc_rows

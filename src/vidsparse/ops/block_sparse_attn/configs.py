@@ -108,9 +108,13 @@ class GluonOptions:
     P_IN_SMEM: bool = False
     CONSUMER_REGS: int = 240
     LOADER_REGS: int = 24
+    # Partial key blocks walked with fewer rows (``key_tails``; an N = 32 / 16 wgmma at 64-key
+    # blocks). Off until it has run on a GPU: written and compiled for sm_90 on a CPU only.
+    KEY_TAILS: bool = False
 
     def as_kwargs(self) -> dict:
-        return dict(vars(self))
+        """The kernel's schedule constexprs (``KEY_TAILS`` reaches it as ``TAIL1``/``TAIL2``)."""
+        return {k: v for k, v in vars(self).items() if k != "KEY_TAILS"}
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ def block_sparse_attn_fwd(
 
         return block_sparse_attn_fwd_sm90(
             q, k, v, kv_indices, kv_counts, block_q, block_kv, scale,
-            kv_block_sizes=kv_block_sizes, full_counts=ends[..., 0] if masked else None,
+            kv_block_sizes=kv_block_sizes, ends=ends if masked else None, tails=tails,
             epilogue=epilogue,
         )  # fmt: skip
     o = torch.empty_like(q)

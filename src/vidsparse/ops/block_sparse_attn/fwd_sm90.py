@@ -31,8 +31,11 @@ def gluon_fits(q, k, v, block_q: int, block_kv: int) -> bool:
     )
 
 
-def _descriptors(q, k, v, o, block_kv):
-    """TMA descriptors over the [B*H*S, D] views: q, o in 64-row pieces, k, v in key blocks."""
+def _descriptors(q, k, v, o, block_kv, tails):
+    """TMA descriptors over the [B*H*S, D] views: q, o in 64-row pieces, k, v in key blocks,
+    then k, v in boxes of each short walk's rows (``tails``; a walk that does not run gets the
+    key blocks' descriptors, never used). The short walks' boxes land in the first rows of a
+    key block's ring slot, so they take its shared layout."""
     D = q.shape[-1]
     rows = ROWS_PER_CONSUMER.value
     dtype = _GL_DTYPES[q.dtype]
@@ -43,52 +46,63 @@ def _descriptors(q, k, v, o, block_kv):
         x2 = x.view(-1, D)  # [B*H*S, D]
         return TensorDescriptor(x2, list(x2.shape), list(x2.stride()), [rows, D], layout)
 
-    return (desc(q, rows, q_layout), desc(k, block_kv, kv_layout), desc(v, block_kv, kv_layout),
-            desc(o, rows, q_layout))  # fmt: skip
+    desc_k, desc_v = desc(k, block_kv, kv_layout), desc(v, block_kv, kv_layout)
+    short = []
+    for tail in tails:
+        short += [desc(k, tail, kv_layout), desc(v, tail, kv_layout)] if tail else [desc_k, desc_v]
+    return desc(q, rows, q_layout), desc_k, desc_v, desc(o, rows, q_layout), *short
 
 
 def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale,
-                kv_block_sizes=None, full_counts=None, epilogue: Epilogue = NO_EPILOGUE,
+                kv_block_sizes=None, ends=None, tails=(0, 0),
+                epilogue: Epilogue = NO_EPILOGUE,
                 options: configs.GluonOptions | None = None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
-    a GPU). With ``kv_block_sizes``, ``kv_indices`` must list each row's full blocks first and
-    ``full_counts`` count them (``lists.blocks_by_size``: its first end)."""
+    a GPU). With ``kv_block_sizes``, ``kv_indices`` must come ordered by
+    ``lists.blocks_by_size`` with short walks of ``tails`` rows, and ``ends`` its ends; the
+    kernel walks partial blocks with that many rows where the schedule says so
+    (``GluonOptions.KEY_TAILS``), else with all rows."""
     B, H, Sq, D = q.shape
     nq = Sq // block_q
     has_sizes = kv_block_sizes is not None
+    opts = options or configs.gluon_options()
+    tails = tuple(tails) if has_sizes and opts.KEY_TAILS else (0, 0)
     sizes = kv_block_sizes if has_sizes else kv_counts  # dummy pointers when unused
-    full = full_counts if has_sizes else kv_counts
+    ends = ends if has_sizes else kv_counts
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     hook = (epilogue.fns().forward_sm90.fn, epilogue.forward_args(call))
     if block_q == 2 * ROWS_PER_CONSUMER.value:
         kernel, grid = block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
     else:
         kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
-    args = (*_descriptors(q, k, v, o, block_kv), lse, kv_indices, kv_counts, sizes, full,
+    args = (*_descriptors(q, k, v, o, block_kv, tails), lse, kv_indices, kv_counts, sizes, ends,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
-            *broadcast_strides(full), *hook, H, Sq, k.shape[2], nq, kv_indices.shape[-1],
+            *broadcast_strides(ends)[:3], *hook, H, Sq, k.shape[2], nq, kv_indices.shape[-1],
             scale * LOG2E)  # fmt: skip
-    opts = (options or configs.gluon_options()).as_kwargs()
     kwargs = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
-                  **opts, num_warps=4)  # fmt: skip
+                  TAIL1=tails[0], TAIL2=tails[1], **opts.as_kwargs(),
+                  num_warps=4)  # fmt: skip
     return kernel, grid, args, kwargs
 
 
 def block_sparse_attn_fwd_sm90(q, k, v, kv_indices, kv_counts, block_q=128, block_kv=128,
-                               scale=None, *, kv_block_sizes=None, full_counts=None,
+                               scale=None, *, kv_block_sizes=None, ends=None, tails=(0, 0),
                                epilogue: Epilogue = NO_EPILOGUE):  # fmt: skip
     """Block-sparse attention forward (Gluon, Hopper); returns ``(o, lse)``.
 
     Inputs as ``gluon_fits`` says; lists int32 (converted once per list tensor otherwise),
-    with ``kv_block_sizes`` reordered full blocks first and counted by ``full_counts``. The
-    launcher (``fwd.py``) has checked the rest; this raises only on what would make the
-    kernel misread memory."""
+    with ``kv_block_sizes`` ordered by ``lists.blocks_by_size`` (short walks of ``tails``
+    rows) and ``ends`` its ends. The launcher (``fwd.py``) has checked the rest; this raises
+    only on what would make the kernel misread memory."""
     B, H, Sq, D = q.shape
     if not gluon_fits(q, k, v, block_q, block_kv):
         raise ValueError("block_sparse_attn_fwd_sm90: needs square 64 or 128 blocks, head_dim "
                          "128, bf16/fp16 and contiguous 16-byte aligned q, k, v")  # fmt: skip
-    if (kv_block_sizes is None) != (full_counts is None):
-        raise ValueError("kv_block_sizes and full_counts go together (lists.blocks_by_size)")
+    if (kv_block_sizes is None) != (ends is None):
+        raise ValueError("kv_block_sizes and ends go together (lists.blocks_by_size)")
+    if ends is not None and (ends.dtype != torch.int32 or ends.shape[-1] != 3
+                             or ends.stride(-1) != 1):  # fmt: skip
+        raise ValueError("ends: int32 [..., 3] with a unit last stride (lists.blocks_by_size)")
     kv_indices = int32_contiguous(kv_indices)
     if kv_counts.dtype != torch.int32:
         kv_counts = int32_contiguous(kv_counts)
@@ -97,7 +111,7 @@ def block_sparse_attn_fwd_sm90(q, k, v, kv_indices, kv_counts, block_q=128, bloc
     o = torch.empty_like(q)  # [B, H, Sq, D]
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)  # [B, H, Sq]
     kernel, grid, args, kwargs = kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q,
-                                             block_kv, scale, kv_block_sizes, full_counts,
+                                             block_kv, scale, kv_block_sizes, ends, tails,
                                              epilogue)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return o, lse

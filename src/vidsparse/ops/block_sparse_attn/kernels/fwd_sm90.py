@@ -9,9 +9,16 @@ turns on the tensor cores (ping-pong) so one's softmax overlaps the other's GEMM
 kernel gives each consumer its own 64-row block, list, ring and loader. docs/architecture.md
 explains the schedule and its knobs (``configs.GluonOptions``).
 
+With key-block sizes the lists come ordered by ``lists.blocks_by_size``: full blocks, then
+partial ones walked with all ``BLOCK_N`` keys and, with short walks (``TAIL1``, ``TAIL2``:
+``GluonOptions.KEY_TAILS``), those with at most ``TAIL1`` and ``TAIL2`` real keys walked with
+that many: TMA boxes of those rows into the first rows of a ring slot, and Q K^T / P V wgmmas
+that narrow (N = 32 / 16 at 64-key blocks). Each short walk runs from its own prologue to its
+last P V, since P's registers change shape between walks.
+
 Memory safety whatever the lists hold: counts are clamped to the lists' width ``K`` (and the
-full-block count to the count, so the loader and the consumers agree), and the loader clamps
-each entry into ``[0, NK)``. With key-block sizes the lists come reordered, valid by
+walks' ends to the count and to each other, so the loader and the consumers agree), and the
+loader clamps each entry into ``[0, NK)``. With key-block sizes the lists come reordered, valid by
 construction (``kernels/lists.py``); without, an entry out of range reads the clamped block: a
 wrong result, never a fault (the Triton kernels give it no weight instead).
 """
@@ -39,12 +46,24 @@ ROWS_PER_CONSUMER = gl.constexpr(64)
 
 
 @gluon.jit
+def _key_rows(ring, slot, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The first ``ROWS`` rows of ring slot ``slot`` [BLOCK_N, D] (a short walk's keys)."""
+    buf = ring.index(slot)
+    if ROWS < BLOCK_N:
+        buf = buf.slice(0, ROWS)
+    return buf
+
+
+@gluon.jit
 def _loader(
-    desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-    idx_row, stride_ik, count, q_row, kv_row0, NK, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-    Q_TILES: gl.constexpr,
+    desc_q, desc_k, desc_v, tail_descs, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+    v_empty, idx_row, stride_ik, count, ends, q_row, kv_row0, NK, BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr, Q_TILES: gl.constexpr, TAIL1: gl.constexpr, TAIL2: gl.constexpr,
 ):  # fmt: skip
-    """Q once, then K_j and V_j of every listed block j into ring slot ``j % STAGES``.
+    """Q once, then K_j and V_j of every listed block j into ring slot ``j % STAGES``: whole
+    blocks up to ``ends[1]`` (``_walk_ends``), then, with short walks (``TAIL1``), the first
+    ``TAIL1`` rows of blocks ``ends[1]..ends[2]-1`` and the first ``TAIL2`` of the rest, by the
+    descriptors of those boxes (``tail_descs``: k1, v1, k2, v2).
 
     q_smem [Q_TILES, 64, D] (two halves of a 128-row block, one per consumer; or one 64-row
     query tile); k_smem, v_smem [STAGES, BLOCK_N, D]. ``q_row``: first global row of the query
@@ -55,8 +74,27 @@ def _loader(
         tma.async_copy_global_to_shared(
             desc_q, [q_row + i * ROWS_PER_CONSUMER, 0], q_bar, q_smem.index(i)
         )
+    _, end1, end2 = ends
+    _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, idx_row,
+               stride_ik, 0, end1, kv_row0, NK, BLOCK_N, BLOCK_N, STAGES)  # fmt: skip
+    if TAIL1 > 0:
+        desc_k1, desc_v1, desc_k2, desc_v2 = tail_descs
+        _load_keys(desc_k1, desc_v1, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                   idx_row, stride_ik, end1, end2, kv_row0, NK, TAIL1, BLOCK_N,
+                   STAGES)  # fmt: skip
+        _load_keys(desc_k2, desc_v2, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                   idx_row, stride_ik, end2, count, kv_row0, NK, TAIL2, BLOCK_N,
+                   STAGES)  # fmt: skip
 
-    for j in range(count):
+
+@gluon.jit
+def _load_keys(
+    desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, idx_row, stride_ik, lo,
+    hi, kv_row0, NK, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """K_j and V_j, the first ``ROWS`` rows of each listed block j in ``lo..hi-1`` (boxes of
+    ``desc_k``, ``desc_v``), into the first rows of ring slot ``j % STAGES``."""
+    for j in range(lo, hi):
         slot = j % STAGES
         # Use u = j // STAGES of this slot must wait for its consumers to release use u - 1,
         # i.e. for the completion of empty-barrier phase u - 1 (parity (u - 1) & 1). For u = 0
@@ -69,10 +107,12 @@ def _loader(
         # V only after P V, so the next K can stream in earlier.
         mbarrier.wait(k_empty.index(slot), empty_parity)
         mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [row, 0], k_ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_k, [row, 0], k_ready.index(slot),
+                                        _key_rows(k_smem, slot, ROWS, BLOCK_N))  # fmt: skip
         mbarrier.wait(v_empty.index(slot), empty_parity)
         mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_v, [row, 0], v_ready.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(desc_v, [row, 0], v_ready.index(slot),
+                                        _key_rows(v_smem, slot, ROWS, BLOCK_N))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,15 +161,14 @@ def _padding_masked(s, limit, cols):
 @gluon.jit
 def _issue_qk(
     q, k_smem, k_ready, turn_bars, j, s_zero, ME: gl.constexpr, STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    PINGPONG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """Wait for K_j, take the GEMM turn, issue S_j = Q K_j^T [64, BN] asynchronously."""
+    """Wait for K_j, take the GEMM turn, issue S_j = Q K_j^T [64, ROWS] asynchronously."""
     slot = j % STAGES
     mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
     _turn_wait(turn_bars, ME, j, PINGPONG)
-    return warpgroup_mma(
-        q, k_smem.index(slot).permute((1, 0)), s_zero, use_acc=False, is_async=True
-    )
+    k_rows = _key_rows(k_smem, slot, ROWS, BLOCK_N)
+    return warpgroup_mma(q, k_rows.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
@@ -143,11 +182,12 @@ def _walk(
     q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo, hi, qk_scale, p_op, m_i,
     l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols, p_layout: gl.constexpr,
     o_layout: gl.constexpr, ME: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-    MASKED: gl.constexpr,
+    MASKED: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """Blocks ``lo..hi-1``, P fed to the P V wgmma from registers; enters with P_{lo-1} in
-    ``p_op`` and leaves P_{hi-1} there (its P V still to issue). ``MASKED``: the blocks may end
-    in padding keys (their real count: ``KV_SIZES[block]``).
+    """Blocks ``lo..hi-1``, their first ``ROWS`` keys (``s_zero`` and ``cols`` that wide), P
+    fed to the P V wgmma from registers; enters with P_{lo-1} in ``p_op`` and leaves P_{hi-1}
+    there (its P V still to issue). ``MASKED``: the blocks may end in padding keys (their real
+    count: ``KV_SIZES[block]``, at most ``ROWS``).
 
     Iteration j: issue S_j and P_{j-1} V_{j-1}; wait for S_j; softmax of S_j; wait for
     P_{j-1} V_{j-1}; only then convert P_j into the A-operand registers. ptxas does not keep
@@ -158,10 +198,12 @@ def _walk(
     warpgroup; the ping-pong still overlaps one warpgroup's softmax with the other's GEMMs."""
     for j in range(lo, hi):
         prev = (j - 1) % STAGES
-        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, j, s_zero, ME, STAGES, PINGPONG)
+        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, j, s_zero, ME, STAGES, PINGPONG, ROWS,
+                          BLOCK_N)  # fmt: skip
         acc = _rescale(acc, alpha, o_layout)  # to the max of block j-1, while S_j runs
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        o_tok = warpgroup_mma(p_op, v_smem.index(prev), acc, is_async=True)  # acc += P V
+        o_tok = warpgroup_mma(p_op, _key_rows(v_smem, prev, ROWS, BLOCK_N), acc,
+                              is_async=True)  # acc += P V; fmt: skip
         _turn_pass(turn_bars, ME, PINGPONG)
         if MASKED:  # scalar loads, issued while the GEMMs run
             limit = gl.load(KV_SIZES + gl.load(idx_row + j * stride_ik))
@@ -179,13 +221,14 @@ def _walk(
 
 @gluon.jit
 def _last_pv(
-    p_op, v_smem, v_ready, v_empty, acc, alpha, count, o_layout: gl.constexpr, STAGES: gl.constexpr
-):
-    """The last block's P V."""
+    p_op, v_smem, v_ready, v_empty, acc, alpha, count, o_layout: gl.constexpr,
+    STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """The P V of block ``count - 1`` (its first ``ROWS`` keys), the last of a walk."""
     last = (count - 1) % STAGES
     acc = _rescale(acc, alpha, o_layout)
     mbarrier.wait(v_ready.index(last), ((count - 1) // STAGES) & 1)
-    o_tok = warpgroup_mma(p_op, v_smem.index(last), acc, is_async=True)
+    o_tok = warpgroup_mma(p_op, _key_rows(v_smem, last, ROWS, BLOCK_N), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
     mbarrier.arrive(v_empty.index(last))
     return acc
@@ -195,7 +238,7 @@ def _last_pv(
 def _loop_p_in_smem(
     q, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, count, qk_scale, p,
     m_i, l_i, alpha, acc, s_zero, o_layout: gl.constexpr, ME: gl.constexpr, STAGES: gl.constexpr,
-    PINGPONG: gl.constexpr,
+    PINGPONG: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
     """Blocks 1..count-1 and the last P V, with P staged in shared memory (p_smem [2, 64, BN],
     double-buffered: P_j goes to buffer j % 2) and read by the wgmma from there.
@@ -212,7 +255,8 @@ def _loop_p_in_smem(
         # P_{j-2} V_{j-2} done: its V slot and its P buffer (the one P_j goes to) are free.
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok,))
         mbarrier.arrive(v_empty.index((j + STAGES - 2) % STAGES), pred=j >= 2)
-        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, j, s_zero, ME, STAGES, PINGPONG)
+        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, j, s_zero, ME, STAGES, PINGPONG,
+                          BLOCK_N, BLOCK_N)  # fmt: skip
         acc = _rescale(acc, alpha, o_layout)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(
@@ -236,16 +280,61 @@ def _loop_p_in_smem(
 
 
 @gluon.jit
+def _short_walk(
+    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo, hi, qk_scale, m_i, l_i,
+    acc, idx_row, stride_ik, KV_SIZES, p_layout: gl.constexpr, o_layout: gl.constexpr,
+    row_layout: gl.constexpr, ME: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """Blocks ``lo..hi-1`` (partial, at most ``ROWS`` real keys each), their first ``ROWS``
+    keys: S [64, ROWS] and P V with K = ROWS, the online softmax carried in ``m_i``, ``l_i``,
+    ``acc`` (the walk before has issued and retired all its P V). A walk of its own, prologue
+    to last P V, since P's registers have another shape than the walk before's."""
+    if hi > lo:
+        M: gl.constexpr = ROWS_PER_CONSUMER
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
+        )
+        cols = gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))  # [ROWS] key slots
+        s_zero = gl.zeros([M, ROWS], gl.float32, layout=s_layout)
+        # The row statistics in this walk's score layout (the same rows a thread holds).
+        m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
+        l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
+        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, lo, s_zero, ME, STAGES, PINGPONG, ROWS,
+                          BLOCK_N)  # fmt: skip
+        _turn_pass(turn_bars, ME, PINGPONG)
+        limit = gl.load(KV_SIZES + gl.load(idx_row + lo * stride_ik))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
+        mbarrier.arrive(k_empty.index(lo % STAGES))
+        s = _padding_masked(s, limit, cols)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, True)
+        p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # [64, ROWS], P_lo
+        p_op, m_i, l_i, alpha, acc = _walk(
+            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo + 1, hi,
+            qk_scale, p_op, m_i, l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols,
+            p_layout, o_layout, ME, STAGES, PINGPONG, True, ROWS, BLOCK_N,
+        )  # fmt: skip
+        acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, hi, o_layout, STAGES, ROWS,
+                       BLOCK_N)  # fmt: skip
+        m_i = gl.convert_layout(m_i, row_layout)
+        l_i = gl.convert_layout(l_i, row_layout)
+    return acc, m_i, l_i
+
+
+@gluon.jit
 def _consumer(
     desc_o, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
-    LSE, count, num_full, idx_row, stride_ik, KV_SIZES, q_row, qk_scale, valid, b, h, q_block,
+    LSE, count, ends, idx_row, stride_ik, KV_SIZES, q_row, qk_scale, valid, b, h, q_block,
     block_row0, EPILOGUE: gl.constexpr, epilogue_args, ME: gl.constexpr, Q_INDEX: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
-    P_IN_SMEM: gl.constexpr, HAS_KV_SIZES: gl.constexpr,
+    P_IN_SMEM: gl.constexpr, HAS_KV_SIZES: gl.constexpr, TAIL1: gl.constexpr,
+    TAIL2: gl.constexpr,
 ):  # fmt: skip
     """64 query rows, ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 * Q_INDEX``): the
-    online softmax over every listed key block (with ``HAS_KV_SIZES`` the first ``num_full``
-    unmasked, the rest masked), then o (q's dtype, by TMA through its Q buffer) and lse (fp32),
+    online softmax over every listed key block (with ``HAS_KV_SIZES`` the first ``ends[0]``
+    unmasked, the rest masked; with short walks, ``TAIL1``, the blocks from ``ends[1]`` on with
+    ``TAIL1`` and from ``ends[2]`` on with ``TAIL2`` keys: ``_walk_ends``), then o (q's dtype,
+    by TMA through its Q buffer) and lse (fp32),
     stored only if ``valid``, after the declared ``EPILOGUE`` (query block ``q_block`` of
     (b, h), whose first row is ``block_row0``). ``ME`` names the consumer for the ping-pong
     turns."""
@@ -275,9 +364,11 @@ def _consumer(
     # loader's TMA into it must have landed before we overwrite it.
     mbarrier.wait(q_bar, 0)
 
-    if count > 0:
+    num_full, end1, end2 = ends
+    if end1 > 0:  # the blocks walked with all BLOCK_N keys: 0..end1-1
         # ---- prologue: S_0 and its softmax (no P V yet) ----
-        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, 0, s_zero, ME, STAGES, PINGPONG)
+        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, 0, s_zero, ME, STAGES, PINGPONG,
+                          BLOCK_N, BLOCK_N)  # fmt: skip
         _turn_pass(turn_bars, ME, PINGPONG)
         if HAS_KV_SIZES:  # block 0 is partial when no listed block is full
             limit = gl.where(num_full > 0, BLOCK_N, gl.load(KV_SIZES + gl.load(idx_row)))
@@ -292,6 +383,7 @@ def _consumer(
             acc, m_i, l_i = _loop_p_in_smem(
                 q, k_smem, v_smem, p_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, count,
                 qk_scale, p, m_i, l_i, alpha, acc, s_zero, o_layout, ME, STAGES, PINGPONG,
+                BLOCK_N,
             )  # fmt: skip
         else:
             p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # [64, BN], P_0
@@ -299,17 +391,29 @@ def _consumer(
             p_op, m_i, l_i, alpha, acc = _walk(
                 q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, 1, num_full,
                 qk_scale, p_op, m_i, l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols,
-                p_layout, o_layout, ME, STAGES, PINGPONG, False,
+                p_layout, o_layout, ME, STAGES, PINGPONG, False, BLOCK_N, BLOCK_N,
             )  # fmt: skip
             if HAS_KV_SIZES:
                 # partial blocks
                 p_op, m_i, l_i, alpha, acc = _walk(
                     q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                    gl.maximum(num_full, 1), count, qk_scale, p_op, m_i, l_i, alpha, acc, s_zero,
+                    gl.maximum(num_full, 1), end1, qk_scale, p_op, m_i, l_i, alpha, acc, s_zero,
                     idx_row, stride_ik, KV_SIZES, cols, p_layout, o_layout, ME, STAGES, PINGPONG,
-                    True,
+                    True, BLOCK_N, BLOCK_N,
                 )  # fmt: skip
-            acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, count, o_layout, STAGES)
+            acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, end1, o_layout, STAGES,
+                           BLOCK_N, BLOCK_N)  # fmt: skip
+    if TAIL1 > 0:  # partial blocks of at most TAIL1, then TAIL2 real keys
+        acc, m_i, l_i = _short_walk(
+            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, end1, end2,
+            qk_scale, m_i, l_i, acc, idx_row, stride_ik, KV_SIZES, p_layout, o_layout,
+            row_layout, ME, STAGES, PINGPONG, TAIL1, BLOCK_N,
+        )  # fmt: skip
+        acc, m_i, l_i = _short_walk(
+            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, end2, count,
+            qk_scale, m_i, l_i, acc, idx_row, stride_ik, KV_SIZES, p_layout, o_layout,
+            row_layout, ME, STAGES, PINGPONG, TAIL2, BLOCK_N,
+        )  # fmt: skip
 
     # ---- epilogue: normalise; rows that saw no block get o = 0, lse = -inf ----
     live = l_i > 0.0
@@ -337,12 +441,19 @@ def _consumer(
 
 
 @gluon.jit
-def _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block, valid, K,
+def _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block, valid, K,
              stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq,
-             stride_fb, stride_fh, stride_fq, HAS_KV_SIZES: gl.constexpr):  # fmt: skip
-    """``(list pointer, count, leading full blocks)`` of query block ``block`` of (b, h); an
-    invalid block (past the last one) lists nothing. The count is clamped to the list width
-    ``K``, the full blocks to the count."""
+             stride_eb, stride_eh, stride_eq, HAS_KV_SIZES: gl.constexpr,
+             TAIL1: gl.constexpr):  # fmt: skip
+    """``(list pointer, count, ends)`` of query block ``block`` of (b, h); an invalid block
+    (past the last one) lists nothing. The count is clamped to the list width ``K``.
+
+    ``ends``: where the walks end (``lists.blocks_by_size``'s groups, ``KV_ENDS`` [..., 3]):
+    the full blocks, those walked with all rows, those with ``TAIL1`` rows; those with
+    ``TAIL2`` rows end at the count. Without short walks the masked walk takes every partial
+    block (its ends: the count), without key-block sizes every block is full. Clamped so that
+    ``end0 <= end1 <= end2 <= count``: the loader and the consumers, which read the same ends,
+    then walk the same blocks whatever the tensor holds."""
     b = b.to(gl.int64)
     h = h.to(gl.int64)
     block = block.to(gl.int64)
@@ -350,12 +461,16 @@ def _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block, valid, K,
     count = gl.load(KV_CNT + b * stride_cb + h * stride_ch + block * stride_cq, mask=valid,
                     other=0)  # fmt: skip
     count = gl.minimum(count, K)
-    num_full = count
+    end0 = count
+    end1 = count
+    end2 = count
     if HAS_KV_SIZES:
-        num_full = gl.load(KV_FULL + b * stride_fb + h * stride_fh + block * stride_fq,
-                           mask=valid, other=0)  # fmt: skip
-        num_full = gl.minimum(num_full, count)
-    return idx_row, count, num_full
+        row = KV_ENDS + b * stride_eb + h * stride_eh + block * stride_eq
+        if TAIL1 > 0:
+            end2 = gl.minimum(gl.load(row + 2, mask=valid, other=0), count)
+            end1 = gl.minimum(gl.load(row + 1, mask=valid, other=0), end2)
+        end0 = gl.minimum(gl.load(row, mask=valid, other=0), end1)
+    return idx_row, count, (end0, end1, end2)
 
 
 @gluon.jit
@@ -370,22 +485,25 @@ def _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr, CONSUME
 @gluon.jit
 def block_sparse_attn_fwd_gluon_kernel(
     desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o blocks [64, D], k/v [BN, D]
+    desc_k1, desc_v1, desc_k2, desc_v2,  # TAIL1: k/v in boxes [TAIL1, D], [TAIL2, D]
     LSE,  # fp32 [B, H, Sq]
     KV_IDX, KV_CNT,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]
-    KV_SIZES, KV_FULL,  # HAS_KV_SIZES: int32 [NK] real keys per block; [Bi, H, NQ] full blocks
+    KV_SIZES, KV_ENDS,  # HAS_KV_SIZES: int32 [NK] real keys per block; [Bi, H, NQ, 3] ends
     stride_ib, stride_ih, stride_iq, stride_ik,  # stride_ib == 0 when lists broadcast over batch
     stride_cb, stride_ch, stride_cq,
-    stride_fb, stride_fh, stride_fq,
+    stride_eb, stride_eh, stride_eq,
     EPILOGUE: gl.constexpr, epilogue_args,  # o = EPILOGUE(o, ..., *epilogue_args) before the store
     H, Sq, Skv, NQ, K,  # K: the lists' width (bound of every count)
     qk_scale,  # softmax scale * log2(e), fp32
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, TAIL1: gl.constexpr, TAIL2: gl.constexpr,
     STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """A 128-row query block per program: one list, one K/V ring, its two 64-row halves on
-    the two consumer warpgroups (ping-pong)."""
+    the two consumer warpgroups (ping-pong). ``TAIL1``, ``TAIL2``: the rows of the short walks
+    of partial key blocks (both 0: partial blocks are walked with all rows)."""
+    gl.static_assert((TAIL1 == 0) == (TAIL2 == 0), "both short walks or none")
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -395,10 +513,11 @@ def block_sparse_attn_fwd_gluon_kernel(
     kv_row0 = pid_bh * Skv  # first key row of this (b, h) in [B*H*Skv, D]
     valid = pid_m < NQ  # always: the grid has NQ programs along dim 0
     NK = Skv // BLOCK_N  # key blocks: the loader clamps every entry below it
-    idx_row, count, num_full = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, pid_m, valid, K,
-                                        stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
-                                        stride_cq, stride_fb, stride_fh, stride_fq,
-                                        HAS_KV_SIZES)  # fmt: skip
+    idx_row, count, ends = _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, pid_m, valid, K,
+                                    stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
+                                    stride_cq, stride_eb, stride_eh, stride_eq, HAS_KV_SIZES,
+                                    TAIL1)  # fmt: skip
+    tail_descs = (desc_k1, desc_v1, desc_k2, desc_v2)
 
     # Shared memory: Q (also o's staging buffer) 32 KB, K and V rings 2 * STAGES * 32 KB.
     q_smem = gl.allocate_shared_memory(
@@ -438,19 +557,20 @@ def block_sparse_attn_fwd_gluon_kernel(
     gl.warp_specialize(
         [
             (_consumer, (desc_o, q_smem, k_smem, v_smem, p_smem0, q_bar, k_ready, v_ready,
-                         k_empty, v_empty, turn_bars, LSE, count, num_full, idx_row, stride_ik,
+                         k_empty, v_empty, turn_bars, LSE, count, ends, idx_row, stride_ik,
                          KV_SIZES, q_row, qk_scale, valid, b, h, pid_m, pid_m * BLOCK_M,
                          EPILOGUE, epilogue_args, gl.constexpr(0), gl.constexpr(0), BLOCK_N,
-                         HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM,
-                         HAS_KV_SIZES)),  # default partition: rows 0-63
+                         HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES, TAIL1,
+                         TAIL2)),  # default partition: rows 0-63
             (_consumer, (desc_o, q_smem, k_smem, v_smem, p_smem1, q_bar, k_ready, v_ready,
-                         k_empty, v_empty, turn_bars, LSE, count, num_full, idx_row, stride_ik,
+                         k_empty, v_empty, turn_bars, LSE, count, ends, idx_row, stride_ik,
                          KV_SIZES, q_row, qk_scale, valid, b, h, pid_m, pid_m * BLOCK_M,
                          EPILOGUE, epilogue_args, gl.constexpr(1), gl.constexpr(1), BLOCK_N,
-                         HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES)),  # rows 64-127
-            (_loader, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                       k_empty, v_empty, idx_row, stride_ik, count, q_row, kv_row0,
-                       NK, BLOCK_N, STAGES, gl.constexpr(2))),
+                         HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES, TAIL1,
+                         TAIL2)),  # rows 64-127
+            (_loader, (desc_q, desc_k, desc_v, tail_descs, q_smem, k_smem, v_smem, q_bar,
+                       k_ready, v_ready, k_empty, v_empty, idx_row, stride_ik, count, ends,
+                       q_row, kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(2), TAIL1, TAIL2)),
         ],
         [4, 1],  # warps: second consumer warpgroup, loader warp
         [CONSUMER_REGS, LOADER_REGS],  # setmaxnreg: the loader gives its registers away
@@ -460,16 +580,17 @@ def block_sparse_attn_fwd_gluon_kernel(
 @gluon.jit
 def block_sparse_attn_fwd_gluon_tiles_kernel(
     desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o and k/v blocks [64, D]
+    desc_k1, desc_v1, desc_k2, desc_v2,
     LSE,
-    KV_IDX, KV_CNT, KV_SIZES, KV_FULL,
+    KV_IDX, KV_CNT, KV_SIZES, KV_ENDS,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
-    stride_fb, stride_fh, stride_fq,
+    stride_eb, stride_eh, stride_eq,
     EPILOGUE: gl.constexpr, epilogue_args,
     H, Sq, Skv, NQ, K,
     qk_scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, TAIL1: gl.constexpr, TAIL2: gl.constexpr,
     STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
@@ -478,6 +599,7 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     take turns (their lists may differ in length); the scheduler interleaves them."""
     gl.static_assert(BLOCK_M == ROWS_PER_CONSUMER, "one consumer warpgroup per 64-row block")
     gl.static_assert(not P_IN_SMEM, "P in shared memory: 128-row blocks only")
+    gl.static_assert((TAIL1 == 0) == (TAIL2 == 0), "both short walks or none")
     pid = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // H
@@ -488,14 +610,15 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     valid0 = block0 < NQ
     valid1 = block1 < NQ  # false in the last program when NQ is odd
     NK = Skv // BLOCK_N
-    idx_row0, count0, num_full0 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block0, valid0, K,
-                                           stride_ib, stride_ih, stride_iq, stride_cb,
-                                           stride_ch, stride_cq, stride_fb, stride_fh,
-                                           stride_fq, HAS_KV_SIZES)  # fmt: skip
-    idx_row1, count1, num_full1 = _list_of(KV_IDX, KV_CNT, KV_FULL, b, h, block1, valid1, K,
-                                           stride_ib, stride_ih, stride_iq, stride_cb,
-                                           stride_ch, stride_cq, stride_fb, stride_fh,
-                                           stride_fq, HAS_KV_SIZES)  # fmt: skip
+    idx_row0, count0, ends0 = _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block0, valid0, K,
+                                       stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
+                                       stride_cq, stride_eb, stride_eh, stride_eq, HAS_KV_SIZES,
+                                       TAIL1)  # fmt: skip
+    idx_row1, count1, ends1 = _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block1, valid1, K,
+                                       stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
+                                       stride_cq, stride_eb, stride_eh, stride_eq, HAS_KV_SIZES,
+                                       TAIL1)  # fmt: skip
+    tail_descs = (desc_k1, desc_v1, desc_k2, desc_v2)
     # Global rows of the two query blocks. Past the last block (NQ odd) the loader still reads
     # a Q tile (rows of the next head, or zeros past the tensor: TMA bounds) so the consumer's
     # wait completes; nothing is stored there.
@@ -532,23 +655,25 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     gl.warp_specialize(
         [
             (_consumer, (desc_o, q_smem0, k_smem0, v_smem0, p_unused, q_bar0, k_ready0,
-                         v_ready0, k_empty0, v_empty0, turn_unused, LSE, count0, num_full0,
+                         v_ready0, k_empty0, v_empty0, turn_unused, LSE, count0, ends0,
                          idx_row0, stride_ik, KV_SIZES, q_row0, qk_scale, valid0, b, h, block0,
                          block0 * BLOCK_M, EPILOGUE, epilogue_args, gl.constexpr(0),
                          gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False),
-                         gl.constexpr(False), HAS_KV_SIZES)),
+                         gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2)),
             (_consumer, (desc_o, q_smem1, k_smem1, v_smem1, p_unused, q_bar1, k_ready1,
-                         v_ready1, k_empty1, v_empty1, turn_unused, LSE, count1, num_full1,
+                         v_ready1, k_empty1, v_empty1, turn_unused, LSE, count1, ends1,
                          idx_row1, stride_ik, KV_SIZES, q_row1, qk_scale, valid1, b, h, block1,
                          block1 * BLOCK_M, EPILOGUE, epilogue_args, gl.constexpr(1),
                          gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False),
-                         gl.constexpr(False), HAS_KV_SIZES)),
-            (_loader, (desc_q, desc_k, desc_v, q_smem0, k_smem0, v_smem0, q_bar0, k_ready0,
-                       v_ready0, k_empty0, v_empty0, idx_row0, stride_ik, count0, q_row0,
-                       kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1))),
-            (_loader, (desc_q, desc_k, desc_v, q_smem1, k_smem1, v_smem1, q_bar1, k_ready1,
-                       v_ready1, k_empty1, v_empty1, idx_row1, stride_ik, count1, q_row1,
-                       kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1))),
+                         gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2)),
+            (_loader, (desc_q, desc_k, desc_v, tail_descs, q_smem0, k_smem0, v_smem0,
+                       q_bar0, k_ready0, v_ready0, k_empty0, v_empty0, idx_row0, stride_ik,
+                       count0, ends0, q_row0, kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1),
+                       TAIL1, TAIL2)),
+            (_loader, (desc_q, desc_k, desc_v, tail_descs, q_smem1, k_smem1, v_smem1,
+                       q_bar1, k_ready1, v_ready1, k_empty1, v_empty1, idx_row1, stride_ik,
+                       count1, ends1, q_row1, kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1),
+                       TAIL1, TAIL2)),
         ],
         [4, 1, 1],  # warps: second consumer warpgroup, two loader warps
         [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
