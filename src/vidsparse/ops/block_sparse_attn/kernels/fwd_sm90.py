@@ -61,7 +61,7 @@ def _loader(
     STAGES: gl.constexpr, Q_TILES: gl.constexpr, TAIL1: gl.constexpr, TAIL2: gl.constexpr,
 ):  # fmt: skip
     """Q once, then K_j and V_j of every listed block j into ring slot ``j % STAGES``: whole
-    blocks up to ``ends[1]`` (``_walk_ends``), then, with short walks (``TAIL1``), the first
+    blocks up to ``ends[1]`` (``_list_of``), then, with short walks (``TAIL1``), the first
     ``TAIL1`` rows of blocks ``ends[1]..ends[2]-1`` and the first ``TAIL2`` of the rest, by the
     descriptors of those boxes (``tail_descs``: k1, v1, k2, v2).
 
@@ -333,7 +333,7 @@ def _consumer(
     """64 query rows, ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 * Q_INDEX``): the
     online softmax over every listed key block (with ``HAS_KV_SIZES`` the first ``ends[0]``
     unmasked, the rest masked; with short walks, ``TAIL1``, the blocks from ``ends[1]`` on with
-    ``TAIL1`` and from ``ends[2]`` on with ``TAIL2`` keys: ``_walk_ends``), then o (q's dtype,
+    ``TAIL1`` and from ``ends[2]`` on with ``TAIL2`` keys: ``_list_of``), then o (q's dtype,
     by TMA through its Q buffer) and lse (fp32),
     stored only if ``valid``, after the declared ``EPILOGUE`` (query block ``q_block`` of
     (b, h), whose first row is ``block_row0``). ``ME`` names the consumer for the ping-pong
@@ -504,6 +504,7 @@ def block_sparse_attn_fwd_gluon_kernel(
     the two consumer warpgroups (ping-pong). ``TAIL1``, ``TAIL2``: the rows of the short walks
     of partial key blocks (both 0: partial blocks are walked with all rows)."""
     gl.static_assert((TAIL1 == 0) == (TAIL2 == 0), "both short walks or none")
+    gl.static_assert(TAIL1 == 0 or HAS_KV_SIZES, "short walks come with key-block sizes")
     gl.static_assert(BLOCK_M == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     pid_m = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -600,6 +601,7 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     gl.static_assert(BLOCK_M == ROWS_PER_CONSUMER, "one consumer warpgroup per 64-row block")
     gl.static_assert(not P_IN_SMEM, "P in shared memory: 128-row blocks only")
     gl.static_assert((TAIL1 == 0) == (TAIL2 == 0), "both short walks or none")
+    gl.static_assert(TAIL1 == 0 or HAS_KV_SIZES, "short walks come with key-block sizes")
     pid = gl.program_id(0)
     pid_bh = gl.program_id(1)
     b = pid_bh // H
