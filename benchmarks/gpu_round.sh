@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks on an H200, each step under its own time limit:
-#   bash benchmarks/gpu_round.sh tests|demo|profile|profile-train|engine|masked|full-first|key-tails|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|eviction|parallel [...]
+#   bash benchmarks/gpu_round.sh tests|short-walk-tests|demo|profile|profile-train|engine|masked|full-first|key-tails|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|eviction|parallel [...]
 #   e2e for the other diffusers families: e2e-hunyuanvideo|e2e-ltx|e2e-ltx2|e2e-cosmos|
 #   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace|e2e-chronoedit|e2e-wan-animate, compiled:
 #   e2e-skyreels-v2-compiled|e2e-wan-vace-compiled (JSON under $OUT, named as in
@@ -40,6 +40,9 @@ E2E_DENSE_ONCE=(--methods dense --warmup 0 --reps 1 --share-reps 0)
 for what in "$@"; do
   case $what in
     tests) step gpu_tests 480 bash benchmarks/gpu_tests_parallel.sh ;;
+    short-walk-tests) step short_walk_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/ops/block_sparse_attn/test_gluon_fwd.py tests/ops/video_sparse_attn/test_vsa_fine.py \
+      tests/ops/block_sparse_attn/test_block_sparse_attn.py ;;
     profile) step profile 150 python3 benchmarks/profile/profile_methods.py ;;
     profile-train) step profile_train 200 python3 benchmarks/profile/profile_train_step.py ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
