@@ -47,10 +47,15 @@ ROWS_PER_CONSUMER = gl.constexpr(64)
 
 @gluon.jit
 def _key_rows(ring, slot, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """The first ``ROWS`` rows of ring slot ``slot`` [BLOCK_N, D] (a short walk's keys)."""
+    """Ring slot ``slot`` [BLOCK_N, D], or for a short walk the ``[ROWS, D]`` tile at its start.
+
+    The short tile is a view of its own (the slot's bytes reinterpreted), not rows of the
+    slot: at D = 128 a row spans two 128-byte swizzle atoms, which a slot lays out BLOCK_N
+    rows apart and a [ROWS, D] tile ROWS apart. The TMA box that fills the tile and the
+    wgmmas that read it then agree by construction."""
     buf = ring.index(slot)
     if ROWS < BLOCK_N:
-        buf = buf.slice(0, ROWS)
+        buf = buf._reinterpret(ring.dtype, [ROWS, ring.shape[2]], ring.layout)
     return buf
 
 
