@@ -53,9 +53,15 @@ def _key_rows(ring, slot, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
     slot: at D = 128 a row spans two 128-byte swizzle atoms, which a slot lays out BLOCK_N
     rows apart and a [ROWS, D] tile ROWS apart. The TMA box that fills the tile and the
     wgmmas that read it then agree by construction."""
-    buf = ring.index(slot)
     if ROWS < BLOCK_N:
-        buf = buf._reinterpret(ring.dtype, [ROWS, ring.shape[2]], ring.layout)
+        # The ring [STAGES, BLOCK_N, D] seen as [STAGES * BLOCK_N / ROWS, ROWS, D] (same bytes:
+        # Triton 3.8 refuses a reinterpretation that changes the size): the slot's first tile.
+        per_slot: gl.constexpr = BLOCK_N // ROWS
+        tiles = ring._reinterpret(ring.dtype, [ring.shape[0] * per_slot, ROWS, ring.shape[2]],
+                                  ring.layout)  # fmt: skip
+        buf = tiles.index(slot * per_slot)
+    else:
+        buf = ring.index(slot)
     return buf
 
 
