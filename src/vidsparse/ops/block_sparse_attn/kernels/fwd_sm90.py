@@ -12,7 +12,7 @@ explains the schedule and its knobs (``configs.GluonOptions``).
 With key-block sizes the lists come ordered by ``lists.blocks_by_size``: full blocks, then
 partial ones walked with all ``BLOCK_N`` keys and, with short walks (``TAIL1``, ``TAIL2``:
 ``GluonOptions.KEY_TAILS``), those with at most ``TAIL1`` and ``TAIL2`` real keys walked with
-that many: TMA boxes of those rows into the first rows of a ring slot, and Q K^T / P V wgmmas
+that many: TMA boxes of those rows into a tile at the start of a ring slot, and Q K^T / P V wgmmas
 that narrow (N = 32 / 16 at 64-key blocks). Each short walk runs from its own prologue to its
 last P V, since P's registers change shape between walks.
 
@@ -104,7 +104,7 @@ def _load_keys(
     hi, kv_row0, NK, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """K_j and V_j, the first ``ROWS`` rows of each listed block j in ``lo..hi-1`` (boxes of
-    ``desc_k``, ``desc_v``), into the first rows of ring slot ``j % STAGES``."""
+    ``desc_k``, ``desc_v``), into ring slot ``j % STAGES`` (``_key_rows``)."""
     for j in range(lo, hi):
         slot = j % STAGES
         # Use u = j // STAGES of this slot must wait for its consumers to release use u - 1,
