@@ -695,6 +695,17 @@ def test_full_first_walk_equals_masking_every_block(use_tma):
     torch.testing.assert_close(lse, lse_all, rtol=0, atol=1e-5)
 
 
+def _engine_fwd_bwd(args, do):
+    """``(o, dq, dk, dv)`` of the engine's launchers on ``args`` (q, k, v, lists, sizes, blocks,
+    scale; padding keys finite) and output gradient ``do``."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    o, lse = block_sparse_attn_fwd(*args, padding_finite=True)
+    grads = block_sparse_attn_bwd(do, *args[:3], o, lse, *args[3:], padding_finite=True)
+    return (o, *grads)
+
+
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 @pytest.mark.parametrize("use_tma", [False, True])
@@ -705,9 +716,7 @@ def test_short_walks_of_partial_key_blocks(use_tma):
     block walked with all 64 rows (``override(key_tails=False)``). Blocks of every group:
     full, 63 and 33 keys (64 rows), 32 and 17 (32), 16, 1 and 0 (16); padding keys hold NaN
     for pointer loads, which never read them, and large finite values for TMA."""
-    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
     from vidsparse.ops.block_sparse_attn.configs import KernelConfig, override
-    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     bs, D = 64, 16
     sizes = torch.tensor([64, 63, 32, 17, 16, 1, 0, 33], dtype=torch.int32)
@@ -723,9 +732,7 @@ def test_short_walks_of_partial_key_blocks(use_tma):
 
     def run():
         with override(fwd=cfg, bwd_dkdv=cfg, bwd_dq=cfg, fused=False):
-            o, lse = block_sparse_attn_fwd(*args, padding_finite=True)
-            grads = block_sparse_attn_bwd(do, *args[:3], o, lse, *args[3:], padding_finite=True)
-        return (o, *grads)
+            return _engine_fwd_bwd(args, do)
 
     got = run()
     with override(key_tails=False):
@@ -750,9 +757,7 @@ def test_gpu_short_walks_match_reference_and_all_rows(dtype, scale, bs):
     the fp64 reference (error-relative to the same computation in plain low-precision
     PyTorch) and against every partial block walked with all rows. Blocks of every group:
     full, all rows, half, quarter, empty; padding keys large and finite (read by TMA, masked)."""
-    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
     from vidsparse.ops.block_sparse_attn.configs import override
-    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     D, half, quarter = 128, bs // 2, bs // 4
     sizes = [bs, bs - 1, half + 1, half, quarter + 1, quarter, 1, 0, bs, half]
@@ -765,14 +770,9 @@ def test_gpu_short_walks_match_reference_and_all_rows(dtype, scale, bs):
     do = torch.randn_like(q)
     args = (q, k, v, idx, cnt, sizes, bs, bs, D**-0.5)
 
-    def run():
-        o, lse = block_sparse_attn_fwd(*args, padding_finite=True)
-        grads = block_sparse_attn_bwd(do, *args[:3], o, lse, *args[3:], padding_finite=True)
-        return (o, *grads)
-
-    got = run()
+    got = _engine_fwd_bwd(args, do)
     with override(key_tails=False):
-        all_rows = run()
+        all_rows = _engine_fwd_bwd(args, do)
     real_k, real_v = (x.masked_fill(pad[:, None], 0.0) for x in (k, v))
     leaves = [x.double().requires_grad_() for x in (q, real_k, real_v)]
     ref_o, _ = masked_dense_attention(*leaves, idx, cnt, bs, bs, sizes)
