@@ -42,7 +42,7 @@ for what in "$@"; do
     tests) step gpu_tests 480 bash benchmarks/gpu_tests_parallel.sh ;;
     short-walk-tests) step short_walk_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/block_sparse_attn/test_gluon_fwd.py tests/ops/video_sparse_attn/test_vsa_fine.py \
-      tests/ops/block_sparse_attn/test_block_sparse_attn.py ;;
+      tests/ops/block_sparse_attn/test_block_sparse_attn.py::test_gpu_short_walks_match_reference_and_all_rows ;;
     profile) step profile 150 python3 benchmarks/profile/profile_methods.py ;;
     profile-train) step profile_train 200 python3 benchmarks/profile/profile_train_step.py ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;

@@ -13,7 +13,12 @@ from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import (
     block_sparse_attn_fwd_gluon_kernel,
     block_sparse_attn_fwd_gluon_tiles_kernel,
 )
-from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
+from vidsparse.ops.block_sparse_attn.launch import (
+    LOG2E,
+    broadcast_strides,
+    int32_contiguous,
+    list_end_strides,
+)
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -34,8 +39,8 @@ def gluon_fits(q, k, v, block_q: int, block_kv: int) -> bool:
 def _descriptors(q, k, v, o, block_kv, tails):
     """TMA descriptors over the [B*H*S, D] views: q, o in 64-row pieces, k, v in key blocks,
     then k, v in boxes of each short walk's rows (``tails``; a walk that does not run gets the
-    key blocks' descriptors, never used). The short walks' boxes land in the first rows of a
-    key block's ring slot, so they take its shared layout."""
+    key blocks' descriptors, never used). A short walk's box fills a [rows, D] tile at the
+    start of a ring slot (``kernels/fwd_sm90._key_rows``), in the key blocks' shared layout."""
     D = q.shape[-1]
     rows = ROWS_PER_CONSUMER.value
     dtype = _GL_DTYPES[q.dtype]
@@ -77,7 +82,7 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
         kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
     args = (*_descriptors(q, k, v, o, block_kv, tails), lse, kv_indices, kv_counts, sizes, ends,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
-            *broadcast_strides(ends)[:3], *hook, H, Sq, k.shape[2], nq, kv_indices.shape[-1],
+            *list_end_strides(ends), *hook, H, Sq, k.shape[2], nq, kv_indices.shape[-1],
             scale * LOG2E)  # fmt: skip
     kwargs = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   TAIL1=tails[0], TAIL2=tails[1], **opts.as_kwargs(),
