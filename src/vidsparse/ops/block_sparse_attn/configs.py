@@ -109,8 +109,8 @@ class GluonOptions:
     CONSUMER_REGS: int = 240
     LOADER_REGS: int = 24
     # Partial key blocks walked with fewer rows (``key_tails``; an N = 32 / 16 wgmma at 64-key
-    # blocks). Off until it has run on a GPU: written and compiled for sm_90 on a CPU only.
-    KEY_TAILS: bool = False
+    # blocks): forward -15% / -20% on Wan 480p / 720p 4x4x4-tile lists (benchmarks/NOTES.md).
+    KEY_TAILS: bool = True
 
     def as_kwargs(self) -> dict:
         """The kernel's schedule constexprs (``KEY_TAILS`` reaches it as ``TAIL1``/``TAIL2``)."""
