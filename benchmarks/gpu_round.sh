@@ -12,7 +12,8 @@
 #   e2e-train-compiled: the 1.3B step compiled (compile_for_training);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
-#   on a warm machine, so each plot holds the arms before it
+#   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
+#   (init and data order), into out/train_vsa_compiled_seedN
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -42,7 +43,8 @@ for what in "$@"; do
     tests) step gpu_tests 480 bash benchmarks/gpu_tests_parallel.sh ;;
     short-walk-tests) step short_walk_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/block_sparse_attn/test_gluon_fwd.py tests/ops/video_sparse_attn/test_vsa_fine.py \
-      tests/ops/block_sparse_attn/test_block_sparse_attn.py::test_gpu_short_walks_match_reference_and_all_rows ;;
+      tests/ops/block_sparse_attn/test_block_sparse_attn.py::test_gpu_short_walks_match_reference_and_all_rows \
+      tests/ops/video_sparse_attn/test_vsa.py::test_vsa_gpu_dkdv_short_query_walks_match_all_rows ;;
     profile) step profile 150 python3 benchmarks/profile/profile_methods.py ;;
     profile-train) step profile_train 200 python3 benchmarks/profile/profile_train_step.py ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
@@ -70,10 +72,11 @@ for what in "$@"; do
         dense|vsa0.875|vsa0.9|finetune-dense|finetune-vsa) ;;
         *) echo "unknown train_vsa arm: $arm" >&2; exit 2 ;;
       esac
-      mkdir -p out/train_vsa_compiled  # kept across calls on a warm machine (out/ is ignored)
+      seed=${TRAIN_SEED:-0}; dir=out/train_vsa_compiled${TRAIN_SEED:+_seed$seed}
+      mkdir -p "$dir"  # kept across calls on a warm machine (out/ is ignored)
       step "train_vsa_${arm}_compiled" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
-        --compile blocks --out out/train_vsa_compiled --max-minutes 7.5
-      cp out/train_vsa_compiled/*.json out/train_vsa_compiled/*.png "$OUT/" ;;
+        --compile blocks --seed "$seed" --out "$dir" --max-minutes 7.5
+      cp "$dir"/*.json "$dir"/*.png "$OUT/" ;;
     e2e-train-14b) step e2e_train_14b 240 python3 -m vidsparse.bench e2e --train --model wan14b \
       --layers 4 --warmup 1 --reps 3 --share-reps 1 \
       --out "$OUT/e2e_train_wan14b-720p_h200.json" ;;

@@ -1,8 +1,10 @@
-"""Partial key blocks walked with fewer rows (``configs.key_tails``) against all rows: VSA's
-fwd, bwd and fwd+bwd, and the backward's kernels, in three arms: ``none`` (every partial block
-walked with all rows), ``triton`` (the Triton kernels' short walks: on Hopper the backward,
-since the forward runs in Gluon) and ``gluon`` (also the Gluon forward's,
-``GluonOptions.KEY_TAILS``; the library's default on Hopper since this ran at 4349c76).
+"""Short walks of partial tiles against walking them with all rows: VSA's fwd, bwd and
+fwd+bwd, and the backward's kernels, in the arms of ``ARMS`` (``_arm`` says what each
+turns on): every partial block walked with all rows; the library's default (partial key
+blocks walked with fewer rows in the Triton kernels and the Gluon forward:
+``configs.key_tails``, ``GluonOptions.KEY_TAILS``); and dK/dV with 8 warps without and with
+its short walks of partial query tiles (``KernelConfig.query_tails``, off by default until
+this has timed them).
 
 Run on a GPU from the repository root::
 
@@ -54,16 +56,25 @@ def _partial_share(q, k, grid) -> float:
     return float((sizes[chosen] < grid.tile_volume).float().mean())
 
 
-ARMS = ("none", "triton", "gluon")
+ARMS = ("none", "keys", "dkdv8", "query")
 
 
 def _arm(name: str):
-    """The overrides of arm ``name`` (``ARMS``)."""
+    """The overrides of arm ``name`` (``ARMS``): ``none`` walks every partial block with all
+    rows; ``keys`` is the library's default (the Triton kernels' and the Gluon forward's short
+    walks of partial key blocks); ``dkdv8`` adds 8 warps to VSA's dK/dV kernel (the control
+    of the next arm); ``query`` also walks its partial query tiles with 32 / 16 rows
+    (``KernelConfig.query_tails``: with 4 warps they spill 412 bytes on sm_90, with 8 none)."""
     from dataclasses import replace
 
-    from vidsparse.ops.block_sparse_attn.configs import GLUON, override
+    from vidsparse.ops.block_sparse_attn import configs
+    from vidsparse.utils.device import target_of
 
-    return override(key_tails=name != "none", gluon=replace(GLUON, KEY_TAILS=name == "gluon"))
+    if name in ("none", "keys"):
+        return configs.override(key_tails=name == "keys")
+    row = configs.lookup(target_of(torch.device("cuda")), "bwd_dkdv", 64, 64, D, masked=True)
+    dkdv = replace(row, num_warps=8, query_tails=name == "query")
+    return configs.override(bwd_dkdv=dkdv)
 
 
 def run_case(name: str) -> list[dict]:
@@ -109,7 +120,7 @@ def run_case(name: str) -> list[dict]:
                              selected_partial_share=share,
                              rel_l2_vs_none=diffs.get(arm)))  # fmt: skip
             print(f"{name} {mode} {arm}: {ms:.3f} ms {ms_all}", flush=True)
-    for arm in ARMS[:2]:  # the Gluon arm's backward is the triton arm's
+    for arm in ARMS:
         with _arm(arm):
             fn = harness.mode_callable(forward, (q, k, v, gate), "bwd")
             prof = harness.cuda_profile(fn)

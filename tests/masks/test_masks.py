@@ -132,6 +132,37 @@ def test_transpose_matches_brute_force(bi, nq, nk):
             assert off[nk] == int(kv_counts[b, hh].sum())
 
 
+@pytest.mark.parametrize("nq,nk", [(7, 5), (4, 9)])
+def test_transpose_by_groups_matches_brute_force(nq, nk):
+    """With query groups each key block's query blocks come group by group, each ascending,
+    and the offsets mark every (key block, group) span."""
+    bi, h, num_groups = 2, 3, 3
+    m = _random_map(bi, h, nq, nk, p=0.5, seed=nq + nk)
+    kv_indices, kv_counts = lists_from_dense(m)
+    q_groups = torch.randint(0, num_groups, (nq,), generator=torch.Generator().manual_seed(nq))
+    q_offsets, q_indices = transpose_block_lists(kv_indices, kv_counts, nk, q_groups, num_groups)
+    assert q_offsets.shape == (bi, h, nk * num_groups + 1)
+    expected = _transpose_brute(kv_indices, kv_counts, nk)
+    for b in range(bi):
+        for hh in range(h):
+            off = q_offsets[b, hh].tolist()
+            for j in range(nk):
+                for g in range(num_groups):
+                    c = j * num_groups + g
+                    got = q_indices[b, hh, off[c] : off[c + 1]].tolist()
+                    want = sorted(i for i in expected[b][hh][j] if q_groups[i] == g)
+                    assert got == want, (b, hh, j, g)
+            assert off[-1] == int(kv_counts[b, hh].sum())
+
+
+def test_transpose_groups_come_with_a_count():
+    kv_indices, kv_counts = random_block_lists(1, 1, 4, 4, density=0.5)
+    with pytest.raises(ValueError, match="num_groups"):
+        transpose_block_lists(kv_indices, kv_counts, 4, torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="num_groups"):
+        transpose_block_lists(kv_indices, kv_counts, 4, None, 3)
+
+
 def test_transpose_deterministic():
     kv_indices, kv_counts = random_block_lists(2, 4, 33, 29, density=0.3)
     a = transpose_block_lists(kv_indices, kv_counts, 29)

@@ -261,14 +261,27 @@ def dense_from_lists(
 
 
 def transpose_block_lists(
-    kv_indices: torch.Tensor, kv_counts: torch.Tensor, num_kv_blocks: int
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    num_kv_blocks: int,
+    q_groups: torch.Tensor | None = None,
+    num_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For each key block, the query blocks attending to it, in CSR form per (batch, head).
 
-    Returns ``q_offsets`` int32 ``[Bi, H, NK + 1]`` and ``q_indices`` int32 ``[Bi, H, NQ * K]``:
-    the query blocks of key block ``j`` are
-    ``q_indices[b, h, q_offsets[b, h, j] : q_offsets[b, h, j + 1]]``, ascending. Entries past
-    ``q_offsets[b, h, NK]`` are 0. Memory is ``O(Bi * H * NQ * K)``; deterministic; no GPU sync.
+    Returns ``q_offsets`` int32 ``[Bi, H, NK * G + 1]`` and ``q_indices`` int32
+    ``[Bi, H, NQ * K]``, where ``G = num_groups``: the query blocks of key block ``j`` in
+    group ``g`` are ``q_indices[b, h, q_offsets[b, h, j*G + g] : q_offsets[b, h, j*G + g + 1]]``,
+    ascending; with one group (the default) those of key block ``j`` are
+    ``q_indices[b, h, q_offsets[b, h, j] : q_offsets[b, h, j + 1]]``. ``q_groups`` (int
+    ``[NQ]``, values in ``[0, G)``) puts each query block in its group, so that a kernel can
+    walk each group apart (``ops/block_sparse_attn``: query blocks by their real rows)::
+
+        q_groups = [0, 2, 0, 1]  (NQ = 4), G = 3;  key block j listed by query blocks 0, 1, 2, 3
+        column j = [0, 2 | 3 | 1]   q_offsets[j*3 : j*3 + 4] = [s, s+2, s+3, s+4]
+
+    Entries past ``q_offsets[b, h, -1]`` are 0. Memory is ``O(Bi * H * NQ * K)``;
+    deterministic; no GPU sync.
 
     Only shapes and dtypes are checked here: this runs in backward passes, after the public
     interface validated the values; an entry out of ``[0, NK)`` (lists changed behind the
@@ -276,27 +289,34 @@ def transpose_block_lists(
     """
     bi, h, nq, k = _check_structure(kv_indices, kv_counts)
     check_positive_int("num_kv_blocks", num_kv_blocks)
+    check_positive_int("num_groups", num_groups)
+    if (q_groups is None) != (num_groups == 1):
+        raise ValueError("q_groups comes with num_groups > 1, and only with it")
     device = kv_indices.device
 
-    # Key j*NQ + i for entry (row i -> key block j); unread entries get the sentinel NK*NQ so
-    # that they sort last. Keys are unique per (b, h) because indices are distinct per row.
-    # int32 keys whenever they fit: the GPU radix sort then makes half the passes of int64.
-    sentinel = num_kv_blocks * nq
+    # Key (j*G + g_i)*NQ + i for entry (row i -> key block j); unread entries get the sentinel
+    # NK*G*NQ so that they sort last. Keys are unique per (b, h) because indices are distinct
+    # per row. int32 keys whenever they fit: the GPU radix sort then makes half the passes.
+    columns = num_kv_blocks * num_groups
+    sentinel = columns * nq
     key_dtype = torch.int32 if sentinel < 2**31 - 1 else torch.int64
     q_rows = torch.arange(nq, device=device, dtype=key_dtype).view(nq, 1)  # [NQ, 1]
     in_range = (kv_indices >= 0) & (kv_indices < num_kv_blocks)
-    keys = torch.where(in_range, kv_indices, 0).to(key_dtype) * nq + q_rows  # [Bi, H, NQ, K]
+    column = torch.where(in_range, kv_indices, 0).to(key_dtype) * num_groups
+    if q_groups is not None:
+        column = column + q_groups.to(device=device, dtype=key_dtype).view(nq, 1)
+    keys = column * nq + q_rows  # [Bi, H, NQ, K]
     keys = torch.where(_valid_slots(kv_counts, k) & in_range, keys, sentinel)
     keys = keys.reshape(bi * h, nq * k)
     keys = keys.sort(dim=-1, stable=True).values  # [Bi*H, NQ*K]
 
-    # Column j starts at the first key >= j*NQ; a binary search per boundary needs no atomics.
-    bounds = torch.arange(num_kv_blocks + 1, device=device, dtype=key_dtype) * nq
+    # Column c starts at the first key >= c*NQ; a binary search per boundary needs no atomics.
+    bounds = torch.arange(columns + 1, device=device, dtype=key_dtype) * nq
     q_offsets = torch.searchsorted(keys, bounds.expand(bi * h, -1).contiguous(), out_int32=True)
 
     q_indices = torch.where(keys < sentinel, keys % max(nq, 1), 0)
     return (
-        q_offsets.reshape(bi, h, num_kv_blocks + 1),
+        q_offsets.reshape(bi, h, columns + 1),
         q_indices.to(torch.int32).reshape(bi, h, nq * k),
     )
 

@@ -645,6 +645,31 @@ def test_size_groups_follow_the_key_tails():
     assert size_group(16, 64, (0, 0)) == 1 and size_group(16, 32, (16, 0)) == 2
 
 
+def test_query_groups_and_when_dkdv_walks_them():
+    """``lists.query_groups``: each query block in the shortest query walk that holds its
+    gradient-carrying rows (full blocks, and partial ones over half, walk all rows); dK/dV
+    takes the walks only with an epilogue's ``quiet_rows``, a config that asks (``query_tails``)
+    and one step a block, and refuses quiet rows that do not cover every query block."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn.bwd import _query_walks
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig
+    from vidsparse.ops.block_sparse_attn.lists import query_groups
+
+    rows = torch.tensor([64, 63, 33, 32, 17, 16, 1, 0], dtype=torch.int32)
+    assert query_groups(rows, 64, (32, 16)).tolist() == [0, 0, 0, 1, 1, 2, 2, 2]
+    assert query_groups(rows, 64, (32, 0)).tolist() == [0, 0, 0, 1, 1, 1, 1, 1]
+    cfg = KernelConfig(sub_m=64, query_tails=True)
+    got_rows, tails = _query_walks(cfg, rows, 8, 64, False)
+    assert got_rows is rows and tails == (32, 16)
+    for off in [(cfg, None, 8, 64, False), (replace(cfg, query_tails=False), rows, 8, 64, False),
+                (replace(cfg, sub_m=32), rows, 8, 64, False), (cfg, rows, 8, 64, True),
+                (replace(cfg, sub_m=16), rows, 8, 16, False)]:  # fmt: skip
+        assert _query_walks(*off) == (None, (0, 0))
+    with pytest.raises(ValueError, match="quiet_rows"):
+        _query_walks(cfg, rows, 9, 64, False)
+
+
 def test_short_walks_per_target():
     """Which configs take the short walks (``KernelConfig.key_tails``): Hopper's masked rows
     and the interpreter's (what the next GPU round times, what CPU CI tests); not the AMD or

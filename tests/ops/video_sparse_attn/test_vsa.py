@@ -104,6 +104,69 @@ def test_vsa_backward_runs_the_coarse_attention_backward_once(triton_backend, mo
     assert len(calls) == 1
 
 
+def _grads_by_query_walks(grid, x, do, tiled, monkeypatch, **dkdv_changes):
+    """VSA's gradients with dK/dV's short query walks (its config row with ``query_tails``
+    and ``dkdv_changes``) and without them, and the walks' rows (``bwd._query_walks``) of
+    the first run: taken, so the comparison means something."""
+    from dataclasses import replace
+
+    import vidsparse.ops.block_sparse_attn.bwd as bwd
+    from vidsparse.ops.block_sparse_attn import configs
+    from vidsparse.utils.device import target_of
+
+    walks, original = [], bwd._query_walks
+    monkeypatch.setattr(bwd, "_query_walks", lambda *a: walks.append(original(*a)) or walks[-1])
+    target, D = target_of(x[0].device), x[0].shape[-1]
+    row = configs.lookup(target, "bwd_dkdv", grid.tile_volume, grid.tile_volume, D, masked=True)
+    grads = []
+    for cfg in (replace(row, query_tails=True, **dkdv_changes), replace(row, query_tails=False)):
+        with configs.override(bwd_dkdv=cfg):
+            o = vidsparse.video_sparse_attn(*x[:3], grid, topk=3, gate=x[3], tiled=tiled)
+            grads.append(torch.autograd.grad(o, x, do))
+    return grads, walks[0][1]
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("tiled", [False, True])
+def test_vsa_dkdv_short_query_walks_match_all_rows(triton_backend, tiled, monkeypatch):
+    """dK/dV walks a query tile of at most 32 or 16 real rows with that many (VSA's epilogue
+    quiets its padding rows): the gradients of the all-rows walk, on tiles of every size
+    (64, 48, 32, 24, 16, 12, 8, 6 rows)."""
+    grid = vidsparse.VideoGrid((5, 6, 7))
+    S = grid.padded_len if tiled else grid.num_tokens
+    x = [torch.randn(1, 2, S, 16, requires_grad=True) for _ in range(4)]
+    do = torch.randn(1, 2, S, 16)
+    (walked, all_rows), tails = _grads_by_query_walks(grid, x, do, tiled, monkeypatch)
+    assert tails == (32, 16)
+    for name, a, b in zip(("dq", "dk", "dv", "dgate"), walked, all_rows):
+        assert_rel_l2(name, a, b, 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiled", [False, True])
+def test_vsa_gpu_dkdv_short_query_walks_match_all_rows(tiled, monkeypatch):
+    """The same on the GPU at D=128 in bf16 with the device's dK/dV row (on Hopper the
+    spill-free variant: 8 warps; 4 spill 412 bytes with the walks), and against the
+    reference."""
+    grid = vidsparse.VideoGrid((9, 14, 22))  # query tiles of 64, 48, 32, 24, 16, 12, 8 rows...
+    x = _inputs(2, 4, grid, 128, dtype=torch.bfloat16, device="cuda", tiled=tiled,
+                tile_structure=1.0)  # fmt: skip
+    S = x[0].shape[2]
+    do = torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    changes = {"num_warps": 8} if hopper else {}
+    (walked, all_rows), tails = _grads_by_query_walks(grid, x, do, tiled, monkeypatch, **changes)
+    assert tails == (32, 16)
+    ref = video_sparse_attn_ref(*(t.float() for t in x[:3]), grid, topk=3, gate=x[3].float(),
+                                tiled=tiled)  # fmt: skip
+    ref_grads = torch.autograd.grad(ref, x, do.float())
+    for name, a, b, r in zip(("dq", "dk", "dv", "dgate"), walked, all_rows, ref_grads):
+        assert_rel_l2(name, a.float(), b.float(), 5e-3)
+        assert_rel_l2(name + " vs reference", a.float(), r, 6e-2)
+
+
 @pytest.mark.parametrize("scale", [1.0, 16.0])
 def test_recomputed_o_fine_costs_delta_no_more_than_storing_it_in_bf16(scale):
     """The backward recomputes ``o_fine = o - gate * o_coarse`` from the bf16 output instead of

@@ -86,7 +86,10 @@ def block_sparse_attn_bwd(
     if q_tma and not gluon_dq:
         q_keys = (desc(k, block_kv), desc(v, block_kv))
 
-    q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks)
+    q_rows, q_tails = _query_walks(kv_cfg, epilogue.quiet_rows(call), Sq // block_q, block_q,
+                                   gluon_dkdv)  # fmt: skip
+    q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows,
+                                            block_q, q_tails)  # fmt: skip
     by_size = lists_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv)
     dq_lists, dq_counts, ends, tails, checked = by_size
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
@@ -96,13 +99,16 @@ def block_sparse_attn_bwd(
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     # K, V for the short walks: their own TMA boxes, or the tensors for pointer loads.
-    kv_walks, q_walks = walk_tails(kv_cfg, tails), walk_tails(q_cfg, tails)
+    kv_walks, dq_walks = walk_tails(kv_cfg, tails), walk_tails(q_cfg, tails)
     kv_tails = tail_keys(k, v, block_kv, kv_walks.values(), kv_tma)
-    q_tails = (
+    dq_tails = (
         kv_tails
-        if (q_tma, q_walks) == (kv_tma, kv_walks)
-        else tail_keys(k, v, block_kv, q_walks.values(), q_tma)
+        if (q_tma, dq_walks) == (kv_tma, kv_walks)
+        else tail_keys(k, v, block_kv, dq_walks.values(), q_tma)
     )
+    # Q, dO for dK/dV's short query walks: their own TMA boxes, or the tensors.
+    query_in = tail_keys(q, do, block_q, q_tails, kv_tma)
+    query_walks = {"QTAIL1": q_tails[0], "QTAIL2": q_tails[1]}
     scales = (scale * LOG2E, scale)
 
     if not (gluon_dkdv or gluon_dq) and fused_launch(
@@ -111,7 +117,7 @@ def block_sparse_attn_bwd(
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         num_dq_programs = Sq // q_cfg.sub_m * B * H
         block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
-            *kv_in, q, *q_keys, do, *kv_tails, *q_tails, dq, dk, dv, lse2, delta,
+            *kv_in, q, *q_keys, do, *kv_tails, *dq_tails, *query_in, dq, dk, dv, lse2, delta,
             q_offsets, q_indices, dq_lists, dq_counts, sizes, *ends_args,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             *dq.stride(), *dk.stride(), *dv.stride(),
@@ -120,6 +126,7 @@ def block_sparse_attn_bwd(
             SUB_M_DKDV=kv_cfg.sub_m, SUB_M_DQ=q_cfg.sub_m,
             # one pair for both halves: the short walks where both configs take them
             **walk_tails(replace(kv_cfg, key_tails=kv_cfg.key_tails and q_cfg.key_tails), tails),
+            **query_walks,
             USE_TMA_DKDV=kv_tma, USE_TMA_DQ=q_tma, CHECK_LISTS=checked, **common,
             **eviction_hints(kv_cfg, "_DKDV"), **eviction_hints(q_cfg, "_DQ"),
             **kv_cfg.launch_kwargs(),  # both halves': fused_launch checked they agree
@@ -134,13 +141,13 @@ def block_sparse_attn_bwd(
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
-            *kv_in, dk, dv, lse2, delta, *kv_tails,
+            *kv_in, dk, dv, lse2, delta, *kv_tails, *query_in,
             q_offsets, q_indices, sizes,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             *transposed_strides, *grad_hooks,
             H, Sq, Sq // block_q, *scales,
             SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
-            **kv_walks,
+            **kv_walks, **query_walks,
             **kv_cfg.launch_kwargs(),
         )  # fmt: skip
     if gluon_dq:
@@ -151,13 +158,13 @@ def block_sparse_attn_bwd(
         return dq, dk, dv
     dq = torch.empty_like(q)
     block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
-        q, *q_keys, do, dq, lse2, delta, *q_tails,
+        q, *q_keys, do, dq, lse2, delta, *dq_tails,
         dq_lists, dq_counts, sizes, *ends_args,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *list_strides, *grad_hooks,
         H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
         SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
-        **q_walks,
+        **dq_walks,
         **common, **q_cfg.launch_kwargs(),
     )  # fmt: skip
     return dq, dk, dv
@@ -179,6 +186,25 @@ def _gluon_kernels(dkdv_asked, dq_asked, q, k, v, do, block_q, block_kv,
         dkdv_asked and launcher.dkdv_hook_fits(epilogue, block_kv),
         dq_asked and launcher.dq_hook_fits(epilogue),
     )
+
+
+def _query_walks(cfg: KernelConfig, quiet_rows, num_q_blocks: int, block_q: int,
+                 gluon_dkdv: bool) -> tuple[torch.Tensor | None, tuple[int, int]]:  # fmt: skip
+    """``(rows, tails)`` for the Triton dK/dV kernel's short query walks: each query block's
+    gradient-carrying rows (the epilogue's ``quiet_rows``, its first ``num_q_blocks``
+    entries read) and the walks' rows
+    (``configs.key_tails(block_q)``), where its config takes them (``query_tails``, one step a
+    block); else ``(None, (0, 0))``: every listed query block is walked with all rows."""
+    off = None, (0, 0)
+    if quiet_rows is None or gluon_dkdv or not cfg.query_tails or cfg.sub_m != block_q:
+        return off
+    if quiet_rows.shape[0] < num_q_blocks:
+        raise ValueError(
+            f"the epilogue's quiet_rows covers {quiet_rows.shape[0]} query blocks, not "
+            f"{num_q_blocks}"
+        )
+    tails = configs.key_tails(block_q)
+    return (quiet_rows, tails) if tails[0] else off
 
 
 def _preprocess(do, o, lse, block_q, fns, prologue_args):

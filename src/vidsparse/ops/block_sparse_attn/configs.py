@@ -77,6 +77,10 @@ class KernelConfig:
     # partial block's program). Off where not yet timed: the extra walks cost registers
     # (tests/compile/ found spills on AMD and sm_100 with them).
     key_tails: bool = True
+    # dK/dV: the query blocks whose gradient-carrying rows fit in half or a quarter of the
+    # block (an epilogue that quiets padding rows says which: ``Epilogue.quiet_rows``) are
+    # walked with that many query rows. Needs sub_m == block_q; off where not yet timed.
+    query_tails: bool = False
 
     def __post_init__(self):
         for name in ("evict_streamed", "evict_resident"):
@@ -267,10 +271,11 @@ AMD_CDNA = {
     ("bwd_dq", "*", "*", "*"): _amd(4, stages=1, waves_per_eu=1, sub_m=64,
                                     streamed=EVICT_FIRST),
 }  # fmt: skip
-# CPU interpreter: the fused backward, so the tests against the reference cover it.
+# CPU interpreter: the fused backward and dK/dV's short query walks, so the tests against the
+# reference cover them.
 INTERPRETER = {
     ("fwd", "*", "*", "*"): KernelConfig(4, 1),
-    ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=None, fused=True),
+    ("bwd_dkdv", "*", "*", "*"): KernelConfig(4, 1, sub_m=None, fused=True, query_tails=True),
     ("bwd_dq", "*", "*", "*"): KernelConfig(4, 1, sub_m=None, fused=True),
 }
 

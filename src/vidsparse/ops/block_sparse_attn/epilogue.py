@@ -16,7 +16,9 @@ code that hands them their arguments. The engine calls them without knowing what
               on the finished gradients, before their stores
 
 ``rows`` index the (b, h) sequence, ``local_rows`` the query block (int), ``dims`` the head
-dim. ``grad_args`` are asked for after the prologue ran, so they may depend on what it wrote.
+dim. An epilogue whose prologue leaves some rows of each query block without gradient says
+which (:meth:`Epilogue.quiet_rows`), so that dK/dV may walk fewer query rows there.
+``grad_args`` are asked for after the prologue ran, so they may depend on what it wrote.
 An epilogue may also keep a tensor of its own from the forward to the backward
 (:meth:`Epilogue.forward_saved`): the custom ops allocate it as a forward output, keep it
 with o and set it as ``saved`` before either pass, so the forward hook can fill it and the
@@ -136,6 +138,12 @@ class Epilogue:
     def fns(self) -> EpilogueFns:
         """The jit functions (a method: Gluon imports only where it is used)."""
         return _identity_fns()
+
+    def quiet_rows(self, call: EngineCall) -> torch.Tensor | None:
+        """int32 ``[NQ]``: per query block, the rows from which on the prologue gives every row
+        no gradient (zero ``do`` or ``lse2 = +inf``), so the backward may skip them; None (the
+        default): every row may carry one."""
+        return None
 
     # --- Triton path: argument tuples of the hooks
     def forward_args(self, call: EngineCall) -> tuple:

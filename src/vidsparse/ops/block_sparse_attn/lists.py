@@ -52,12 +52,42 @@ def cached_blocks_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv, tails
     )  # fmt: skip
 
 
-def cached_transpose(kv_indices, kv_counts, num_kv_blocks):
-    """``transpose_block_lists``, computed once per source lists (``derived_lists``)."""
+def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=0,
+                     tails=(0, 0)):  # fmt: skip
+    """``transpose_block_lists``, computed once per source lists (``derived_lists``). With
+    ``q_rows`` (int32, its first NQ entries: the rows of each query block that carry gradient)
+    and short walks ``tails``, each key block's query blocks come in three groups
+    (``query_groups``): ``q_offsets`` is then ``[Bi, H, 3 * NK + 1]``."""
+    if q_rows is None:
+        return derived_lists.get(
+            "transpose", (kv_indices, kv_counts), (num_kv_blocks,),
+            lambda: transpose_block_lists(kv_indices, kv_counts, num_kv_blocks),
+        )  # fmt: skip
     return derived_lists.get(
-        "transpose", (kv_indices, kv_counts), (num_kv_blocks,),
-        lambda: transpose_block_lists(kv_indices, kv_counts, num_kv_blocks),
+        "transpose_by_rows", (kv_indices, kv_counts, q_rows), (num_kv_blocks, block_q, tails),
+        lambda: transpose_block_lists(
+            kv_indices, kv_counts, num_kv_blocks,
+            query_groups(q_rows[: kv_indices.shape[2]], block_q, tails), QUERY_GROUPS,
+        ),
     )  # fmt: skip
+
+
+QUERY_GROUPS = 3  # dK/dV's walks of a key block's query blocks: all rows, tails[0], tails[1]
+
+
+def query_groups(q_rows: torch.Tensor, block_q: int, tails: tuple[int, int]) -> torch.Tensor:
+    """Each query block's walk in dK/dV (int32 ``[NQ]``): 2 where its ``q_rows`` fit in
+    ``tails[1]`` rows, 1 where they fit in ``tails[0]``, else 0 (all ``block_q`` rows). A tail
+    of 0 has no group. The rows past ``q_rows`` carry no gradient (the caller's epilogue says
+    so), so a block walked with fewer rows needs no mask. ``size_group``'s rule, without a
+    group for partial blocks walked with all rows."""
+    tail1, tail2 = tails
+    groups = torch.zeros_like(q_rows, dtype=torch.int32)
+    if tail1:
+        groups = torch.where(q_rows <= tail1, 1, groups)
+    if tail2:
+        groups = torch.where(q_rows <= tail2, 2, groups)
+    return torch.where(q_rows >= block_q, 0, groups).to(torch.int32)
 
 
 def blocks_by_size(

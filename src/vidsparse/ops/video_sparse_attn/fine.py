@@ -52,6 +52,7 @@ def vsa_fine_combined(
     pooled: torch.Tensor | None = None,
     segments: tuple[int, ...] = (),
     fine_only: bool = False,
+    rows_dropped: bool = False,
 ) -> torch.Tensor:
     """``o_fine + gate * o_coarse`` over tile-order queries ``q_t [B, H, Nt*V, D]``.
 
@@ -70,6 +71,10 @@ def vsa_fine_combined(
     not used, so the coarse branch has no backward). The combine adds zeros, so the kernels and
     the padding rows' handling stay those of VSA, and o needs no rounding residual: what it
     stores is ``o_fine`` itself, as in any flash attention.
+
+    ``rows_dropped``: the caller drops o's padding rows (untiling), so their gradient arrives
+    zero and the backward may skip them (``CoarseCombine.quiet_rows``), as it may where
+    ``q_block_sizes`` zeroes them.
     """
     if fine_only:
         if gate_t is not None:
@@ -88,7 +93,7 @@ def vsa_fine_combined(
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t))
     )
-    spec = combine_spec(segments, residual)
+    spec = (_DROPPED_FLAG if rows_dropped else "") + combine_spec(segments, residual)
     epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)
     o, _ = block_sparse_attn_unchecked(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
@@ -117,7 +122,9 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
     return tuple(x.stride()[:3])
 
 
-# The epilogue's spec: "r:" (keep the residual) before the plan's flat segments, if any.
+# The epilogue's spec: "d:" (the caller drops the padding rows), "r:" (keep the residual),
+# then the plan's flat segments, if any.
+_DROPPED_FLAG = "d:"
 _RESIDUAL_FLAG = "r:"
 
 
@@ -164,9 +171,11 @@ class CoarseCombine(Epilogue):
     def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, *, spec=""):
         super().__init__(o_coarse, gate, q_block_sizes, pooled)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
-        self.spec = spec  # [_RESIDUAL_FLAG] + the plan's flat segments, comma-separated
-        self._residual = spec.startswith(_RESIDUAL_FLAG)
-        flat = spec.removeprefix(_RESIDUAL_FLAG)
+        self.spec = spec  # [_DROPPED_FLAG][_RESIDUAL_FLAG] + the plan's flat segments
+        self._rows_dropped = spec.startswith(_DROPPED_FLAG)
+        flags = spec.removeprefix(_DROPPED_FLAG)
+        self._residual = flags.startswith(_RESIDUAL_FLAG)
+        flat = flags.removeprefix(_RESIDUAL_FLAG)
         self._segments = segments_of(tuple(int(x) for x in flat.split(","))) if flat else ()
         self._d_coarse = self._d_gate = self._q_blocks = None
 
@@ -178,6 +187,13 @@ class CoarseCombine(Epilogue):
         if not self._residual or q.dtype not in _INV_UNIT_ROUNDOFF:
             return None
         return torch.empty(q.shape, device=q.device, dtype=torch.int8)
+
+    def quiet_rows(self, call: EngineCall) -> torch.Tensor | None:
+        """The padding rows carry no gradient: with query block sizes the prologue zeroes
+        their do (ZERO_PAD_ROWS); where the caller drops them (one grid) it arrives zero."""
+        if self.q_sizes is not None:
+            return self._q_block_sizes(call)
+        return call.kv_block_sizes if self._rows_dropped else None
 
     # --- Triton
     def forward_args(self, call: EngineCall) -> tuple:

@@ -351,6 +351,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         scale,
         pooled=pooled,  # the coarse branch's backward runs inside the fine stage's
         fine_only=fine_only,
+        rows_dropped=not tiled,
     )  # [B, H, P, D]
     if not tiled:
         o = untile_output(o, grid, q if not text_tokens else None)

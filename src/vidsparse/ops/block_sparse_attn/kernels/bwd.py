@@ -88,8 +88,51 @@ def _key_block(K, V, b, h, block, real, offs_d,
 
 
 @triton.jit
+def _dkdv_walk(
+    k, v, dk, dv, real, Q, DO, LSE2, DELTA, idx_row, lo, hi, pid_bh, b, h, row_base, offs_d,
+    stride_qb, stride_qh, stride_qs, stride_qd,
+    stride_dob, stride_doh, stride_dos, stride_dod,
+    H, qk_scale,
+    BLOCK_M: tl.constexpr, STEP: tl.constexpr, NSUB: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    EVICT_STREAMED: tl.constexpr,
+):  # fmt: skip
+    """``dk, dv`` plus the terms of the transposed list's entries ``[lo, hi)``: the first
+    ``NSUB * STEP`` rows of each listed query block, ``STEP`` rows a step (one flat loop over
+    (query block, step) pairs pipelines better than two). With USE_TMA, Q and DO are
+    descriptors of ``STEP``-row boxes."""
+    offs_sub = tl.arange(0, STEP)
+    if not USE_TMA:
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+    for t in range(lo * NSUB, hi * NSUB):
+        q_block = tl.load(idx_row + t // NSUB)
+        row0 = q_block * BLOCK_M + (t % NSUB) * STEP
+        offs_m = row0.to(tl.int64) + offs_sub  # [STEP]
+        if USE_TMA:  # (a descriptor load takes no eviction hint)
+            q = Q.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(STEP, HEAD_DIM)  # [STEP, D]
+            do = DO.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(STEP, HEAD_DIM)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
+                        eviction_policy=EVICT_STREAMED)  # fmt: skip
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                         eviction_policy=EVICT_STREAMED)  # fmt: skip
+        lse2 = tl.load(LSE2 + row_base + offs_m)  # [STEP]
+        delta = tl.load(DELTA + row_base + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [ROWS, STEP]
+        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+        if HAS_KV_SIZES:
+            p_t = tl.where(real[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # [ROWS, D]
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [ROWS, STEP]
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # [ROWS, D]
+    return dk, dv
+
+
+@triton.jit
 def _dkdv_rows(
-    pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
+    pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, Q1, DO1, Q2, DO2, Q_OFF, Q_IDX, KV_SIZES,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -100,11 +143,15 @@ def _dkdv_rows(
     DKDV_EPILOGUE: tl.constexpr, epilogue_args,
     H, Sq, qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS: tl.constexpr, SUB_M: tl.constexpr,
+    QTAIL1: tl.constexpr, QTAIL2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of the first ``ROWS`` rows of key block ``pid_n`` (its real keys among them),
-    zeros for the rest of the block (padding rows get no gradient)."""
+    zeros for the rest of the block (padding rows get no gradient). With short query walks
+    (``QTAIL1`` > 0) the transposed list holds each key block's query blocks in three groups
+    (``lists.query_groups``), walked with all rows, the first ``QTAIL1`` and the first
+    ``QTAIL2``."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
@@ -112,7 +159,6 @@ def _dkdv_rows(
     offs_r = tl.arange(0, ROWS)
     offs_n = pid_n.to(tl.int64) * BLOCK_N + offs_r  # [ROWS]
     offs_d = tl.arange(0, HEAD_DIM)
-    offs_sub = tl.arange(0, SUB_M)
     real = offs_r < ROWS  # [ROWS]
     if HAS_KV_SIZES:
         real = offs_r < tl.load(KV_SIZES + pid_n)
@@ -122,40 +168,34 @@ def _dkdv_rows(
                       stride_vb, stride_vh, stride_vs, stride_vd,
                       BLOCK_N, ROWS, HEAD_DIM, HAS_KV_SIZES, USE_TMA, EVICT_RESIDENT)  # fmt: skip
 
-    if not USE_TMA:
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
     row_base = pid_bh.to(tl.int64) * Sq
     off_row = Q_OFF + b * stride_offb + h * stride_offh
     idx_row = Q_IDX + b * stride_qib + h * stride_qih
-    start = tl.load(off_row + pid_n)
-    end = tl.load(off_row + pid_n + 1)
+    if QTAIL1 > 0:  # three groups a key block: all rows, QTAIL1 rows, QTAIL2 rows
+        column = off_row + pid_n * 3
+        start, end0, end1, end = tl.load(column), tl.load(column + 1), tl.load(column + 2), tl.load(column + 3)
+    else:
+        start, end = tl.load(off_row + pid_n), tl.load(off_row + pid_n + 1)
+        end0, end1 = end, end
 
     dk = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    # One flat loop over (listed query block, sub-block) pairs pipelines better than two.
-    for t in range(start * NSUB, end * NSUB):
-        q_block = tl.load(idx_row + t // NSUB)
-        row0 = q_block * BLOCK_M + (t % NSUB) * SUB_M
-        offs_m = row0.to(tl.int64) + offs_sub  # [SUB_M]
-        if USE_TMA:  # (a descriptor load takes no eviction hint)
-            q = Q.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)  # [SUB_M, D]
-            do = DO.load([pid_bh // H, pid_bh % H, row0, 0]).reshape(SUB_M, HEAD_DIM)
-        else:
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
-                        eviction_policy=EVICT_STREAMED)  # fmt: skip
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod,
-                         eviction_policy=EVICT_STREAMED)  # fmt: skip
-        lse2 = tl.load(LSE2 + row_base + offs_m)  # [SUB_M]
-        delta = tl.load(DELTA + row_base + offs_m)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # [ROWS, SUB_M]
-        p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
-        if HAS_KV_SIZES:
-            p_t = tl.where(real[:, None], p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)  # [ROWS, D]
-        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)  # [ROWS, SUB_M]
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)  # [ROWS, D]
+    q_strides = (stride_qb, stride_qh, stride_qs, stride_qd,
+                 stride_dob, stride_doh, stride_dos, stride_dod)  # fmt: skip
+    dk, dv = _dkdv_walk(k, v, dk, dv, real, Q, DO, LSE2, DELTA, idx_row, start, end0,
+                        pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
+                        BLOCK_M, SUB_M, NSUB, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+                        EVICT_STREAMED)  # fmt: skip
+    if QTAIL1 > 0:
+        dk, dv = _dkdv_walk(k, v, dk, dv, real, Q1, DO1, LSE2, DELTA, idx_row, end0, end1,
+                            pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
+                            BLOCK_M, QTAIL1, 1, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+                            EVICT_STREAMED)  # fmt: skip
+        if QTAIL2 > 0:  # (without it the last group is empty: lists.query_groups)
+            dk, dv = _dkdv_walk(k, v, dk, dv, real, Q2, DO2, LSE2, DELTA, idx_row, end1, end,
+                                pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
+                                BLOCK_M, QTAIL2, 1, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
+                                USE_TMA, EVICT_STREAMED)  # fmt: skip
     dk = dk * scale
     dk, dv = DKDV_EPILOGUE(dk, dv, b, h, pid_n, offs_d, *epilogue_args)
 
@@ -173,7 +213,8 @@ def _dkdv_program(
     pid_n, pid_bh,  # key block, batch * H + head
     Q, K, V, DO, DK, DV, LSE2, DELTA,
     K1, V1, K2, V2,  # K, V for the TAIL1- and TAIL2-row programs (TMA: their own boxes)
-    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    Q1, DO1, Q2, DO2,  # Q, DO for the QTAIL1- and QTAIL2-row query walks (TMA: their own boxes)
+    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK * (3 if QTAIL1 else 1) + 1], [Bi, H, NQ * K], [NK]
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -186,6 +227,7 @@ def _dkdv_program(
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     TAIL1: tl.constexpr, TAIL2: tl.constexpr,  # rows of the short programs (0: none)
+    QTAIL1: tl.constexpr, QTAIL2: tl.constexpr,  # rows of the short query walks (0: none)
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
 ):  # fmt: skip
@@ -197,6 +239,7 @@ def _dkdv_program(
     read too, so the caller vouches that they are finite (their probabilities are zeroed, and
     0 x finite keeps dS finite). ``DKDV_EPILOGUE`` sees the finished (scaled) dK, dV of the
     program's rows before their store."""
+    query_walks = (Q1, DO1, Q2, DO2)
     group = 0  # 0: all BLOCK_N rows; 1: TAIL1 rows; 2: TAIL2 rows
     if HAS_KV_SIZES:
         size = tl.load(KV_SIZES + pid_n)
@@ -214,33 +257,37 @@ def _dkdv_program(
     # One if/elif chain (three separate ifs spilled on sm_90), each short walk behind its
     # constexpr test, so a walk of 0 rows is never compiled.
     if group == 0:
-        _dkdv_rows(pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
-                   *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
-                   BLOCK_M, BLOCK_N, BLOCK_N, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
-                   USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+        _dkdv_rows(pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, *query_walks,
+                   Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                   H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, BLOCK_N, SUB_M, QTAIL1, QTAIL2,
+                   HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+                   EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
     elif TAIL2 > 0:
         if group == 2:
-            _dkdv_rows(pid_n, pid_bh, Q, K2, V2, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
-                       *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
-                       BLOCK_M, BLOCK_N, TAIL2, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
-                       USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+            _dkdv_rows(pid_n, pid_bh, Q, K2, V2, DO, DK, DV, LSE2, DELTA, *query_walks,
+                       Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                       H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, TAIL2, SUB_M, QTAIL1, QTAIL2,
+                       HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+                       EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
         else:
-            _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
-                       *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
-                       BLOCK_M, BLOCK_N, TAIL1, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
-                       USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+            _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, *query_walks,
+                       Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                       H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, TAIL1, SUB_M, QTAIL1, QTAIL2,
+                       HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+                       EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
     elif TAIL1 > 0:
-        _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, Q_OFF, Q_IDX, KV_SIZES,
-                   *strides, DKDV_EPILOGUE, epilogue_args, H, Sq, qk_scale, scale,
-                   BLOCK_M, BLOCK_N, TAIL1, SUB_M, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
-                   USE_TMA, EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+        _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, *query_walks,
+                   Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                   H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, TAIL1, SUB_M, QTAIL1, QTAIL2,
+                   HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+                   EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
 
 
 @triton.jit
 def block_sparse_attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE2, DELTA,
-    K1, V1, K2, V2,  # as in _dkdv_program
-    Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K], [NK]
+    K1, V1, K2, V2, Q1, DO1, Q2, DO2,  # as in _dkdv_program
+    Q_OFF, Q_IDX, KV_SIZES,  # as in _dkdv_program
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -252,14 +299,14 @@ def block_sparse_attn_bwd_dkdv_kernel(
     H, Sq, NQ,
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_M: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TAIL1: tl.constexpr, TAIL2: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr, QTAIL1: tl.constexpr, QTAIL2: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
     _dkdv_program(
         tl.program_id(0), tl.program_id(1),
-        Q, K, V, DO, DK, DV, LSE2, DELTA, K1, V1, K2, V2, Q_OFF, Q_IDX, KV_SIZES,
+        Q, K, V, DO, DK, DV, LSE2, DELTA, K1, V1, K2, V2, Q1, DO1, Q2, DO2, Q_OFF, Q_IDX, KV_SIZES,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
@@ -269,8 +316,8 @@ def block_sparse_attn_bwd_dkdv_kernel(
         stride_offb, stride_offh, stride_qib, stride_qih,
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NQ, qk_scale, scale,
-        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-        EVICT_STREAMED, EVICT_RESIDENT,
+        BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, TAIL1, TAIL2, QTAIL1, QTAIL2, HAS_KV_SIZES,
+        DOT_PRECISION, USE_TMA, EVICT_STREAMED, EVICT_RESIDENT,
     )  # fmt: skip
 
 
@@ -444,8 +491,9 @@ def block_sparse_attn_bwd_fused_kernel(
     Q_DQ, K_DQ, V_DQ, DO_DQ,  # the dQ half's: Q, DO tensors; K, V descriptors with USE_TMA_DQ
     K1_DKDV, V1_DKDV, K2_DKDV, V2_DKDV,  # each half's K, V for its short walks
     K1_DQ, V1_DQ, K2_DQ, V2_DQ,
+    Q1, DO1, Q2, DO2,  # the dK/dV half's Q, DO for its short query walks
     DQ, DK, DV, LSE2, DELTA,
-    Q_OFF, Q_IDX,  # int32 [Bi, H, NK + 1], [Bi, H, NQ * K]: the transposed lists
+    Q_OFF, Q_IDX,  # int32: the transposed lists (as in _dkdv_program)
     KV_IDX, KV_CNT, KV_SIZES,  # [Bi, H, NQ, K], [Bi, H, NQ], int32 [NK]
     KV_ENDS, stride_eb, stride_eh, stride_eq,  # HAS_KV_SIZES: int32 [Bi, H, NQ, 3], the walks' ends
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -462,7 +510,7 @@ def block_sparse_attn_bwd_fused_kernel(
     H, Sq, NQ, NK, BH, K_WIDTH,  # K_WIDTH: the lists' width (bound of every count)
     qk_scale, scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    TAIL1: tl.constexpr, TAIL2: tl.constexpr,
+    TAIL1: tl.constexpr, TAIL2: tl.constexpr, QTAIL1: tl.constexpr, QTAIL2: tl.constexpr,
     SUB_M_DKDV: tl.constexpr, SUB_M_DQ: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA_DKDV: tl.constexpr, USE_TMA_DQ: tl.constexpr,
@@ -486,7 +534,7 @@ def block_sparse_attn_bwd_fused_kernel(
         _dkdv_program(
             pid % NK, pid // NK,
             Q_DKDV, K_DKDV, V_DKDV, DO_DKDV, DK, DV, LSE2, DELTA,
-            K1_DKDV, V1_DKDV, K2_DKDV, V2_DKDV, Q_OFF, Q_IDX, KV_SIZES,
+            K1_DKDV, V1_DKDV, K2_DKDV, V2_DKDV, Q1, DO1, Q2, DO2, Q_OFF, Q_IDX, KV_SIZES,
             stride_qb, stride_qh, stride_qs, stride_qd,
             stride_kb, stride_kh, stride_ks, stride_kd,
             stride_vb, stride_vh, stride_vs, stride_vd,
@@ -496,8 +544,8 @@ def block_sparse_attn_bwd_fused_kernel(
             stride_offb, stride_offh, stride_qib, stride_qih,
             DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
             H, Sq, NQ, qk_scale, scale,
-            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION,
-            USE_TMA_DKDV,
+            BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, TAIL1, TAIL2, QTAIL1, QTAIL2, HAS_KV_SIZES,
+            DOT_PRECISION, USE_TMA_DKDV,
             EVICT_STREAMED_DKDV, EVICT_RESIDENT_DKDV,
         )  # fmt: skip
     else:
