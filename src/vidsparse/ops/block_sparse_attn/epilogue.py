@@ -16,8 +16,9 @@ code that hands them their arguments. The engine calls them without knowing what
               on the finished gradients, before their stores
 
 ``rows`` index the (b, h) sequence, ``local_rows`` the query block (int), ``dims`` the head
-dim. An epilogue whose prologue leaves some rows of each query block without gradient says
-which (:meth:`Epilogue.quiet_rows`), so that dK/dV may walk fewer query rows there.
+dim. An epilogue whose query blocks have rows without gradient (its prologue zeroes their
+do, or the caller drops those outputs) says which (:meth:`Epilogue.quiet_rows`), so that
+dK/dV may walk fewer query rows there.
 ``grad_args`` are asked for after the prologue ran, so they may depend on what it wrote.
 An epilogue may also keep a tensor of its own from the forward to the backward
 (:meth:`Epilogue.forward_saved`): the custom ops allocate it as a forward output, keep it
@@ -140,9 +141,9 @@ class Epilogue:
         return _identity_fns()
 
     def quiet_rows(self, call: EngineCall) -> torch.Tensor | None:
-        """int32 ``[NQ]``: per query block, the rows from which on the prologue gives every row
-        no gradient (zero ``do`` or ``lse2 = +inf``), so the backward may skip them; None (the
-        default): every row may carry one."""
+        """int32, at least ``[NQ]``: per query block, the rows from which on no row carries
+        gradient (the prologue zeroes their ``do`` or sets ``lse2 = +inf``, or their ``do``
+        arrives zero), so the backward may skip them; None (the default): every row may."""
         return None
 
     # --- Triton path: argument tuples of the hooks
