@@ -73,23 +73,13 @@ def block_sparse_attn_bwd(
                                             padding_finite)  # fmt: skip
     gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma, q_cfg.gluon and q_tma,
                                           q, k, v, do, block_q, block_kv, epilogue)  # fmt: skip
-    desc = tensor_descriptor
-    kv_in = (q, k, v, do)  # the Triton dK/dV kernel's q, k, v, do
-    if kv_tma and not gluon_dkdv:
-        kv_in = (
-            desc(q, kv_cfg.sub_m),
-            desc(k, block_kv),
-            desc(v, block_kv),
-            desc(do, kv_cfg.sub_m),
-        )
-    q_keys = (k, v)  # the Triton dQ kernel's k, v
-    if q_tma and not gluon_dq:
-        q_keys = (desc(k, block_kv), desc(v, block_kv))
+    kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
+                                 q_tma and not gluon_dq)  # fmt: skip
 
-    q_rows, q_tails = _query_walks(kv_cfg, epilogue.quiet_rows(call), Sq // block_q, block_q,
-                                   gluon_dkdv)  # fmt: skip
-    q_offsets, q_indices = cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows,
-                                            block_q, q_tails)  # fmt: skip
+    q_offsets, q_indices, query_in, query_walks = _transposed_lists(
+        kv_cfg, epilogue.quiet_rows(call), q, do, kv_indices, kv_counts, num_kv_blocks,
+        block_q, gluon_dkdv, kv_tma,
+    )  # fmt: skip
     by_size = lists_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv)
     dq_lists, dq_counts, ends, tails, checked = by_size
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
@@ -101,14 +91,8 @@ def block_sparse_attn_bwd(
     # K, V for the short walks: their own TMA boxes, or the tensors for pointer loads.
     kv_walks, dq_walks = walk_tails(kv_cfg, tails), walk_tails(q_cfg, tails)
     kv_tails = tail_keys(k, v, block_kv, kv_walks.values(), kv_tma)
-    dq_tails = (
-        kv_tails
-        if (q_tma, dq_walks) == (kv_tma, kv_walks)
-        else tail_keys(k, v, block_kv, dq_walks.values(), q_tma)
-    )
-    # Q, dO for dK/dV's short query walks: their own TMA boxes, or the tensors.
-    query_in = tail_keys(q, do, block_q, q_tails, kv_tma)
-    query_walks = {"QTAIL1": q_tails[0], "QTAIL2": q_tails[1]}
+    same = (q_tma, dq_walks) == (kv_tma, kv_walks)
+    dq_tails = kv_tails if same else tail_keys(k, v, block_kv, dq_walks.values(), q_tma)
     scales = (scale * LOG2E, scale)
 
     if not (gluon_dkdv or gluon_dq) and fused_launch(
@@ -186,6 +170,29 @@ def _gluon_kernels(dkdv_asked, dq_asked, q, k, v, do, block_q, block_kv,
         dkdv_asked and launcher.dkdv_hook_fits(epilogue, block_kv),
         dq_asked and launcher.dq_hook_fits(epilogue),
     )
+
+
+def _loop_inputs(q, k, v, do, block_kv, sub_m, dkdv_tma, dq_tma) -> tuple[tuple, tuple]:
+    """``(q, k, v, do)`` of the Triton dK/dV kernel and ``(k, v)`` of its dQ kernel: TMA
+    descriptors of their loads' boxes where each reads by TMA, else the tensors."""
+    desc = tensor_descriptor
+    kv_in = (q, k, v, do)
+    if dkdv_tma:
+        kv_in = (desc(q, sub_m), desc(k, block_kv), desc(v, block_kv), desc(do, sub_m))
+    q_keys = (desc(k, block_kv), desc(v, block_kv)) if dq_tma else (k, v)
+    return kv_in, q_keys
+
+
+def _transposed_lists(kv_cfg, quiet_rows, q, do, kv_indices, kv_counts, num_kv_blocks,
+                      block_q, gluon_dkdv, kv_tma):  # fmt: skip
+    """dK/dV's transposed lists (``lists.cached_transpose``), in three query groups a key
+    block where it takes the short query walks (``_query_walks``), the Q, dO those walks read
+    (their own TMA boxes, or the tensors) and the walks' constexprs (``QTAIL1``, ``QTAIL2``)."""
+    q_rows, q_tails = _query_walks(kv_cfg, quiet_rows, q.shape[2] // block_q, block_q,
+                                   gluon_dkdv)  # fmt: skip
+    lists = cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows, block_q, q_tails)
+    query_in = tail_keys(q, do, block_q, q_tails, kv_tma)
+    return (*lists, query_in, {"QTAIL1": q_tails[0], "QTAIL2": q_tails[1]})
 
 
 def _query_walks(cfg: KernelConfig, quiet_rows, num_q_blocks: int, block_q: int,

@@ -93,7 +93,7 @@ def vsa_fine_combined(
         and torch.is_grad_enabled()
         and any(t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t))
     )
-    spec = (_DROPPED_FLAG if rows_dropped else "") + combine_spec(segments, residual)
+    spec = combine_spec(segments, residual, rows_dropped)
     epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)
     o, _ = block_sparse_attn_unchecked(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
@@ -122,17 +122,18 @@ def _strides3(x: torch.Tensor) -> tuple[int, int, int]:
     return tuple(x.stride()[:3])
 
 
-# The epilogue's spec: "d:" (the caller drops the padding rows), "r:" (keep the residual),
+# The epilogue's spec: "r:" (keep the residual), "d:" (the caller drops the padding rows),
 # then the plan's flat segments, if any.
-_DROPPED_FLAG = "d:"
 _RESIDUAL_FLAG = "r:"
+_DROPPED_FLAG = "d:"
 
 
-def combine_spec(segments: tuple[int, ...], residual: bool) -> str:
-    """``CoarseCombine``'s spec: the plan's flat segments (``()``: one grid), and whether the
-    forward keeps o's int8 rounding residual for the backward."""
-    flat = ",".join(map(str, segments))
-    return _RESIDUAL_FLAG + flat if residual else flat
+def combine_spec(segments: tuple[int, ...], residual: bool, rows_dropped: bool = False) -> str:
+    """``CoarseCombine``'s spec: the plan's flat segments (``()``: one grid), whether the
+    forward keeps o's int8 rounding residual for the backward, and whether the caller drops
+    o's padding rows (``vsa_fine_combined``)."""
+    flags = (_RESIDUAL_FLAG if residual else "") + (_DROPPED_FLAG if rows_dropped else "")
+    return flags + ",".join(map(str, segments))
 
 
 # 1 / u of the 16-bit outputs (u: unit roundoff; kernels/combine.py's residual steps).
@@ -171,11 +172,11 @@ class CoarseCombine(Epilogue):
     def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, *, spec=""):
         super().__init__(o_coarse, gate, q_block_sizes, pooled)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
-        self.spec = spec  # [_DROPPED_FLAG][_RESIDUAL_FLAG] + the plan's flat segments
-        self._rows_dropped = spec.startswith(_DROPPED_FLAG)
-        flags = spec.removeprefix(_DROPPED_FLAG)
-        self._residual = flags.startswith(_RESIDUAL_FLAG)
-        flat = flags.removeprefix(_RESIDUAL_FLAG)
+        self.spec = spec  # [_RESIDUAL_FLAG][_DROPPED_FLAG] + the plan's flat segments
+        self._residual = spec.startswith(_RESIDUAL_FLAG)
+        rest = spec.removeprefix(_RESIDUAL_FLAG)
+        self._rows_dropped = rest.startswith(_DROPPED_FLAG)
+        flat = rest.removeprefix(_DROPPED_FLAG)
         self._segments = segments_of(tuple(int(x) for x in flat.split(","))) if flat else ()
         self._d_coarse = self._d_gate = self._q_blocks = None
 
