@@ -73,10 +73,11 @@ for what in "$@"; do
         *) echo "unknown train_vsa arm: $arm" >&2; exit 2 ;;
       esac
       seed=${TRAIN_SEED:-0}; dir=out/train_vsa_compiled${TRAIN_SEED:+_seed$seed}
-      mkdir -p "$dir"  # kept across calls on a warm machine (out/ is ignored)
-      step "train_vsa_${arm}_compiled" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
+      sub=${TRAIN_SEED:+seed$seed/}  # seeds apart under $OUT too: one call may run several
+      mkdir -p "$dir" "$OUT/$sub"  # $dir is kept across calls on a warm machine (out/ is ignored)
+      step "train_vsa_${arm}_compiled${TRAIN_SEED:+_seed$seed}" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
         --compile blocks --seed "$seed" --out "$dir" --max-minutes 7.5
-      cp "$dir"/*.json "$dir"/*.png "$OUT/" ;;
+      cp "$dir"/*.json "$dir"/*.png "$OUT/$sub" ;;
     e2e-train-14b) step e2e_train_14b 240 python3 -m vidsparse.bench e2e --train --model wan14b \
       --layers 4 --warmup 1 --reps 3 --share-reps 1 \
       --out "$OUT/e2e_train_wan14b-720p_h200.json" ;;

@@ -2,9 +2,11 @@
 fwd+bwd, and the backward's kernels, in the arms of ``ARMS`` (``_arm`` says what each
 turns on): every partial block walked with all rows; the library's default (partial key
 blocks walked with fewer rows in the Triton kernels and the Gluon forward:
-``configs.key_tails``, ``GluonOptions.KEY_TAILS``); and dK/dV with 8 warps without and with
-its short walks of partial query tiles (``KernelConfig.query_tails``, off by default until
-this has timed them).
+``configs.key_tails``, ``GluonOptions.KEY_TAILS``); and dK/dV's short walks of partial query
+tiles (``KernelConfig.query_tails``, off by default): at the default 4 warps, and with 8 warps
+without and with them. At commit b5c8106 on the H200, 8 warps doubled dK/dV's time at 480p
+(4.05 -> 7.89 ms) and the walks took 8% of that back (7.26 ms);
+``benchmarks/results/tuning/try_query_walks_b5c8106_h200.json``.
 
 Run on a GPU from the repository root::
 
@@ -56,15 +58,16 @@ def _partial_share(q, k, grid) -> float:
     return float((sizes[chosen] < grid.tile_volume).float().mean())
 
 
-ARMS = ("none", "keys", "dkdv8", "query")
+ARMS = ("none", "keys", "query4", "dkdv8", "query")
 
 
 def _arm(name: str):
     """The overrides of arm ``name`` (``ARMS``): ``none`` walks every partial block with all
     rows; ``keys`` is the library's default (the Triton kernels' and the Gluon forward's short
-    walks of partial key blocks); ``dkdv8`` adds 8 warps to VSA's dK/dV kernel (the control
-    of the next arm); ``query`` also walks its partial query tiles with 32 / 16 rows
-    (``KernelConfig.query_tails``: with 4 warps they spill 412 bytes on sm_90, with 8 none)."""
+    walks of partial key blocks); ``query4`` adds VSA's dK/dV walks of its partial query tiles
+    with 32 / 16 rows at the default 4 warps (``KernelConfig.query_tails``: 412 bytes of spill
+    on sm_90); ``dkdv8`` gives that kernel 8 warps without them (the control of the next arm),
+    ``query`` with them (no spill)."""
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import configs
@@ -73,7 +76,8 @@ def _arm(name: str):
     if name in ("none", "keys"):
         return configs.override(key_tails=name == "keys")
     row = configs.lookup(target_of(torch.device("cuda")), "bwd_dkdv", 64, 64, D, masked=True)
-    dkdv = replace(row, num_warps=8, query_tails=name == "query")
+    warps = row.num_warps if name == "query4" else 8
+    dkdv = replace(row, num_warps=warps, query_tails=name in ("query4", "query"))
     return configs.override(bwd_dkdv=dkdv)
 
 

@@ -31,10 +31,10 @@ from vidsparse.ops.block_sparse_attn.launch import (
     gluon_launcher,
     list_end_strides,
     lists_by_size,
-    tail_keys,
     tensor_descriptor,
     tma_compatible,
     tma_reads_keys,
+    walk_operands,
     walk_tails,
 )
 from vidsparse.ops.block_sparse_attn.lists import cached_transpose
@@ -90,9 +90,9 @@ def block_sparse_attn_bwd(
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     # K, V for the short walks: their own TMA boxes, or the tensors for pointer loads.
     kv_walks, dq_walks = walk_tails(kv_cfg, tails), walk_tails(q_cfg, tails)
-    kv_tails = tail_keys(k, v, block_kv, kv_walks.values(), kv_tma)
+    kv_tails = walk_operands(k, v, kv_walks.values(), kv_tma)
     same = (q_tma, dq_walks) == (kv_tma, kv_walks)
-    dq_tails = kv_tails if same else tail_keys(k, v, block_kv, dq_walks.values(), q_tma)
+    dq_tails = kv_tails if same else walk_operands(k, v, dq_walks.values(), q_tma)
     scales = (scale * LOG2E, scale)
 
     if not (gluon_dkdv or gluon_dq) and fused_launch(
@@ -191,7 +191,7 @@ def _transposed_lists(kv_cfg, quiet_rows, q, do, kv_indices, kv_counts, num_kv_b
     q_rows, q_tails = _query_walks(kv_cfg, quiet_rows, q.shape[2] // block_q, block_q,
                                    gluon_dkdv)  # fmt: skip
     lists = cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows, block_q, q_tails)
-    query_in = tail_keys(q, do, block_q, q_tails, kv_tma)
+    query_in = walk_operands(q, do, q_tails, kv_tma)
     return (*lists, query_in, {"QTAIL1": q_tails[0], "QTAIL2": q_tails[1]})
 
 

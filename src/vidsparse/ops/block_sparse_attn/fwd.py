@@ -24,10 +24,10 @@ from vidsparse.ops.block_sparse_attn.launch import (
     gluon_launcher,
     list_end_strides,
     lists_by_size,
-    tail_keys,
     tensor_descriptor,
     tma_compatible,
     tma_reads_keys,
+    walk_operands,
     walk_tails,
 )
 from vidsparse.utils.device import target_of
@@ -87,7 +87,7 @@ def block_sparse_attn_fwd(
         desc = tensor_descriptor
         block_sparse_attn_fwd_tma_kernel[grid](
             desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
-            *tail_keys(k, v, block_kv, walk_tails(cfg, tails).values(), True), *lists,
+            *walk_operands(k, v, walk_tails(cfg, tails).values(), True), *lists,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
             *hook, H, Sq, *bounds, scale * LOG2E,
             WARP_SPECIALIZE=cfg.warp_specialize, **common,

@@ -62,16 +62,17 @@ def walk_tails(cfg: configs.KernelConfig, tails: tuple[int, int]) -> dict:
     return {"TAIL1": tail1, "TAIL2": tail2}
 
 
-def tail_keys(k, v, block_kv, tails, by_tma: bool) -> tuple:
-    """The kernels' K, V for their short walks (``desc_k1, desc_v1, desc_k2, desc_v2``):
+def walk_operands(a, b, tails, by_tma: bool) -> tuple:
+    """A pair of the kernels' operands for their two short walks (``a1, b1, a2, b2``: K, V
+    for the walks of partial key blocks, Q, dO for dK/dV's walks of partial query blocks):
     with ``by_tma`` TMA descriptors in boxes of each walk's rows (``tails``, from
-    ``walk_tails``), else ``k, v`` themselves (pointer loads). A walk that does not run (0)
+    ``walk_tails``), else ``a, b`` themselves (pointer loads). A walk that does not run (0)
     gets the tensors, never read, and so costs no descriptor on the host."""
     if not by_tma:
-        return (k, v) * 2
+        return (a, b) * 2
     out = []
     for rows in tails:
-        out += [tensor_descriptor(k, rows), tensor_descriptor(v, rows)] if rows else [k, v]
+        out += [tensor_descriptor(a, rows), tensor_descriptor(b, rows)] if rows else [a, b]
     return tuple(out)
 
 

@@ -31,6 +31,7 @@ import triton
 
 from vidsparse.masks.block_sparse import transpose_block_lists
 from vidsparse.ops.block_sparse_attn.configs import LIST_REORDER
+from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS as _KERNEL_QUERY_GROUPS
 from vidsparse.ops.block_sparse_attn.kernels.lists import blocks_by_size_kernel
 from vidsparse.utils.tensor_cache import TensorCache
 
@@ -72,7 +73,8 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=
     )  # fmt: skip
 
 
-QUERY_GROUPS = 3  # dK/dV's walks of a key block's query blocks: all rows, tails[0], tails[1]
+# dK/dV's walks of a key block's query blocks: all rows, tails[0], tails[1]
+QUERY_GROUPS = _KERNEL_QUERY_GROUPS.value
 
 
 def query_groups(q_rows: torch.Tensor, block_q: int, tails: tuple[int, int]) -> torch.Tensor:

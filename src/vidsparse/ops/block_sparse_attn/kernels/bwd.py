@@ -26,6 +26,7 @@ import triton.language as tl
 
 from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
 from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
+from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS
 
 
 @triton.jit
@@ -171,8 +172,8 @@ def _dkdv_rows(
     row_base = pid_bh.to(tl.int64) * Sq
     off_row = Q_OFF + b * stride_offb + h * stride_offh
     idx_row = Q_IDX + b * stride_qib + h * stride_qih
-    if QTAIL1 > 0:  # three groups a key block: all rows, QTAIL1 rows, QTAIL2 rows
-        column = off_row + pid_n * 3
+    if QTAIL1 > 0:  # QUERY_GROUPS a key block: all rows, QTAIL1 rows, QTAIL2 rows
+        column = off_row + pid_n * QUERY_GROUPS
         start, end0, end1, end = tl.load(column), tl.load(column + 1), tl.load(column + 2), tl.load(column + 3)
     else:
         start, end = tl.load(off_row + pid_n), tl.load(off_row + pid_n + 1)

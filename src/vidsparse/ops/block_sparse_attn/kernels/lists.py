@@ -8,6 +8,10 @@ entries kept)."""
 import triton
 import triton.language as tl
 
+# dK/dV's walks of a key block's query blocks, each a column of the transposed lists' offsets:
+# all rows, the first QTAIL1, the first QTAIL2 (``../lists.query_groups``).
+QUERY_GROUPS = tl.constexpr(3)
+
 
 @triton.jit
 def _group_slots(member, start):
