@@ -76,7 +76,11 @@ def test_the_dense_arm_writes_its_json_pngs_and_checkpoint(dense):
         assert row["metric_as_if"] and row["metric_sparsity"] == 0.875 and row["sparsity"] is None
         assert len(row["kept_mass"]) == len(row["attn_rel_l2"]) == 2  # per layer
         assert all(0 < m < 1 for m in row["kept_mass"]) and all(e > 0 for e in row["attn_rel_l2"])
-        assert set(row["eval_loss_by_t"]) == {"0.25", "0.5", "0.75"}
+        levels = {"0.25", "0.5", "0.75"}
+        assert set(row["eval_loss_by_t"]) == set(row["eval_loss_ema_by_t"]) == levels
+    # The EMA starts at the weights, then lags them.
+    assert rows[0]["eval_loss_ema"] == rows[0]["eval_loss"]
+    assert rows[-1]["eval_loss_ema"] != rows[-1]["eval_loss"]
     for name in ("dense_samples.png", "train_vsa.png", "checkpoints/dense.pt"):
         assert (dense / name).stat().st_size > 0, name
 
@@ -91,6 +95,31 @@ def test_finetune_vsa_starts_dense_from_the_dense_weights(dense, tmp_path):
     assert [r["sparsity"] for r in rows] == [0.0, 0.4375, 0.875]  # warmup 1, ramp 2, 2 levels
     assert [r["global_step"] for r in rows] == [4, 6, 8]
     assert read(tmp_path, "finetune-vsa")["meta"]["init"]["step"] == 4
+
+
+def test_the_ema_follows_the_weights_with_a_warmup_decay_and_swaps_back():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    w0 = [p.detach().clone() for p in model.parameters()]
+    ema = train_vsa.make_ema(model, 0.99)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))
+    w1 = [p.detach().clone() for p in model.parameters()]
+    train_vsa.update_ema(ema, model, 0.99, 0)  # d = min(0.99, 1 / 10)
+    for e, a, b in zip(ema, w0, w1):
+        torch.testing.assert_close(e, a + 0.9 * (b - a))
+    before = [e.clone() for e in ema]
+    train_vsa.update_ema(ema, model, 0.5, 1000)  # d = 0.5 once past the warmup
+    for e, a, b in zip(ema, before, w1):
+        torch.testing.assert_close(e, 0.5 * a + 0.5 * b)
+    run = type("R", (), {"model": model, "ema": ema})()
+    with train_vsa.ema_weights(run):
+        for p, e in zip(model.parameters(), ema):
+            assert torch.equal(p, e)
+    for p, b in zip(model.parameters(), w1):
+        assert torch.equal(p, b)
+    assert train_vsa.make_ema(model, 0.0) is None
 
 
 def test_a_resumed_arm_repeats_the_uninterrupted_run(tmp_path):
@@ -190,6 +219,7 @@ def bench(out, *args) -> list[str]:
         (["--arm", "finetune-dense", "--init", "nowhere.pt"], "nowhere.pt does not exist"),
         (["--arm", "vsa0.9", "--resume"], "--resume: .*vsa0.9.pt does not exist"),
         (["--steps", "0"], "--steps must be at least 1"),
+        (["--ema-decay", "1"], r"--ema-decay must be in \[0, 1\), got 1.0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, match, tmp_path, capsys):

@@ -38,7 +38,9 @@ step 0); ``finetune-dense`` and ``finetune-vsa`` continue the dense arm's final 
 ``SparsitySchedule`` from dense to 0.875 (``--finetune-warmup``, ``--finetune-ramp``,
 ``--finetune-levels``).
 
-Measured every ``--eval-every`` steps (and at step 0): the held-out loss (per level and mean);
+Measured every ``--eval-every`` steps (and at step 0): the held-out loss (per level and mean),
+also of an EMA of the weights (``--ema-decay``, 0.99; 0: none), which smooths out where the
+last batch-1 steps happened to leave the weights;
 the training loss and the CUDA-synchronised step time (median over the interval); tokens seen,
 wall-clock; and per layer, on one held-out sample (crop 0 at t = 0.5), from the q/k/v each
 video self-attention call received (``captured_attention``): the dense attention mass VSA
@@ -121,9 +123,11 @@ DEFAULTS = {
                finetune_warmup=1, finetune_ramp=2, finetune_levels=2, eval_crops=2,
                holdout_frames=8, samples=1, sample_steps=2, max_minutes=10.0),
 }  # fmt: skip
-CHECKPOINT_FORMAT = 1
-CHECKPOINT_KEYS = ("identity", "step", "steps", "init_step", "model", "optimizer", "rows",
+CHECKPOINT_FORMAT = 2  # 2: with the EMA of the weights
+CHECKPOINT_KEYS = ("identity", "step", "steps", "init_step", "model", "optimizer", "ema", "rows",
                    "pending", "totals", "calls")  # fmt: skip
+EMA_DECAY = 0.99
+EMA_WARMUP = 10  # the EMA's decay after n updates: min(--ema-decay, (1 + n) / (EMA_WARMUP + n))
 # Fields of the run an init checkpoint (the dense arm's) must share with a fine-tune.
 INIT_FIELDS = ("tiny", "model", "crop", "seed", "holdout_frames", "text_tokens")
 
@@ -134,6 +138,7 @@ COLUMNS = [
     Column("sparsity", "sparsity", ".3f"),
     Column("train_loss", "train loss", ".4f"),
     Column("eval_loss", "eval loss", ".4f"),
+    Column("eval_loss_ema", "EMA eval", ".4f"),
     Column("step_ms", "step ms", ".1f"),
     Column("kept_mass_mean", "kept mass", ".3f"),
     Column("attn_rel_l2_mean", "attn rel L2", ".3f"),
@@ -287,6 +292,7 @@ class Run:
     frames: torch.Tensor
     eval_set: dict
     init_step: int = 0
+    ema: list | None = None  # the EMA of the parameters (float32, model.parameters() order)
     step: int = 0
     rows: list = field(default_factory=list)
     pending: dict = field(default_factory=lambda: {"losses": [], "step_ms": []})
@@ -321,9 +327,39 @@ def train_step(run: Run, step: int) -> tuple[float, float]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
+    update_ema(run.ema, run.model, args.ema_decay, step)
     value = loss.item()
     harness.synchronize(device)
     return value, (time.perf_counter() - start) * 1e3
+
+
+def make_ema(model, decay: float) -> list | None:
+    """The EMA of ``model``'s parameters, starting at them (None for ``decay`` 0: no EMA)."""
+    return [p.detach().float().clone() for p in model.parameters()] if decay > 0 else None
+
+
+@torch.no_grad()
+def update_ema(ema: list | None, model, decay: float, updates: int) -> None:
+    """After optimiser step ``updates`` (0-based): ``ema += (1 - d) (weights - ema)`` with
+    ``d = min(decay, (1 + updates) / (EMA_WARMUP + updates))``, so the first steps, far from
+    the init, are not averaged in at ``decay``'s weight for hundreds of steps."""
+    if ema is None:
+        return
+    d = min(decay, (1 + updates) / (EMA_WARMUP + updates))
+    torch._foreach_lerp_(ema, [p.detach().float() for p in model.parameters()], 1 - d)
+
+
+@contextlib.contextmanager
+def ema_weights(run: Run):
+    """The model with the EMA's weights in place of its own, restored on exit (in place: the
+    compiled blocks and VSA's processors stay as they are)."""
+    params = [p.detach() for p in run.model.parameters()]
+    saved = [p.clone() for p in params]
+    torch._foreach_copy_(params, run.ema)
+    try:
+        yield
+    finally:
+        torch._foreach_copy_(params, saved)
 
 
 @torch.no_grad()
@@ -376,6 +412,10 @@ def measure(run: Run, step: int) -> dict:
     if run.schedule is not None:
         run.schedule.apply(run.model, max(step - 1, 0))
     losses = eval_losses(run)
+    ema_losses = None
+    if run.ema is not None:
+        with ema_weights(run):
+            ema_losses = eval_losses(run)
     metric_sparsity = AS_IF_SPARSITY if trained is None else trained
     mass, rel = layer_metrics(run, metric_sparsity)
     pending = run.pending
@@ -388,6 +428,8 @@ def measure(run: Run, step: int) -> dict:
         "train_losses": pending["losses"],
         "step_ms": statistics.median(pending["step_ms"]) if pending["step_ms"] else None,
         "eval_loss": statistics.fmean(losses.values()), "eval_loss_by_t": losses,
+        "eval_loss_ema": statistics.fmean(ema_losses.values()) if ema_losses else None,
+        "eval_loss_ema_by_t": ema_losses,
         "metric_sparsity": metric_sparsity, "metric_as_if": trained is None,
         "kept_mass": mass, "attn_rel_l2": rel, "kept_mass_mean": statistics.fmean(mass),
         "attn_rel_l2_mean": statistics.fmean(rel),
@@ -462,7 +504,7 @@ def run_identity(args, init: dict | None) -> dict:
         "lr": args.lr, "lr_warmup": args.lr_warmup, "lr_schedule": args.lr_schedule,
         # the cosine spans the arm's steps: a resume must keep them (constant: they may grow)
         "lr_steps": args.steps if args.lr_schedule == "cosine" else None,
-        "weight_decay": args.weight_decay,
+        "weight_decay": args.weight_decay, "ema_decay": args.ema_decay,
         "max_grad_norm": args.max_grad_norm, "eval_every": args.eval_every,
         "eval_crops": args.eval_crops, "holdout_frames": args.holdout_frames,
         "compile": args.compile, "init": init,
@@ -552,7 +594,8 @@ def save_checkpoint(run: Run) -> None:
     state = {
         "format": CHECKPOINT_FORMAT, "benchmark": OP, "identity": run.identity, "step": run.step,
         "steps": run.args.steps, "init_step": run.init_step, "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(), "rows": run.rows, "pending": run.pending,
+        "optimizer": run.optimizer.state_dict(), "ema": run.ema, "rows": run.rows,
+        "pending": run.pending,
         "totals": {**run.totals, "wall_s": wall_s(run)}, "calls": run.calls,
     }  # fmt: skip
     path = checkpoint_path(run.args.out_dir, run.args.arm)
@@ -563,6 +606,8 @@ def save_checkpoint(run: Run) -> None:
 def restore(run: Run, state: dict) -> None:
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
+    if state["ema"] is not None:
+        run.ema = [t.to(run.device) for t in state["ema"]]
     run.step, run.rows, run.pending = state["step"], state["rows"], state["pending"]
     run.totals, run.calls = state["totals"], state["calls"]
 
@@ -602,7 +647,8 @@ def metadata(run: Run, complete: bool) -> dict:
         tokens_per_sample=args.tokens, tile=list(TILE), batch_size=args.batch_size,
         steps=args.steps, step=run.step, lr=args.lr, lr_warmup=args.lr_warmup,
         lr_schedule=args.lr_schedule, lr_floor=LR_FLOOR if args.lr_schedule == "cosine" else None,
-        weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm,
+        weight_decay=args.weight_decay, ema_decay=args.ema_decay, ema_warmup=EMA_WARMUP,
+        max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, seed=args.seed,
         sparsity=SPARSITY.get(args.arm), schedule=run.identity["schedule"],
         init=run.identity["init"], init_step=run.init_step, calls=run.calls,
@@ -619,7 +665,9 @@ def metadata(run: Run, complete: bool) -> dict:
                  "real queries and heads", "attn_rel_l2": "||o_vsa - o_dense|| / ||o_dense||, "
                  "o_dense float32 SDPA on the same q/k/v", "sample": "held-out crop 0, t = 0.5",
                  "as_if": f"dense arms: VSA {AS_IF_SPARSITY} without a gate on their q/k/v",
-                 "step_ms": "CUDA-synchronised optimiser step, median over the interval"},
+                 "step_ms": "CUDA-synchronised optimiser step (EMA update included), median "
+                 "over the interval", "eval_loss_ema": "the held-out loss of the EMA of the "
+                 "weights (decay min(ema_decay, (1 + n) / (ema_warmup + n)) after n steps)"},
     )  # fmt: skip
 
 
@@ -673,6 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"after warmup: cosine to {LR_FLOOR:g} lr at the last step (default), or constant",
     )
     add("--weight-decay", type=float, default=0.01)
+    add("--ema-decay", type=float, default=EMA_DECAY,
+        help="the evals also run an EMA of the weights with this decay (0: no EMA)")  # fmt: skip
     add("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     add("--eval-every", type=int, help="steps between evals (50)")
     add("--eval-crops", type=int, help="held-out crops (8)")
@@ -714,6 +764,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = DEFAULTS[args.tiny][
             "steps" if args.arm not in FINETUNE_ARMS else "finetune_steps"
         ]
+    if not 0 <= args.ema_decay < 1:
+        raise TrainVsaError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
     bad = [k for k in POSITIVE if getattr(args, k) < 1]
     bad += [k for k in ("lr_warmup", "finetune_warmup", "finetune_ramp") if getattr(args, k) < 0]
     if bad:
@@ -757,8 +809,9 @@ def prepare(args, device: torch.device) -> Run:
     model = build_model(args, device, init_state)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")  # fmt: skip
+    ema = make_ema(model, args.ema_decay)
     run = Run(args, device, run_identity(args, init), model, optimizer, make_schedule(args),
-              frames, make_eval_set(frames, args), init_step)  # fmt: skip
+              frames, make_eval_set(frames, args), init_step, ema)  # fmt: skip
     if saved is not None:
         restore(run, saved)
     run.calls.append({"start_step": run.step, "device": harness.device_name(device)})

@@ -158,7 +158,8 @@ PANELS = (("eval_loss", "held-out loss (mean of t = 0.25, 0.5, 0.75), log scale"
 
 def plot_curves(out_dir: Path, path: Path, title: str, benchmark: str, arms) -> None:
     """Every arm of ``arms`` found in ``out_dir`` against the step (the fine-tunes continue the
-    dense arm's); dashed: a dense arm measured as if VSA ran on its q/k/v."""
+    dense arm's); dashed: a dense arm measured as if VSA ran on its q/k/v; dotted: the held-out
+    loss of the EMA of the weights."""
     from matplotlib.figure import Figure
 
     from vidsparse.plots import save_png
@@ -169,6 +170,7 @@ def plot_curves(out_dir: Path, path: Path, title: str, benchmark: str, arms) -> 
     for index, arm in enumerate(arms):
         for ax, (key, _) in zip(axes, PANELS):
             draw_arm(ax, results.get(arm, []), key, arm, f"C{index}")
+        draw_arm(axes[0], results.get(arm, []), "eval_loss_ema", f"{arm} (EMA)", f"C{index}", ":")
     for ax, (key, label) in zip(axes, PANELS):
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step (fine-tunes continue the dense arm's count)", fontsize=8)
@@ -182,12 +184,13 @@ def plot_curves(out_dir: Path, path: Path, title: str, benchmark: str, arms) -> 
     save_png(fig, path, dpi=110)
 
 
-def draw_arm(ax, rows: list[dict], key: str, arm: str, color: str) -> None:
+def draw_arm(ax, rows: list[dict], key: str, arm: str, color: str, style: str = "-") -> None:
     rows = [r for r in rows if r.get(key) is not None]
     if not rows:
         return
     x = [r["global_step"] for r in rows]
-    style = "--" if rows[-1].get("metric_as_if") and key in ("kept_mass", "attn_rel_l2") else "-"
+    if rows[-1].get("metric_as_if") and key in ("kept_mass", "attn_rel_l2"):
+        style = "--"
     if isinstance(rows[0][key], list):
         for layer in range(len(rows[0][key])):
             ax.plot(x, [r[key][layer] for r in rows], color=color, alpha=0.25, linewidth=0.7)
