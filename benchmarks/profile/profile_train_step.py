@@ -1,10 +1,12 @@
 """Where a ``train_vsa`` training step's time goes: dense against VSA (torch.profiler).
 
     PYTHONPATH=src python benchmarks/profile/profile_train_step.py [--arms dense,vsa0.875]
+    PYTHONPATH=src python benchmarks/profile/profile_train_step.py --compile blocks --steps 10
     PYTHONPATH=src python benchmarks/profile/profile_train_step.py --tiny --device cpu  # smoke
 
 Per arm: the ``train_vsa`` model and data (``bench/ops/train_vsa.py``: 8 Wan blocks, 6 heads of
-128, 32,768 tokens, bf16 autocast, gradient checkpointing), two warm-up steps, then
+128, 32,768 tokens, bf16 autocast, gradient checkpointing; ``--compile blocks`` as
+``train_vsa --compile blocks``), two warm-up steps (the compiles among them), then
 
 - ``wall``: the median CUDA-synchronised step time of ``--steps`` unprofiled steps (what the
   benchmark's ``step ms`` reports);
@@ -28,9 +30,10 @@ from vidsparse.bench.ops import train_vsa
 WARMUP_STEPS = 2
 
 
-def arm_run(arm: str, out: str, device: str, tiny: bool) -> train_vsa.Run:
-    argv = ["--arm", arm, "--out", out, "--device", device] + (["--tiny"] if tiny else [])
-    return train_vsa.prepare(train_vsa.parse_args(argv), torch.device(device))
+def arm_run(arm: str, out: str, args) -> train_vsa.Run:
+    argv = ["--arm", arm, "--out", out, "--device", args.device, "--compile", args.compile]
+    argv += ["--tiny"] if args.tiny else []
+    return train_vsa.prepare(train_vsa.parse_args(argv), torch.device(args.device))
 
 
 def per_step(events, device_kind: str, steps: int, top: int) -> tuple[float, list[str]]:
@@ -46,7 +49,7 @@ def per_step(events, device_kind: str, steps: int, top: int) -> tuple[float, lis
 
 def profile_arm(arm: str, args) -> None:
     with tempfile.TemporaryDirectory() as out:
-        run = arm_run(arm, out, args.device, args.tiny)
+        run = arm_run(arm, out, args)
         step = 0
         for step in range(WARMUP_STEPS):  # compiles, autotuning, allocator warm-up
             train_vsa.train_step(run, step)
@@ -75,6 +78,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="lines of each top list")
     ap.add_argument("--tiny", action="store_true", help="train_vsa's tiny model (CPU smoke)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", choices=("none", "blocks"), default="none",
+                    help="blocks: each block compiled, as train_vsa --compile")  # fmt: skip
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("VIDSPARSE_BACKEND", "torch")  # as train_vsa on the CPU
