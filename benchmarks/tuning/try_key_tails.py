@@ -2,10 +2,11 @@
 fwd+bwd, and the backward's kernels, in the arms of ``ARMS`` (``_arm`` says what each
 turns on): every partial block walked with all rows; the library's default (partial key
 blocks walked with fewer rows in the Triton kernels and the Gluon forward:
-``configs.key_tails``, ``GluonOptions.KEY_TAILS``); and dK/dV's short walks of partial query
-tiles (``KernelConfig.query_tails``, off by default): at the default 4 warps, and with 8 warps
-without and with them. At commit b5c8106 on the H200, 8 warps doubled dK/dV's time at 480p
-(4.05 -> 7.89 ms) and the walks took 8% of that back (7.26 ms);
+``configs.key_tails``, ``GluonOptions.KEY_TAILS``); and with dK/dV's short walks of partial
+query tiles too (``KernelConfig.query_tails``, off by default), at the row's 4 warps. At
+commit b5c8106 on the H200 the walks were timed at 8 warps only (then the one spill-free
+way): 8 warps doubled dK/dV's time at 480p (4.05 -> 7.89 ms) and the walks took 8% of that
+back (7.26 ms), with every wgmma of the kernel serialised by ptxas (C7515, since fixed);
 ``benchmarks/results/tuning/try_query_walks_b5c8106_h200.json``.
 
 Run on a GPU from the repository root::
@@ -58,16 +59,15 @@ def _partial_share(q, k, grid) -> float:
     return float((sizes[chosen] < grid.tile_volume).float().mean())
 
 
-ARMS = ("none", "keys", "query4", "dkdv8", "query")
+ARMS = ("none", "keys", "query4")
 
 
 def _arm(name: str):
     """The overrides of arm ``name`` (``ARMS``): ``none`` walks every partial block with all
     rows; ``keys`` is the library's default (the Triton kernels' and the Gluon forward's short
     walks of partial key blocks); ``query4`` adds VSA's dK/dV walks of its partial query tiles
-    with 32 / 16 rows at the default 4 warps (``KernelConfig.query_tails``: 412 bytes of spill
-    on sm_90); ``dkdv8`` gives that kernel 8 warps without them (the control of the next arm),
-    ``query`` with them (no spill)."""
+    with 32 / 16 rows at the row's 4 warps (``KernelConfig.query_tails``: 84 bytes of scalar
+    spill on sm_90 with Triton 3.6)."""
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import configs
@@ -76,9 +76,7 @@ def _arm(name: str):
     if name in ("none", "keys"):
         return configs.override(key_tails=name == "keys")
     row = configs.lookup(target_of(torch.device("cuda")), "bwd_dkdv", 64, 64, D, masked=True)
-    warps = row.num_warps if name == "query4" else 8
-    dkdv = replace(row, num_warps=warps, query_tails=name in ("query4", "query"))
-    return configs.override(bwd_dkdv=dkdv)
+    return configs.override(bwd_dkdv=replace(row, query_tails=True))
 
 
 def run_case(name: str) -> list[dict]:

@@ -87,6 +87,14 @@ import torch.nn.functional as F
 
 from vidsparse.bench import harness, registry
 from vidsparse.bench.harness import Column
+from vidsparse.bench.ops.train_vsa_data import (
+    EVAL_LEVELS,
+    load_frames,
+    make_eval_set,
+    make_inputs,
+    mix_seed,
+    train_frames,
+)
 from vidsparse.bench.ops.train_vsa_measure import (
     attention_metrics,
     captured_attention,
@@ -94,7 +102,7 @@ from vidsparse.bench.ops.train_vsa_measure import (
     plot_curves,
 )
 from vidsparse.bench.runner import BenchUsageError
-from vidsparse.data import CLIP_ATTRIBUTION, load_clip
+from vidsparse.data import CLIP_ATTRIBUTION
 from vidsparse.nn import SparsitySchedule
 from vidsparse.utils.files import atomic_write
 
@@ -106,7 +114,6 @@ SPARSITY = {"vsa0.875": 0.875, "vsa0.9": 0.9, "finetune-vsa": 0.875}  # the VSA 
 AS_IF_SPARSITY = 0.875  # dense arms: the attention metrics of VSA 0.875 on their q/k/v
 TILE = (4, 4, 4)
 TEXT_TOKENS = 4
-EVAL_LEVELS = (0.25, 0.5, 0.75)
 WAN = {"patch_size": (1, 2, 2), "in_channels": 3, "out_channels": 3, "cross_attn_norm": True,
        "qk_norm": "rms_norm_across_heads"}  # fmt: skip
 MODEL = {**WAN, "num_attention_heads": 6, "attention_head_dim": 128, "num_layers": 8,
@@ -147,64 +154,6 @@ COLUMNS = [
 
 class TrainVsaError(BenchUsageError):
     """Bad input found before training: one line, exit status 2 through the runner."""
-
-
-# ------------------------------------------------------------------------------ data
-
-
-def mix_seed(*parts) -> int:
-    """A 63-bit seed per purpose and index: streams a resumed run recomputes, not restores."""
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") >> 1
-
-
-def load_frames() -> torch.Tensor:
-    """The shipped clip as uint8 ``[3, frames, height, width]``."""
-    return torch.from_numpy(load_clip()).permute(3, 0, 1, 2).contiguous()
-
-
-def crop_pixels(frames, start, crop, flip=False, reverse=False) -> torch.Tensor:
-    """One crop ``[3, f, h, w]`` at ``start = (t, y, x)``, in [-1, 1]."""
-    (t, y, x), (f, h, w) = start, crop
-    out = frames[:, t : t + f, y : y + h, x : x + w].float() / 127.5 - 1.0
-    dims = [d for d, on in ((3, flip), (1, reverse)) if on]
-    return out.flip(dims) if dims else out
-
-
-def random_start(generator, frames_range, size, crop) -> tuple[int, int, int]:
-    (first, stop), (height, width) = frames_range, size
-    limits = (stop - crop[0] - first + 1, height - crop[1] + 1, width - crop[2] + 1)
-    t, y, x = (int(torch.randint(n, (), generator=generator)) for n in limits)
-    return first + t, y, x
-
-
-def train_frames(args) -> tuple[int, int]:
-    return 0, args.clip_frames - args.holdout_frames
-
-
-def make_inputs(frames, args, index: int):
-    """The training batch of data index ``index``: ``(x0, noise, t)`` on the CPU; crops from
-    the training frames, random flips and time reversal, uniform ``t``."""
-    generator = torch.Generator().manual_seed(mix_seed(args.seed, "train", index))
-    crops = []
-    for _ in range(args.batch_size):
-        start = random_start(generator, train_frames(args), frames.shape[2:], args.crop)
-        flip, reverse = torch.rand(2, generator=generator) < 0.5
-        crops.append(crop_pixels(frames, start, args.crop, bool(flip), bool(reverse)))
-    x0 = torch.stack(crops)
-    noise = torch.randn(x0.shape, generator=generator)
-    return x0, noise, torch.rand(args.batch_size, generator=generator)
-
-
-def make_eval_set(frames, args) -> dict:
-    """The held-out crops (the last ``holdout_frames`` frames, fixed positions) and one fixed
-    noise tensor per level."""
-    generator = torch.Generator().manual_seed(mix_seed(args.seed, "eval"))
-    held_out = (args.clip_frames - args.holdout_frames, args.clip_frames)
-    starts = [random_start(generator, held_out, frames.shape[2:], args.crop)
-              for _ in range(args.eval_crops)]  # fmt: skip
-    x0 = torch.stack([crop_pixels(frames, s, args.crop) for s in starts])
-    noise = [torch.randn(x0.shape, generator=generator) for _ in EVAL_LEVELS]
-    return {"x0": x0, "noise": noise, "starts": starts}
 
 
 # ------------------------------------------------------------------------------ model, loss

@@ -96,17 +96,19 @@ def _dkdv_walk(
     H, qk_scale,
     BLOCK_M: tl.constexpr, STEP: tl.constexpr, NSUB: tl.constexpr, HEAD_DIM: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    EVICT_STREAMED: tl.constexpr,
+    EVICT_STREAMED: tl.constexpr, PIPELINED: tl.constexpr,
 ):  # fmt: skip
     """``dk, dv`` plus the terms of the transposed list's entries ``[lo, hi)``: the first
     ``NSUB * STEP`` rows of each listed query block, ``STEP`` rows a step (one flat loop over
     (query block, step) pairs pipelines better than two). With USE_TMA, Q and DO are
-    descriptors of ``STEP``-row boxes."""
+    descriptors of ``STEP``-row boxes. ``PIPELINED`` False: the loop's loads are not
+    software-pipelined (one stage), for a walk that follows a pipelined one: two pipelined
+    wgmma loops in a row make ptxas serialise every wgmma of the kernel on sm_90 (C7515)."""
     offs_sub = tl.arange(0, STEP)
     if not USE_TMA:
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_dob + h * stride_doh
-    for t in range(lo * NSUB, hi * NSUB):
+    for t in tl.range(lo * NSUB, hi * NSUB, num_stages=None if PIPELINED else 1):
         q_block = tl.load(idx_row + t // NSUB)
         row0 = q_block * BLOCK_M + (t % NSUB) * STEP
         offs_m = row0.to(tl.int64) + offs_sub  # [STEP]
@@ -174,10 +176,14 @@ def _dkdv_rows(
     idx_row = Q_IDX + b * stride_qib + h * stride_qih
     if QTAIL1 > 0:  # QUERY_GROUPS a key block: all rows, QTAIL1 rows, QTAIL2 rows
         column = off_row + pid_n * QUERY_GROUPS
-        start, end0, end1, end = tl.load(column), tl.load(column + 1), tl.load(column + 2), tl.load(column + 3)
+        start, end = tl.load(column), tl.load(column + QUERY_GROUPS)
     else:
         start, end = tl.load(off_row + pid_n), tl.load(off_row + pid_n + 1)
-        end0, end1 = end, end
+    end0, end1 = end, end
+    # A short key program (ROWS < BLOCK_N) walks every query block with all rows: its own
+    # short walks would add two more loops, whose registers spill on sm_90.
+    if QTAIL1 > 0 and ROWS == BLOCK_N:
+        end0, end1 = tl.load(column + 1), tl.load(column + 2)
 
     dk = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -186,17 +192,17 @@ def _dkdv_rows(
     dk, dv = _dkdv_walk(k, v, dk, dv, real, Q, DO, LSE2, DELTA, idx_row, start, end0,
                         pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
                         BLOCK_M, SUB_M, NSUB, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-                        EVICT_STREAMED)  # fmt: skip
-    if QTAIL1 > 0:
+                        EVICT_STREAMED, True)  # fmt: skip
+    if QTAIL1 > 0 and ROWS == BLOCK_N:
         dk, dv = _dkdv_walk(k, v, dk, dv, real, Q1, DO1, LSE2, DELTA, idx_row, end0, end1,
                             pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
                             BLOCK_M, QTAIL1, 1, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-                            EVICT_STREAMED)  # fmt: skip
+                            EVICT_STREAMED, False)  # fmt: skip
         if QTAIL2 > 0:  # (without it the last group is empty: lists.query_groups)
             dk, dv = _dkdv_walk(k, v, dk, dv, real, Q2, DO2, LSE2, DELTA, idx_row, end1, end,
                                 pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
                                 BLOCK_M, QTAIL2, 1, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION,
-                                USE_TMA, EVICT_STREAMED)  # fmt: skip
+                                USE_TMA, EVICT_STREAMED, False)  # fmt: skip
     dk = dk * scale
     dk, dv = DKDV_EPILOGUE(dk, dv, b, h, pid_n, offs_d, *epilogue_args)
 
