@@ -17,8 +17,9 @@ def triton_minor() -> str:
     return ".".join(triton.__version__.split(".")[:2])
 
 
-def spills_unchecked(spills: list[str]) -> str | None:
-    """Why spills are only reported here (a Triton outside ``CHECKED_TRITONS``), or None."""
+def spills_unchecked(spills: list[str], kind: str = "spills") -> str | None:
+    """Why ``kind`` (spills, or ptxas notes) are only reported here (a Triton outside
+    ``CHECKED_TRITONS``), or None."""
     version = triton_minor()
     if version in CHECKED_TRITONS:
         return None
@@ -26,5 +27,5 @@ def spills_unchecked(spills: list[str]) -> str | None:
     checked = ", ".join(CHECKED_TRITONS)
     return (
         f"Triton {version} is not one the spill checks were measured on ({checked}): "
-        f"its spills are reported, not failed: {listed}"
+        f"its {kind} are reported, not failed: {listed}"
     )

@@ -79,7 +79,8 @@ class KernelConfig:
     key_tails: bool = True
     # dK/dV: the query blocks whose gradient-carrying rows fit in half or a quarter of the
     # block (an epilogue that quiets padding rows says which: ``Epilogue.quiet_rows``) are
-    # walked with that many query rows. Needs sub_m == block_q; off where not yet timed.
+    # walked with that many query rows (in the full-row programs; short key programs walk
+    # every query block with all rows). Needs sub_m == block_q; off where not yet timed.
     query_tails: bool = False
 
     def __post_init__(self):

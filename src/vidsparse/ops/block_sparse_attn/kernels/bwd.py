@@ -153,9 +153,12 @@ def _dkdv_rows(
     """dK and dV of the first ``ROWS`` rows of key block ``pid_n`` (its real keys among them),
     zeros for the rest of the block (padding rows get no gradient). With short query walks
     (``QTAIL1`` > 0) the transposed list holds each key block's query blocks in three groups
-    (``lists.query_groups``), walked with all rows, the first ``QTAIL1`` and the first
-    ``QTAIL2``."""
+    (``lists.query_groups``); a full-row program (``ROWS == BLOCK_N``) walks them with all
+    rows (pipelined), the first ``QTAIL1`` and the first ``QTAIL2`` (unpipelined), a short key
+    program all three with all rows: its own short walks would add two more loops, whose
+    registers spill on sm_90."""
     NSUB: tl.constexpr = BLOCK_M // SUB_M
+    WALK_QUERY_TAILS: tl.constexpr = QTAIL1 > 0 and ROWS == BLOCK_N
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
 
@@ -180,9 +183,7 @@ def _dkdv_rows(
     else:
         start, end = tl.load(off_row + pid_n), tl.load(off_row + pid_n + 1)
     end0, end1 = end, end
-    # A short key program (ROWS < BLOCK_N) walks every query block with all rows: its own
-    # short walks would add two more loops, whose registers spill on sm_90.
-    if QTAIL1 > 0 and ROWS == BLOCK_N:
+    if WALK_QUERY_TAILS:
         end0, end1 = tl.load(column + 1), tl.load(column + 2)
 
     dk = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -193,7 +194,7 @@ def _dkdv_rows(
                         pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
                         BLOCK_M, SUB_M, NSUB, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
                         EVICT_STREAMED, True)  # fmt: skip
-    if QTAIL1 > 0 and ROWS == BLOCK_N:
+    if WALK_QUERY_TAILS:
         dk, dv = _dkdv_walk(k, v, dk, dv, real, Q1, DO1, LSE2, DELTA, idx_row, end0, end1,
                             pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
                             BLOCK_M, QTAIL1, 1, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
