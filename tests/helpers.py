@@ -30,18 +30,62 @@ def masked_dense_attention(
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     scale = D**-0.5 if scale is None else scale
-    block_map = dense_from_lists(kv_indices, kv_counts, Skv // block_kv).expand(B, H, -1, -1)
-    token_mask = block_map.repeat_interleave(block_q, 2).repeat_interleave(block_kv, 3)
-    if kv_block_sizes is not None:
-        slot = torch.arange(Skv, device=q.device) % block_kv
-        real = slot < kv_block_sizes.long().repeat_interleave(block_kv)
-        token_mask = token_mask & real
+    mask = token_mask(kv_indices, kv_counts, block_q, block_kv, Skv, kv_block_sizes)
     s = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()) * scale
-    s = s.masked_fill(~token_mask, float("-inf"))
+    s = s.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
     o = torch.einsum("bhqk,bhkd->bhqd", p, v.double())
     return o, lse
+
+
+def token_mask(kv_indices, kv_counts, block_q, block_kv, Skv, kv_block_sizes=None):
+    """The block lists as a token-level mask [B or 1, H, Sq, Skv] (padding keys masked)."""
+    block_map = dense_from_lists(kv_indices, kv_counts, Skv // block_kv)
+    mask = block_map.repeat_interleave(block_q, 2).repeat_interleave(block_kv, 3)
+    if kv_block_sizes is not None:
+        slot = torch.arange(Skv, device=mask.device) % block_kv
+        mask = mask & (slot < kv_block_sizes.long().repeat_interleave(block_kv))
+    return mask
+
+
+def flash_gradients_fp32(q, k, v, do, kv_indices, kv_counts, block_q, block_kv,
+                         kv_block_sizes=None, scale=None):  # fmt: skip
+    """dq, dk, dv as FlashAttention's backward computes them, in fp32 PyTorch: base-2
+    exponent with the softmax scale folded into ``log2(e)``, ``p`` from the log-sum-exp,
+    ``delta = rowsum(o * do)``. The precision baseline of a kernel that works this way: its
+    rounding grows with the logits (``|s| * eps`` in every ``p``) and with the cancellation
+    in ``dp - delta``, which the autograd of plain softmax does not share."""
+    q, k, v, do = (x.detach().float() for x in (q, k, v, do))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = token_mask(kv_indices, kv_counts, block_q, block_kv, k.shape[2], kv_block_sizes)
+    s2 = (q @ k.transpose(-1, -2) * (scale * 1.4426950408889634)).masked_fill(~mask, float("-inf"))
+    m = s2.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    lse2 = m + torch.log2(torch.exp2(s2 - m).sum(-1, keepdim=True))
+    p = torch.exp2(s2 - lse2).nan_to_num(0.0)  # rows that attend to nothing: p = 0
+    o = p @ v
+    dp = do @ v.transpose(-1, -2)
+    ds = p * (dp - (o * do).sum(-1, keepdim=True))
+    return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, p.transpose(-1, -2) @ do
+
+
+def gradient_term_magnitudes(q, k, v, do, kv_indices, kv_counts, block_q, block_kv,
+                             kv_block_sizes=None, scale=None):  # fmt: skip
+    """dq, dk, dv's sums of absolute terms in fp64 (``|p| (|dp| + |delta|)`` for ``ds``): the
+    size a relative rounding error in ``p`` reaches in each gradient element, cancellation
+    or not (a gradient element that cancels to zero still carries it)."""
+    q, k, v, do = (x.detach().double() for x in (q, k, v, do))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    mask = token_mask(kv_indices, kv_counts, block_q, block_kv, k.shape[2], kv_block_sizes)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    dp = do @ v.transpose(-1, -2)
+    terms = p * (dp.abs() + (p * dp).sum(-1, keepdim=True).abs())
+    return (
+        terms @ k.abs() * scale,
+        terms.transpose(-1, -2) @ q.abs() * scale,
+        p.transpose(-1, -2) @ do.abs(),
+    )
 
 
 def lists_without_bad_entries(kv_indices, kv_counts, num_kv_blocks):

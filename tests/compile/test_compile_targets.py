@@ -61,8 +61,12 @@ KNOWN_SPILLS: dict[tuple, dict[str, str]] = {
     # (2-D or 3-D grids without the id division, dQ branch first, one K/V argument for both
     # halves) spill 40-64 bytes. Kept for its measured gain over the two spill-free launches:
     # whole backward 5.33 -> 5.24 ms at density 1/8, 2.90 -> 2.81 ms at 1/16 (H200,
-    # benchmarks/tuning/compare_bwd_launch.py). Triton 3.8 compiles it spill-free.
-    ("cuda:90", "bwd_fused", 128, 128, 128, False): {"3.6": "48 B, measured gain (above)"},
+    # benchmarks/tuning/compare_bwd_launch.py). Triton 3.8 spills 24 B here (since the empty
+    # walk's branch, kernels/bwd.py GUARD_EMPTY_WALK, that keeps its wgmmas from serialising).
+    ("cuda:90", "bwd_fused", 128, 128, 128, False): {
+        "3.6": "48 B, measured gain (above)",
+        "3.8": "24 B, half of 3.6 (above)",
+    },
     # Hopper's dK/dV at D=128 by pointer loads, 4 warps, 64-row steps: Triton 3.8 spills one
     # 4-byte pair (8 B, 255 registers); 3.6 fits. 128x64 is the row's main path (its config
     # has no TMA), 64x64 the fallback for inputs TMA cannot read. The rows were measured on the
@@ -72,11 +76,18 @@ KNOWN_SPILLS: dict[tuple, dict[str, str]] = {
     ("cuda:90", "bwd_dkdv", 128, 64, 128, False): {"3.8": "8 B, unmeasured (above)"},
     # Hopper's masked dK/dV by TMA with the short walks of partial key blocks (its program
     # branches to a 64-, 32- or 16-row body, kernels/bwd.py _dkdv_program), without an
-    # epilogue: 4 B at 255 registers (as one if/elif chain; three separate ifs spilled 84 B).
+    # epilogue: 8 B (4 stored, 4 loaded) at 255 registers (as one if/elif chain; three ifs: 84).
     # VSA's dK/dV (64x64 D=128 with its pooled hook) is spill-free. Unmeasured: the GPU round
-    # that times the short walks (benchmarks/tuning/try_key_tails.py) decides.
-    ("cuda:90", "bwd_dkdv", 64, 64, 128, True): {"3.6": "4 B, unmeasured (above)"},
-    ("cuda:90", "bwd_dkdv", 128, 128, 64, True): {"3.6": "4 B, unmeasured (above)"},
+    # that times the short walks (benchmarks/tuning/try_key_tails.py) decides. Triton 3.8
+    # spills as much (8 B) since the empty walk's branch (GUARD_EMPTY_WALK).
+    ("cuda:90", "bwd_dkdv", 64, 64, 128, True): {
+        "3.6": "8 B, unmeasured (above)",
+        "3.8": "8 B, unmeasured (above)",
+    },
+    ("cuda:90", "bwd_dkdv", 128, 128, 64, True): {
+        "3.6": "8 B, unmeasured (above)",
+        "3.8": "8 B, unmeasured (above)",
+    },
     # Hopper's VSA dK/dV with its short query walks (``KernelConfig.query_tails``, off in every
     # row; compile_kernels.py records it turned on), alone and fused with dQ: the main walk's
     # 255 registers leave no room for the walks' scalars. Without the walks the same kernels
@@ -115,26 +126,6 @@ KNOWN_PTXAS_NOTES: dict[tuple, dict[str, tuple[tuple[str, ...], str]]] = {
     ("cuda:90", "fwd_tma", 128, 128, 64, False): {
         "3.6": (("C7511",), "measured winner (above)"),
         "3.8": (("C7511",), "measured winner with 3.6 (above)"),
-    },
-    # Triton 3.8 only: its sm_90 build of the Triton dK/dV kernels by TMA (alone, and fused
-    # with dQ) serialises their wgmmas (C7515); 3.6, which the H200 runs and the rows were
-    # timed with, compiles the same kernels without the note. Untimed with 3.8 (no GPU runs
-    # it here): reported to the kernels' owner. VSA's own dK/dV (its pooled hook) is not
-    # among them, nor are the query walks (one pipelined loop, then unpipelined ones).
-    **{
-        ("cuda:90", kernel, bq, bk, d, sizes): {"3.8": (("C7515",), "Triton 3.8 (above)")}
-        for kernel, bq, bk, d, sizes in (
-            ("bwd_dkdv", 64, 64, 64, False),
-            ("bwd_dkdv", 64, 64, 64, True),
-            ("bwd_dkdv", 64, 64, 128, False),
-            ("bwd_dkdv", 64, 64, 128, True),
-            ("bwd_dkdv", 128, 128, 64, False),
-            ("bwd_dkdv", 128, 128, 64, True),
-            ("bwd_fused", 128, 128, 64, False),
-            ("bwd_fused", 128, 128, 64, True),
-            ("bwd_dkdv", 128, 128, 128, False),
-            ("bwd_fused", 128, 128, 128, False),
-        )
     },
 }
 

@@ -10,6 +10,7 @@ long one); the number of cases a run executed is printed at its end (``conftest.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from helpers import masked_dense_attention
+from helpers import flash_gradients_fp32, gradient_term_magnitudes, masked_dense_attention
 
 # Relative error allowed against the fp64 reference, per input dtype.
 TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
@@ -106,3 +107,25 @@ def check_against_dense(out, lse, q, k, v, idx, cnt, bq, bk, sizes, scale):
     lse_tol = max(tol, 2e-6)  # lse is fp32 whatever the inputs
     torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], rtol=lse_tol,
                                atol=lse_tol * 10)  # fmt: skip
+
+
+def check_gradients(grads, q, k, v, idx, cnt, bq, bk, sizes, scale):
+    """``grads`` (of ``out.sum()``, fp32 inputs) against the fp64 reference, element by
+    element: within 4x the max error of the same algorithm in fp32 PyTorch
+    (``flash_gradients_fp32``) plus the rounding of ``p`` from a base-2 exponent of ``|s|``
+    (16 fp32 epsilons of the largest ``|s|``) times the element's sum of absolute terms. A
+    fixed tolerance fails on large logits (scale 3, inputs 4x), where ``dp - delta`` cancels."""
+    ref, _ = masked_dense_attention(q, k, v, idx, cnt, bq, bk, sizes, scale)
+    refs = torch.autograd.grad(ref.sum(), (q, k, v))
+    lists = (idx, cnt, bq, bk, sizes, scale)
+    base = flash_gradients_fp32(q, k, v, torch.ones_like(q), *lists)
+    terms = gradient_term_magnitudes(q, k, v, torch.ones_like(q), *lists)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = (q.detach().double() @ k.detach().double().transpose(-1, -2)).abs().max()
+    ulps = 16 * torch.finfo(torch.float32).eps * (1 + float(logits) * scale * math.log2(math.e))
+    for name, g, r, b, t in zip("qkv", grads, refs, base, terms):
+        err = (g.double() - r).abs()
+        bound = 4 * (b.double() - r).abs().max() + ulps * t
+        worst = int((err - bound).argmax())
+        e, limit = float(err.flatten()[worst]), float(bound.flatten()[worst])
+        assert (err <= bound).all(), f"d{name}: error {e:.3e} > {limit:.3e} at {worst}"

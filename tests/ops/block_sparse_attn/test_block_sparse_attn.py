@@ -575,6 +575,41 @@ def test_tma_backward_kernels_in_interpreter(padding):
         assert_rel_l2(name, g, r, 3e-3)  # fp16 inputs
 
 
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("guard", [False, True])
+def test_tma_dkdv_of_key_blocks_no_query_lists(monkeypatch, guard):
+    """dK/dV by TMA of key blocks that no query block lists (an empty walk), with and without
+    the branch that skips it (``kernels.bwd.GUARD_EMPTY_WALK``, on from Triton 3.7): zeros
+    for those blocks, the fp64 reference elsewhere."""
+    import triton.language as tl
+
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, override
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+    from vidsparse.ops.block_sparse_attn.kernels import bwd as kernels
+
+    monkeypatch.setattr(kernels, "GUARD_EMPTY_WALK", tl.constexpr(guard))
+    B, H, S, D, bs = 1, 2, 64, 16, 16
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float16, device="cpu")
+    do = torch.randn_like(q)
+    # key block 1 in no list; key block 3 only in head 1's
+    idx = torch.tensor([[[0, 2], [2, 0], [0, -1], [2, 0]], [[0, 2], [3, 0], [2, 0], [0, -1]]],
+                       dtype=torch.int32)[None]  # fmt: skip
+    cnt = torch.tensor([[2, 2, 1, 2], [2, 2, 2, 1]], dtype=torch.int32)[None]
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, None, bs, bs, D**-0.5)
+    tma = KernelConfig(4, 1, sub_m=8, use_tma=True)
+    with override(bwd_dkdv=tma, bwd_dq=tma):
+        grads = block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, None, bs, bs, D**-0.5)
+    q64, k64, v64 = (x.double().requires_grad_() for x in (q, k, v))
+    ref_o, _ = masked_dense_attention(q64, k64, v64, idx, cnt, bs, bs)
+    ref = torch.autograd.grad(ref_o, (q64, k64, v64), do.double())
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref):
+        assert_rel_l2(name, g, r, 3e-3)  # fp16 inputs
+    for g in grads[1:]:
+        assert not g[:, :, bs : 2 * bs].any() and not g[:, 0, 3 * bs :].any()
+
+
 def test_reference_ignores_nan_in_padding_and_unread_blocks(torch_backend):
     B, H, S, D, bs = 1, 2, 64, 8, 16
     q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float64, device="cpu", requires_grad=False)

@@ -28,6 +28,13 @@ from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
 from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
 from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS
 
+# From Triton 3.7, LLVM sets a pipelined TMA walk's accumulators to zero on the path that skips
+# the loop, after the loop; ptxas then takes that path for a write into the in-flight wgmmas'
+# accumulators and serialises every wgmma of the kernel on sm_90 (C7515). ``_dkdv_rows`` skips
+# an empty walk by a branch of its own there. Triton 3.6 needs none, and its build stays as
+# timed (with it some pointer builds spill).
+GUARD_EMPTY_WALK = tl.constexpr(tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 7))
+
 
 @triton.jit
 def block_sparse_attn_bwd_preprocess_kernel(
@@ -190,10 +197,12 @@ def _dkdv_rows(
     dv = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
     q_strides = (stride_qb, stride_qh, stride_qs, stride_qd,
                  stride_dob, stride_doh, stride_dos, stride_dod)  # fmt: skip
-    dk, dv = _dkdv_walk(k, v, dk, dv, real, Q, DO, LSE2, DELTA, idx_row, start, end0,
-                        pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
-                        BLOCK_M, SUB_M, NSUB, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-                        EVICT_STREAMED, True)  # fmt: skip
+    walk = start < end0 if GUARD_EMPTY_WALK and USE_TMA and not WALK_QUERY_TAILS else True
+    if walk:
+        dk, dv = _dkdv_walk(k, v, dk, dv, real, Q, DO, LSE2, DELTA, idx_row, start, end0,
+                            pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
+                            BLOCK_M, SUB_M, NSUB, HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
+                            EVICT_STREAMED, True)  # fmt: skip
     if WALK_QUERY_TAILS:
         dk, dv = _dkdv_walk(k, v, dk, dv, real, Q1, DO1, LSE2, DELTA, idx_row, end0, end1,
                             pid_bh, b, h, row_base, offs_d, *q_strides, H, qk_scale,
