@@ -28,11 +28,12 @@ from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
 from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
 from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS
 
-# From Triton 3.7, LLVM sets a pipelined TMA walk's accumulators to zero on the path that skips
-# the loop, after the loop; ptxas then takes that path for a write into the in-flight wgmmas'
-# accumulators and serialises every wgmma of the kernel on sm_90 (C7515). ``_dkdv_rows`` skips
-# an empty walk by a branch of its own there. Triton 3.6 needs none, and its build stays as
-# timed (with it some pointer builds spill).
+# From Triton 3.7, LLVM zeroes a pipelined TMA walk's accumulators on the path that skips the
+# loop, after the loop; ptxas takes that for a write into the in-flight wgmmas' accumulators
+# and serialises every wgmma of the kernel on sm_90 (C7515). There ``_dkdv_rows`` skips an
+# empty main walk by a branch of its own, in TMA builds only (in pointer builds the branch
+# adds spills and nothing is serialised) and not before the query walks (nor there). Triton
+# 3.6 needs none: its builds stay as timed.
 GUARD_EMPTY_WALK = tl.constexpr(tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 7))
 
 
