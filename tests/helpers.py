@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vidsparse.masks.block_sparse import dense_from_lists, random_block_lists
@@ -59,7 +61,7 @@ def flash_gradients_fp32(q, k, v, do, kv_indices, kv_counts, block_q, block_kv,
     q, k, v, do = (x.detach().float() for x in (q, k, v, do))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     mask = token_mask(kv_indices, kv_counts, block_q, block_kv, k.shape[2], kv_block_sizes)
-    s2 = (q @ k.transpose(-1, -2) * (scale * 1.4426950408889634)).masked_fill(~mask, float("-inf"))
+    s2 = (q @ k.transpose(-1, -2) * (scale * math.log2(math.e))).masked_fill(~mask, float("-inf"))
     m = s2.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
     lse2 = m + torch.log2(torch.exp2(s2 - m).sum(-1, keepdim=True))
     p = torch.exp2(s2 - lse2).nan_to_num(0.0)  # rows that attend to nothing: p = 0

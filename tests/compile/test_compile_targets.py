@@ -80,13 +80,9 @@ KNOWN_SPILLS: dict[tuple, dict[str, str]] = {
     # VSA's dK/dV (64x64 D=128 with its pooled hook) is spill-free. Unmeasured: the GPU round
     # that times the short walks (benchmarks/tuning/try_key_tails.py) decides. Triton 3.8
     # spills as much (8 B) since the empty walk's branch (GUARD_EMPTY_WALK).
-    ("cuda:90", "bwd_dkdv", 64, 64, 128, True): {
-        "3.6": "8 B, unmeasured (above)",
-        "3.8": "8 B, unmeasured (above)",
-    },
-    ("cuda:90", "bwd_dkdv", 128, 128, 64, True): {
-        "3.6": "8 B, unmeasured (above)",
-        "3.8": "8 B, unmeasured (above)",
+    **{
+        ("cuda:90", "bwd_dkdv", bq, bk, d, True): dict.fromkeys(("3.6", "3.8"), "8 B, unmeasured")
+        for bq, bk, d in ((64, 64, 128), (128, 128, 64))
     },
     # Hopper's VSA dK/dV with its short query walks (``KernelConfig.query_tails``, off in every
     # row; compile_kernels.py records it turned on), alone and fused with dQ: the main walk's

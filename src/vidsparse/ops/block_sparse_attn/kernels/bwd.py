@@ -27,6 +27,7 @@ import triton.language as tl
 from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
 from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
 from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS
+from vidsparse.utils.device import triton_version
 
 # From Triton 3.7, LLVM zeroes a pipelined TMA walk's accumulators on the path that skips the
 # loop, after the loop; ptxas takes that for a write into the in-flight wgmmas' accumulators
@@ -34,7 +35,7 @@ from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS
 # empty main walk by a branch of its own, in TMA builds only (in pointer builds the branch
 # adds spills and nothing is serialised) and not before the query walks (nor there). Triton
 # 3.6 needs none: its builds stay as timed.
-GUARD_EMPTY_WALK = tl.constexpr(tuple(map(int, triton.__version__.split(".")[:2])) >= (3, 7))
+GUARD_EMPTY_WALK = tl.constexpr((triton_version() or (0, 0)) >= (3, 7))
 
 
 @triton.jit
