@@ -1,13 +1,14 @@
 """Short walks of partial tiles against walking them with all rows: VSA's fwd, bwd and
 fwd+bwd, and the backward's kernels, in the arms of ``ARMS`` (``_arm`` says what each
-turns on): every partial block walked with all rows; the library's default (partial key
-blocks walked with fewer rows in the Triton kernels and the Gluon forward:
-``configs.key_tails``, ``GluonOptions.KEY_TAILS``); and with dK/dV's short walks of partial
-query tiles too (``KernelConfig.query_tails``, off by default), at the row's 4 warps. At
-commit b5c8106 on the H200 the walks were timed at 8 warps only (then the one spill-free
+turns on): every partial block walked with all rows; partial key blocks walked with fewer
+rows in the Triton kernels and the Gluon forward (``configs.key_tails``,
+``GluonOptions.KEY_TAILS``); and, the library's default on Hopper, with dK/dV's short walks
+of partial query tiles too (``KernelConfig.query_tails``), at the row's 4 warps. At commit
+b5c8106 on the H200 the query walks were timed at 8 warps only (then the one spill-free
 way): 8 warps doubled dK/dV's time at 480p (4.05 -> 7.89 ms) and the walks took 8% of that
 back (7.26 ms), with every wgmma of the kernel serialised by ptxas (C7515, since fixed);
-``benchmarks/results/tuning/try_query_walks_b5c8106_h200.json``.
+``benchmarks/results/tuning/try_query_walks_b5c8106_h200.json``. At 4 warps (ab17aa1) they
+won at both sizes: ``benchmarks/results/tuning/try_key_tails_ab17aa1_h200.json``.
 
 Run on a GPU from the repository root::
 
@@ -64,19 +65,19 @@ ARMS = ("none", "keys", "query4")
 
 def _arm(name: str):
     """The overrides of arm ``name`` (``ARMS``): ``none`` walks every partial block with all
-    rows; ``keys`` is the library's default (the Triton kernels' and the Gluon forward's short
-    walks of partial key blocks); ``query4`` adds VSA's dK/dV walks of its partial query tiles
-    with 32 / 16 rows at the row's 4 warps (``KernelConfig.query_tails``: 84 bytes of scalar
-    spill on sm_90 with Triton 3.6)."""
+    rows; ``keys`` the Triton kernels' and the Gluon forward's short walks of partial key
+    blocks; ``query4`` (the library's default on Hopper) adds VSA's dK/dV walks of its partial
+    query tiles with 32 / 16 rows at the row's 4 warps (``KernelConfig.query_tails``: 84
+    bytes of scalar spill on sm_90 with Triton 3.6)."""
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import configs
     from vidsparse.utils.device import target_of
 
-    if name in ("none", "keys"):
-        return configs.override(key_tails=name == "keys")
+    if name == "none":  # no key tails: no query walks either (they take configs.key_tails' rows)
+        return configs.override(key_tails=False)
     row = configs.lookup(target_of(torch.device("cuda")), "bwd_dkdv", 64, 64, D, masked=True)
-    return configs.override(bwd_dkdv=replace(row, query_tails=True))
+    return configs.override(bwd_dkdv=replace(row, query_tails=name == "query4"))
 
 
 def run_case(name: str) -> list[dict]:

@@ -346,48 +346,7 @@ def build_jobs(names):
                             block_q=bq, block_kv="BLOCK_N", head_dim=d, dtype=dtype,
                             has_kv_sizes="HAS_KV_SIZES",
                         )  # fmt: skip
-    jobs.extend(build_query_walk_jobs(names))
     jobs.extend(build_permute_jobs(names))  # VideoGrid.tile / untile kernels
-    return jobs
-
-
-# Hopper's VSA dK/dV with its short query walks (``KernelConfig.query_tails``, off in the
-# rows until timed faster), alone and in the fused launch: recorded under these labels with
-# the row's walks turned on.
-QUERY_WALKS = {"bwd_dkdv": "bwd_dkdv_query_walks", "bwd_fused": "bwd_fused_query_walks"}
-
-
-def build_query_walk_jobs(names):
-    """The dK/dV compiles (alone, and fused with dQ) of VSA's combined backward at 64x64,
-    D=128, bf16, TMA, with the row of each Hopper target turned to ``query_tails=True``
-    (other targets: none)."""
-    from dataclasses import replace
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-
-    from vidsparse.ops.block_sparse_attn import configs
-    from vidsparse.utils.device import Target
-
-    jobs, seen = [], set()
-    for name in names:
-        target_args, gpu_args, shared_limit = TARGETS[name]
-        target = Target(*target_args)
-        if not target.is_hopper:
-            continue
-        backend_cls = type(make_backend(GPUTarget(*gpu_args)))
-        row = configs.lookup(target, "bwd_dkdv", 64, 64, 128, masked=True)
-        with configs.override(bwd_dkdv=replace(row, query_tails=True)):
-            launches = record_launches(target, 64, 64, 128, torch.bfloat16, True, True)
-        for kernel, args, kwargs in launches:
-            label = QUERY_WALKS.get(short_name(kernel.__name__))
-            if label is None or not kwargs.get("QTAIL1"):
-                continue
-            _add_job(
-                jobs, seen, (name, gpu_args, shared_limit), backend_cls, kernel, args, kwargs,
-                label, block_q=64, block_kv="BLOCK_N", head_dim=128,
-                dtype=torch.bfloat16, has_kv_sizes="HAS_KV_SIZES",
-            )  # fmt: skip
     return jobs
 
 

@@ -212,6 +212,9 @@ HOPPER = {
     # not run in the Gluon kernel (D=128, 16-bit, contiguous: ``gluon``; GLUON_DKDV). At 64x64
     # the Gluon dK/dV kernel was slower than Triton's (4.14 vs 3.82 ms on 4x4x4 video tiles), so
     # it is off there; the 64x64 Gluon dQ kernel is compile-checked but not yet timed, so off.
+    # The masked 64x64 dK/dV walks partial query blocks with fewer rows where an epilogue
+    # declares quiet rows (query_tails): 84 B of spill on sm_90 and still faster on 4x4x4
+    # video tiles (benchmarks/NOTES.md).
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
         8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True, gluon=True
     ),
@@ -222,7 +225,9 @@ HOPPER = {
     ("bwd_dkdv", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),
     ("bwd_dkdv_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=32),
     ("bwd_dkdv_masked", 128, 64, 128): KernelConfig(4, 2, sub_m=32),
-    ("bwd_dkdv_masked", 64, 64, 128): KernelConfig(4, 2, sub_m=64, use_tma=True, pointer_sub_m=32),
+    ("bwd_dkdv_masked", 64, 64, 128): KernelConfig(
+        4, 2, sub_m=64, use_tma=True, pointer_sub_m=32, query_tails=True
+    ),
     ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128, use_tma=True, fused=True, gluon=True),
     ("bwd_dq", 128, 128, 64): KernelConfig(4, 2, sub_m=64, use_tma=True, fused=True),
     ("bwd_dq", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
