@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fuzzing import backend, count_case, examples, generator
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 import vidsparse
@@ -58,15 +58,33 @@ def vsa_problems(draw, *, triton: bool):
     return grid, q, k, v, topk, gate, scale
 
 
+# Coarse scores this close (relative to the row's largest) at the top-k boundary may be
+# ranked apart by fp32 rounding: such a draw tests rounding, not VSA, and is discarded.
+NEAR_TIE = 1e-4
+
+
+def _near_tie_at_boundary(scores: torch.Tensor, topk: int) -> bool:
+    """Whether any row of ``scores [..., Nt]`` has its ``topk``-th and next score within
+    ``NEAR_TIE`` of each other (relative to the row's largest magnitude)."""
+    if topk >= scores.shape[-1]:
+        return False
+    ranked = scores.sort(dim=-1, descending=True).values
+    gap = ranked[..., topk - 1] - ranked[..., topk]
+    return bool((gap <= NEAR_TIE * (1 + scores.abs().amax(dim=-1))).any())
+
+
 def _vsa_case(problem, name, tol):
     grid, q, k, v, topk, gate, scale = problem
+    d = q.shape[-1]
+    ref, parts = video_sparse_attn_ref(q.double(), k.double(), v.double(), grid,
+                                       topk=min(topk, grid.num_tiles),
+                                       gate=None if gate is None else gate.double(),
+                                       scale=d**-0.5 if scale is None else scale,
+                                       return_parts=True)  # fmt: skip
+    if q.dtype != torch.float64:
+        assume(not _near_tie_at_boundary(parts["coarse_scores"], parts["topk"]))
     with backend(name):
         out = vidsparse.video_sparse_attn(q, k, v, grid, topk=topk, gate=gate, scale=scale)
-    d = q.shape[-1]
-    ref = video_sparse_attn_ref(q.double(), k.double(), v.double(), grid,
-                                topk=min(topk, grid.num_tiles),
-                                gate=None if gate is None else gate.double(),
-                                scale=d**-0.5 if scale is None else scale)  # fmt: skip
     assert out.dtype == q.dtype and out.shape == q.shape and torch.isfinite(out).all()
     err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     assert err <= tol, float(err)
@@ -83,8 +101,8 @@ def test_vsa_torch_backend_matches_fp64_reference(problem):
 @examples(6)
 @given(vsa_problems(triton=True))
 def test_vsa_interpreter_matches_fp64_reference(problem):
-    """Ties in the coarse scores could pick other tiles than fp64 does: random inputs make
-    them vanishingly rare, and an fp32 score gap is far above these tolerances' noise."""
+    """Draws whose coarse scores nearly tie at the top-k boundary are discarded
+    (``_near_tie_at_boundary``): fp32 may rank those tiles apart from fp64."""
     count_case()
     _vsa_case(problem, "triton", 2e-4)
 
