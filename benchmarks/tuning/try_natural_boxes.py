@@ -58,18 +58,9 @@ def _tile_corner(tile, NH, NW, TT: tl.constexpr, TH: tl.constexpr, TW: tl.conste
 
 @triton.jit
 def _load_tile(
-    desc,
-    b,
-    h,
-    tile,
-    NH,
-    NW,
-    TT: tl.constexpr,
-    TH: tl.constexpr,
-    TW: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NATURAL: tl.constexpr,
-):
+    desc, b, h, tile, NH, NW, TT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NATURAL: tl.constexpr,
+):  # fmt: skip
     ROWS: tl.constexpr = TT * TH * TW
     if NATURAL:
         t0, h0, w0 = _tile_corner(tile, NH, NW, TT, TH, TW)
@@ -81,18 +72,9 @@ def _load_tile(
 
 @triton.jit
 def _real_rows(
-    SIZES,
-    tile,
-    NH,
-    NW,
-    T,
-    HH,
-    W,
-    TT: tl.constexpr,
-    TH: tl.constexpr,
-    TW: tl.constexpr,
-    NATURAL: tl.constexpr,
-):
+    SIZES, tile, NH, NW, T, HH, W,
+    TT: tl.constexpr, TH: tl.constexpr, TW: tl.constexpr, NATURAL: tl.constexpr,
+):  # fmt: skip
     """Which of the tile's ``TT*TH*TW`` rows hold tokens."""
     rows = tl.arange(0, TT * TH * TW)
     if NATURAL:
@@ -106,28 +88,10 @@ def _real_rows(
 
 @triton.jit
 def box_attn_fwd_kernel(
-    desc_q,
-    desc_k,
-    desc_v,
-    desc_o,
-    KV_IDX,
-    KV_CNT,
-    SIZES,
-    H,
-    NT,
-    K_WIDTH,
-    NH,
-    NW,
-    T,
-    HH,
-    W,
-    qk_scale,
-    TT: tl.constexpr,
-    TH: tl.constexpr,
-    TW: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NATURAL: tl.constexpr,
-):
+    desc_q, desc_k, desc_v, desc_o, KV_IDX, KV_CNT, SIZES,  # descriptors; lists, counts, tile sizes
+    H, NT, K_WIDTH, NH, NW, T, HH, W, qk_scale, TT: tl.constexpr, TH: tl.constexpr,
+    TW: tl.constexpr, HEAD_DIM: tl.constexpr, NATURAL: tl.constexpr,
+):  # fmt: skip
     ROWS: tl.constexpr = TT * TH * TW
     tile = tl.program_id(0)
     bh = tl.program_id(1)
@@ -301,8 +265,6 @@ def compile_report() -> list[dict]:
     import compile_kernels as ck
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-
-    from vidsparse.bench.compile import ptxas_log  # noqa: F401  (ptxas as Triton runs it)
 
     target = GPUTarget("cuda", 90, 128)
     backend = make_backend(target)
