@@ -26,20 +26,25 @@ Run on a GPU from the repository root::
 
 ``--check`` runs the small reference check only (works under ``TRITON_INTERPRET=1`` on the
 CPU); ``--compile`` compiles both arms for sm_90 on any machine and prints registers, spills
-and shared memory (ptxas as the installed Triton runs it).
+and shared memory (``vidsparse.bench.compile.compile_launch_sm90``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import math
 import sys
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from vidsparse.layout.grid import VideoGrid
+from vidsparse.masks.block_sparse import random_block_lists
+from vidsparse.testing import rel_l2
+from vidsparse.utils import ceil_div
 
 TILE = (4, 4, 4)
 D = 128
@@ -123,21 +128,6 @@ def box_attn_fwd_kernel(
         desc_o.store([b, h, tile * ROWS, 0], acc.reshape(1, 1, ROWS, HEAD_DIM))
 
 
-def _grid(shape):
-    from vidsparse.layout.grid import VideoGrid
-
-    return VideoGrid(shape, TILE)
-
-
-def random_lists(B, H, num_tiles, topk, device, seed=0):
-    """``[B, H, Nt, topk]`` distinct random key tiles per query tile (int32), counts."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.rand(B * H * num_tiles, num_tiles, generator=g).argsort(dim=1)[:, :topk]
-    idx = idx.sort(dim=1).values.to(torch.int32).reshape(B, H, num_tiles, topk)
-    counts = torch.full((B, H, num_tiles), topk, dtype=torch.int32)
-    return idx.to(device), counts.to(device)
-
-
 def natural_descs(q, k, v, o, shape):
     """5-D descriptors over ``[B, S, H, D]`` tensors viewed as ``[B, T, Hh, W, H*D]``."""
     B, S, H, Dh = q.shape
@@ -156,24 +146,27 @@ def tiled_descs(q_t, k_t, v_t, o_t):
             for x in (q_t, k_t, v_t, o_t)]  # fmt: skip
 
 
-def launch(descs, lists, counts, sizes, shape, heads, natural: bool, scale: float):
-    from vidsparse.utils import ceil_div
-
-    B, _, num_tiles, width = lists.shape
+def launch_args(descs, lists, counts, sizes, shape, heads, natural: bool, scale: float):
+    """``(args, kwargs)`` of ``box_attn_fwd_kernel``'s launch."""
     T, HH, W = shape
     NH, NW = ceil_div(HH, TILE[1]), ceil_div(W, TILE[2])
-    box_attn_fwd_kernel[(num_tiles, B * heads)](
-        *descs, lists, counts, sizes, heads, num_tiles, width, NH, NW, T, HH, W,
-        scale * 1.4426950408889634, TT=TILE[0], TH=TILE[1], TW=TILE[2], HEAD_DIM=D,
-        NATURAL=natural, num_warps=4, num_stages=3,
-    )  # fmt: skip
+    args = (*descs, lists, counts, sizes, heads, lists.shape[2], lists.shape[3], NH, NW, T, HH, W,
+            scale * math.log2(math.e))  # fmt: skip
+    kwargs = dict(TT=TILE[0], TH=TILE[1], TW=TILE[2], HEAD_DIM=D, NATURAL=natural, num_warps=4,
+                  num_stages=3)  # fmt: skip
+    return args, kwargs
+
+
+def launch(descs, lists, counts, sizes, shape, heads, natural: bool, scale: float):
+    args, kwargs = launch_args(descs, lists, counts, sizes, shape, heads, natural, scale)
+    box_attn_fwd_kernel[(lists.shape[2], lists.shape[0] * heads)](*args, **kwargs)
 
 
 class Case:
     """One workload's inputs in both layouts, and each arm as a callable."""
 
     def __init__(self, shape, heads, topk_fraction=0.125, device="cuda", seed=0):
-        grid = _grid(shape)
+        grid = VideoGrid(shape, TILE)
         self.shape, self.heads, self.grid = shape, heads, grid
         g = torch.Generator(device="cpu").manual_seed(seed)
         S = grid.num_tokens
@@ -185,7 +178,10 @@ class Case:
         self.q, self.k, self.v = rand(), rand(), rand()  # [B, S, H, D], diffusers' layout
         self.o = torch.empty_like(self.q)
         topk = max(1, round(grid.num_tiles * topk_fraction))
-        self.lists, self.counts = random_lists(1, heads, grid.num_tiles, topk, device, seed)
+        self.lists, self.counts = random_block_lists(
+            1, heads, grid.num_tiles, grid.num_tiles, count=topk, generator=g, device="cpu"
+        )
+        self.lists, self.counts = self.lists.to(device), self.counts.to(device)
         self.sizes = grid.tile_sizes_on(self.q.device)
         self.scale = D**-0.5
         self.nat_descs = natural_descs(self.q, self.k, self.v, self.o, shape)
@@ -221,7 +217,7 @@ class Case:
 def reference(case: Case) -> torch.Tensor:
     """fp32 attention of every query to its listed key tiles' real tokens, ``[B, H, S, D]``."""
     g = case.grid
-    tile_of = _tile_of(g)
+    tile_of = g.index_tensors().scatter_index // g.tile_volume  # the tile of each token
     q, k, v = (case._bhsd(x).float() for x in (case.q, case.k, case.v))
     allowed = torch.zeros(case.heads, g.num_tiles, g.num_tiles, dtype=torch.bool)
     lists = case.lists[0].long().cpu()
@@ -231,20 +227,6 @@ def reference(case: Case) -> torch.Tensor:
     s = (q @ k.transpose(-1, -2)) * case.scale
     s = s.masked_fill(~mask[None], float("-inf"))
     return torch.softmax(s, dim=-1) @ v
-
-
-def _tile_of(grid) -> torch.Tensor:
-    """The tile of each natural token."""
-    T, HH, W = grid.shape
-    t = torch.arange(T).view(T, 1, 1) // TILE[0]
-    y = torch.arange(HH).view(1, HH, 1) // TILE[1]
-    x = torch.arange(W).view(1, 1, W) // TILE[2]
-    nh, nw = -(-HH // TILE[1]), -(-W // TILE[2])
-    return ((t * nh + y) * nw + x).reshape(-1)
-
-
-def rel_l2(x, ref) -> float:
-    return float((x.float() - ref.float()).norm() / ref.float().norm())
 
 
 def check(device) -> dict:
@@ -260,35 +242,20 @@ def check(device) -> dict:
 
 
 def compile_report() -> list[dict]:
-    """Both arms compiled for sm_90 (wan480p's specialisation), ptxas's usage of each."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests", "compile"))
-    import compile_kernels as ck
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    """Both arms compiled for sm_90 on a small grid: ptxas's usage of each."""
+    from vidsparse.bench.compile import compile_launch_sm90
 
-    target = GPUTarget("cuda", 90, 128)
-    backend = make_backend(target)
     case = Case(*SMALL, device="cpu")
     case.q, case.k, case.v, case.o = (x.bfloat16() for x in (case.q, case.k, case.v, case.o))
     case.nat_descs = natural_descs(case.q, case.k, case.v, case.o, case.shape)
     case._tile_inputs()
     reports = []
     for natural in (False, True):
-        descs = case.nat_descs if natural else case.tiled_descs
-        T, HH, W = case.shape
-        args = (*descs, case.lists, case.counts, case.sizes, case.heads, case.grid.num_tiles,
-                case.lists.shape[-1], 8, 13, T, HH, W, 0.1)  # fmt: skip
-        kwargs = dict(TT=4, TH=4, TW=4, HEAD_DIM=D, NATURAL=natural, num_warps=4, num_stages=3)
-        signature, constexprs, attrs, options = ck.specialise(
-            box_attn_fwd_kernel, args, kwargs, type(backend)
-        )
-        attrs = {(k,) if isinstance(k, int) else k: backend.parse_attr(v) for k, v in attrs.items()}
-        src = ASTSource(fn=box_attn_fwd_kernel, signature=signature, constexprs=constexprs,
-                        attrs=attrs)  # fmt: skip
-        compiled = triton.compile(src, target=target, options=options)
-        usage = ck._ptxas_usage(backend, compiled.asm["ptx"], options)
-        reports.append({"arm": "natural" if natural else "tiled",
-                        "shared": int(compiled.metadata.shared), **usage})  # fmt: skip
+        args, kwargs = launch_args(case.nat_descs if natural else case.tiled_descs, case.lists,
+                                   case.counts, case.sizes, case.shape, case.heads, natural,
+                                   case.scale)  # fmt: skip
+        report = compile_launch_sm90(box_attn_fwd_kernel, args, kwargs)
+        reports.append({"arm": "natural" if natural else "tiled", **report})
     return reports
 
 

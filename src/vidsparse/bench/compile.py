@@ -77,7 +77,7 @@ def compile_sm90(
         q, q, q, q, lse, idx, cnt, block, block, D**-0.5, sizes, ends,
         configs.key_tails(block), epilogue=epilogue, options=schedule,
     )  # fmt: skip
-    return _compile_report(kernel, args, kwargs)
+    return compile_launch_sm90(kernel, args, kwargs)
 
 
 def compile_dkdv_sm90(
@@ -107,7 +107,7 @@ def compile_dkdv_sm90(
         q, q, q, q, q, q, lse2, lse2, offsets, indices, block, D**-0.5, sizes,
         epilogue=hooked, grad_args=grad_args, options=schedule,
     )  # fmt: skip
-    return _compile_report(kernel, args, kwargs)
+    return compile_launch_sm90(kernel, args, kwargs)
 
 
 def compile_dq_sm90(
@@ -138,7 +138,7 @@ def compile_dq_sm90(
         q, q, q, q, q, lse2, lse2, idx, cnt, block, D**-0.5, sizes,
         epilogue=hooked, grad_args=grad_args, options=schedule,
     )  # fmt: skip
-    return _compile_report(kernel, args, kwargs)
+    return compile_launch_sm90(kernel, args, kwargs)
 
 
 def _require_compiler(name: str) -> None:
@@ -149,19 +149,21 @@ def _require_compiler(name: str) -> None:
         )
 
 
-def _compile_report(kernel, args, kwargs) -> dict:
-    """Compile one Gluon launch for cuda:90; ptxas's resource report and the SASS hazards."""
+def compile_launch_sm90(kernel, args, kwargs) -> dict:
+    """Compile the launch ``kernel[grid](*args, **kwargs)`` (a Gluon or a Triton kernel) for
+    cuda:90; ptxas's resource report and the SASS hazards."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.compiler import ASTSource, make_backend
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
 
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     call_kwargs = {k: v for k, v in kwargs.items() if k in kernel.arg_names}
     launch_options = {k: v for k, v in kwargs.items() if k not in kernel.arg_names}
     signature, constexprs, attrs = _specialise(kernel, backend, args, call_kwargs)
-    src = GluonASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    source = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    src = source(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=target, options=launch_options)
     log = ptxas_log(backend, compiled.asm["ptx"], launch_options)
     with tempfile.TemporaryDirectory() as tmp:
