@@ -4,8 +4,9 @@ GPU needed), and read back ptxas's resource report and a SASS hazard count.
 ``tests/ops/block_sparse_attn/test_gluon_fwd.py`` builds every variant the library takes with
 ``compile_sm90``; ``benchmarks/tuning/try_gluon_fwd.py --compile-only`` does the same for the
 variants it sweeps. ``compile_launch_sm90`` compiles any one launch, a Triton kernel's too
-(``benchmarks/tuning/try_natural_boxes.py --compile``). Triton's interpreter must be off (``TRITON_INTERPRET`` unset) before
-vidsparse's kernels are first imported: interpreted kernels cannot be compiled.
+(``benchmarks/tuning/try_natural_boxes.py --compile``). Triton's interpreter must be off
+(``TRITON_INTERPRET`` unset) before vidsparse's kernels are first imported: interpreted
+kernels cannot be compiled.
 
 The hazard: ptxas does not keep the A-operand registers of a register-A ``HGMMA`` (the P V
 wgmma) reserved while it is in flight; an instruction that writes one of them before a

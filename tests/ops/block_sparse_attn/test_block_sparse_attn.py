@@ -970,6 +970,72 @@ def test_gpu_fused_backward_is_bit_identical(padded, tma):
         assert torch.equal(a, b), name
 
 
+def test_overlap_policy():
+    """Where dQ runs on a side stream beside dK/dV (``bwd.overlapped``): on a GPU where both
+    configs ask or an override says so; never off a GPU (no streams), whatever is asked."""
+    from vidsparse.ops.block_sparse_attn.bwd import overlapped
+    from vidsparse.ops.block_sparse_attn.configs import KernelConfig, override
+
+    on, off = KernelConfig(overlap=True), KernelConfig()
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert overlapped(on, on, cuda)
+    assert not overlapped(on, off, cuda) and not overlapped(off, on, cuda)
+    assert not overlapped(on, on, cpu)
+    with override(overlap=True):
+        assert overlapped(off, off, cuda) and not overlapped(on, on, cpu)
+    with override(overlap=False):
+        assert not overlapped(on, on, cuda)
+
+
+# (block, key-block sizes, TMA): the Gluon kernels (128x128), the Triton ones at 64x64 with
+# padding keys (VSA's), the Triton 128x128 pair as two launches (pointer loads).
+OVERLAP_CASES = {"gluon128": (128, False, True), "triton64_sizes": (64, True, True),
+                 "triton128_pointers": (128, False, False)}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(OVERLAP_CASES.values()), ids=list(OVERLAP_CASES))
+def test_gpu_overlapped_backward_is_bit_identical(case):
+    """dQ on a side stream beside dK/dV against one stream: the same bits, eagerly and replayed
+    from a CUDA graph (the fork and join captured), with fresh do between replays."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import override
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    bs, padded, tma = case
+    B, H, S, D = 2, 4, 4096, 128
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.25, device="cuda", empty_rows=2)
+    sizes = None
+    if padded:
+        sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, padding_finite=tma)
+    args = (q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5)
+    with override(fused=False, overlap=False):
+        one = block_sparse_attn_bwd(do, *args, padding_finite=tma)
+    with override(fused=False, overlap=True):
+        two = block_sparse_attn_bwd(do, *args, padding_finite=tma)
+        for name, a, b in zip(("dq", "dk", "dv"), one, two):
+            assert torch.equal(a, b), f"{name} differs on two streams"
+        static_do = do.clone()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up off the default stream, as capture asks
+            block_sparse_attn_bwd(static_do, *args, padding_finite=tma)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = block_sparse_attn_bwd(static_do, *args, padding_finite=tma)
+    for _ in range(2):
+        static_do.copy_(torch.randn_like(do))
+        graph.replay()
+        with override(fused=False, overlap=False):
+            eager = block_sparse_attn_bwd(static_do, *args, padding_finite=tma)
+        for name, a, b in zip(("dq", "dk", "dv"), eager, replayed):
+            assert torch.equal(a, b), f"{name} differs replayed from a graph on two streams"
+
+
 @pytest.mark.parametrize(("dtype", "block", "cap"), [(torch.float16, 256, 128),
                                                      (torch.float32, 128, 64)])  # fmt: skip
 def test_an_epilogue_with_blocks_above_the_kernels_largest_is_refused(

@@ -29,6 +29,7 @@ from vidsparse.ops.block_sparse_attn.launch import (
     broadcast_strides,
     eviction_hints,
     gluon_launcher,
+    int32_contiguous,
     list_end_strides,
     lists_by_size,
     tensor_descriptor,
@@ -82,6 +83,8 @@ def block_sparse_attn_bwd(
     )  # fmt: skip
     by_size = lists_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv)
     dq_lists, dq_counts, ends, tails, checked = by_size
+    if gluon_dq:  # converted here, not on dQ's side stream (once per list tensor: cached)
+        dq_lists, dq_counts = int32_contiguous(dq_lists), int32_contiguous(dq_counts)
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
     list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
@@ -117,6 +120,8 @@ def block_sparse_attn_bwd(
         )  # fmt: skip
         return dq, dk, dv
 
+    dq = torch.empty_like(q)  # on this stream, whichever stream dQ runs on
+    side = _side_stream(q.device) if overlapped(kv_cfg, q_cfg, q.device) else None
     if gluon_dkdv:
         dk, dv = gluon_launcher("bwd_sm90", "backward").dkdv_gluon(
             q, k, v, do, lse2, delta, q_offsets, q_indices, block_kv, scale,
@@ -134,24 +139,53 @@ def block_sparse_attn_bwd(
             **kv_walks, **query_walks,
             **kv_cfg.launch_kwargs(),
         )  # fmt: skip
-    if gluon_dq:
-        dq = gluon_launcher("bwd_sm90", "backward").dq_gluon(
-            q, k, v, do, lse2, delta, dq_lists, dq_counts, block_q, scale,
-            kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
-        )  # fmt: skip
-        return dq, dk, dv
-    dq = torch.empty_like(q)
-    block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
-        q, *q_keys, do, dq, lse2, delta, *dq_tails,
-        dq_lists, dq_counts, sizes, *ends_args,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        *list_strides, *grad_hooks,
-        H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
-        SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
-        **dq_walks,
-        **common, **q_cfg.launch_kwargs(),
-    )  # fmt: skip
+    with torch.cuda.stream(side):  # None: this stream
+        if gluon_dq:
+            gluon_launcher("bwd_sm90", "backward").dq_gluon(
+                q, k, v, do, lse2, delta, dq_lists, dq_counts, block_q, scale,
+                kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
+                out=dq,
+            )  # fmt: skip
+        else:
+            block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
+                q, *q_keys, do, dq, lse2, delta, *dq_tails,
+                dq_lists, dq_counts, sizes, *ends_args,
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+                *list_strides, *grad_hooks,
+                H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
+                SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
+                **dq_walks,
+                **common, **q_cfg.launch_kwargs(),
+            )  # fmt: skip
+    if side is not None:
+        torch.cuda.current_stream(q.device).wait_stream(side)
     return dq, dk, dv
+
+
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """dQ's stream when it overlaps dK/dV: one per device, made to wait for the current
+    stream's work so far (the preprocess) before dK/dV is enqueued, so it runs beside dK/dV;
+    the caller makes the current stream wait for it after dQ. Every tensor dQ touches was
+    allocated on the current stream and is freed there after that wait, so the caching
+    allocator needs no ``record_stream``; CUDA graph capture takes the fork and the join."""
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    return side
+
+
+def overlapped(dkdv: KernelConfig, dq: KernelConfig, device: torch.device) -> bool:
+    """Does dQ's launch run on a side stream beside dK/dV's? On a GPU, where both configs ask
+    (``KernelConfig.overlap``) or an override says so (``configs.override(overlap=...)``).
+    The fused launch never gets here."""
+    if device.type != "cuda":
+        return False
+    forced = configs.active_overrides().overlap
+    return (dkdv.overlap and dq.overlap) if forced is None else forced
 
 
 def _gluon_kernels(dkdv_asked, dq_asked, q, k, v, do, block_q, block_kv,

@@ -180,8 +180,10 @@ def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, s
 
 def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=None, *,
              kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
-             options: configs.GluonBwdOptions | None = None):  # fmt: skip
-    """``dq`` of the block-sparse attention backward by the Gluon kernel (Hopper).
+             options: configs.GluonBwdOptions | None = None,
+             out: torch.Tensor | None = None):  # fmt: skip
+    """``dq`` of the block-sparse attention backward by the Gluon kernel (Hopper), written
+    into ``out`` where given (a contiguous tensor like q).
 
     Inputs as ``gluon_bwd_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
     backward's preprocess; the lists [Bi, H, NQ, K] and [Bi, H, NQ] (int32 with a unit last
@@ -189,10 +191,13 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
     are read by TMA and get no weight whatever they hold (finite). Raises only on what would
     make the kernel misread memory."""
     _check_inputs("dq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
+    if out is not None and not (out.shape == q.shape and out.dtype == q.dtype
+                                and out.is_contiguous()):  # fmt: skip
+        raise ValueError("dq_gluon: out must be a contiguous tensor of q's shape and dtype")
     kv_indices, kv_counts = int32_contiguous(kv_indices), int32_contiguous(kv_counts)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    dq = torch.empty_like(q)
+    dq = torch.empty_like(q) if out is None else out
     kernel, grid, args, kwargs = dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices,
                                                 kv_counts, block, scale, kv_block_sizes,
                                                 epilogue, grad_args, options)  # fmt: skip

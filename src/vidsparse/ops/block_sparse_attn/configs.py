@@ -82,6 +82,10 @@ class KernelConfig:
     # walked with that many query rows (in the full-row programs; short key programs walk
     # every query block with all rows). Needs sub_m == block_q; off where not yet timed.
     query_tails: bool = False
+    # Backward on a GPU, as two launches: dQ's launch runs on a side stream beside dK/dV's where
+    # both configs set this, so each kernel's last partial wave of programs does not leave
+    # most SMs idle (the other's programs fill them). The gradients are the same bits.
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("evict_streamed", "evict_resident"):
@@ -318,6 +322,7 @@ class Overrides:
     bwd_dkdv: KernelConfig | None = None
     bwd_dq: KernelConfig | None = None
     fused: bool | None = None  # backward: one launch (True) or two (False)
+    overlap: bool | None = None  # backward's two launches: on two streams (True) or one
     full_first: bool = True  # False: walk every key block masked, in the given order
     key_tails: bool = True  # False: partial key blocks are walked with all block_kv rows
     gluon: GluonOptions | None = None

@@ -1,0 +1,142 @@
+"""The backward's dQ launch on a side stream beside dK/dV's (``KernelConfig.overlap``) against
+the two launches one after the other on one stream, in the arms of ``ARMS``.
+
+Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
+a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
+wave, which leaves most SMs idle; VSA's 64x64 kernels (Triton, several programs a SM) end
+in a tail of their own. On two streams the other kernel's programs fill those SMs. The
+gradients are the same bits either way (each kernel writes its own outputs; no atomics):
+checked here on the timed inputs.
+
+Run on a GPU from the repository root::
+
+    PYTHONPATH=src python benchmarks/tuning/try_bwd_overlap.py [--cases engine,vsa480,vsa720]
+
+Cases (bf16, D=128, fresh random inputs): ``engine`` (the engine at 128x128, density 1/8,
+B=1, H=12, S=32,768, random per-head lists: the README's engine table), ``vsa480`` and
+``vsa720`` (VSA natural order with the gate at sparsity 0.875 on Wan 480p / 720p). Per case
+and mode (bwd, fwd+bwd): alternating ``do_bench`` medians of three rounds per arm, the
+backward's kernels from the profiler, and the bit-identity of the gradients. Writes
+``$OUT/try_bwd_overlap.json`` if ``OUT`` is set; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: real kernels only
+
+import torch  # noqa: E402
+
+VSA_CASES = {  # latent grid, heads
+    "vsa480": ((21, 30, 52), 12),
+    "vsa720": ((21, 45, 80), 40),
+}
+CASES = ("engine", *VSA_CASES)
+MODES = ("bwd", "fwd+bwd")
+ARMS = ("one", "two")  # one stream; dQ on a side stream
+D = 128
+
+
+def _arm(name: str):
+    from vidsparse.ops.block_sparse_attn import configs
+
+    return configs.override(overlap=name == "two")
+
+
+def _engine_problem():
+    """``(forward, inputs)`` of the README's engine case."""
+    import vidsparse
+    from vidsparse.masks.block_sparse import random_block_lists
+
+    H, S, block = 12, 32768, 128
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+    idx, cnt = random_block_lists(1, H, S // block, S // block, density=1 / 8, generator=gen,
+                                  device="cuda")  # fmt: skip
+    q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def forward(q, k, v):
+        return vidsparse.block_sparse_attn(q, k, v, idx, cnt, block_size=(block, block))
+
+    return forward, (q, k, v)
+
+
+def _vsa_problem(name: str):
+    import vidsparse
+
+    shape, heads = VSA_CASES[name]
+    grid = vidsparse.VideoGrid(shape, (4, 4, 4))
+    S = grid.num_tokens
+    inputs = tuple(torch.randn(1, heads, S, D, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))  # fmt: skip
+
+    def forward(q, k, v, gate):
+        return vidsparse.video_sparse_attn(q, k, v, grid, gate=gate, sparsity=0.875)
+
+    return forward, inputs
+
+
+def _grads(forward, inputs, do, arm):
+    with _arm(arm):
+        leaves = [x.detach().requires_grad_() for x in inputs]
+        forward(*leaves).backward(do)
+        return [x.grad for x in leaves]
+
+
+def run_case(name: str) -> list[dict]:
+    from vidsparse.bench import harness
+
+    forward, inputs = _engine_problem() if name == "engine" else _vsa_problem(name)
+    do = torch.randn_like(inputs[0])
+    one, two = (_grads(forward, inputs, do, arm) for arm in ARMS)
+    identical = all(torch.equal(a, b) for a, b in zip(one, two))
+    print(f"{name}: gradients bit-identical across arms: {identical}", flush=True)
+
+    rows = []
+    for mode in MODES:
+        times = {arm: [] for arm in ARMS}
+        for _ in range(3):
+            for arm in ARMS:
+                with _arm(arm):
+                    fn = harness.mode_callable(forward, inputs, mode)
+                    times[arm].append(harness.time_ms(fn, device=inputs[0].device))
+        for arm, ms_all in times.items():
+            ms = sorted(ms_all)[1]
+            rows.append(dict(case=name, mode=mode, arm=arm, ms=ms, ms_all=ms_all,
+                             bit_identical=identical))  # fmt: skip
+            print(f"{name} {mode} {arm}: {ms:.3f} ms {ms_all}", flush=True)
+    for arm in ARMS:
+        with _arm(arm):
+            prof = harness.cuda_profile(harness.mode_callable(forward, inputs, "bwd"))
+        kernels = {
+            e.key: round(e.device_time_total / 5 / 1e3, 4)
+            for e in prof.key_averages()
+            if "bwd" in e.key and e.device_time_total > 0
+        }
+        rows.append(dict(case=name, mode="bwd kernels", arm=arm, kernels_ms=kernels))
+        print(f"{name} bwd kernels {arm}: {kernels}", flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    from vidsparse.bench import harness
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ",".join(CASES))
+    args = ap.parse_args(argv)
+    rows = []
+    for name in args.cases.split(","):
+        rows += run_case(name)
+    out = os.environ.get("OUT")
+    if out:
+        meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_bwd_overlap")
+        harness.write_results(os.path.join(out, "try_bwd_overlap.json"), meta, rows)
+    for row in rows:
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
