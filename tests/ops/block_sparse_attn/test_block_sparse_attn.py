@@ -986,6 +986,19 @@ def test_overlap_policy():
     with override(overlap=False):
         assert not overlapped(on, on, cuda)
 
+    from vidsparse.ops.block_sparse_attn.configs import lookup
+    from vidsparse.utils.device import CPU_INTERPRETER, Target
+
+    def table(target, block, masked):
+        return [lookup(target, f"bwd_{kernel}", block, block, 128, masked)
+                for kernel in ("dkdv", "dq")]  # fmt: skip
+
+    hopper = Target("cuda", 90)
+    assert overlapped(*table(hopper, 128, False), cuda)  # the Gluon pair
+    assert overlapped(*table(hopper, 64, True), cuda)  # VSA's pair
+    assert not overlapped(*table(Target("cuda", 80), 128, False), cuda)  # not timed there
+    assert not overlapped(*table(CPU_INTERPRETER, 64, True), cpu)
+
 
 # (block, key-block sizes, TMA): the Gluon kernels (128x128), the Triton ones at 64x64 with
 # padding keys (VSA's), the Triton 128x128 pair as two launches (pointer loads).

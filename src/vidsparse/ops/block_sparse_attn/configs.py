@@ -218,9 +218,11 @@ HOPPER = {
     # it is off there; the 64x64 Gluon dQ kernel is compile-checked but not yet timed, so off.
     # The masked 64x64 dK/dV walks partial query blocks with fewer rows where an epilogue
     # declares quiet rows (query_tails): 84 B of spill on sm_90 and still faster on 4x4x4
-    # video tiles (benchmarks/NOTES.md).
+    # video tiles (benchmarks/NOTES.md). Where the pair runs as two launches (the Gluon kernels
+    # at 128x128; 64x64 with key-block sizes, VSA's), dQ runs beside dK/dV on a side stream
+    # (overlap; timed faster at both, benchmarks/NOTES.md).
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
-        8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True, gluon=True
+        8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True, gluon=True, overlap=True
     ),
     ("bwd_dkdv", 128, 128, 64): KernelConfig(
         4, 2, sub_m=32, use_tma=True, pointer_sub_m=16, fused=True
@@ -230,12 +232,14 @@ HOPPER = {
     ("bwd_dkdv_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=32),
     ("bwd_dkdv_masked", 128, 64, 128): KernelConfig(4, 2, sub_m=32),
     ("bwd_dkdv_masked", 64, 64, 128): KernelConfig(
-        4, 2, sub_m=64, use_tma=True, pointer_sub_m=32, query_tails=True
+        4, 2, sub_m=64, use_tma=True, pointer_sub_m=32, query_tails=True, overlap=True
     ),
-    ("bwd_dq", 128, 128, "*"): KernelConfig(8, 2, sub_m=128, use_tma=True, fused=True, gluon=True),
+    ("bwd_dq", 128, 128, "*"): KernelConfig(
+        8, 2, sub_m=128, use_tma=True, fused=True, gluon=True, overlap=True
+    ),
     ("bwd_dq", 128, 128, 64): KernelConfig(4, 2, sub_m=64, use_tma=True, fused=True),
     ("bwd_dq", 128, 64, "*"): KernelConfig(4, 2, sub_m=64),
-    ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True),
+    ("bwd_dq", 64, 64, "*"): KernelConfig(4, 2, sub_m=64, use_tma=True, overlap=True),
     ("bwd_dq_masked", 128, 128, 128): KernelConfig(8, 2, sub_m=64),
 }
 # Every NVIDIA GPU that is not a Hopper (Ampere sm_80, Ada, Blackwell sm_100, ...): the Triton
