@@ -13,7 +13,10 @@
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
-#   (init and data order), into out/train_vsa_compiled_seedN
+#   (init and data order), into out/train_vsa_compiled_seedN; longer arms: TRAIN_STEPS=N (into
+#   out/train_vsa_compiled_stepsN[_seedM]), TRAIN_DECAY=N (the cosine's floor from step N on),
+#   TRAIN_MINUTES (the call's training budget, 7.5), TRAIN_RESUME=1 (continue the arm's
+#   checkpoint: the next call of an arm that stopped at its budget, on the same warm machine)
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -79,11 +82,14 @@ for what in "$@"; do
         dense|vsa0.875|vsa0.9|finetune-dense|finetune-vsa) ;;
         *) echo "unknown train_vsa arm: $arm" >&2; exit 2 ;;
       esac
-      seed=${TRAIN_SEED:-0}; dir=out/train_vsa_compiled${TRAIN_SEED:+_seed$seed}
+      seed=${TRAIN_SEED:-0}; long=${TRAIN_STEPS:+_steps$TRAIN_STEPS}
+      dir=out/train_vsa_compiled$long${TRAIN_SEED:+_seed$seed}
       sub=${TRAIN_SEED:+seed$seed/}  # seeds apart under $OUT too: one call may run several
       mkdir -p "$dir" "$OUT/$sub"  # $dir is kept across calls on a warm machine (out/ is ignored)
-      step "train_vsa_${arm}_compiled${TRAIN_SEED:+_seed$seed}" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
-        --compile blocks --seed "$seed" --out "$dir" --max-minutes 7.5
+      step "train_vsa_${arm}_compiled$long${TRAIN_SEED:+_seed$seed}" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
+        --compile blocks --seed "$seed" --out "$dir" --max-minutes "${TRAIN_MINUTES:-7.5}" \
+        ${TRAIN_STEPS:+--steps "$TRAIN_STEPS"} ${TRAIN_DECAY:+--lr-decay-steps "$TRAIN_DECAY"} \
+        ${TRAIN_RESUME:+--resume}
       cp "$dir"/*.json "$dir"/*.png "$OUT/$sub" ;;
     e2e-train-14b) step e2e_train_14b 240 python3 -m vidsparse.bench e2e --train --model wan14b \
       --layers 4 --warmup 1 --reps 3 --share-reps 1 \

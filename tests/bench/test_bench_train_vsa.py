@@ -148,6 +148,18 @@ def test_the_cosine_lr_warms_up_then_decays_to_its_floor_at_the_last_step():
     assert {train_vsa.lr_at(constant, step) for step in range(50, 600)} == {constant.lr}
 
 
+def test_the_cosine_can_reach_its_floor_before_the_last_step():
+    """``--lr-decay-steps``: the same cosine over fewer steps, then the floor to the end."""
+    argv = ["--arm", "dense", "--steps", "1200", "--lr-warmup", "50"]
+    early = train_vsa.parse_args([*argv, "--lr-decay-steps", "600"])
+    short = train_vsa.parse_args(["--arm", "dense", "--steps", "600", "--lr-warmup", "50"])
+    lrs = [train_vsa.lr_at(early, step) for step in range(early.steps)]
+    assert lrs[:600] == [train_vsa.lr_at(short, step) for step in range(600)]
+    assert all(lr == pytest.approx(train_vsa.LR_FLOOR * early.lr) for lr in lrs[599:])
+    whole = train_vsa.parse_args(argv)
+    assert train_vsa.lr_at(whole, 599) > 2 * lrs[599]  # without it, the cosine spans all 1,200
+
+
 def test_a_cosine_arm_resumes_only_with_its_steps(tmp_path, capsys):
     """The cosine spans the arm's steps: a resume with others is refused, nothing written."""
     run_arm(tmp_path, "dense", "--no-plot", "--stop-at", "2")
@@ -220,6 +232,7 @@ def bench(out, *args) -> list[str]:
         (["--arm", "vsa0.9", "--resume"], "--resume: .*vsa0.9.pt does not exist"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--ema-decay", "1"], r"--ema-decay must be in \[0, 1\), got 1.0"),
+        (["--steps", "8", "--lr-decay-steps", "9"], "--lr-decay-steps must be above --lr-warmup"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, match, tmp_path, capsys):

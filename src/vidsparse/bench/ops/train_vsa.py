@@ -23,7 +23,8 @@ the eval loss measures the fit to this clip, not generalisation to other video.
 
 Training: flow matching as Wan (``x_t = (1 - t) x0 + t noise``, the model predicts ``noise -
 x0`` at ``timestep = 1000 t``, ``t`` uniform, MSE in float32), AdamW (linear lr warmup, then a
-cosine to a tenth of the lr at the arm's last step, or ``--lr-schedule constant`` as the runs
+cosine to a tenth of the lr at the arm's last step (or at ``--lr-decay-steps``, then flat), or
+``--lr-schedule constant`` as the runs
 up to commit d48f07c had it; gradient clipping), bf16 autocast over float32 weights on a GPU
 (float32 on the CPU), gradient checkpointing; ``--compile blocks`` compiles each transformer
 block for the training steps (regional compilation, as a trainer would; evals and samples run
@@ -219,12 +220,18 @@ LR_FLOOR = 0.1  # cosine: the last step's lr, as a fraction of --lr
 def lr_at(args, step: int) -> float:
     """Linear warmup to ``--lr``, then constant, or a cosine down to ``LR_FLOOR * lr`` at the
     arm's last step (the final weights settle, so the last evals compare arms, not where the
-    constant-lr noise of batch-1 steps left each of them)."""
+    constant-lr noise of batch-1 steps left each of them), or at ``--lr-decay-steps`` and at
+    the floor after it (so the EMA of the last steps averages weights at one lr)."""
     warm = args.lr_warmup
     if step < warm or args.lr_schedule == "constant":
         return args.lr * min(1.0, (step + 1) / max(1, warm))
-    progress = min(1.0, (step - warm) / max(1, args.steps - 1 - warm))
+    progress = min(1.0, (step - warm) / max(1, _decay_steps(args) - 1 - warm))
     return args.lr * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def _decay_steps(args) -> int:
+    """The step count the cosine spans: ``--lr-decay-steps``, else the arm's steps."""
+    return args.steps if args.lr_decay_steps is None else args.lr_decay_steps
 
 
 # ------------------------------------------------------------------------------ the run
@@ -445,14 +452,14 @@ def flat(prefix: str, value) -> dict:
 
 def run_identity(args, init: dict | None) -> dict:
     """What a checkpoint must share with the command that resumes it (``--steps`` may grow
-    under a constant lr)."""
+    under a constant lr, or past ``--lr-decay-steps``)."""
     schedule = make_schedule(args)
     identity = {
         "arm": args.arm, "tiny": args.tiny, "model": args.model_config, "crop": args.crop,
         "text_tokens": TEXT_TOKENS, "seed": args.seed, "batch_size": args.batch_size,
         "lr": args.lr, "lr_warmup": args.lr_warmup, "lr_schedule": args.lr_schedule,
-        # the cosine spans the arm's steps: a resume must keep them (constant: they may grow)
-        "lr_steps": args.steps if args.lr_schedule == "cosine" else None,
+        # the cosine's span: a resume must keep it (constant: the steps may grow)
+        "lr_steps": _decay_steps(args) if args.lr_schedule == "cosine" else None,
         "weight_decay": args.weight_decay, "ema_decay": args.ema_decay,
         "max_grad_norm": args.max_grad_norm, "eval_every": args.eval_every,
         "eval_crops": args.eval_crops, "holdout_frames": args.holdout_frames,
@@ -596,6 +603,7 @@ def metadata(run: Run, complete: bool) -> dict:
         tokens_per_sample=args.tokens, tile=list(TILE), batch_size=args.batch_size,
         steps=args.steps, step=run.step, lr=args.lr, lr_warmup=args.lr_warmup,
         lr_schedule=args.lr_schedule, lr_floor=LR_FLOOR if args.lr_schedule == "cosine" else None,
+        lr_decay_steps=_decay_steps(args) if args.lr_schedule == "cosine" else None,
         weight_decay=args.weight_decay, ema_decay=args.ema_decay, ema_warmup=EMA_WARMUP,
         max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, seed=args.seed,
@@ -669,6 +677,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="cosine",
         help=f"after warmup: cosine to {LR_FLOOR:g} lr at the last step (default), or constant",
     )
+    add("--lr-decay-steps", type=int,
+        help="cosine: the lr reaches its floor here and stays (default: --steps)")  # fmt: skip
     add("--weight-decay", type=float, default=0.01)
     add("--ema-decay", type=float, default=EMA_DECAY,
         help="the evals also run an EMA of the weights with this decay (0: no EMA)")  # fmt: skip
@@ -713,6 +723,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = DEFAULTS[args.tiny][
             "steps" if args.arm not in FINETUNE_ARMS else "finetune_steps"
         ]
+    if args.lr_decay_steps is not None and not args.lr_warmup < args.lr_decay_steps <= args.steps:
+        raise TrainVsaError(
+            f"--lr-decay-steps must be above --lr-warmup ({args.lr_warmup}) and at most --steps "
+            f"({args.steps}), got {args.lr_decay_steps}"
+        )
     if not 0 <= args.ema_decay < 1:
         raise TrainVsaError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
     bad = [k for k in POSITIVE if getattr(args, k) < 1]
