@@ -5,8 +5,9 @@ launch where both configs say ``fused`` and launch alike: the gradients are bit-
 either way. Each kernel reads its loop's tiles by TMA where its config and the inputs allow.
 On Hopper, dK/dV and dQ each run in a Gluon kernel (``bwd_sm90.py``: FlashAttention-3's
 structure) where its config says ``gluon`` and the inputs and epilogue fit it; the two are
-then separate launches. No kernel uses atomics: the gradients are the same bits on every
-run.
+then separate launches. Two launches on a GPU run concurrently where both configs say
+``overlap`` (dQ on a side stream, ``overlapped``). No kernel uses atomics: the gradients are
+the same bits on every run.
 """
 
 from __future__ import annotations
