@@ -1,5 +1,10 @@
-"""The backward's dQ launch on a side stream beside dK/dV's (``KernelConfig.overlap``) against
-the two launches one after the other on one stream, in the arms of ``ARMS``.
+"""Two A/Bs of the backward (``--study``), each arm of ``STUDIES`` timed alternately in one
+process. ``overlap`` (the default): the backward's dQ launch on a side stream beside dK/dV's
+(``KernelConfig.overlap``) against the two launches one after the other on one stream.
+``grad-rows``: VSA in natural order with its gradients stored by the kernels through row
+maps (``GradTargets``) against the tile copies' own backward (``configs.override(
+grad_rows=False)``: dq, dk, dv untiled by ``index_select``'s backward); the engine case does
+not apply there.
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
@@ -10,14 +15,16 @@ checked here on the timed inputs.
 
 Run on a GPU from the repository root::
 
-    PYTHONPATH=src python benchmarks/tuning/try_bwd_overlap.py [--cases engine,vsa480,vsa720]
+    PYTHONPATH=src python benchmarks/tuning/try_bwd_overlap.py [--study overlap|grad-rows]
+        [--cases engine,vsa480,vsa720]
 
 Cases (bf16, D=128, fresh random inputs): ``engine`` (the engine at 128x128, density 1/8,
 B=1, H=12, S=32,768, random per-head lists: the README's engine table), ``vsa480`` and
 ``vsa720`` (VSA natural order with the gate at sparsity 0.875 on Wan 480p / 720p). Per case
 and mode (bwd, fwd+bwd): alternating ``do_bench`` medians of three rounds per arm, the
 backward's kernels from the profiler, and the bit-identity of the gradients. Writes
-``$OUT/try_bwd_overlap.json`` if ``OUT`` is set; prints a table last.
+``$OUT/try_bwd_overlap.json`` (``try_grad_rows.json`` for that study) if ``OUT`` is set;
+prints a table last.
 """
 
 from __future__ import annotations
@@ -36,14 +43,20 @@ VSA_CASES = {  # latent grid, heads
 }
 CASES = ("engine", *VSA_CASES)
 MODES = ("bwd", "fwd+bwd")
-ARMS = ("one", "two")  # one stream; dQ on a side stream
+# study -> {arm: the configs.override of the arm}
+STUDIES = {
+    "overlap": {"one": dict(overlap=False), "two": dict(overlap=True)},
+    "grad-rows": {"copies": dict(grad_rows=False), "mapped": dict(grad_rows=True)},
+}
+OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json"}
 D = 128
+ARMS: dict[str, dict] = STUDIES["overlap"]  # the study run (main sets it)
 
 
 def _arm(name: str):
     from vidsparse.ops.block_sparse_attn import configs
 
-    return configs.override(overlap=name == "two")
+    return configs.override(**ARMS[name])
 
 
 def _engine_problem():
@@ -91,8 +104,8 @@ def run_case(name: str) -> list[dict]:
 
     forward, inputs = _engine_problem() if name == "engine" else _vsa_problem(name)
     do = torch.randn_like(inputs[0])
-    one, two = (_grads(forward, inputs, do, arm) for arm in ARMS)
-    identical = all(torch.equal(a, b) for a, b in zip(one, two))
+    first, second = (_grads(forward, inputs, do, arm) for arm in ARMS)
+    identical = all(torch.equal(a, b) for a, b in zip(first, second))
     print(f"{name}: gradients bit-identical across arms: {identical}", flush=True)
 
     rows = []
@@ -125,15 +138,21 @@ def main(argv=None) -> None:
     from vidsparse.bench import harness
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated: " + ",".join(CASES))
+    ap.add_argument("--study", choices=list(STUDIES), default="overlap")
+    ap.add_argument("--cases", help="comma-separated, of " + ",".join(CASES) + " (default: "
+                    "all; grad-rows: the VSA cases)")  # fmt: skip
     args = ap.parse_args(argv)
+    global ARMS
+    ARMS = STUDIES[args.study]
+    cases = args.cases or ",".join(c for c in CASES if args.study == "overlap" or c != "engine")
     rows = []
-    for name in args.cases.split(","):
-        rows += run_case(name)
+    for name in cases.split(","):
+        rows += [dict(row, study=args.study) for row in run_case(name)]
     out = os.environ.get("OUT")
     if out:
-        meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_bwd_overlap")
-        harness.write_results(os.path.join(out, "try_bwd_overlap.json"), meta, rows)
+        meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_bwd_overlap",
+                                        study=args.study)  # fmt: skip
+        harness.write_results(os.path.join(out, OUTPUT[args.study]), meta, rows)
     for row in rows:
         print(json.dumps(row))
 

@@ -163,6 +163,7 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
     from vidsparse.ops.block_sparse_attn.configs import override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+    from vidsparse.ops.block_sparse_attn.grad_rows import GradRows
 
     meta = torch.device("meta")
     nq, nk = SEQ // block_q, SEQ // block_kv
@@ -214,6 +215,12 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
             epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled)
             with override(fused=fused):
                 block_sparse_attn_bwd(*args, padding_finite=True, epilogue=epilogue)
+            if fused is None:  # natural-order inputs: gradients stored through row maps
+                rows = torch.empty(SEQ, dtype=torch.int32, device=meta)
+                maps = GradRows(rows, rows, SEQ, SEQ, True, True)
+                epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled)
+                block_sparse_attn_bwd(*args, padding_finite=True, epilogue=epilogue,
+                                      grad_rows=maps)  # fmt: skip
     return sink
 
 

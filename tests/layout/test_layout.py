@@ -108,6 +108,10 @@ def test_index_tensors_are_consistent():
     slots = index.valid.view(grid.num_tiles, grid.tile_volume)
     first = torch.arange(grid.tile_volume) < grid.tile_sizes.view(-1, 1)
     assert torch.equal(slots, first)
+    # token_rows: the gather index on real slots, -1 on padding (the engine's gradient rows).
+    assert index.token_rows.dtype == torch.int32
+    assert torch.equal(index.token_rows[index.valid].long(), index.gather_index[index.valid])
+    assert (index.token_rows[~index.valid] == -1).all()
 
 
 def test_index_tensors_are_cached():

@@ -49,6 +49,7 @@ class TileIndex(NamedTuple):
     scatter_index: torch.Tensor  # int64 [num_tokens]: tile-order slot of each natural token
     valid: torch.Tensor  # bool [padded_len]: slot holds a real token
     tile_sizes: torch.Tensor  # int32 [num_tiles]: real tokens in each tile
+    token_rows: torch.Tensor  # int32 [padded_len]: natural index of each slot, -1 for padding
 
 
 def _build_tile_index_cpu(shape: tuple[int, int, int], tile: tuple[int, int, int]) -> TileIndex:
@@ -80,7 +81,8 @@ def _build_tile_index_cpu(shape: tuple[int, int, int], tile: tuple[int, int, int
     valid = torch.zeros(num_tiles * volume, dtype=torch.bool)
     valid[scatter_index] = True
     tile_sizes = torch.bincount(tile_id.reshape(-1), minlength=num_tiles).to(torch.int32)
-    return TileIndex(gather_index, scatter_index, valid, tile_sizes)
+    token_rows = torch.where(valid, gather_index, -1).to(torch.int32)
+    return TileIndex(gather_index, scatter_index, valid, tile_sizes, token_rows)
 
 
 @functools.lru_cache(maxsize=64)

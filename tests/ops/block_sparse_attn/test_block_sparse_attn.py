@@ -970,6 +970,174 @@ def test_gpu_fused_backward_is_bit_identical(padded, tma):
         assert torch.equal(a, b), name
 
 
+def _mapped_grads(q, k, v, do, idx, cnt, sizes, bq, bk, *, bshd, fused, seed=0):
+    """The backward twice, in the engine's row order and written through random row maps
+    (``GradRows``: every real key row and a random subset of query rows sent to a random row
+    of a shorter natural tensor; dq stored [B, S, H, D] when ``bshd``, dk and dv when not);
+    returns both, and the maps."""
+    from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
+    from vidsparse.ops.block_sparse_attn.configs import override
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+    from vidsparse.ops.block_sparse_attn.grad_rows import GradRows
+
+    gen = torch.Generator().manual_seed(seed)
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bq, bk, D**-0.5, padding_finite=True)
+    real_k = torch.ones(Skv, dtype=torch.bool)
+    if sizes is not None:
+        real_k = (torch.arange(Skv) % bk) < sizes.cpu().long().repeat_interleave(bk)
+    real_q = torch.rand(Sq, generator=gen) < 0.8  # the rest: quiet rows sent nowhere
+
+    def row_map(real):
+        rows = torch.full(real.shape, -1, dtype=torch.int32)
+        rows[real] = torch.randperm(int(real.sum()), generator=gen).to(torch.int32)
+        return rows.to(q.device)
+
+    q_rows, kv_rows = row_map(real_q), row_map(real_k)
+
+    maps = GradRows(q_rows, kv_rows, int(real_q.sum()), int(real_k.sum()), bshd, not bshd)
+    args = (do, q, k, v, o, lse, idx, cnt, sizes, bq, bk, D**-0.5)
+    with override(fused=fused, overlap=False):
+        plain = block_sparse_attn_bwd(*args, padding_finite=True)
+        mapped = block_sparse_attn_bwd(*args, padding_finite=True, grad_rows=maps)
+    return plain, mapped, maps
+
+
+def _check_mapped(plain, mapped, maps):
+    """Each mapped gradient row is the engine-order row sent there, to the bit; the layout is
+    the one asked for."""
+    (q_len, q_bshd), (kv_len, kv_bshd) = maps.layouts()
+    for name, a, b, rows, n, bshd in zip(("dq", "dk", "dv"), plain, mapped,
+                                         (maps.q_rows, maps.kv_rows, maps.kv_rows),
+                                         (q_len, kv_len, kv_len),
+                                         (q_bshd, kv_bshd, kv_bshd)):  # fmt: skip
+        B, H, _, D = a.shape
+        assert b.shape == (B, H, n, D), name
+        assert b.transpose(1, 2).is_contiguous() if bshd else b.is_contiguous(), name
+        keep = rows >= 0
+        assert torch.equal(b[:, :, rows[keep].long()], a[:, :, keep]), name
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("case", ["kv_sizes", "key_tails", "batch"])
+def test_gradients_written_through_row_maps(case, fused):
+    """``GradRows``: the Triton kernels store each gradient row at the row its map gives, in
+    the layout asked for, and nothing else changes (two launches and the fused one)."""
+    B, Bi, H, Sq, Skv, D, bq, bk, padded = FUSED_CASES[case]
+    q, k, v = make_qkv(B, H, Sq, Skv, D, dtype=torch.float16, device="cpu")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(Bi, H, Sq // bq, Skv // bk, density=0.5, device="cpu", empty_rows=1)
+    sizes = None
+    if padded:
+        sizes = torch.randint(0, bk + 1, (Skv // bk,), dtype=torch.int32)
+        sizes[0] = bk
+    for bshd in (False, True):
+        _check_mapped(*_mapped_grads(q, k, v, do, idx, cnt, sizes, bq, bk, bshd=bshd,
+                                     fused=fused))  # fmt: skip
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backward_op_takes_row_maps_on_every_backend(backend, request):
+    """The backward custom op with ``q_rows``, ``kv_rows``: the same rows as its engine-order
+    gradients, moved, on both backends (padding keys' rows sent nowhere); its fake agrees
+    (``torch.library.opcheck``)."""
+    if backend == "triton" and torch.cuda.is_available():
+        pytest.skip("interpreter tests run on CPU CI")
+    import vidsparse.ops.block_sparse_attn.interface  # noqa: F401 - registers the ops
+    from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
+
+    gen = torch.Generator().manual_seed(3)
+    H, S, D, bs = 2, 64, 16, 16
+    q, k, v = make_qkv(1, H, S, S, D, dtype=torch.float32, device="cpu")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.5, device="cpu", empty_rows=1)
+    sizes = torch.tensor([bs, 5, bs, 9], dtype=torch.int32)
+    o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5)
+    real = (torch.arange(S) % bs) < sizes.long().repeat_interleave(bs)
+    q_rows = torch.randperm(S, generator=gen).to(torch.int32)
+    kv_rows = torch.full((S,), -1, dtype=torch.int32)
+    kv_rows[real] = torch.randperm(int(real.sum()), generator=gen).to(torch.int32)
+    op = torch.ops.vidsparse.block_sparse_attn_bwd.default
+    args = (do, q, k, v, o, lse, q.new_empty(0), idx, cnt, sizes, bs, bs, D**-0.5, backend,
+            True, "none", None, None, None, None)  # fmt: skip
+    plain = op(*args)[:3]
+    layout = [S, int(real.sum()), 1, 0]
+    mapped = op(*args, q_rows, kv_rows, layout)[:3]
+    assert mapped[0].transpose(1, 2).is_contiguous()  # q_bshd
+    for a, b, rows, keep in ((plain[0], mapped[0], q_rows, q_rows >= 0),
+                             (plain[1], mapped[1], kv_rows, kv_rows >= 0),
+                             (plain[2], mapped[2], kv_rows, kv_rows >= 0)):  # fmt: skip
+        assert torch.equal(b[:, :, rows[keep].long()], a[:, :, keep])
+    if backend == "torch":
+        torch.library.opcheck(op, (*args, q_rows, kv_rows, layout),
+                              test_utils=("test_schema", "test_faketensor"))  # fmt: skip
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("sizes", [False, True])
+def test_internal_entry_sends_gradients_to_their_targets(sizes):
+    """``grads_to``: the engine's q, k, v are a row permutation of natural tensors (stored
+    [B, S, H, D]) with padding rows; the gradients reach the natural tensors, in their layout,
+    equal to autograd through the permutation (the same rows moved: to the bit), and the copies
+    get none. On this machine's backend (the interpreter where ``TRITON_INTERPRET`` is set)."""
+    from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets
+    from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
+
+    gen = torch.Generator().manual_seed(5)
+    H, S, D, bs, n = 2, 64, 16, 16, 50
+    natural = [torch.randn(1, n, H, D, generator=gen).transpose(1, 2).requires_grad_()
+               for _ in range(3)]  # fmt: skip
+    rows = torch.full((S,), -1, dtype=torch.int32)
+    slots = torch.randperm(S, generator=gen)[:n]
+    rows[slots] = torch.arange(n, dtype=torch.int32)
+    block_sizes = None
+    if sizes:  # real rows first in each block: key-block sizes mask the rest
+        slots = torch.cat([torch.arange(i * bs, i * bs + c) for i, c in enumerate((16, 9, 16, 9))])
+        rows = torch.full((S,), -1, dtype=torch.int32)
+        rows[slots] = torch.randperm(n, generator=gen).to(torch.int32)
+        block_sizes = torch.tensor([16, 9, 16, 9], dtype=torch.int32)
+    pad = rows < 0
+
+    def copy_of(x):
+        return x[:, :, rows.clamp_min(0).long()].masked_fill(pad[:, None], 0.0)
+
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.5, device="cpu", empty_rows=1)
+    kwargs = dict(block_q=bs, block_kv=bs, kv_block_sizes=block_sizes, scale=D**-0.5,
+                  padding_finite=True)  # fmt: skip
+    o_ref, _ = block_sparse_attn_unchecked(*map(copy_of, natural), idx, cnt, **kwargs)
+    do = torch.randn(o_ref.shape, generator=gen)
+    expected = torch.autograd.grad(o_ref, natural, do)
+    copies = [copy_of(x.detach()).requires_grad_() for x in natural]
+    o, _ = block_sparse_attn_unchecked(*copies, idx, cnt, **kwargs,
+                                       grads_to=GradTargets(*natural, rows, rows))  # fmt: skip
+    assert torch.equal(o, o_ref)
+    got = torch.autograd.grad(o, [*natural, *copies], do, allow_unused=True)
+    for a, b, x in zip(got[:3], expected, natural):
+        assert a.stride() == x.stride() and torch.equal(a, b)
+    assert got[3:] == (None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [64, 128])
+def test_gpu_gradients_written_through_row_maps(bs):
+    """On the GPU: at 64 with key-block sizes (VSA's Triton pair, TMA loads), at 128 without
+    (where the Gluon kernels would run: mapped gradients take the Triton ones)."""
+    B, H, S, D = 2, 4, 2048, 128
+    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
+    do = torch.randn_like(q)
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.25, device="cuda", empty_rows=2)
+    sizes = None
+    if bs == 64:
+        sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
+    for bshd in (False, True):
+        _check_mapped(*_mapped_grads(q, k, v, do, idx, cnt, sizes, bs, bs, bshd=bshd,
+                                     fused=None))  # fmt: skip
+
+
 def test_overlap_policy():
     """Where dQ runs on a side stream beside dK/dV (``bwd.overlapped``): on a GPU where both
     configs ask or an override says so; never off a GPU (no streams), whatever is asked."""

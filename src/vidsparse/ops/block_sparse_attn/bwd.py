@@ -19,6 +19,7 @@ import torch
 from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
+from vidsparse.ops.block_sparse_attn.grad_rows import GradRows, empty_grads
 from vidsparse.ops.block_sparse_attn.kernels.bwd import (
     block_sparse_attn_bwd_dkdv_kernel,
     block_sparse_attn_bwd_dq_kernel,
@@ -59,10 +60,12 @@ def block_sparse_attn_bwd(
     *,
     padding_finite: bool = False,
     epilogue: Epilogue = NO_EPILOGUE,
+    grad_rows: GradRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` given the forward's stored output ``o`` and its ``lse``, on validated
     inputs; the epilogue's own gradients are left in ``epilogue`` (``gradients()``).
-    ``padding_finite`` as in the forward."""
+    ``padding_finite`` as in the forward; ``grad_rows``: the gradients in the caller's row
+    order (``GradRows``)."""
     B, H, Sq, D = q.shape
     num_kv_blocks = k.shape[2] // block_kv
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
@@ -73,7 +76,9 @@ def block_sparse_attn_bwd(
     has_sizes = kv_block_sizes is not None
     kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
                                             padding_finite)  # fmt: skip
-    gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma, q_cfg.gluon and q_tma,
+    mapped = grad_rows is not None
+    gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma and not mapped,
+                                          q_cfg.gluon and q_tma and not mapped,
                                           q, k, v, do, block_q, block_kv, epilogue)  # fmt: skip
     kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
                                  q_tma and not gluon_dq)  # fmt: skip
@@ -98,15 +103,18 @@ def block_sparse_attn_bwd(
     same = (q_tma, dq_walks) == (kv_tma, kv_walks)
     dq_tails = kv_tails if same else walk_operands(k, v, dq_walks.values(), q_tma)
     scales = (scale * LOG2E, scale)
+    row_maps = (grad_rows.q_rows, grad_rows.kv_rows) if mapped else (dq_counts, dq_counts)
+    q_layout, kv_layout = (None, None) if grad_rows is None else grad_rows.layouts()
+    (dq,) = empty_grads(q_layout, q)  # on this stream, whichever stream dQ runs on
 
     if not (gluon_dkdv or gluon_dq) and fused_launch(
         kv_cfg, q_cfg, configs.active_overrides().fused
     ):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dk, dv = empty_grads(kv_layout, k, v)
         num_dq_programs = Sq // q_cfg.sub_m * B * H
         block_sparse_attn_bwd_fused_kernel[(num_kv_blocks * B * H + num_dq_programs,)](
             *kv_in, q, *q_keys, do, *kv_tails, *dq_tails, *query_in, dq, dk, dv, lse2, delta,
-            q_offsets, q_indices, dq_lists, dq_counts, sizes, *ends_args,
+            q_offsets, q_indices, dq_lists, dq_counts, sizes, *ends_args, *row_maps,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             *dq.stride(), *dk.stride(), *dv.stride(),
             *transposed_strides, *list_strides, *grad_hooks,
@@ -118,10 +126,10 @@ def block_sparse_attn_bwd(
             USE_TMA_DKDV=kv_tma, USE_TMA_DQ=q_tma, CHECK_LISTS=checked, **common,
             **eviction_hints(kv_cfg, "_DKDV"), **eviction_hints(q_cfg, "_DQ"),
             **kv_cfg.launch_kwargs(),  # both halves': fused_launch checked they agree
+            GRAD_ROWS=mapped,
         )  # fmt: skip
         return dq, dk, dv
 
-    dq = torch.empty_like(q)  # on this stream, whichever stream dQ runs on
     side = _side_stream(q.device) if overlapped(kv_cfg, q_cfg, q.device) else None
     if gluon_dkdv:
         dk, dv = gluon_launcher("bwd_sm90", "backward").dkdv_gluon(
@@ -129,16 +137,16 @@ def block_sparse_attn_bwd(
             kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
         )  # fmt: skip
     else:
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dk, dv = empty_grads(kv_layout, k, v)
         block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
             *kv_in, dk, dv, lse2, delta, *kv_tails, *query_in,
-            q_offsets, q_indices, sizes,
+            q_offsets, q_indices, sizes, row_maps[1],
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             *transposed_strides, *grad_hooks,
             H, Sq, Sq // block_q, *scales,
             SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
             **kv_walks, **query_walks,
-            **kv_cfg.launch_kwargs(),
+            **kv_cfg.launch_kwargs(), GRAD_ROWS=mapped,
         )  # fmt: skip
     with torch.cuda.stream(side):  # None: this stream
         if gluon_dq:
@@ -150,13 +158,13 @@ def block_sparse_attn_bwd(
         else:
             block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
                 q, *q_keys, do, dq, lse2, delta, *dq_tails,
-                dq_lists, dq_counts, sizes, *ends_args,
+                dq_lists, dq_counts, sizes, *ends_args, row_maps[0],
                 *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
                 *list_strides, *grad_hooks,
                 H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
                 SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
                 **dq_walks,
-                **common, **q_cfg.launch_kwargs(),
+                **common, **q_cfg.launch_kwargs(), GRAD_ROWS=mapped,
             )  # fmt: skip
     if side is not None:
         torch.cuda.current_stream(q.device).wait_stream(side)

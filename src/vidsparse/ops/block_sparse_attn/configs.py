@@ -329,6 +329,9 @@ class Overrides:
     overlap: bool | None = None  # backward's two launches: on two streams (True) or one
     full_first: bool = True  # False: walk every key block masked, in the given order
     key_tails: bool = True  # False: partial key blocks are walked with all block_kv rows
+    # False: callers whose q, k, v are copies in another row order (VSA's natural order) take
+    # the copies' own backward instead of gradients stored through row maps (``GradTargets``)
+    grad_rows: bool = True
     gluon: GluonOptions | None = None
 
 

@@ -24,11 +24,18 @@ from vidsparse.ops.block_sparse_attn.configs import (
     kernel_block_max,
 )
 from vidsparse.ops.block_sparse_attn.epilogue import (
+    MAX_TENSORS,
     NO_EPILOGUE,
     EngineCall,
     Epilogue,
     epilogue_from,
     padded_tensors,
+)
+from vidsparse.ops.block_sparse_attn.grad_rows import (
+    GradRows,
+    GradTargets,
+    empty_grads,
+    scatter_grads,
 )
 from vidsparse.ops.block_sparse_attn.reference import (
     block_sparse_attn_bwd_ref,
@@ -130,6 +137,7 @@ def block_sparse_attn_unchecked(
     scale: float,
     padding_finite: bool = False,
     epilogue: Epilogue = NO_EPILOGUE,
+    grads_to: GradTargets | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's internal entry, for callers inside vidsparse that built the lists
     themselves (top-k selections, stripes, windows): ``(o, lse)``, differentiable in
@@ -141,7 +149,9 @@ def block_sparse_attn_unchecked(
     run as sub-blocks of it, as in ``block_sparse_attn`` (not with an epilogue, whose hooks
     see the caller's blocks: an error). ``epilogue``: a registered
     :class:`~vidsparse.ops.block_sparse_attn.epilogue.Epilogue` fused into the kernels
-    (``lse`` stays the engine's own)."""
+    (``lse`` stays the engine's own). ``grads_to``: q, k, v are copies of other tensors in
+    another row order (``GradTargets``); the gradients go to those, written in their order by
+    the backward's kernels, and q, k, v get none."""
     backend = resolve_backend(q.device)
     cap = kernel_block_max(target_of(q.device), q.dtype)
     if backend == "triton" and max(block_q, block_kv) > cap:
@@ -153,9 +163,10 @@ def block_sparse_attn_unchecked(
         kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
             kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap, k.shape[2] // block_kv
         )
+    targets = () if grads_to is None else tuple(grads_to)
     o, lse, _ = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-        padding_finite, epilogue.call_name, *padded_tensors(epilogue),
+        padding_finite, epilogue.call_name, *padded_tensors(epilogue), *targets,
     )  # fmt: skip
     return o, lse
 
@@ -326,8 +337,14 @@ def _block_sparse_attn_fwd_op(
     e1: torch.Tensor | None,
     e2: torch.Tensor | None,
     e3: torch.Tensor | None,
+    gq: torch.Tensor | None = None,
+    gk: torch.Tensor | None = None,
+    gv: torch.Tensor | None = None,
+    q_rows: torch.Tensor | None = None,
+    kv_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(o, lse, the epilogue's saved tensor)``."""
+    """``(o, lse, the epilogue's saved tensor)``. ``gq`` .. ``kv_rows``: ``GradTargets``
+    (read by the backward only)."""
     ep = epilogue_from(epilogue, (e0, e1, e2, e3))
     saved = _forward_saved(ep, q)
     if _nothing_to_attend(q, k, block_kv, epilogue):
@@ -351,7 +368,8 @@ def _block_sparse_attn_fwd_op(
 
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-      padding_finite, epilogue, e0, e1, e2, e3):  # fmt: skip
+      padding_finite, epilogue, e0, e1, e2, e3, gq=None, gk=None, gv=None, q_rows=None,
+      kv_rows=None):  # fmt: skip
     B, H, Sq, _ = q.shape
     saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3)), q)
     return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32), saved
@@ -379,9 +397,15 @@ def _block_sparse_attn_bwd_op(
     e1: torch.Tensor | None,
     e2: torch.Tensor | None,
     e3: torch.Tensor | None,
+    q_rows: torch.Tensor | None = None,
+    kv_rows: torch.Tensor | None = None,
+    grad_layout: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none."""
+    """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none.
+    With ``q_rows``, ``kv_rows`` the gradients come in the caller's row order (``GradRows``;
+    ``grad_layout``: q_len, kv_len, q_bshd, kv_bshd)."""
     ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3)), saved)
+    grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     if _nothing_to_attend(q, k, block_kv, epilogue):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _slots((), do)
     if backend == "triton":
@@ -389,12 +413,30 @@ def _block_sparse_attn_bwd_op(
 
         dq, dk, dv = block_sparse_attn_bwd(
             do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
-            scale, padding_finite=padding_finite, epilogue=ep,
+            scale, padding_finite=padding_finite, epilogue=ep, grad_rows=grad_rows,
         )  # fmt: skip
     else:
         dq, dk, dv = _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes,
                                      block_q, block_kv, scale, ep)  # fmt: skip
+        if grad_rows is not None:
+            real = _real_keys(kv_block_sizes, block_kv, k.shape[2])
+            dq, dk, dv = scatter_grads((dq, dk, dv), grad_rows, real)
     return dq, dk, dv, _slots(ep.gradients(), do)
+
+
+def _grad_rows(q_rows, kv_rows, grad_layout) -> GradRows | None:
+    if q_rows is None:
+        return None
+    q_len, kv_len, q_bshd, kv_bshd = grad_layout
+    return GradRows(q_rows, kv_rows, q_len, kv_len, bool(q_bshd), bool(kv_bshd))
+
+
+def _real_keys(kv_block_sizes, block_kv: int, skv: int) -> torch.Tensor | None:
+    """Which key rows are real (key-block sizes' prefixes), None where every row is."""
+    if kv_block_sizes is None:
+        return None
+    offsets = torch.arange(skv, device=kv_block_sizes.device) % block_kv
+    return offsets < kv_block_sizes.long().repeat_interleave(block_kv)[:skv]
 
 
 def _nothing_to_attend(q, k, block_kv, epilogue: str) -> bool:
@@ -422,33 +464,54 @@ def _slots(grads, like: torch.Tensor) -> list[torch.Tensor]:
 
 @_block_sparse_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
-      scale, backend, padding_finite, epilogue, e0, e1, e2, e3):  # fmt: skip
+      scale, backend, padding_finite, epilogue, e0, e1, e2, e3, q_rows=None, kv_rows=None,
+      grad_layout=None):  # fmt: skip
     ep = epilogue_from(epilogue, (e0, e1, e2, e3))
     grads = _slots(ep.fake_gradients(), do)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
+    grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
+    q_layout, kv_layout = (None, None) if grad_rows is None else grad_rows.layouts()
+    return (*empty_grads(q_layout, q), *empty_grads(kv_layout, k, v), grads)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-     finite, epilogue, *tensors) = inputs  # fmt: skip
+     finite, epilogue, *rest) = inputs  # fmt: skip
+    tensors, (gq, gk, _gv, q_rows, kv_rows) = rest[:MAX_TENSORS], _targets(rest[MAX_TENSORS:])
     o, lse, saved = output
     ctx.save_for_backward(q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes,
-                          *tensors)  # fmt: skip
+                          q_rows, kv_rows, *tensors)  # fmt: skip
+    # The targets' layouts, not the targets: nothing more is kept alive for the backward.
+    ctx.grad_layout = None if gq is None else [gq.shape[2], gk.shape[2], _bshd(gq), _bshd(gk)]
     ctx.meta = (block_q, block_kv, scale, backend, finite, epilogue)
     ctx.mark_non_differentiable(lse, saved)
 
 
+def _targets(rest) -> tuple:
+    """The forward op's ``GradTargets`` inputs, Nones where the call passed none."""
+    return (*rest, *([None] * (len(GradTargets._fields) - len(rest))))
+
+
+def _bshd(x: torch.Tensor) -> int:
+    """Is ``x`` ``[B, H, S, D]`` stored ``[B, S, H, D]`` (a transposed view)?"""
+    return int(x.shape[1] > 1 and x.stride(1) < x.stride(2))
+
+
 def _backward(ctx, do, _dlse, _dsaved):
-    q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, *tensors = ctx.saved_tensors
+    (q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, q_rows, kv_rows,
+     *tensors) = ctx.saved_tensors  # fmt: skip
     block_q, block_kv, scale, backend, padding_finite, epilogue = ctx.meta
+    mapped = ctx.grad_layout is not None
+    maps = (q_rows, kv_rows, ctx.grad_layout) if mapped else ()
     dq, dk, dv, grads = torch.ops.vidsparse.block_sparse_attn_bwd(
         do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
-        scale, backend, padding_finite, epilogue, *tensors,
+        scale, backend, padding_finite, epilogue, *tensors, *maps,
     )  # fmt: skip
     # Only tensors that took part get a gradient (an empty slot means none).
     tensor_grads = [
         g if t is not None and g.shape == t.shape else None for g, t in zip(grads, tensors)
     ]
+    if mapped:  # the gradients are the targets': q, k, v get none
+        return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None)
     return (dq, dk, dv, *([None] * 9), *tensor_grads)
 
 

@@ -31,6 +31,7 @@ from vidsparse.ops.block_sparse_attn.epilogue import (
     gluon_fn,
     register_epilogue,
 )
+from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, coarse_grad_dtype
 from vidsparse.ops.video_sparse_attn.reference import tile_means_bwd
@@ -53,6 +54,7 @@ def vsa_fine_combined(
     segments: tuple[int, ...] = (),
     fine_only: bool = False,
     rows_dropped: bool = False,
+    grads_to: GradTargets | None = None,
 ) -> torch.Tensor:
     """``o_fine + gate * o_coarse`` over tile-order queries ``q_t [B, H, Nt*V, D]``.
 
@@ -75,6 +77,9 @@ def vsa_fine_combined(
     ``rows_dropped``: the caller drops o's padding rows (untiling), so their gradient arrives
     zero and the backward may skip them (``CoarseCombine.quiet_rows``), as it may where
     ``q_block_sizes`` zeroes them.
+
+    ``grads_to``: q_t, k_seq, v_seq are tile-order copies of these natural tensors; the engine
+    writes their gradients in natural order (``GradTargets``).
     """
     if fine_only:
         if gate_t is not None:
@@ -88,16 +93,21 @@ def vsa_fine_combined(
     if q_block_sizes is not None and q_block_sizes.ndim == 2 and not segments:
         raise ValueError("a plan's q_info comes with the plan's segments")
     # A backward will run: keep o's rounding residual for it (a plain bool under compile).
+    targets = () if grads_to is None else grads_to[:3]
     residual = (
         not fine_only
         and torch.is_grad_enabled()
-        and any(t is not None and t.requires_grad for t in (q_t, k_seq, v_seq, o_coarse, gate_t))
+        and any(
+            t is not None and t.requires_grad
+            for t in (q_t, k_seq, v_seq, o_coarse, gate_t, *targets)
+        )  # fmt: skip
     )
     spec = combine_spec(segments, residual, rows_dropped)
     epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)
     o, _ = block_sparse_attn_unchecked(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
         kv_block_sizes=kv_block_sizes, scale=scale, padding_finite=True, epilogue=epilogue,
+        grads_to=grads_to,
     )  # fmt: skip
     return o
 

@@ -44,7 +44,12 @@ from vidsparse.ops._video_inputs import (
     untile_output,
     video_tiles,
 )
-from vidsparse.ops.block_sparse_attn.configs import REFERENCE_DTYPES, kernel_block_max
+from vidsparse.ops.block_sparse_attn.configs import (
+    REFERENCE_DTYPES,
+    active_overrides,
+    kernel_block_max,
+)
+from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
 from vidsparse.ops.video_sparse_attn.multi import MultiCall, video_sparse_attn_multi
 from vidsparse.ops.video_sparse_attn.reference import (
@@ -314,6 +319,13 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     B, H, _, D = q.shape
     Nt, V = grid.num_tiles, grid.tile_volume
     video_len = grid.padded_len if tiled else grid.num_tokens
+    # Natural order without text: the engine writes dq, dk, dv in q, k, v's own order (no
+    # tile copies' backward), so the tile-order copies are made outside autograd.
+    grads_to = None
+    if not tiled and not text_tokens and active_overrides().grad_rows:
+        rows = grid.index_tensors(q.device).token_rows
+        grads_to = GradTargets(q, k, v, rows, rows)
+        q, k, v = q.detach(), k.detach(), v.detach()
     q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))  # [B, H, P, D]
     o_coarse, kv_indices, kv_counts, pooled = vsa_coarse_stage(
         q_t, k_t, v_t, grid, topk, scale, return_pooled=True
@@ -352,6 +364,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         pooled=pooled,  # the coarse branch's backward runs inside the fine stage's
         fine_only=fine_only,
         rows_dropped=not tiled,
+        grads_to=grads_to,
     )  # [B, H, P, D]
     if not tiled:
         o = untile_output(o, grid, q if not text_tokens else None)

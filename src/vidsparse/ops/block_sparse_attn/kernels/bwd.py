@@ -24,7 +24,7 @@ Triton's tensor-descriptor ``load`` has no eviction argument.
 import triton
 import triton.language as tl
 
-from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
+from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, store_mapped_rows, walk_ends
 from vidsparse.ops.block_sparse_attn.kernels.fwd import key_block_in_range
 from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS
 from vidsparse.utils.device import triton_version
@@ -145,6 +145,7 @@ def _dkdv_walk(
 @triton.jit
 def _dkdv_rows(
     pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, Q1, DO1, Q2, DO2, Q_OFF, Q_IDX, KV_SIZES,
+    KV_ROWS,
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -158,9 +159,11 @@ def _dkdv_rows(
     QTAIL1: tl.constexpr, QTAIL2: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,
+    GRAD_ROWS: tl.constexpr,
 ):  # fmt: skip
     """dK and dV of the first ``ROWS`` rows of key block ``pid_n`` (its real keys among them),
-    zeros for the rest of the block (padding rows get no gradient). With short query walks
+    zeros for the rest of the block (padding rows get no gradient); with ``GRAD_ROWS`` the real
+    keys' rows only, each at the row ``KV_ROWS`` gives it. With short query walks
     (``QTAIL1`` > 0) the transposed list holds each key block's query blocks in three groups
     (``lists.query_groups``); a full-row program (``ROWS == BLOCK_N``) walks them with all
     rows (pipelined), the first ``QTAIL1`` and the first ``QTAIL2`` (unpipelined), a short key
@@ -218,13 +221,19 @@ def _dkdv_rows(
     dk = dk * scale
     dk, dv = DKDV_EPILOGUE(dk, dv, b, h, pid_n, offs_d, *epilogue_args)
 
-    dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
-    for part in tl.static_range(1, BLOCK_N // ROWS):  # the block's rows past ROWS: padding
-        tl.store(dk_ptrs + part * ROWS * stride_dks, tl.zeros_like(dk).to(DK.dtype.element_ty))
-        tl.store(dv_ptrs + part * ROWS * stride_dvs, tl.zeros_like(dv).to(DV.dtype.element_ty))
+    if GRAD_ROWS:  # the real keys' rows only, where the map sends them
+        store_mapped_rows(DK, b, h, offs_n, offs_d, stride_dkb, stride_dkh, stride_dks,
+                          stride_dkd, dk, real, KV_ROWS)  # fmt: skip
+        store_mapped_rows(DV, b, h, offs_n, offs_d, stride_dvb, stride_dvh, stride_dvs,
+                          stride_dvd, dv, real, KV_ROWS)  # fmt: skip
+    else:
+        dk_ptrs = DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd
+        dv_ptrs = DV + b * stride_dvb + h * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd
+        tl.store(dk_ptrs, dk.to(DK.dtype.element_ty))
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty))
+        for part in tl.static_range(1, BLOCK_N // ROWS):  # the block's rows past ROWS: padding
+            tl.store(dk_ptrs + part * ROWS * stride_dks, tl.zeros_like(dk).to(DK.dtype.element_ty))
+            tl.store(dv_ptrs + part * ROWS * stride_dvs, tl.zeros_like(dv).to(DV.dtype.element_ty))
 
 
 @triton.jit
@@ -234,6 +243,7 @@ def _dkdv_program(
     K1, V1, K2, V2,  # K, V for the TAIL1- and TAIL2-row programs (TMA: their own boxes)
     Q1, DO1, Q2, DO2,  # Q, DO for the QTAIL1- and QTAIL2-row query walks (TMA: their own boxes)
     Q_OFF, Q_IDX, KV_SIZES,  # int32 [Bi, H, NK * (3 if QTAIL1 else 1) + 1], [Bi, H, NQ * K], [NK]
+    KV_ROWS,  # GRAD_ROWS: int32 [Skv], the row of dK, dV each key row's gradient goes to (-1: none)
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -249,6 +259,7 @@ def _dkdv_program(
     QTAIL1: tl.constexpr, QTAIL2: tl.constexpr,  # rows of the short query walks (0: none)
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
+    GRAD_ROWS: tl.constexpr,  # dK, dV stored at the rows KV_ROWS gives (the caller's order)
 ):  # fmt: skip
     """dK and dV of key block ``pid_n`` of ``(batch, head) = divmod(pid_bh, H)``: the body of
     ``block_sparse_attn_bwd_dkdv_kernel``, a function so that the fused kernel runs the same
@@ -277,36 +288,36 @@ def _dkdv_program(
     # constexpr test, so a walk of 0 rows is never compiled.
     if group == 0:
         _dkdv_rows(pid_n, pid_bh, Q, K, V, DO, DK, DV, LSE2, DELTA, *query_walks,
-                   Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                   Q_OFF, Q_IDX, KV_SIZES, KV_ROWS, *strides, DKDV_EPILOGUE, epilogue_args,
                    H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, BLOCK_N, SUB_M, QTAIL1, QTAIL2,
                    HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-                   EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+                   EVICT_STREAMED, EVICT_RESIDENT, GRAD_ROWS)  # fmt: skip
     elif TAIL2 > 0:
         if group == 2:
             _dkdv_rows(pid_n, pid_bh, Q, K2, V2, DO, DK, DV, LSE2, DELTA, *query_walks,
-                       Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                       Q_OFF, Q_IDX, KV_SIZES, KV_ROWS, *strides, DKDV_EPILOGUE, epilogue_args,
                        H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, TAIL2, SUB_M, QTAIL1, QTAIL2,
                        HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-                       EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+                       EVICT_STREAMED, EVICT_RESIDENT, GRAD_ROWS)  # fmt: skip
         else:
             _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, *query_walks,
-                       Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                       Q_OFF, Q_IDX, KV_SIZES, KV_ROWS, *strides, DKDV_EPILOGUE, epilogue_args,
                        H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, TAIL1, SUB_M, QTAIL1, QTAIL2,
                        HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-                       EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+                       EVICT_STREAMED, EVICT_RESIDENT, GRAD_ROWS)  # fmt: skip
     elif TAIL1 > 0:
         _dkdv_rows(pid_n, pid_bh, Q, K1, V1, DO, DK, DV, LSE2, DELTA, *query_walks,
-                   Q_OFF, Q_IDX, KV_SIZES, *strides, DKDV_EPILOGUE, epilogue_args,
+                   Q_OFF, Q_IDX, KV_SIZES, KV_ROWS, *strides, DKDV_EPILOGUE, epilogue_args,
                    H, Sq, qk_scale, scale, BLOCK_M, BLOCK_N, TAIL1, SUB_M, QTAIL1, QTAIL2,
                    HEAD_DIM, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
-                   EVICT_STREAMED, EVICT_RESIDENT)  # fmt: skip
+                   EVICT_STREAMED, EVICT_RESIDENT, GRAD_ROWS)  # fmt: skip
 
 
 @triton.jit
 def block_sparse_attn_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE2, DELTA,
     K1, V1, K2, V2, Q1, DO1, Q2, DO2,  # as in _dkdv_program
-    Q_OFF, Q_IDX, KV_SIZES,  # as in _dkdv_program
+    Q_OFF, Q_IDX, KV_SIZES, KV_ROWS,  # as in _dkdv_program
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -321,11 +332,13 @@ def block_sparse_attn_bwd_dkdv_kernel(
     TAIL1: tl.constexpr, TAIL2: tl.constexpr, QTAIL1: tl.constexpr, QTAIL2: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # Q, dO and K, V loads' hints
+    GRAD_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: one ``_dkdv_program`` per key block."""
     _dkdv_program(
         tl.program_id(0), tl.program_id(1),
         Q, K, V, DO, DK, DV, LSE2, DELTA, K1, V1, K2, V2, Q1, DO1, Q2, DO2, Q_OFF, Q_IDX, KV_SIZES,
+        KV_ROWS,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
@@ -336,7 +349,7 @@ def block_sparse_attn_bwd_dkdv_kernel(
         DQ_EPILOGUE, DKDV_EPILOGUE, epilogue_args,
         H, Sq, NQ, qk_scale, scale,
         BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, TAIL1, TAIL2, QTAIL1, QTAIL2, HAS_KV_SIZES,
-        DOT_PRECISION, USE_TMA, EVICT_STREAMED, EVICT_RESIDENT,
+        DOT_PRECISION, USE_TMA, EVICT_STREAMED, EVICT_RESIDENT, GRAD_ROWS,
     )  # fmt: skip
 
 
@@ -388,6 +401,7 @@ def _dq_program(
     K1, V1, K2, V2,  # K, V for the TAIL1- and TAIL2-row walks (TMA: their own boxes)
     KV_IDX, KV_CNT, KV_SIZES,
     KV_ENDS, stride_eb, stride_eh, stride_eq,  # HAS_KV_SIZES: int32 [Bi, H, NQ, 3], the walks' ends
+    Q_ROWS,  # GRAD_ROWS: int32 [Sq], the row of dQ each query row's gradient goes to (-1: none)
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -403,6 +417,7 @@ def _dq_program(
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q, dO loads' hints
+    GRAD_ROWS: tl.constexpr,  # dQ stored at the rows Q_ROWS gives (the caller's order)
 ):  # fmt: skip
     """dQ of query rows ``[pid * SUB_M, (pid + 1) * SUB_M)`` of ``(batch, head) =
     divmod(pid_bh, H)``: the body of ``block_sparse_attn_bwd_dq_kernel``, a function so that
@@ -458,8 +473,12 @@ def _dq_program(
     dq = dq * scale
     dq = DQ_EPILOGUE(dq, b, h, q_block, (pid % NSUB) * SUB_M + tl.arange(0, SUB_M), offs_d,
                      *epilogue_args)  # fmt: skip
-    dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
+    if GRAD_ROWS:
+        store_mapped_rows(DQ, b, h, offs_m, offs_d, stride_dqb, stride_dqh, stride_dqs,
+                          stride_dqd, dq, offs_m >= 0, Q_ROWS)  # fmt: skip
+    else:
+        dq_ptrs = DQ + b * stride_dqb + h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd
+        tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty))
 
 
 @triton.jit
@@ -467,7 +486,7 @@ def block_sparse_attn_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE2, DELTA,
     K1, V1, K2, V2,  # as in _dq_program
     KV_IDX, KV_CNT, KV_SIZES,
-    KV_ENDS, stride_eb, stride_eh, stride_eq,  # as in _dq_program
+    KV_ENDS, stride_eb, stride_eh, stride_eq, Q_ROWS,  # as in _dq_program
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -483,12 +502,13 @@ def block_sparse_attn_bwd_dq_kernel(
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     CHECK_LISTS: tl.constexpr,
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # as in _dq_program
+    GRAD_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(Sq // SUB_M, B * H)``: one ``_dq_program`` per query sub-block."""
     _dq_program(
         tl.program_id(0), tl.program_id(1),
         Q, K, V, DO, DQ, LSE2, DELTA, K1, V1, K2, V2, KV_IDX, KV_CNT, KV_SIZES,
-        KV_ENDS, stride_eb, stride_eh, stride_eq,
+        KV_ENDS, stride_eb, stride_eh, stride_eq, Q_ROWS,
         stride_qb, stride_qh, stride_qs, stride_qd,
         stride_kb, stride_kh, stride_ks, stride_kd,
         stride_vb, stride_vh, stride_vs, stride_vd,
@@ -500,7 +520,7 @@ def block_sparse_attn_bwd_dq_kernel(
         H, Sq, NK, K_WIDTH, qk_scale, scale,
         BLOCK_M, BLOCK_N, SUB_M, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION, USE_TMA,
         CHECK_LISTS,
-        EVICT_STREAMED, EVICT_RESIDENT,
+        EVICT_STREAMED, EVICT_RESIDENT, GRAD_ROWS,
     )  # fmt: skip
 
 
@@ -515,6 +535,7 @@ def block_sparse_attn_bwd_fused_kernel(
     Q_OFF, Q_IDX,  # int32: the transposed lists (as in _dkdv_program)
     KV_IDX, KV_CNT, KV_SIZES,  # [Bi, H, NQ, K], [Bi, H, NQ], int32 [NK]
     KV_ENDS, stride_eb, stride_eh, stride_eq,  # HAS_KV_SIZES: int32 [Bi, H, NQ, 3], the walks' ends
+    Q_ROWS, KV_ROWS,  # GRAD_ROWS: as in _dq_program, _dkdv_program
     stride_qb, stride_qh, stride_qs, stride_qd,
     stride_kb, stride_kh, stride_ks, stride_kd,
     stride_vb, stride_vh, stride_vs, stride_vd,
@@ -536,6 +557,7 @@ def block_sparse_attn_bwd_fused_kernel(
     CHECK_LISTS: tl.constexpr,  # the dQ half reads the caller's own lists (see _dq_program)
     EVICT_STREAMED_DKDV: tl.constexpr, EVICT_RESIDENT_DKDV: tl.constexpr,  # each half's hints
     EVICT_STREAMED_DQ: tl.constexpr, EVICT_RESIDENT_DQ: tl.constexpr,
+    GRAD_ROWS: tl.constexpr,
 ):  # fmt: skip
     """Both gradient kernels in one launch, grid ``(NK * B * H + Sq // SUB_M_DQ * B * H,)``.
 
@@ -553,7 +575,7 @@ def block_sparse_attn_bwd_fused_kernel(
         _dkdv_program(
             pid % NK, pid // NK,
             Q_DKDV, K_DKDV, V_DKDV, DO_DKDV, DK, DV, LSE2, DELTA,
-            K1_DKDV, V1_DKDV, K2_DKDV, V2_DKDV, Q1, DO1, Q2, DO2, Q_OFF, Q_IDX, KV_SIZES,
+            K1_DKDV, V1_DKDV, K2_DKDV, V2_DKDV, Q1, DO1, Q2, DO2, Q_OFF, Q_IDX, KV_SIZES, KV_ROWS,
             stride_qb, stride_qh, stride_qs, stride_qd,
             stride_kb, stride_kh, stride_ks, stride_kd,
             stride_vb, stride_vh, stride_vs, stride_vd,
@@ -565,7 +587,7 @@ def block_sparse_attn_bwd_fused_kernel(
             H, Sq, NQ, qk_scale, scale,
             BLOCK_M, BLOCK_N, SUB_M_DKDV, HEAD_DIM, TAIL1, TAIL2, QTAIL1, QTAIL2, HAS_KV_SIZES,
             DOT_PRECISION, USE_TMA_DKDV,
-            EVICT_STREAMED_DKDV, EVICT_RESIDENT_DKDV,
+            EVICT_STREAMED_DKDV, EVICT_RESIDENT_DKDV, GRAD_ROWS,
         )  # fmt: skip
     else:
         num_sub = Sq // SUB_M_DQ  # dQ programs per (batch, head)
@@ -573,7 +595,7 @@ def block_sparse_attn_bwd_fused_kernel(
         _dq_program(
             pid_q % num_sub, pid_q // num_sub,
             Q_DQ, K_DQ, V_DQ, DO_DQ, DQ, LSE2, DELTA, K1_DQ, V1_DQ, K2_DQ, V2_DQ,
-            KV_IDX, KV_CNT, KV_SIZES, KV_ENDS, stride_eb, stride_eh, stride_eq,
+            KV_IDX, KV_CNT, KV_SIZES, KV_ENDS, stride_eb, stride_eh, stride_eq, Q_ROWS,
             stride_qb, stride_qh, stride_qs, stride_qd,
             stride_kb, stride_kh, stride_ks, stride_kd,
             stride_vb, stride_vh, stride_vs, stride_vd,
@@ -585,5 +607,5 @@ def block_sparse_attn_bwd_fused_kernel(
             H, Sq, NK, K_WIDTH, qk_scale, scale,
             BLOCK_M, BLOCK_N, SUB_M_DQ, HEAD_DIM, TAIL1, TAIL2, HAS_KV_SIZES, DOT_PRECISION,
             USE_TMA_DQ, CHECK_LISTS,
-            EVICT_STREAMED_DQ, EVICT_RESIDENT_DQ,
+            EVICT_STREAMED_DQ, EVICT_RESIDENT_DQ, GRAD_ROWS,
         )  # fmt: skip

@@ -33,3 +33,15 @@ def load_rows(ptrs, real, MASKED: tl.constexpr, EVICT: tl.constexpr):
     if MASKED:
         return tl.load(ptrs, mask=real[:, None], other=0.0, eviction_policy=EVICT)
     return tl.load(ptrs, eviction_policy=EVICT)
+
+
+@triton.jit
+def store_mapped_rows(OUT, b, h, rows, offs_d, stride_b, stride_h, stride_s, stride_d, x, real,
+                      ROW_MAP):  # fmt: skip
+    """Store ``x`` [R, D] (cast to OUT's type) for rows ``rows`` [R] of ``(b, h)`` at the rows
+    ``ROW_MAP`` (int32, one entry a row) sends them to; rows whose entry is -1 or whose
+    ``real`` is False are not stored (a gradient written in the caller's own row order)."""
+    dest = tl.load(ROW_MAP + rows)
+    keep = (dest >= 0) & real
+    ptrs = OUT + b * stride_b + h * stride_h + dest.to(tl.int64)[:, None] * stride_s + offs_d[None, :] * stride_d
+    tl.store(ptrs, x.to(OUT.dtype.element_ty), mask=keep[:, None])

@@ -1,0 +1,73 @@
+"""Gradients written in the caller's own row order (``GradRows``): their layout, and the
+PyTorch backend's scatter into it (the Triton kernels store through the maps themselves)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class GradRows(NamedTuple):
+    """Gradients written in the caller's own row order (a layout the engine's blocks are a
+    permutation of, with padding): query row ``i``'s dq goes to row ``q_rows[i]`` of a
+    ``[B, H, q_len, D]`` tensor, key row ``j``'s dk and dv to row ``kv_rows[j]`` of
+    ``[B, H, kv_len, D]`` ones; -1, and the padding keys that key-block sizes mask, go nowhere.
+    Every row of the outputs must be some row's destination: they are not zeroed first. Maps
+    int32 with a unit stride, ``[Sq]`` and ``[Skv]``. ``*_bshd``: that side's gradients are
+    stored ``[B, S, H, D]`` (diffusers' layout, seen as ``[B, H, S, D]``). The Triton kernels
+    run (the Gluon ones store whole blocks by TMA)."""
+
+    q_rows: torch.Tensor
+    kv_rows: torch.Tensor
+    q_len: int
+    kv_len: int
+    q_bshd: bool = False
+    kv_bshd: bool = False
+
+    def layouts(self) -> tuple[tuple[int, bool], tuple[int, bool]]:
+        return (self.q_len, self.q_bshd), (self.kv_len, self.kv_bshd)
+
+
+class GradTargets(NamedTuple):
+    """Where the engine's gradients go when its q, k, v are copies of other tensors in another
+    row order (the engine's internal entry, ``grads_to``): ``q``, ``k``, ``v`` (``[B, H, S', D]``,
+    any strides; ``[B, S, H, D]`` storage is kept) get them in their own order, engine query row
+    ``i``'s at row ``q_rows[i]``, key row ``j``'s at ``kv_rows[j]`` (-1: none; int32, unit
+    stride), and the copies get none. Every row of q, k, v must be some engine row's target."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_rows: torch.Tensor
+    kv_rows: torch.Tensor
+
+
+def empty_grads(layout: tuple[int, bool] | None, *xs: torch.Tensor) -> list[torch.Tensor]:
+    """Empty gradients of ``xs`` (``[B, H, S, D]``): like them, or of ``layout``'s rows and
+    storage (``GradRows``)."""
+    if layout is None:
+        return [torch.empty_like(x) for x in xs]
+    rows, bshd = layout
+    B, H, _, D = xs[0].shape
+    shape = (B, rows, H, D) if bshd else (B, H, rows, D)
+    empties = [x.new_empty(shape) for x in xs]
+    return [x.transpose(1, 2) for x in empties] if bshd else empties
+
+
+def scatter_grads(grads, grad_rows: GradRows, kv_real: torch.Tensor | None):
+    """``(dq, dk, dv)`` in the engine's row order, moved to the rows ``grad_rows`` gives (the
+    PyTorch backend's path; ``kv_real``: which key rows are real, None for all)."""
+    dq, dk, dv = grads
+    q_layout, kv_layout = grad_rows.layouts()
+    (out_q,) = empty_grads(q_layout, dq)
+    out_k, out_v = empty_grads(kv_layout, dk, dv)
+    q_keep = grad_rows.q_rows >= 0
+    kv_keep = grad_rows.kv_rows >= 0
+    if kv_real is not None:
+        kv_keep &= kv_real
+    for out, grad, rows, keep in ((out_q, dq, grad_rows.q_rows, q_keep),
+                                  (out_k, dk, grad_rows.kv_rows, kv_keep),
+                                  (out_v, dv, grad_rows.kv_rows, kv_keep)):  # fmt: skip
+        out[:, :, rows[keep].long()] = grad[:, :, keep].to(out.dtype)
+    return out_q, out_k, out_v
