@@ -512,7 +512,7 @@ def _backward(ctx, do, _dlse, _dsaved):
     ]
     if mapped:  # the gradients are the targets': q, k, v get none
         return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None)
-    return (dq, dk, dv, *([None] * 9), *tensor_grads)
+    return (dq, dk, dv, *([None] * 9), *tensor_grads, *([None] * len(GradTargets._fields)))
 
 
 _block_sparse_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
