@@ -225,13 +225,8 @@ def lr_at(args, step: int) -> float:
     warm = args.lr_warmup
     if step < warm or args.lr_schedule == "constant":
         return args.lr * min(1.0, (step + 1) / max(1, warm))
-    progress = min(1.0, (step - warm) / max(1, _decay_steps(args) - 1 - warm))
+    progress = min(1.0, (step - warm) / max(1, args.lr_decay_steps - 1 - warm))
     return args.lr * (LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def _decay_steps(args) -> int:
-    """The step count the cosine spans: ``--lr-decay-steps``, else the arm's steps."""
-    return args.steps if args.lr_decay_steps is None else args.lr_decay_steps
 
 
 # ------------------------------------------------------------------------------ the run
@@ -459,7 +454,7 @@ def run_identity(args, init: dict | None) -> dict:
         "text_tokens": TEXT_TOKENS, "seed": args.seed, "batch_size": args.batch_size,
         "lr": args.lr, "lr_warmup": args.lr_warmup, "lr_schedule": args.lr_schedule,
         # the cosine's span: a resume must keep it (constant: the steps may grow)
-        "lr_steps": _decay_steps(args) if args.lr_schedule == "cosine" else None,
+        "lr_steps": args.lr_decay_steps if args.lr_schedule == "cosine" else None,
         "weight_decay": args.weight_decay, "ema_decay": args.ema_decay,
         "max_grad_norm": args.max_grad_norm, "eval_every": args.eval_every,
         "eval_crops": args.eval_crops, "holdout_frames": args.holdout_frames,
@@ -603,7 +598,7 @@ def metadata(run: Run, complete: bool) -> dict:
         tokens_per_sample=args.tokens, tile=list(TILE), batch_size=args.batch_size,
         steps=args.steps, step=run.step, lr=args.lr, lr_warmup=args.lr_warmup,
         lr_schedule=args.lr_schedule, lr_floor=LR_FLOOR if args.lr_schedule == "cosine" else None,
-        lr_decay_steps=_decay_steps(args) if args.lr_schedule == "cosine" else None,
+        lr_decay_steps=args.lr_decay_steps if args.lr_schedule == "cosine" else None,
         weight_decay=args.weight_decay, ema_decay=args.ema_decay, ema_warmup=EMA_WARMUP,
         max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing, compile=args.compile, seed=args.seed,
@@ -723,7 +718,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.steps = DEFAULTS[args.tiny][
             "steps" if args.arm not in FINETUNE_ARMS else "finetune_steps"
         ]
-    if args.lr_decay_steps is not None and not args.lr_warmup < args.lr_decay_steps <= args.steps:
+    if args.lr_decay_steps is None:
+        args.lr_decay_steps = args.steps
+    elif not args.lr_warmup < args.lr_decay_steps <= args.steps:
         raise TrainVsaError(
             f"--lr-decay-steps must be above --lr-warmup ({args.lr_warmup}) and at most --steps "
             f"({args.steps}), got {args.lr_decay_steps}"

@@ -12,6 +12,7 @@ the same bits on every run.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import torch
@@ -64,8 +65,7 @@ def block_sparse_attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` given the forward's stored output ``o`` and its ``lse``, on validated
     inputs; the epilogue's own gradients are left in ``epilogue`` (``gradients()``).
-    ``padding_finite`` as in the forward; ``grad_rows``: the gradients in the caller's row
-    order (``GradRows``)."""
+    ``padding_finite`` as in the forward; ``grad_rows``: ``GradRows``."""
     B, H, Sq, D = q.shape
     num_kv_blocks = k.shape[2] // block_kv
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
@@ -74,11 +74,10 @@ def block_sparse_attn_bwd(
     grad_hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
 
     has_sizes = kv_block_sizes is not None
-    kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
-                                            padding_finite)  # fmt: skip
     mapped = grad_rows is not None
-    gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma and not mapped,
-                                          q_cfg.gluon and q_tma and not mapped,
+    kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
+                                            padding_finite, mapped)  # fmt: skip
+    gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma, q_cfg.gluon and q_tma,
                                           q, k, v, do, block_q, block_kv, epilogue)  # fmt: skip
     kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
                                  q_tma and not gluon_dq)  # fmt: skip
@@ -103,8 +102,7 @@ def block_sparse_attn_bwd(
     same = (q_tma, dq_walks) == (kv_tma, kv_walks)
     dq_tails = kv_tails if same else walk_operands(k, v, dq_walks.values(), q_tma)
     scales = (scale * LOG2E, scale)
-    row_maps = (grad_rows.q_rows, grad_rows.kv_rows) if mapped else (dq_counts, dq_counts)
-    q_layout, kv_layout = (None, None) if grad_rows is None else grad_rows.layouts()
+    row_maps, q_layout, kv_layout = _row_maps(grad_rows, dq_counts)
     (dq,) = empty_grads(q_layout, q)  # on this stream, whichever stream dQ runs on
 
     if not (gluon_dkdv or gluon_dq) and fused_launch(
@@ -130,61 +128,76 @@ def block_sparse_attn_bwd(
         )  # fmt: skip
         return dq, dk, dv
 
-    side = _side_stream(q.device) if overlapped(kv_cfg, q_cfg, q.device) else None
-    if gluon_dkdv:
-        dk, dv = gluon_launcher("bwd_sm90", "backward").dkdv_gluon(
-            q, k, v, do, lse2, delta, q_offsets, q_indices, block_kv, scale,
-            kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
-        )  # fmt: skip
-    else:
-        dk, dv = empty_grads(kv_layout, k, v)
-        block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
-            *kv_in, dk, dv, lse2, delta, *kv_tails, *query_in,
-            q_offsets, q_indices, sizes, row_maps[1],
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            *transposed_strides, *grad_hooks,
-            H, Sq, Sq // block_q, *scales,
-            SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
-            **kv_walks, **query_walks,
-            **kv_cfg.launch_kwargs(), GRAD_ROWS=mapped,
-        )  # fmt: skip
-    with torch.cuda.stream(side):  # None: this stream
-        if gluon_dq:
-            gluon_launcher("bwd_sm90", "backward").dq_gluon(
-                q, k, v, do, lse2, delta, dq_lists, dq_counts, block_q, scale,
+    with _dq_beside_dkdv(overlapped(kv_cfg, q_cfg, q.device), q.device) as dq_stream:
+        if gluon_dkdv:
+            dk, dv = gluon_launcher("bwd_sm90", "backward").dkdv_gluon(
+                q, k, v, do, lse2, delta, q_offsets, q_indices, block_kv, scale,
                 kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
-                out=dq,
             )  # fmt: skip
         else:
-            block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
-                q, *q_keys, do, dq, lse2, delta, *dq_tails,
-                dq_lists, dq_counts, sizes, *ends_args, row_maps[0],
-                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-                *list_strides, *grad_hooks,
-                H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
-                SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked, **eviction_hints(q_cfg),
-                **dq_walks,
-                **common, **q_cfg.launch_kwargs(), GRAD_ROWS=mapped,
+            dk, dv = empty_grads(kv_layout, k, v)
+            block_sparse_attn_bwd_dkdv_kernel[(num_kv_blocks, B * H)](
+                *kv_in, dk, dv, lse2, delta, *kv_tails, *query_in,
+                q_offsets, q_indices, sizes, row_maps[1],
+                *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+                *transposed_strides, *grad_hooks,
+                H, Sq, Sq // block_q, *scales,
+                SUB_M=kv_cfg.sub_m, USE_TMA=kv_tma, **eviction_hints(kv_cfg), **common,
+                **kv_walks, **query_walks,
+                **kv_cfg.launch_kwargs(), GRAD_ROWS=mapped,
             )  # fmt: skip
-    if side is not None:
-        torch.cuda.current_stream(q.device).wait_stream(side)
+        with torch.cuda.stream(dq_stream):  # None: this stream
+            if gluon_dq:
+                gluon_launcher("bwd_sm90", "backward").dq_gluon(
+                    q, k, v, do, lse2, delta, dq_lists, dq_counts, block_q, scale,
+                    kv_block_sizes=kv_block_sizes, epilogue=epilogue, grad_args=grad_hooks[2],
+                    out=dq,
+                )  # fmt: skip
+            else:
+                block_sparse_attn_bwd_dq_kernel[(Sq // q_cfg.sub_m, B * H)](
+                    q, *q_keys, do, dq, lse2, delta, *dq_tails,
+                    dq_lists, dq_counts, sizes, *ends_args, row_maps[0],
+                    *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+                    *list_strides, *grad_hooks,
+                    H, Sq, num_kv_blocks, dq_lists.shape[-1], *scales,
+                    SUB_M=q_cfg.sub_m, USE_TMA=q_tma, CHECK_LISTS=checked,
+                    **eviction_hints(q_cfg), **dq_walks,
+                    **common, **q_cfg.launch_kwargs(), GRAD_ROWS=mapped,
+                )  # fmt: skip
     return dq, dk, dv
+
+
+def _row_maps(grad_rows: GradRows | None, dummy: torch.Tensor):
+    """``((q map, kv map), q layout, kv layout)`` for the kernels and ``empty_grads``: the
+    maps of ``grad_rows``, or ``dummy`` pointers and no layouts without them."""
+    if grad_rows is None:
+        return (dummy, dummy), None, None
+    return (grad_rows.q_rows, grad_rows.kv_rows), *grad_rows.layouts()
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """dQ's stream when it overlaps dK/dV: one per device, made to wait for the current
-    stream's work so far (the preprocess) before dK/dV is enqueued, so it runs beside dK/dV;
-    the caller makes the current stream wait for it after dQ. Every tensor dQ touches was
-    allocated on the current stream and is freed there after that wait, so the caching
-    allocator needs no ``record_stream``; CUDA graph capture takes the fork and the join."""
+@contextlib.contextmanager
+def _dq_beside_dkdv(overlap: bool, device: torch.device):
+    """dQ's stream (None: the current one) for the block that launches dK/dV, then dQ. With
+    ``overlap`` a side stream (one per device) made to wait for the current stream's work so
+    far (the preprocess) before dK/dV is enqueued, so dQ runs beside dK/dV; on leaving, the
+    current stream waits for it. Every tensor dQ touches was allocated on the current stream
+    and is freed there after that wait, so the caching allocator needs no ``record_stream``;
+    CUDA graph capture takes the fork and the join."""
+    if not overlap:
+        yield None
+        return
+    current = torch.cuda.current_stream(device)
     side = _SIDE_STREAMS.get(device)
     if side is None:
         side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    return side
+    side.wait_stream(current)
+    try:
+        yield side
+    finally:
+        current.wait_stream(side)
 
 
 def overlapped(dkdv: KernelConfig, dq: KernelConfig, device: torch.device) -> bool:
@@ -270,10 +283,11 @@ def _preprocess(do, o, lse, block_q, fns, prologue_args):
     return delta, lse2
 
 
-def _configs(q, k, v, do, kv_block_sizes, block_q, block_kv, padding_finite):
+def _configs(q, k, v, do, kv_block_sizes, block_q, block_kv, padding_finite, mapped=False):
     """Each gradient kernel's config as the inputs allow, and whether it reads by TMA: the
     dK/dV kernel reads q, do (its loop's tiles) and k, v by TMA or all by pointers; the dQ
-    kernel reads k, v (its loop's) by TMA or not."""
+    kernel reads k, v (its loop's) by TMA or not. ``mapped`` (``GradRows``): not the Gluon
+    kernels, whose TMA stores write whole blocks in the engine's order."""
     target, D, masked = target_of(q.device), q.shape[-1], kv_block_sizes is not None
     fp32 = q.dtype == torch.float32
     keys_by_tma = tma_reads_keys(q.dtype, kv_block_sizes, padding_finite) and tma_compatible(k, v)
@@ -281,6 +295,8 @@ def _configs(q, k, v, do, kv_block_sizes, block_q, block_kv, padding_finite):
     kv_cfg, kv_tma = kv_cfg.for_inputs(keys_by_tma and tma_compatible(q, do), block_q)
     q_cfg = configs.lookup(target, "bwd_dq", block_q, block_kv, D, masked, fp32)
     q_cfg, q_tma = q_cfg.for_inputs(keys_by_tma, block_q)
+    if mapped:
+        kv_cfg, q_cfg = replace(kv_cfg, gluon=False), replace(q_cfg, gluon=False)
     return kv_cfg, kv_tma, q_cfg, q_tma
 
 

@@ -219,8 +219,8 @@ HOPPER = {
     # The masked 64x64 dK/dV walks partial query blocks with fewer rows where an epilogue
     # declares quiet rows (query_tails): 84 B of spill on sm_90 and still faster on 4x4x4
     # video tiles (benchmarks/NOTES.md). Where the pair runs as two launches (the Gluon kernels
-    # at 128x128; 64x64 with key-block sizes, VSA's), dQ runs beside dK/dV on a side stream
-    # (overlap; timed faster at both, benchmarks/NOTES.md).
+    # at 128x128; 64x64 with key-block sizes, on video tiles), dQ runs beside dK/dV on a side
+    # stream (overlap; timed faster at both, benchmarks/NOTES.md).
     ("bwd_dkdv", 128, 128, "*"): KernelConfig(
         8, 2, sub_m=64, use_tma=True, pointer_sub_m=32, fused=True, gluon=True, overlap=True
     ),
@@ -329,7 +329,7 @@ class Overrides:
     overlap: bool | None = None  # backward's two launches: on two streams (True) or one
     full_first: bool = True  # False: walk every key block masked, in the given order
     key_tails: bool = True  # False: partial key blocks are walked with all block_kv rows
-    # False: callers whose q, k, v are copies in another row order (VSA's natural order) take
+    # False: callers whose q, k, v are copies in another row order (natural-order video) take
     # the copies' own backward instead of gradients stored through row maps (``GradTargets``)
     grad_rows: bool = True
     gluon: GluonOptions | None = None
