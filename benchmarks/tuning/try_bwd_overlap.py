@@ -30,6 +30,7 @@ prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -110,12 +111,8 @@ def run_case(name: str) -> list[dict]:
 
     rows = []
     for mode in MODES:
-        times = {arm: [] for arm in ARMS}
-        for _ in range(3):
-            for arm in ARMS:
-                with _arm(arm):
-                    fn = harness.mode_callable(forward, inputs, mode)
-                    times[arm].append(harness.time_ms(fn, device=inputs[0].device))
+        make_fn = functools.partial(harness.mode_callable, forward, inputs, mode)
+        times = harness.alternating_ms(ARMS, _arm, make_fn, device=inputs[0].device)
         for arm, ms_all in times.items():
             ms = sorted(ms_all)[1]
             rows.append(dict(case=name, mode=mode, arm=arm, ms=ms, ms_all=ms_all,
@@ -123,12 +120,7 @@ def run_case(name: str) -> list[dict]:
             print(f"{name} {mode} {arm}: {ms:.3f} ms {ms_all}", flush=True)
     for arm in ARMS:
         with _arm(arm):
-            prof = harness.cuda_profile(harness.mode_callable(forward, inputs, "bwd"))
-        kernels = {
-            e.key: round(e.device_time_total / 5 / 1e3, 4)
-            for e in prof.key_averages()
-            if "bwd" in e.key and e.device_time_total > 0
-        }
+            kernels = harness.kernel_ms(harness.mode_callable(forward, inputs, "bwd"), "bwd")
         rows.append(dict(case=name, mode="bwd kernels", arm=arm, kernels_ms=kernels))
         print(f"{name} bwd kernels {arm}: {kernels}", flush=True)
     return rows

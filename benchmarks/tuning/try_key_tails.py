@@ -27,6 +27,7 @@ Writes ``$OUT/try_key_tails.json`` if ``OUT`` is set; prints a table last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 
@@ -111,12 +112,8 @@ def run_case(name: str) -> list[dict]:
 
     rows = []
     for mode in MODES:
-        times = {arm: [] for arm in ARMS}
-        for _ in range(3):
-            for arm in ARMS:
-                with _arm(arm):
-                    fn = harness.mode_callable(forward, (q, k, v, gate), mode)
-                    times[arm].append(harness.time_ms(fn, device=q.device))
+        make_fn = functools.partial(harness.mode_callable, forward, (q, k, v, gate), mode)
+        times = harness.alternating_ms(ARMS, _arm, make_fn, device=q.device)
         for arm, ms_all in times.items():
             ms = sorted(ms_all)[1]
             rows.append(dict(case=name, mode=mode, arm=arm, ms=ms, ms_all=ms_all,
@@ -126,12 +123,7 @@ def run_case(name: str) -> list[dict]:
     for arm in ARMS:
         with _arm(arm):
             fn = harness.mode_callable(forward, (q, k, v, gate), "bwd")
-            prof = harness.cuda_profile(fn)
-        kernels = {
-            e.key: round(e.device_time_total / 5 / 1e3, 4)
-            for e in prof.key_averages()
-            if "bwd" in e.key and e.device_time_total > 0
-        }
+            kernels = harness.kernel_ms(fn, "bwd")
         rows.append(dict(case=name, mode="bwd kernels", arm=arm, kernels_ms=kernels))
         print(f"{name} bwd kernels {arm}: {kernels}", flush=True)
     return rows

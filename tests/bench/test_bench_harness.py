@@ -253,3 +253,19 @@ def test_recorded_command_names_no_folder_of_the_machine(tmp_path):
     assert portable_command([script, "--tiny"], cwd=str(tmp_path)) == (
         "python benchmarks/tune.py --tiny"
     )
+
+
+def test_alternating_ms_takes_the_arms_in_turn_each_round():
+    import contextlib
+
+    order = []
+
+    @contextlib.contextmanager
+    def enter(arm):
+        order.append(arm)
+        yield
+
+    times = harness.alternating_ms(("a", "b"), enter, lambda: (lambda: None),
+                                   device=torch.device("cpu"), rounds=2)  # fmt: skip
+    assert order == ["a", "b", "a", "b"]
+    assert set(times) == {"a", "b"} and all(len(t) == 2 for t in times.values())

@@ -152,6 +152,29 @@ def cuda_profile(fn: Callable[[], Any], calls: int = 5, warmup: int = 3):
     return prof
 
 
+def alternating_ms(arms, enter, make_fn, *, device: torch.device, rounds: int = 3) -> dict:
+    """``{arm: [ms of each round]}``: ``time_ms`` of ``make_fn()`` inside ``enter(arm)`` (a
+    context manager), the arms taken in turn each round, so drift in the machine's clocks
+    spreads over every arm alike (A/Bs in one process: ``benchmarks/tuning/``)."""
+    times = {arm: [] for arm in arms}
+    for _ in range(rounds):
+        for arm in arms:
+            with enter(arm):
+                times[arm].append(time_ms(make_fn(), device=device))
+    return times
+
+
+def kernel_ms(fn: Callable[[], Any], contains: str, calls: int = 5) -> dict[str, float]:
+    """GPU milliseconds a call of ``fn`` spends in each kernel whose name holds ``contains``
+    (``cuda_profile`` over ``calls`` calls, averaged per call)."""
+    prof = cuda_profile(fn, calls=calls)
+    return {
+        e.key: round(e.device_time_total / calls / 1e3, 4)
+        for e in prof.key_averages()
+        if contains in e.key and e.device_time_total > 0
+    }
+
+
 def time_graph_ms(fn: Callable[[], Any], *, device: torch.device) -> tuple[float, str]:
     """``(milliseconds, how)``: on the GPU, the median of ``do_bench`` over replays of ``fn``
     captured in a CUDA graph, i.e. the GPU time of its kernels without the host's launch

@@ -938,6 +938,18 @@ def test_fused_backward_policy():
     assert not fused_launch(KernelConfig(8, 2, fused=True), KernelConfig(4, 2, fused=True))
 
 
+def _gpu_problem(S: int, bs: int, padded: bool):
+    """``(q, k, v, do, lists, counts, key-block sizes)``: B=2, H=4, D=128, bf16 on the GPU,
+    lists of density 1/4 broadcast over the batch with two empty rows; random sizes where
+    ``padded``."""
+    q, k, v = make_qkv(2, 4, S, S, 128, dtype=torch.bfloat16, device="cuda")
+    idx, cnt = make_lists(1, 4, S // bs, S // bs, density=0.25, device="cuda", empty_rows=2)
+    sizes = None
+    if padded:
+        sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
+    return q, k, v, torch.randn_like(q), idx, cnt, sizes
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("tma", [True, False])
@@ -948,13 +960,8 @@ def test_gpu_fused_backward_is_bit_identical(padded, tma):
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
     from vidsparse.utils.device import target_of
 
-    B, H, S, D, bs = 2, 4, 2048, 128, 128
-    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
-    do = torch.randn_like(q)
-    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.25, device="cuda", empty_rows=2)
-    sizes = None
-    if padded:
-        sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
+    D, bs = 128, 128
+    q, k, v, do, idx, cnt, sizes = _gpu_problem(2048, bs, padded)
     o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, padding_finite=tma)
     # Configs that launch alike (the masked 128x128 entries are not flagged fused, but do).
     cfgs = [lookup(target_of(q.device), f"bwd_{kernel}", bs, bs, D, padded)
@@ -1126,13 +1133,7 @@ def test_internal_entry_sends_gradients_to_their_targets(sizes):
 def test_gpu_gradients_written_through_row_maps(bs):
     """On the GPU: at 64 with key-block sizes (VSA's Triton pair, TMA loads), at 128 without
     (where the Gluon kernels would run: mapped gradients take the Triton ones)."""
-    B, H, S, D = 2, 4, 2048, 128
-    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
-    do = torch.randn_like(q)
-    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.25, device="cuda", empty_rows=2)
-    sizes = None
-    if bs == 64:
-        sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
+    q, k, v, do, idx, cnt, sizes = _gpu_problem(2048, bs, padded=bs == 64)
     for bshd in (False, True):
         _check_mapped(*_mapped_grads(q, k, v, do, idx, cnt, sizes, bs, bs, bshd=bshd,
                                      fused=None))  # fmt: skip
@@ -1184,13 +1185,8 @@ def test_gpu_overlapped_backward_is_bit_identical(case):
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     bs, padded, tma = case
-    B, H, S, D = 2, 4, 4096, 128
-    q, k, v = make_qkv(B, H, S, S, D, dtype=torch.bfloat16, device="cuda")
-    do = torch.randn_like(q)
-    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.25, device="cuda", empty_rows=2)
-    sizes = None
-    if padded:
-        sizes = torch.randint(1, bs + 1, (S // bs,), dtype=torch.int32, device="cuda")
+    D = 128
+    q, k, v, do, idx, cnt, sizes = _gpu_problem(4096, bs, padded)
     o, lse = block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5, padding_finite=tma)
     args = (q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5)
     with override(fused=False, overlap=False):
