@@ -51,13 +51,13 @@ STUDIES = {
 }
 OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json"}
 D = 128
-ARMS: dict[str, dict] = STUDIES["overlap"]  # the study run (main sets it)
 
 
-def _arm(name: str):
+def _entering(arms: dict[str, dict]):
+    """``enter(arm)``: the ``configs.override`` of ``arms[arm]``."""
     from vidsparse.ops.block_sparse_attn import configs
 
-    return configs.override(**ARMS[name])
+    return lambda arm: configs.override(**arms[arm])
 
 
 def _engine_problem():
@@ -93,33 +93,34 @@ def _vsa_problem(name: str):
     return forward, inputs
 
 
-def _grads(forward, inputs, do, arm):
-    with _arm(arm):
+def _grads(forward, inputs, do, enter, arm):
+    with enter(arm):
         leaves = [x.detach().requires_grad_() for x in inputs]
         forward(*leaves).backward(do)
         return [x.grad for x in leaves]
 
 
-def run_case(name: str) -> list[dict]:
+def run_case(name: str, arms: dict[str, dict]) -> list[dict]:
     from vidsparse.bench import harness
 
+    enter = _entering(arms)
     forward, inputs = _engine_problem() if name == "engine" else _vsa_problem(name)
     do = torch.randn_like(inputs[0])
-    first, second = (_grads(forward, inputs, do, arm) for arm in ARMS)
+    first, second = (_grads(forward, inputs, do, enter, arm) for arm in arms)
     identical = all(torch.equal(a, b) for a, b in zip(first, second))
     print(f"{name}: gradients bit-identical across arms: {identical}", flush=True)
 
     rows = []
     for mode in MODES:
         make_fn = functools.partial(harness.mode_callable, forward, inputs, mode)
-        times = harness.alternating_ms(ARMS, _arm, make_fn, device=inputs[0].device)
+        times = harness.alternating_ms(arms, enter, make_fn, device=inputs[0].device)
         for arm, ms_all in times.items():
             ms = sorted(ms_all)[1]
             rows.append(dict(case=name, mode=mode, arm=arm, ms=ms, ms_all=ms_all,
                              bit_identical=identical))  # fmt: skip
             print(f"{name} {mode} {arm}: {ms:.3f} ms {ms_all}", flush=True)
-    for arm in ARMS:
-        with _arm(arm):
+    for arm in arms:
+        with enter(arm):
             kernels = harness.kernel_ms(harness.mode_callable(forward, inputs, "bwd"), "bwd")
         rows.append(dict(case=name, mode="bwd kernels", arm=arm, kernels_ms=kernels))
         print(f"{name} bwd kernels {arm}: {kernels}", flush=True)
@@ -134,12 +135,10 @@ def main(argv=None) -> None:
     ap.add_argument("--cases", help="comma-separated, of " + ",".join(CASES) + " (default: "
                     "all; grad-rows: the VSA cases)")  # fmt: skip
     args = ap.parse_args(argv)
-    global ARMS
-    ARMS = STUDIES[args.study]
     cases = args.cases or ",".join(c for c in CASES if args.study == "overlap" or c != "engine")
     rows = []
     for name in cases.split(","):
-        rows += [dict(row, study=args.study) for row in run_case(name)]
+        rows += [dict(row, study=args.study) for row in run_case(name, STUDIES[args.study])]
     out = os.environ.get("OUT")
     if out:
         meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_bwd_overlap",

@@ -22,6 +22,7 @@ import torch
 from vidsparse.layout import permute_ops
 from vidsparse.layout.grid import VideoGrid, grid_key
 from vidsparse.utils import ceil_div
+from vidsparse.utils.checks import is_bshd_view
 
 __all__ = [
     "check_triton_tile",
@@ -120,7 +121,7 @@ def untile_output(o_t: torch.Tensor, grid: VideoGrid, like: torch.Tensor | None)
     ``[B, S, H, D]`` tensor seen as ``[B, H, S, D]`` (q as diffusers' processors pass it; so is
     SDPA's output then): transposing and flattening it back costs no copy. Otherwise (no
     ``like``, another layout, or no untile kernel for it) contiguous."""
-    bshd = like is not None and like.shape[1] > 1 and like.stride(1) < like.stride(2)
+    bshd = like is not None and is_bshd_view(like)
     if bshd and permute_ops.kernel_supports(o_t, 2, grid.padded_len):
         return permute_ops.untile_op(o_t, *grid_key(grid), bshd=True)
     return grid.untile(o_t, dim=-2)

@@ -42,6 +42,12 @@ def bshd_hint(name: str, x: torch.Tensor) -> str:
     )
 
 
+def is_bshd_view(x: torch.Tensor) -> bool:
+    """Is ``[B, H, S, D]`` tensor ``x`` stored ``[B, S, H, D]`` (diffusers' processors pass
+    q, k, v so, as ``transpose(1, 2)`` views)? One head or fewer says nothing: False."""
+    return x.shape[1] > 1 and x.stride(1) < x.stride(2)
+
+
 def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
     present = {k: v for k, v in tensors.items() if v is not None}
     devices = {k: v.device for k, v in present.items()}

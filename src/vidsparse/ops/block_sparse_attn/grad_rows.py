@@ -55,17 +55,20 @@ def empty_grads(layout: tuple[int, bool] | None, *xs: torch.Tensor) -> list[torc
     return [x.transpose(1, 2) for x in empties] if bshd else empties
 
 
-def scatter_grads(grads, grad_rows: GradRows, kv_real: torch.Tensor | None):
+def scatter_grads(grads, grad_rows: GradRows, kv_block_sizes: torch.Tensor | None,
+                  block_kv: int):  # fmt: skip
     """``(dq, dk, dv)`` in the engine's row order, moved to the rows ``grad_rows`` gives (the
-    PyTorch backend's path; ``kv_real``: which key rows are real, None for all)."""
+    PyTorch backend's path); the padding keys that ``kv_block_sizes`` masks go nowhere, as in
+    the kernels."""
     dq, dk, dv = grads
     q_layout, kv_layout = grad_rows.layouts()
     (out_q,) = empty_grads(q_layout, dq)
     out_k, out_v = empty_grads(kv_layout, dk, dv)
     q_keep = grad_rows.q_rows >= 0
     kv_keep = grad_rows.kv_rows >= 0
-    if kv_real is not None:
-        kv_keep &= kv_real
+    if kv_block_sizes is not None:  # each key block's real keys are its first rows
+        offsets = torch.arange(dk.shape[2], device=dk.device) % block_kv
+        kv_keep &= offsets < kv_block_sizes.long().repeat_interleave(block_kv)[: dk.shape[2]]
     for out, grad, rows, keep in ((out_q, dq, grad_rows.q_rows, q_keep),
                                   (out_k, dk, grad_rows.kv_rows, kv_keep),
                                   (out_v, dv, grad_rows.kv_rows, kv_keep)):  # fmt: skip

@@ -50,6 +50,7 @@ from vidsparse.utils.checks import (
     check_qkv,
     check_same_device,
     check_tensor,
+    is_bshd_view,
     softmax_scale,
 )
 from vidsparse.utils.device import target_of
@@ -419,8 +420,7 @@ def _block_sparse_attn_bwd_op(
         dq, dk, dv = _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes,
                                      block_q, block_kv, scale, ep)  # fmt: skip
         if grad_rows is not None:
-            real = _real_keys(kv_block_sizes, block_kv, k.shape[2])
-            dq, dk, dv = scatter_grads((dq, dk, dv), grad_rows, real)
+            dq, dk, dv = scatter_grads((dq, dk, dv), grad_rows, kv_block_sizes, block_kv)
     return dq, dk, dv, _slots(ep.gradients(), do)
 
 
@@ -429,14 +429,6 @@ def _grad_rows(q_rows, kv_rows, grad_layout) -> GradRows | None:
         return None
     q_len, kv_len, q_bshd, kv_bshd = grad_layout
     return GradRows(q_rows, kv_rows, q_len, kv_len, bool(q_bshd), bool(kv_bshd))
-
-
-def _real_keys(kv_block_sizes, block_kv: int, skv: int) -> torch.Tensor | None:
-    """Which key rows are real (key-block sizes' prefixes), None where every row is."""
-    if kv_block_sizes is None:
-        return None
-    offsets = torch.arange(skv, device=kv_block_sizes.device) % block_kv
-    return offsets < kv_block_sizes.long().repeat_interleave(block_kv)[:skv]
 
 
 def _nothing_to_attend(q, k, block_kv, epilogue: str) -> bool:
@@ -481,7 +473,8 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes,
                           q_rows, kv_rows, *tensors)  # fmt: skip
     # The targets' layouts, not the targets: nothing more is kept alive for the backward.
-    ctx.grad_layout = None if gq is None else [gq.shape[2], gk.shape[2], _bshd(gq), _bshd(gk)]
+    ctx.grad_layout = None if gq is None else [gq.shape[2], gk.shape[2], int(is_bshd_view(gq)),
+                                               int(is_bshd_view(gk))]  # fmt: skip
     ctx.meta = (block_q, block_kv, scale, backend, finite, epilogue)
     ctx.mark_non_differentiable(lse, saved)
 
@@ -489,11 +482,6 @@ def _setup_context(ctx, inputs, output):
 def _targets(rest) -> tuple:
     """The forward op's ``GradTargets`` inputs, Nones where the call passed none."""
     return (*rest, *([None] * (len(GradTargets._fields) - len(rest))))
-
-
-def _bshd(x: torch.Tensor) -> int:
-    """Is ``x`` ``[B, H, S, D]`` stored ``[B, S, H, D]`` (a transposed view)?"""
-    return int(x.shape[1] > 1 and x.stride(1) < x.stride(2))
 
 
 def _backward(ctx, do, _dlse, _dsaved):
