@@ -191,8 +191,10 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         # Inference, and training: 16-bit outputs then keep o's int8 residual for the backward.
         if has_kv_sizes and block_q == block_kv == 64:
             oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
-            for residual in (False, True):
-                epilogue = _combine(q, oc, bhsd(), kv_sizes, residual=residual)
+            gate_map = torch.empty(SEQ, dtype=torch.int32, device=meta)
+            # natural order in training: the gate read through its row map
+            for residual, rows in ((False, None), (True, None), (True, gate_map)):
+                epilogue = _combine(q, oc, bhsd(), kv_sizes, residual=residual, gate_rows=rows)
                 block_sparse_attn_fwd(
                     q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
                     padding_finite=True, epilogue=epilogue,
@@ -215,28 +217,32 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
             epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled)
             with override(fused=fused):
                 block_sparse_attn_bwd(*args, padding_finite=True, epilogue=epilogue)
-            if fused is None:  # natural-order inputs: gradients stored through row maps
+            if fused is None:  # natural-order inputs: gradients (d gate too) through row maps
                 rows = torch.empty(SEQ, dtype=torch.int32, device=meta)
                 maps = GradRows(rows, rows, SEQ, SEQ, True, True)
-                epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled)
+                epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled, gate_rows=rows)
                 block_sparse_attn_bwd(*args, padding_finite=True, epilogue=epilogue,
                                       grad_rows=maps)  # fmt: skip
     return sink
 
 
-def _combine(q, oc, gate, sizes, pooled=None, *, residual: bool):
-    """VSA's epilogue as its fine stage builds it; with ``residual``, as under autograd."""
+def _combine(q, oc, gate, sizes, pooled=None, *, residual: bool, gate_rows=None):
+    """VSA's epilogue as its fine stage builds it; with ``residual``, as under autograd; with
+    ``gate_rows``, as in natural order (the gate through its map, padding rows dropped)."""
     from vidsparse.ops.video_sparse_attn.fine import CoarseCombine, combine_spec
 
-    epilogue = CoarseCombine(oc, gate, sizes, pooled, spec=combine_spec((), residual))
+    natural = gate_rows is not None
+    spec = combine_spec((), residual, rows_dropped=natural)
+    epilogue = CoarseCombine(oc, gate, None if natural else sizes, pooled, gate_rows, spec=spec)
     epilogue.saved = epilogue.forward_saved(q)  # as the engine's custom op sets it
     return epilogue
 
 
-def _PooledGradStub(q, oc, gate, sizes, dpooled):
+def _PooledGradStub(q, oc, gate, sizes, dpooled, gate_rows=None):
     """VSA's epilogue in training (o's residual kept for 16-bit outputs) with the coarse
     attention's backward (a host step, nothing to compile) replaced by a fixed ``dpooled``."""
-    epilogue = _combine(q, oc, gate, sizes, torch.empty_like(dpooled), residual=True)
+    epilogue = _combine(q, oc, gate, sizes, torch.empty_like(dpooled), residual=True,
+                        gate_rows=gate_rows)  # fmt: skip
     epilogue._pooled_grad = lambda d_coarse, call: dpooled
     return epilogue
 

@@ -39,6 +39,7 @@ def compile_sm90(
     combine: bool = False,
     residual: bool = False,
     key_tails: bool = False,
+    gate_rows: bool = False,
 ) -> dict:
     """Compile the Gluon kernel for cuda:90 on meta tensors; returns ptxas's resource report.
 
@@ -48,7 +49,9 @@ def compile_sm90(
     per program) or 64 (two, VSA's tiles); ``combine``: VSA's gate epilogue (the gate, and with
     ``masked`` the real rows of each tile); ``residual``: the combine also stores the int8
     residual of o that a backward reads (as under autograd); ``key_tails``: with ``masked``,
-    partial key blocks walked with fewer rows (``GluonOptions.KEY_TAILS``)."""
+    partial key blocks walked with fewer rows (``GluonOptions.KEY_TAILS``); ``gate_rows``: with
+    ``combine``, as VSA calls it in natural order (the gate read through a row map; no query
+    block sizes: the caller drops the padding rows)."""
     _require_compiler("compile_sm90")
     from dataclasses import replace
 
@@ -70,8 +73,10 @@ def compile_sm90(
         oc = torch.empty(B, H, nq, D, dtype=torch.float32, device=meta)
         # partial tiles (padding rows zeroed) come with key-block sizes, full ones without
         rows = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None
-        spec = combine_spec((), residual)
-        epilogue = CoarseCombine(oc, torch.empty_like(q), rows, spec=spec)
+        gate_map = torch.empty(S, dtype=torch.int32, device=meta) if gate_rows else None
+        spec = combine_spec((), residual, rows_dropped=gate_rows)
+        epilogue = CoarseCombine(oc, torch.empty_like(q), None if gate_rows else rows, None,
+                                 gate_map, spec=spec)  # fmt: skip
         epilogue.saved = epilogue.forward_saved(q)  # as the engine's custom op sets it
     options = {**options, "KEY_TAILS": True} if key_tails else options
     schedule = replace(configs.GLUON, **options) if options else None

@@ -1055,6 +1055,7 @@ def test_backward_op_takes_row_maps_on_every_backend(backend, request):
     if backend == "triton" and torch.cuda.is_available():
         pytest.skip("interpreter tests run on CPU CI")
     import vidsparse.ops.block_sparse_attn.interface  # noqa: F401 - registers the ops
+    from vidsparse.ops.block_sparse_attn.epilogue import MAX_TENSORS
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
     gen = torch.Generator().manual_seed(3)
@@ -1070,7 +1071,7 @@ def test_backward_op_takes_row_maps_on_every_backend(backend, request):
     kv_rows[real] = torch.randperm(int(real.sum()), generator=gen).to(torch.int32)
     op = torch.ops.vidsparse.block_sparse_attn_bwd.default
     args = (do, q, k, v, o, lse, q.new_empty(0), idx, cnt, sizes, bs, bs, D**-0.5, backend,
-            True, "none", None, None, None, None)  # fmt: skip
+            True, "none", *[None] * MAX_TENSORS)  # fmt: skip
     plain = op(*args)[:3]
     layout = [S, int(real.sum()), 1, 0]
     mapped = op(*args, q_rows, kv_rows, layout)[:3]

@@ -41,6 +41,12 @@ for block, combine, residual in ((128, 0, 0), (64, 0, 0), (64, 1, 0), (64, 1, 1)
                        key_tails=True)
     print(json.dumps(dict(block=block, combine=combine, residual=residual, masked=True,
                           key_tails=True, dtype=str(torch.bfloat16), **rep)))
+# VSA in natural order, training: the gate read through its row map
+for dtype in (torch.bfloat16, torch.float16):
+    rep = compile_sm90({}, masked=True, dtype=dtype, block=64, combine=1, residual=1,
+                       key_tails=True, gate_rows=True)
+    print(json.dumps(dict(block=64, combine=1, residual=1, masked=True, key_tails=True,
+                          dtype=str(dtype), **rep)))
 """
 
 
@@ -63,7 +69,7 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
                     f"{proc.stderr.strip().splitlines()[-1:]}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 20
+    assert len(reports) == 22
 
     for r in reports:  # a correctness check (NaNs), whatever the Triton
         assert r["sass_a_operand_hazards"] == 0, r

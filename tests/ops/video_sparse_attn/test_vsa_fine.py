@@ -145,3 +145,60 @@ def test_unknown_epilogue_is_a_clear_error():
 
     with pytest.raises(ValueError, match="no epilogue named 'nope'"):
         epilogue_from("nope", (None,) * 4)
+
+
+def _mapped_gate_arms(device, dtype):
+    """The fine stage with a natural-order gate read through ``gate_rows`` and with its tiled
+    copy: ``(o, dq, dk, dv, d gate)`` of each, from the same inputs and output gradient."""
+    import vidsparse
+    from vidsparse.ops.video_sparse_attn.fine import vsa_fine_combined
+
+    torch.manual_seed(0)
+    grid = vidsparse.VideoGrid((5, 6, 7))  # 8 tiles, partial along every axis
+    B, H, D, V = 2, 2, 16, grid.tile_volume
+    Nt, S = grid.num_tiles, grid.num_tokens
+    q, k, v, gate, do = (
+        torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2) for _ in range(5)
+    )  # [B, S, H, D] storage, as diffusers passes it
+    idx, cnt = make_lists(1, H, Nt, Nt, density=0.5, device=device)
+    sizes = grid.tile_sizes_on(device)
+    o_coarse = torch.randn(B, H, Nt, D, device=device)
+    rows = grid.index_tensors(device).token_rows
+    arms = []
+    for mapped in (True, False):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, gate)]
+        q_t, k_t, v_t, gate_t = (grid.tile(x, dim=-2) for x in leaves)
+        o = vsa_fine_combined(q_t, k_t, v_t, idx, cnt, sizes, o_coarse,
+                              leaves[3] if mapped else gate_t, None, V, D**-0.5,
+                              rows_dropped=True, gate_rows=rows if mapped else None)  # fmt: skip
+        o = grid.untile(o, dim=-2)
+        arms.append((o, *torch.autograd.grad(o, leaves, do)))
+    return arms
+
+
+_INTERPRETER = [
+    pytest.mark.slow,
+    pytest.mark.interpreter,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI"),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=_INTERPRETER)])
+def test_gate_read_through_its_row_map_equals_its_tiled_copy(backend, monkeypatch):
+    """A natural-order gate read (forward) and its gradient stored (prologue) through
+    ``gate_rows``: the same bits as the tiled copy and its backward, on both backends (the
+    gate a ``[B, S, H, D]`` view)."""
+    monkeypatch.setenv("VIDSPARSE_BACKEND", backend)
+    mapped, copied = _mapped_gate_arms("cpu", torch.float32)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), mapped, copied):
+        assert torch.equal(a, b), name
+    assert mapped[-1].stride() == mapped[-1].transpose(1, 2).contiguous().transpose(1, 2).stride()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_gate_read_through_its_row_map_equals_its_tiled_copy(dtype):
+    """As above on the GPU (the Hopper Gluon forward's combine reads the gate too)."""
+    mapped, copied = _mapped_gate_arms("cuda", dtype)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), mapped, copied):
+        assert torch.equal(a, b), name

@@ -315,6 +315,7 @@ def _ours_op_forward(lists: BlockLists, device: torch.device, head_dim: int) -> 
     # Importing the interface registers torch.ops.vidsparse.*; resolve the backend once, as
     # block_sparse_attn would on every call.
     import vidsparse.ops.block_sparse_attn.interface  # noqa: F401
+    from vidsparse.ops.block_sparse_attn.epilogue import MAX_TENSORS
     from vidsparse.utils.backend import resolve_backend
 
     backend = resolve_backend(device)
@@ -326,7 +327,7 @@ def _ours_op_forward(lists: BlockLists, device: torch.device, head_dim: int) -> 
         # no padding promise, no epilogue: the op's (o, lse, epilogue's saved tensor)
         o, _, _ = op(
             q, k, v, lists.kv_indices, lists.kv_counts, lists.kv_block_sizes,
-            block_q, block_kv, scale, backend, False, "none", None, None, None, None,
+            block_q, block_kv, scale, backend, False, "none", *[None] * MAX_TENSORS,
         )  # fmt: skip
         return o
 

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-MAX_TENSORS = 4
+MAX_TENSORS = 5
 SPEC_SEPARATOR = "|"
 
 

@@ -301,7 +301,7 @@ def check_triton_blocks(block_q: int, block_kv: int) -> None:
 
 
 # --------------------------------------------------------------------------- custom ops
-# The epilogue travels as its registered name and MAX_TENSORS optional tensors (e0..e3); the
+# The epilogue travels as its registered name and MAX_TENSORS optional tensors (e0..e4); the
 # tensor it keeps for the backward (Epilogue.forward_saved) is a third forward output, empty
 # where it keeps none.
 
@@ -338,6 +338,7 @@ def _block_sparse_attn_fwd_op(
     e1: torch.Tensor | None,
     e2: torch.Tensor | None,
     e3: torch.Tensor | None,
+    e4: torch.Tensor | None,
     gq: torch.Tensor | None = None,
     gk: torch.Tensor | None = None,
     gv: torch.Tensor | None = None,
@@ -346,7 +347,7 @@ def _block_sparse_attn_fwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, lse, the epilogue's saved tensor)``. ``gq`` .. ``kv_rows``: ``GradTargets``
     (read by the backward only)."""
-    ep = epilogue_from(epilogue, (e0, e1, e2, e3))
+    ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4))
     saved = _forward_saved(ep, q)
     if _nothing_to_attend(q, k, block_kv, epilogue):
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
@@ -369,10 +370,10 @@ def _block_sparse_attn_fwd_op(
 
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-      padding_finite, epilogue, e0, e1, e2, e3, gq=None, gk=None, gv=None, q_rows=None,
+      padding_finite, epilogue, e0, e1, e2, e3, e4, gq=None, gk=None, gv=None, q_rows=None,
       kv_rows=None):  # fmt: skip
     B, H, Sq, _ = q.shape
-    saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3)), q)
+    saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4)), q)
     return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32), saved
 
 
@@ -398,6 +399,7 @@ def _block_sparse_attn_bwd_op(
     e1: torch.Tensor | None,
     e2: torch.Tensor | None,
     e3: torch.Tensor | None,
+    e4: torch.Tensor | None,
     q_rows: torch.Tensor | None = None,
     kv_rows: torch.Tensor | None = None,
     grad_layout: list[int] | None = None,
@@ -405,7 +407,7 @@ def _block_sparse_attn_bwd_op(
     """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none.
     With ``q_rows``, ``kv_rows`` the gradients come in the caller's row order (``GradRows``;
     ``grad_layout``: q_len, kv_len, q_bshd, kv_bshd)."""
-    ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3)), saved)
+    ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4)), saved)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     if _nothing_to_attend(q, k, block_kv, epilogue):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _slots((), do)
@@ -450,15 +452,15 @@ def _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes, block
 
 
 def _slots(grads, like: torch.Tensor) -> list[torch.Tensor]:
-    padded = [*grads, *([None] * (4 - len(grads)))]
+    padded = [*grads, *([None] * (MAX_TENSORS - len(grads)))]
     return [like.new_empty(0) if g is None else g for g in padded]
 
 
 @_block_sparse_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
-      scale, backend, padding_finite, epilogue, e0, e1, e2, e3, q_rows=None, kv_rows=None,
+      scale, backend, padding_finite, epilogue, e0, e1, e2, e3, e4, q_rows=None, kv_rows=None,
       grad_layout=None):  # fmt: skip
-    ep = epilogue_from(epilogue, (e0, e1, e2, e3))
+    ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4))
     grads = _slots(ep.fake_gradients(), do)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     q_layout, kv_layout = (None, None) if grad_rows is None else grad_rows.layouts()

@@ -55,6 +55,7 @@ def vsa_fine_combined(
     fine_only: bool = False,
     rows_dropped: bool = False,
     grads_to: GradTargets | None = None,
+    gate_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``o_fine + gate * o_coarse`` over tile-order queries ``q_t [B, H, Nt*V, D]``.
 
@@ -80,6 +81,9 @@ def vsa_fine_combined(
 
     ``grads_to``: q_t, k_seq, v_seq are tile-order copies of these natural tensors; the engine
     writes their gradients in natural order (``GradTargets``).
+
+    ``gate_rows`` (int32, one per row of q_t: the gate's row, -1 for padding): ``gate_t`` is in
+    its own (natural) row order, read and its gradient written through the map: no copy.
     """
     if fine_only:
         if gate_t is not None:
@@ -89,7 +93,8 @@ def vsa_fine_combined(
         # Its gradient is formed in the engine's backward: cut the coarse stage's own backward
         # out of the graph (a None gradient would be materialised as zeros and still run it).
         o_coarse = o_coarse.detach()
-    gate_t = None if gate_t is None else gate_t.contiguous()
+    if gate_t is not None and gate_t.stride(-1) != 1:  # the hooks read rows of unit stride
+        gate_t = gate_t.contiguous()
     if q_block_sizes is not None and q_block_sizes.ndim == 2 and not segments:
         raise ValueError("a plan's q_info comes with the plan's segments")
     # A backward will run: keep o's rounding residual for it (a plain bool under compile).
@@ -103,7 +108,8 @@ def vsa_fine_combined(
         )  # fmt: skip
     )
     spec = combine_spec(segments, residual, rows_dropped)
-    epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled, spec=spec)
+    epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled,
+                             None if gate_t is None else gate_rows, spec=spec)  # fmt: skip
     o, _ = block_sparse_attn_unchecked(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
         kv_block_sizes=kv_block_sizes, scale=scale, padding_finite=True, epilogue=epilogue,
@@ -175,13 +181,16 @@ def _residual_step(o_low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @register_epilogue
 class CoarseCombine(Epilogue):
     """VSA's combine as the engine's epilogue; tensors ``(o_coarse, gate, q_block_sizes,
-    pooled)``, all but ``o_coarse`` optional. ``o_coarse`` and ``gate`` get gradients."""
+    pooled, gate_rows)``, all but ``o_coarse`` optional. ``o_coarse`` and ``gate`` get
+    gradients; with ``gate_rows`` the gate is in its own row order (``vsa_fine_combined``)."""
 
     name = "vsa_combine"
 
-    def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, *, spec=""):
-        super().__init__(o_coarse, gate, q_block_sizes, pooled)
+    def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, gate_rows=None, *,
+                 spec=""):  # fmt: skip
+        super().__init__(o_coarse, gate, q_block_sizes, pooled, gate_rows)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
+        self.gate_rows = gate_rows
         self.spec = spec  # [_RESIDUAL_FLAG][_DROPPED_FLAG] + the plan's flat segments
         self._residual = spec.startswith(_RESIDUAL_FLAG)
         rest = spec.removeprefix(_RESIDUAL_FLAG)
@@ -222,11 +231,13 @@ class CoarseCombine(Epilogue):
                 *_strides3(self._d_coarse), *dgate, *self._flags(call))  # fmt: skip
 
     def _inputs(self, call: EngineCall) -> tuple:
-        """Both hooks' first arguments: o_coarse, the gate and the query block sizes."""
+        """Both hooks' first arguments: o_coarse, the gate, its row map and the query block
+        sizes."""
         oc, gate, dummy = self.o_coarse, self.gate, self.o_coarse
         gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *_strides3(gate))
+        rows = dummy if self.gate_rows is None else self.gate_rows
         sizes = dummy if self.q_sizes is None else self._q_block_sizes(call)
-        return (oc, *_strides3(oc), *gate_args, sizes)
+        return (oc, *_strides3(oc), *gate_args, rows, sizes)
 
     def _residual_args(self) -> tuple:
         """``(RES, strides)``: the saved residual, or a dummy pointer without one."""
@@ -234,12 +245,14 @@ class CoarseCombine(Epilogue):
         return (self.o_coarse, 0, 0, 0) if res is None else (res, *_strides3(res))
 
     def _flags(self, call: EngineCall) -> tuple:
-        """HAS_GATE, ZERO_PAD_ROWS, KEEP_RESIDUAL, OUT_DTYPE (the hooks' constexprs)."""
+        """HAS_GATE, ZERO_PAD_ROWS, KEEP_RESIDUAL, OUT_DTYPE, GATE_MAPPED (the hooks'
+        constexprs)."""
         import triton.language as tl
 
         out = tl.bfloat16 if call.dtype == torch.bfloat16 else tl.float16
         keep = self.saved is not None
-        flags = (self.gate is not None, self.q_sizes is not None, keep, out)
+        mapped = self.gate_rows is not None
+        flags = (self.gate is not None, self.q_sizes is not None, keep, out, mapped)
         return tuple(map(_constexpr, flags))
 
     def grad_args(self, call: EngineCall) -> tuple:
@@ -317,9 +330,10 @@ class CoarseCombine(Epilogue):
         if self.gate is None:
             self._d_coarse = do5.sum(-2)
         else:
-            self._d_coarse = (do5 * self.gate.to(acc).view(B, H, S // block, block, D)).sum(-2)
+            gate = self._engine_rows_gate(acc)
+            self._d_coarse = (do5 * gate.view(B, H, S // block, block, D)).sum(-2)
             d_gate = do5 * self.o_coarse.to(acc).unsqueeze(-2)
-            self._d_gate = d_gate.to(self.gate.dtype).view(B, H, S, D)
+            self._d_gate = self._to_gate_rows(d_gate.to(self.gate.dtype).view(B, H, S, D))
         return o_fine, do
 
     def grads_torch(self, dq, dk, dv, call: EngineCall):
@@ -352,7 +366,24 @@ class CoarseCombine(Epilogue):
     def _coarse_term(self, block: int, dtype) -> torch.Tensor:
         """``gate * o_coarse`` broadcast over each block's rows ([B, H, S, D], in ``dtype``)."""
         coarse = self.o_coarse.to(dtype).repeat_interleave(block, dim=2)
-        return coarse if self.gate is None else self.gate.to(dtype) * coarse
+        return coarse if self.gate is None else self._engine_rows_gate(dtype) * coarse
+
+    def _engine_rows_gate(self, dtype) -> torch.Tensor:
+        """The gate in the engine's rows (through ``gate_rows``: 0 on padding rows)."""
+        if self.gate_rows is None:
+            return self.gate.to(dtype)
+        rows = self.gate_rows.long()
+        gate = self.gate.to(dtype).index_select(2, rows.clamp(min=0))
+        return gate.masked_fill((rows < 0).view(1, 1, -1, 1), 0)
+
+    def _to_gate_rows(self, d_gate: torch.Tensor) -> torch.Tensor:
+        """d gate from the engine's rows to the gate's (padding rows have none)."""
+        if self.gate_rows is None:
+            return d_gate
+        real = self.gate_rows >= 0
+        out = torch.empty_like(self.gate)
+        out.index_copy_(2, self.gate_rows[real].long(), d_gate[:, :, real])
+        return out
 
 
 def _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, scale, low) -> torch.Tensor:

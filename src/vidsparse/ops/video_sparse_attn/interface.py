@@ -320,8 +320,9 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     Nt, V = grid.num_tiles, grid.tile_volume
     video_len = grid.padded_len if tiled else grid.num_tokens
     # Natural order without text: the engine writes dq, dk, dv in q, k, v's own order (no
-    # tile copies' backward), so the tile-order copies are made outside autograd.
-    grads_to = None
+    # tile copies' backward), so the tile-order copies are made outside autograd; the gate is
+    # read and its gradient written through the same map (no copy at all).
+    grads_to = rows = None
     if not tiled and not text_tokens and active_overrides().grad_rows:
         rows = grid.index_tensors(q.device).token_rows
         grads_to = GradTargets(q, k, v, rows, rows)
@@ -357,7 +358,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         kv_counts,
         sizes,
         o_coarse,
-        None if gate is None or fine_only else video_tiles(gate, grid, tiled, video_len),
+        _fine_gate(gate, fine_only, rows, grid, tiled, video_len),
         sizes[:Nt] if tiled else None,  # tiled output: padding rows zero; untiling drops them
         V,
         scale,
@@ -365,6 +366,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         fine_only=fine_only,
         rows_dropped=not tiled,
         grads_to=grads_to,
+        gate_rows=rows,
     )  # [B, H, P, D]
     if not tiled:
         o = untile_output(o, grid, q if not text_tokens else None)
@@ -375,6 +377,14 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         video_len=video_len, text_tokens=text_tokens, volume=V, scale=scale,
     )  # fmt: skip
     return torch.cat([o, o_text], dim=-2)
+
+
+def _fine_gate(gate, fine_only: bool, rows, grid: VideoGrid, tiled: bool, video_len: int):
+    """The gate as the fine stage reads it: as given where ``rows`` maps the engine's rows to
+    it, else tiled; None without a gate (or with ``gate=0``)."""
+    if gate is None or fine_only:
+        return None
+    return gate if rows is not None else video_tiles(gate, grid, tiled, video_len)
 
 
 class _TextPlan(NamedTuple):

@@ -11,6 +11,10 @@
                query tile sizes Q_SIZES, key tile sizes K_SIZES; key blocks from NK_POOLED on
                were not pooled (exempt text); ADD_POOLED)
 
+``GATE_MAPPED``: the gate is in the caller's (natural) row order, ``GATE_ROWS[r]`` its row for
+the engine's row r (-1: a padding row, whose gate is 0); the forward reads it and the prologue
+stores d gate through that map, so the gate needs no tile-order copy.
+
 The residual (``KEEP_RESIDUAL``, fine.py turns it on under autograd): what storing o in
 ``OUT_DTYPE`` rounds away, as int8 steps of ``2^e * u / 127`` (``2^e <= |o_low| < 2^(e+1)``, u
 the unit roundoff, so ``|o - o_low| <= 2^e * u``: a step is 1/254 of an ulp), written by the
@@ -29,6 +33,27 @@ def _coarse_row(OC, stride_ocb, stride_och, stride_ocm, b, h, q_block, dims):
     """o_coarse[b, h, q_block] ([D] fp32; unit-stride D)."""
     row = OC + b * stride_ocb + h * stride_och + q_block.to(tl.int64) * stride_ocm
     return tl.load(row + dims).to(tl.float32)
+
+
+@triton.jit
+def _gate_rows(rows, GATE_ROWS, GATE_MAPPED: tl.constexpr):
+    """The gate's rows for the engine's rows, and which exist (``GATE_MAPPED``: by the map)."""
+    if GATE_MAPPED:
+        mapped = tl.load(GATE_ROWS + rows)
+        return tl.maximum(mapped, 0).to(tl.int64), mapped >= 0
+    return rows, rows >= 0
+
+
+@triton.jit
+def _load_gate(GATE, stride_gb, stride_gh, stride_gs, GATE_ROWS, b, h, rows, dims,
+               GATE_MAPPED: tl.constexpr):  # fmt: skip
+    """The gate's ``[BM, D]`` block for the engine's rows (fp32; 0 on unmapped rows)."""
+    if GATE_MAPPED:
+        g_rows, real = _gate_rows(rows, GATE_ROWS, GATE_MAPPED)
+        g_ptrs = GATE + b * stride_gb + h * stride_gh + g_rows[:, None] * stride_gs + dims[None, :]
+        return tl.load(g_ptrs, mask=real[:, None], other=0.0).to(tl.float32)
+    g_ptrs = GATE + b * stride_gb + h * stride_gh + rows[:, None] * stride_gs + dims[None, :]
+    return tl.load(g_ptrs).to(tl.float32)
 
 
 @triton.jit
@@ -71,14 +96,16 @@ def _residual_step(o_low, OUT_DTYPE: tl.constexpr):
 @triton.jit
 def combine_forward(o, b, h, q_block, rows, local_rows, dims,
                     OC, stride_ocb, stride_och, stride_ocm,
-                    GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
+                    GATE, stride_gb, stride_gh, stride_gs, GATE_ROWS, Q_SIZES,
                     RES, stride_rb, stride_rh, stride_rs,
                     HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
-                    KEEP_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
+                    KEEP_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                    GATE_MAPPED: tl.constexpr):  # fmt: skip
     oc = _coarse_row(OC, stride_ocb, stride_och, stride_ocm, b, h, q_block, dims)  # [D]
     if HAS_GATE:
-        g_ptrs = GATE + b * stride_gb + h * stride_gh + rows[:, None] * stride_gs + dims[None, :]
-        o = o + tl.load(g_ptrs).to(tl.float32) * oc[None, :]  # [BM, D]
+        gate = _load_gate(GATE, stride_gb, stride_gh, stride_gs, GATE_ROWS, b, h, rows, dims,
+                          GATE_MAPPED)  # fmt: skip
+        o = o + gate * oc[None, :]  # [BM, D]
     else:
         o = o + oc[None, :]
     if ZERO_PAD_ROWS:
@@ -91,19 +118,20 @@ def combine_forward(o, b, h, q_block, rows, local_rows, dims,
 @triton.jit
 def combine_prologue(o, do, lse2, b, h, q_block, rows, local_rows, dims,
                      OC, stride_ocb, stride_och, stride_ocm,
-                     GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
+                     GATE, stride_gb, stride_gh, stride_gs, GATE_ROWS, Q_SIZES,
                      RES, stride_rb, stride_rh, stride_rs,
                      DOC, stride_dcb, stride_dch, stride_dcm,
                      DGATE, stride_dgb, stride_dgh, stride_dgs,
                      HAS_GATE: tl.constexpr, ZERO_PAD_ROWS: tl.constexpr,
-                     KEEP_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr):  # fmt: skip
+                     KEEP_RESIDUAL: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                     GATE_MAPPED: tl.constexpr):  # fmt: skip
     oc = _coarse_row(OC, stride_ocb, stride_och, stride_ocm, b, h, q_block, dims)  # [D]
     if KEEP_RESIDUAL:  # o as the forward had it in fp32, before the store rounded it
         r_ptrs = RES + b * stride_rb + h * stride_rh + rows[:, None] * stride_rs + dims[None, :]
         o = o + tl.load(r_ptrs).to(tl.float32) * _residual_step(o, OUT_DTYPE)
     if HAS_GATE:
-        g_offs = b * stride_gb + h * stride_gh + rows[:, None] * stride_gs + dims[None, :]
-        gate = tl.load(GATE + g_offs).to(tl.float32)  # [BM, D]
+        gate = _load_gate(GATE, stride_gb, stride_gh, stride_gs, GATE_ROWS, b, h, rows, dims,
+                          GATE_MAPPED)  # [BM, D]
         o = o - gate * oc[None, :]  # o_fine
     else:
         o = o - oc[None, :]
@@ -113,8 +141,13 @@ def combine_prologue(o, do, lse2, b, h, q_block, rows, local_rows, dims,
         lse2 = tl.where(real, lse2, float("inf"))
     if HAS_GATE:
         d_coarse = tl.sum(do * gate, axis=0)  # [D]
-        dg_offs = b * stride_dgb + h * stride_dgh + rows[:, None] * stride_dgs + dims[None, :]
-        tl.store(DGATE + dg_offs, (do * oc[None, :]).to(DGATE.dtype.element_ty))
+        g_rows, real = _gate_rows(rows, GATE_ROWS, GATE_MAPPED)
+        dg_offs = b * stride_dgb + h * stride_dgh + g_rows[:, None] * stride_dgs + dims[None, :]
+        dgate = (do * oc[None, :]).to(DGATE.dtype.element_ty)
+        if GATE_MAPPED:  # padding rows have no gate row
+            tl.store(DGATE + dg_offs, dgate, mask=real[:, None])
+        else:
+            tl.store(DGATE + dg_offs, dgate)
     else:
         d_coarse = tl.sum(do, axis=0)  # [D]
     doc_row = DOC + b * stride_dcb + h * stride_dch + q_block.to(tl.int64) * stride_dcm

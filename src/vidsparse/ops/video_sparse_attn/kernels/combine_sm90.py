@@ -28,19 +28,27 @@ def _store_residual_sm90(o, b, h, rows, dims, RES, stride_rb, stride_rh, stride_
 @gluon.jit
 def combine_forward_sm90(o, b, h, q_block, rows, local_rows, dims,
                          OC, stride_ocb, stride_och, stride_ocm,
-                         GATE, stride_gb, stride_gh, stride_gs, Q_SIZES,
+                         GATE, stride_gb, stride_gh, stride_gs, GATE_ROWS, Q_SIZES,
                          RES, stride_rb, stride_rh, stride_rs,
                          HAS_GATE: gl.constexpr, ZERO_PAD_ROWS: gl.constexpr,
-                         KEEP_RESIDUAL: gl.constexpr, OUT_DTYPE: gl.constexpr):  # fmt: skip
+                         KEEP_RESIDUAL: gl.constexpr, OUT_DTYPE: gl.constexpr,
+                         GATE_MAPPED: gl.constexpr):  # fmt: skip
     """``o + gate * o_coarse[block]`` on o [64, D] fp32 (rows and dims in o's slice layouts),
     rows at or past the block's real size zeroed; with ``KEEP_RESIDUAL`` the int8 residual of
-    storing it in ``OUT_DTYPE`` (``combine.py``)."""
+    storing it in ``OUT_DTYPE``; ``GATE_MAPPED``: the gate read through ``GATE_ROWS``
+    (``combine.py``)."""
     oc_row = OC + b * stride_ocb + h * stride_och + q_block.to(gl.int64) * stride_ocm
     oc = gl.expand_dims(gl.load(oc_row + dims).to(gl.float32), 0)  # [1, D]
     if HAS_GATE:
-        row_offs = gl.expand_dims(rows.to(gl.int64) * stride_gs, 1)  # [64, 1]
         gate_rows = GATE + b * stride_gb + h * stride_gh
-        gate = gl.load(gate_rows + row_offs + gl.expand_dims(dims, 0))  # [64, D]
+        if GATE_MAPPED:  # a padding row (-1) reads row 0 and zeroes it
+            mapped = gl.load(GATE_ROWS + rows)
+            row_offs = gl.expand_dims(gl.maximum(mapped, 0).to(gl.int64) * stride_gs, 1)
+            gate = gl.load(gate_rows + row_offs + gl.expand_dims(dims, 0))  # [64, D]
+            gate = gl.where(gl.expand_dims(mapped >= 0, 1), gate.to(gl.float32), 0.0)
+        else:
+            row_offs = gl.expand_dims(rows.to(gl.int64) * stride_gs, 1)  # [64, 1]
+            gate = gl.load(gate_rows + row_offs + gl.expand_dims(dims, 0))  # [64, D]
         o = o + gate.to(gl.float32) * oc
     else:
         o = o + oc
