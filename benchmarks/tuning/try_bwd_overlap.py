@@ -2,9 +2,9 @@
 process. ``overlap`` (the default): the backward's dQ launch on a side stream beside dK/dV's
 (``KernelConfig.overlap``) against the two launches one after the other on one stream.
 ``grad-rows``: VSA in natural order with its gradients stored by the kernels through row
-maps (``GradTargets``) against the tile copies' own backward (``configs.override(
-grad_rows=False)``: dq, dk, dv untiled by ``index_select``'s backward); the engine case does
-not apply there.
+maps (``GradTargets``; since 8da4264 the gate read and d gate stored through the same map too)
+against the tile copies and their own backward (``configs.override(grad_rows=False)``: dq, dk,
+dv and d gate untiled by ``index_select``'s backward); the engine case does not apply there.
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial

@@ -330,7 +330,8 @@ class Overrides:
     full_first: bool = True  # False: walk every key block masked, in the given order
     key_tails: bool = True  # False: partial key blocks are walked with all block_kv rows
     # False: callers whose q, k, v are copies in another row order (natural-order video) take
-    # the copies' own backward instead of gradients stored through row maps (``GradTargets``)
+    # the copies' own backward instead of gradients stored through row maps (``GradTargets``;
+    # an epilogue's own tensors read through such maps follow the same switch)
     grad_rows: bool = True
     gluon: GluonOptions | None = None
 
