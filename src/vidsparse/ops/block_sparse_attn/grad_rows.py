@@ -72,5 +72,13 @@ def scatter_grads(grads, grad_rows: GradRows, kv_block_sizes: torch.Tensor | Non
     for out, grad, rows, keep in ((out_q, dq, grad_rows.q_rows, q_keep),
                                   (out_k, dk, grad_rows.kv_rows, kv_keep),
                                   (out_v, dv, grad_rows.kv_rows, kv_keep)):  # fmt: skip
-        out[:, :, rows[keep].long()] = grad[:, :, keep].to(out.dtype)
+        scatter_rows(out, grad, rows, keep)
     return out_q, out_k, out_v
+
+
+def scatter_rows(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
+                 keep: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """``out[:, :, rows[i]] = x[:, :, i]`` for the rows ``keep`` marks (the PyTorch path of a
+    store through a row map)."""
+    out[:, :, rows[keep].long()] = x[:, :, keep].to(out.dtype)
+    return out

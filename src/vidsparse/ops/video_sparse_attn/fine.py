@@ -31,7 +31,7 @@ from vidsparse.ops.block_sparse_attn.epilogue import (
     gluon_fn,
     register_epilogue,
 )
-from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets
+from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets, scatter_rows
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, coarse_grad_dtype
 from vidsparse.ops.video_sparse_attn.reference import tile_means_bwd
@@ -380,10 +380,8 @@ class CoarseCombine(Epilogue):
         """d gate from the engine's rows to the gate's (padding rows have none)."""
         if self.gate_rows is None:
             return d_gate
-        real = self.gate_rows >= 0
-        out = torch.empty_like(self.gate)
-        out.index_copy_(2, self.gate_rows[real].long(), d_gate[:, :, real])
-        return out
+        return scatter_rows(torch.empty_like(self.gate), d_gate, self.gate_rows,
+                            self.gate_rows >= 0)  # fmt: skip
 
 
 def _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, scale, low) -> torch.Tensor:
