@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks on an H200, each step under its own time limit:
-#   bash benchmarks/gpu_round.sh tests|short-walk-tests|demo|profile|profile-train|profile-train-compiled|engine|masked|full-first|key-tails|natural-boxes|bwd-overlap|overlap-tests|grad-rows|grad-rows-tests|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|eviction|parallel [...]
+#   bash benchmarks/gpu_round.sh tests|short-walk-tests|demo|profile|profile-train|profile-train-compiled|engine|masked|full-first|key-tails|natural-boxes|bwd-overlap|overlap-tests|grad-rows|grad-rows-tests|out-rows|out-rows-tests|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|eviction|parallel [...]
 #   e2e for the other diffusers families: e2e-hunyuanvideo|e2e-ltx|e2e-ltx2|e2e-cosmos|
 #   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace|e2e-chronoedit|e2e-wan-animate, compiled:
 #   e2e-skyreels-v2-compiled|e2e-wan-vace-compiled (JSON under $OUT, named as in
@@ -66,6 +66,11 @@ for what in "$@"; do
       tests/ops/block_sparse_attn/test_block_sparse_attn.py -k "overlap or fused" ;;
     grad-rows) step try_grad_rows 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py \
       --study grad-rows ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
+    out-rows) step try_out_rows 540 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py \
+      --study out-rows ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
+    out-rows-tests) step out_rows_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/ops/block_sparse_attn/test_output_rows.py tests/ops/video_sparse_attn/test_vsa.py \
+      -k "output_stored or natural_order" ;;
     grad-rows-tests) step grad_rows_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/block_sparse_attn/test_block_sparse_attn.py tests/ops/video_sparse_attn/test_vsa.py \
       tests/ops/video_sparse_attn/test_vsa_precision.py tests/ops/video_sparse_attn/test_vsa_memory.py \

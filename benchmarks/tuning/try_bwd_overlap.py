@@ -1,10 +1,15 @@
-"""Two A/Bs of the backward (``--study``), each arm of ``STUDIES`` timed alternately in one
+"""Three A/Bs of the backward (``--study``), each arm of ``STUDIES`` timed alternately in one
 process. ``overlap`` (the default): the backward's dQ launch on a side stream beside dK/dV's
 (``KernelConfig.overlap``) against the two launches one after the other on one stream.
 ``grad-rows``: VSA in natural order with its gradients stored by the kernels through row
 maps (``GradTargets``; since 8da4264 the gate read and d gate stored through the same map too)
 against the tile copies and their own backward (``configs.override(grad_rows=False)``: dq, dk,
 dv and d gate untiled by ``index_select``'s backward); the engine case does not apply there.
+``out-rows``: VSA in natural order with o stored by the forward's kernels through the token map
+and dO read through it by the preprocess (``configs.override(out_rows=True)``) against the
+untiling of a tile-order o (and the tiling of dO by its backward); the forward is timed too
+(inference gains as well), and each arm's peak memory over one forward and backward (the tiled
+o the untiling keeps for the backward is what it would save).
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
@@ -15,7 +20,7 @@ checked here on the timed inputs.
 
 Run on a GPU from the repository root::
 
-    PYTHONPATH=src python benchmarks/tuning/try_bwd_overlap.py [--study overlap|grad-rows]
+    PYTHONPATH=src python benchmarks/tuning/try_bwd_overlap.py [--study overlap|grad-rows|out-rows]
         [--cases engine,vsa480,vsa720]
 
 Cases (bf16, D=128, fresh random inputs): ``engine`` (the engine at 128x128, density 1/8,
@@ -23,7 +28,8 @@ B=1, H=12, S=32,768, random per-head lists: the README's engine table), ``vsa480
 ``vsa720`` (VSA natural order with the gate at sparsity 0.875 on Wan 480p / 720p). Per case
 and mode (bwd, fwd+bwd): alternating ``do_bench`` medians of three rounds per arm, the
 backward's kernels from the profiler, and the bit-identity of the gradients. Writes
-``$OUT/try_bwd_overlap.json`` (``try_grad_rows.json`` for that study) if ``OUT`` is set;
+``$OUT/try_bwd_overlap.json`` (``try_grad_rows.json``, ``try_out_rows.json`` for those
+studies) if ``OUT`` is set;
 prints a table last.
 """
 
@@ -48,8 +54,12 @@ MODES = ("bwd", "fwd+bwd")
 STUDIES = {
     "overlap": {"one": dict(overlap=False), "two": dict(overlap=True)},
     "grad-rows": {"copies": dict(grad_rows=False), "mapped": dict(grad_rows=True)},
+    "out-rows": {"untiled": dict(out_rows=False), "stored": dict(out_rows=True)},
 }
-OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json"}
+OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json",
+          "out-rows": "try_out_rows.json"}  # fmt: skip
+# studies that time the forward alone too, and record each arm's peak memory
+FORWARD_STUDIES = ("out-rows",)
 D = 128
 
 
@@ -94,13 +104,26 @@ def _vsa_problem(name: str):
 
 
 def _grads(forward, inputs, do, enter, arm):
+    """``[o, dq, dk, dv, ...]`` of one forward and backward in ``arm``."""
     with enter(arm):
         leaves = [x.detach().requires_grad_() for x in inputs]
-        forward(*leaves).backward(do)
-        return [x.grad for x in leaves]
+        o = forward(*leaves)
+        o.backward(do)
+        return [o.detach(), *(x.grad for x in leaves)]
 
 
-def run_case(name: str, arms: dict[str, dict]) -> list[dict]:
+def _peak_mb(forward, inputs, do, enter, arm) -> float:
+    """Peak memory over one forward and backward in ``arm``, above what was allocated before
+    (MB)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    _grads(forward, inputs, do, enter, arm)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def run_case(name: str, arms: dict[str, dict], study: str) -> list[dict]:
     from vidsparse.bench import harness
 
     enter = _entering(arms)
@@ -108,10 +131,15 @@ def run_case(name: str, arms: dict[str, dict]) -> list[dict]:
     do = torch.randn_like(inputs[0])
     first, second = (_grads(forward, inputs, do, enter, arm) for arm in arms)
     identical = all(torch.equal(a, b) for a, b in zip(first, second))
-    print(f"{name}: gradients bit-identical across arms: {identical}", flush=True)
+    print(f"{name}: output and gradients bit-identical across arms: {identical}", flush=True)
 
     rows = []
-    for mode in MODES:
+    if study in FORWARD_STUDIES:
+        for arm in arms:
+            peak = _peak_mb(forward, inputs, do, enter, arm)
+            rows.append(dict(case=name, mode="peak memory", arm=arm, peak_mb=peak))
+            print(f"{name} peak memory {arm}: {peak:.1f} MB", flush=True)
+    for mode in ("fwd", *MODES) if study in FORWARD_STUDIES else MODES:
         make_fn = functools.partial(harness.mode_callable, forward, inputs, mode)
         times = harness.alternating_ms(arms, enter, make_fn, device=inputs[0].device)
         for arm, ms_all in times.items():
@@ -133,12 +161,13 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--study", choices=list(STUDIES), default="overlap")
     ap.add_argument("--cases", help="comma-separated, of " + ",".join(CASES) + " (default: "
-                    "all; grad-rows: the VSA cases)")  # fmt: skip
+                    "all; grad-rows, out-rows: the VSA cases)")  # fmt: skip
     args = ap.parse_args(argv)
     cases = args.cases or ",".join(c for c in CASES if args.study == "overlap" or c != "engine")
     rows = []
     for name in cases.split(","):
-        rows += [dict(row, study=args.study) for row in run_case(name, STUDIES[args.study])]
+        rows += [dict(row, study=args.study)
+                 for row in run_case(name, STUDIES[args.study], args.study)]  # fmt: skip
     out = os.environ.get("OUT")
     if out:
         meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_bwd_overlap",

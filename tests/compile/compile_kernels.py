@@ -171,6 +171,9 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
     def bhsd():
         return torch.empty(BATCH, HEADS, SEQ, head_dim, dtype=dtype, device=meta)
 
+    def natural():  # [B, S, H, D] storage, as diffusers passes it
+        return torch.empty(BATCH, SEQ, HEADS, head_dim, dtype=dtype, device=meta).transpose(1, 2)
+
     q, k, v, do = bhsd(), bhsd(), bhsd(), bhsd()
     kv_indices = torch.empty(1, HEADS, nq, TOPK, dtype=torch.int32, device=meta)
     kv_counts = torch.empty(1, HEADS, nq, dtype=torch.int32, device=meta)
@@ -192,12 +195,19 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
         if has_kv_sizes and block_q == block_kv == 64:
             oc = torch.empty(BATCH, HEADS, nq, head_dim, dtype=torch.float32, device=meta)
             gate_map = torch.empty(SEQ, dtype=torch.int32, device=meta)
-            # natural order in training: the gate read through its row map
-            for residual, rows in ((False, None), (True, None), (True, gate_map)):
+            # natural order in training: the gate read through its row map, and o stored
+            # through the token map too (configs.override(out_rows=True))
+            out_to = GradRows(gate_map, gate_map, SEQ, SEQ, True, True, out=True)
+            for residual, rows, out_rows in (
+                (False, None, None),
+                (True, None, None),
+                (True, gate_map, None),
+                (True, gate_map, out_to),
+            ):
                 epilogue = _combine(q, oc, bhsd(), kv_sizes, residual=residual, gate_rows=rows)
                 block_sparse_attn_fwd(
                     q, k, v, kv_indices, kv_counts, kv_sizes, block_q, block_kv, scale,
-                    padding_finite=True, epilogue=epilogue,
+                    padding_finite=True, epilogue=epilogue, out_rows=out_rows,
                 )  # fmt: skip
         # The backward as configs.py launches it (fused or not) and as two launches (what runs
         # wherever the configs do not fuse); on Hopper also as one fused launch (fused_modes).
@@ -223,6 +233,11 @@ def record_launches(target, block_q, block_kv, head_dim, dtype, has_kv_sizes, tm
                 epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled, gate_rows=rows)
                 block_sparse_attn_bwd(*args, padding_finite=True, epilogue=epilogue,
                                       grad_rows=maps)  # fmt: skip
+                # and o, dO in natural order (the preprocess reads them through the map)
+                out_args = (natural(), *args[1:4], natural(), *args[5:])
+                epilogue = _PooledGradStub(q, oc, bhsd(), kv_sizes, dpooled, gate_rows=rows)
+                block_sparse_attn_bwd(*out_args, padding_finite=True, epilogue=epilogue,
+                                      grad_rows=maps._replace(out=True))  # fmt: skip
     return sink
 
 

@@ -40,6 +40,7 @@ def compile_sm90(
     residual: bool = False,
     key_tails: bool = False,
     gate_rows: bool = False,
+    out_rows: bool = False,
 ) -> dict:
     """Compile the Gluon kernel for cuda:90 on meta tensors; returns ptxas's resource report.
 
@@ -51,13 +52,16 @@ def compile_sm90(
     residual of o that a backward reads (as under autograd); ``key_tails``: with ``masked``,
     partial key blocks walked with fewer rows (``GluonOptions.KEY_TAILS``); ``gate_rows``: with
     ``combine``, as VSA calls it in natural order (the gate read through a row map; no query
-    block sizes: the caller drops the padding rows)."""
+    block sizes: the caller drops the padding rows); ``out_rows``: o stored by pointers through
+    the q map into a ``[B, S, H, D]`` tensor (``GradTargets.output``), as VSA calls it in
+    natural order with ``configs.override(out_rows=True)``."""
     _require_compiler("compile_sm90")
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import configs
     from vidsparse.ops.block_sparse_attn import fwd_sm90 as launcher
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+    from vidsparse.ops.block_sparse_attn.grad_rows import GradRows
     from vidsparse.ops.video_sparse_attn.fine import CoarseCombine, combine_spec
 
     meta = torch.device("meta")
@@ -80,9 +84,14 @@ def compile_sm90(
         epilogue.saved = epilogue.forward_saved(q)  # as the engine's custom op sets it
     options = {**options, "KEY_TAILS": True} if key_tails else options
     schedule = replace(configs.GLUON, **options) if options else None
+    o, o_to = q, None
+    if out_rows:
+        o = torch.empty(B, S, H, D, dtype=dtype, device=meta).transpose(1, 2)
+        o_map = torch.empty(S, dtype=torch.int32, device=meta)
+        o_to = GradRows(o_map, o_map, S, S, True, True, out=True)
     kernel, _, args, kwargs = launcher.kernel_args(
-        q, q, q, q, lse, idx, cnt, block, block, D**-0.5, sizes, ends,
-        configs.key_tails(block), epilogue=epilogue, options=schedule,
+        q, q, q, o, lse, idx, cnt, block, block, D**-0.5, sizes, ends,
+        configs.key_tails(block), epilogue=epilogue, options=schedule, out_rows=o_to,
     )  # fmt: skip
     return compile_launch_sm90(kernel, args, kwargs)
 

@@ -41,12 +41,18 @@ for block, combine, residual in ((128, 0, 0), (64, 0, 0), (64, 1, 0), (64, 1, 1)
                        key_tails=True)
     print(json.dumps(dict(block=block, combine=combine, residual=residual, masked=True,
                           key_tails=True, dtype=str(torch.bfloat16), **rep)))
-# VSA in natural order, training: the gate read through its row map
+# VSA in natural order, training: the gate read through its row map, and o stored through
+# the token map too (configs.override(out_rows=True))
 for dtype in (torch.bfloat16, torch.float16):
-    rep = compile_sm90({}, masked=True, dtype=dtype, block=64, combine=1, residual=1,
-                       key_tails=True, gate_rows=True)
-    print(json.dumps(dict(block=64, combine=1, residual=1, masked=True, key_tails=True,
-                          dtype=str(dtype), **rep)))
+    for out_rows in (False, True):
+        rep = compile_sm90({}, masked=True, dtype=dtype, block=64, combine=1, residual=1,
+                           key_tails=True, gate_rows=True, out_rows=out_rows)
+        print(json.dumps(dict(block=64, combine=1, residual=1, masked=True, key_tails=True,
+                              out_rows=out_rows, dtype=str(dtype), **rep)))
+# o stored through a row map without an epilogue, at 128
+rep = compile_sm90({}, out_rows=True)
+print(json.dumps(dict(block=128, combine=0, residual=0, masked=False, key_tails=False,
+                      out_rows=True, dtype=str(torch.bfloat16), **rep)))
 """
 
 
@@ -69,7 +75,7 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
                     f"{proc.stderr.strip().splitlines()[-1:]}")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == 22
+    assert len(reports) == 25
 
     for r in reports:  # a correctness check (NaNs), whatever the Triton
         assert r["sass_a_operand_hazards"] == 0, r
@@ -80,7 +86,8 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
     for r in reports:
         label = (
             f"block={r['block']} combine={r['combine']} residual={r['residual']} "
-            f"masked={r['masked']} key_tails={r['key_tails']} {r['dtype']}"
+            f"masked={r['masked']} key_tails={r['key_tails']} "
+            f"out_rows={r.get('out_rows', False)} {r['dtype']}"
         )
         assert r["spill_bytes"] == 0, (label, r)
         assert r["sass_a_operand_hazards"] == 0, (label, r)

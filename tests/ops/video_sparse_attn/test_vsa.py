@@ -206,3 +206,55 @@ def test_vsa_gpu_bf16_matches_reference(scale, tiled):
         bound_g=6e-2,
         tile_structure=1.0,
     )
+
+
+def _out_rows_arms(device, dtype, grid, D, topk, monkeypatch):
+    """Public VSA on natural ``[B, S, H, D]`` inputs with a gate, o stored by the engine
+    through the q map (``configs.override(out_rows=True)``) and o untiled after it:
+    ``(o, dq, dk, dv, dgate)`` of each, from the same inputs and output gradient. Checks
+    that only the second arm untiles."""
+    import vidsparse.ops.video_sparse_attn.interface as vsa_interface
+    from vidsparse.ops.block_sparse_attn import configs
+
+    untiled, original = [], vsa_interface.untile_output
+    monkeypatch.setattr(vsa_interface, "untile_output",
+                        lambda *a: untiled.append(1) or original(*a))  # fmt: skip
+    torch.manual_seed(0)
+    B, H, S = 2, 2, grid.num_tokens
+    xs = [torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2) for _ in range(5)]
+    do = xs.pop()
+    arms = []
+    for out_rows in (True, False):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        with configs.override(out_rows=out_rows):
+            o = vidsparse.video_sparse_attn(*leaves[:3], grid, topk=topk, gate=leaves[3])
+            arms.append((o, *torch.autograd.grad(o, leaves, do)))
+        assert len(untiled) == (0 if out_rows else 1)
+    return arms
+
+
+def _check_out_rows(arms):
+    stored, untiled = arms
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), stored, untiled):
+        assert torch.equal(a, b), name
+    assert stored[0].transpose(1, 2).is_contiguous()  # q's [B, S, H, D] storage
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+def test_vsa_output_stored_in_natural_order_equals_untiling(triton_backend, monkeypatch):
+    """Natural order: o stored by the forward through the token map and dO read through it
+    by the preprocess give the bits of untiling o and tiling dO, on a grid with partial tiles
+    along every axis (the PyTorch backend runs VSA's reference, which has no such switch; the
+    engine's custom ops take it on both: ``test_output_rows.py``)."""
+    grid = vidsparse.VideoGrid((5, 6, 7))
+    _check_out_rows(_out_rows_arms("cpu", torch.float32, grid, 16, 3, monkeypatch))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vsa_gpu_output_stored_in_natural_order_equals_untiling(dtype, monkeypatch):
+    """The same on the GPU at D=128 (the Gluon forward's mapped store, the int8 residual)."""
+    grid = vidsparse.VideoGrid((9, 14, 22))
+    _check_out_rows(_out_rows_arms("cuda", dtype, grid, 128, 9, monkeypatch))

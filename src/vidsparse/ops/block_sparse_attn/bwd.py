@@ -65,16 +65,16 @@ def block_sparse_attn_bwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` given the forward's stored output ``o`` and its ``lse``, on validated
     inputs; the epilogue's own gradients are left in ``epilogue`` (``gradients()``).
-    ``padding_finite`` as in the forward; ``grad_rows``: ``GradRows``."""
+    ``padding_finite`` as in the forward; ``grad_rows``: ``GradRows`` (``out``: o, do too)."""
     B, H, Sq, D = q.shape
     num_kv_blocks = k.shape[2] // block_kv
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     fns = epilogue.fns()
-    delta, lse2 = _preprocess(do, o, lse, block_q, fns, epilogue.prologue_args(call, do))
+    delta, lse2, do = _preprocess(do, o, lse, block_q, fns, epilogue.prologue_args(call, do),
+                                  grad_rows)  # fmt: skip
     grad_hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
 
-    has_sizes = kv_block_sizes is not None
-    mapped = grad_rows is not None
+    has_sizes, mapped = kv_block_sizes is not None, grad_rows is not None
     kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
                                             padding_finite, mapped)  # fmt: skip
     gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma, q_cfg.gluon and q_tma,
@@ -270,17 +270,26 @@ def _query_walks(cfg: KernelConfig, quiet_rows, num_q_blocks: int, block_q: int,
     return (quiet_rows, tails) if tails[0] else off
 
 
-def _preprocess(do, o, lse, block_q, fns, prologue_args):
-    """``(delta, lse2)``: the preprocess kernel, with the epilogue's prologue."""
-    B, H, Sq, D = o.shape
+def _preprocess(do, o, lse, block_q, fns, prologue_args, grad_rows: GradRows | None = None):
+    """``(delta, lse2, do)``: the preprocess kernel, with the epilogue's prologue. Where
+    ``grad_rows`` says o and do are in the q side's order (``GradRows.out``) they are read
+    through its q map and the do returned is the engine-order copy the kernel writes (zeros on
+    unmapped rows); else do itself."""
+    B, H, Sq = lse.shape
+    D = o.shape[-1]
     delta = torch.empty((B, H, Sq), device=o.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
+    mapped = {}
+    if grad_rows is not None and grad_rows.out:
+        do_t = do.new_empty((B, H, Sq, D))
+        mapped = dict(IN_ROWS=grad_rows.q_rows, DO_T=do_t, IN_MAPPED=True,
+                      num_warps=configs.PREPROCESS_MAPPED_WARPS)  # fmt: skip
     block_sparse_attn_bwd_preprocess_kernel[(Sq // block_q, B * H)](
         o, do, lse, delta, lse2, *o.stride(), *do.stride(),
         fns.prologue.fn, prologue_args, H, Sq,
-        BLOCK_M=block_q, HEAD_DIM=D,
+        BLOCK_M=block_q, HEAD_DIM=D, **mapped,
     )  # fmt: skip
-    return delta, lse2
+    return delta, lse2, mapped.get("DO_T", do)
 
 
 def _configs(q, k, v, do, kv_block_sizes, block_q, block_kv, padding_finite, mapped=False):

@@ -148,6 +148,12 @@ GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
 GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 
 
+# The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with
+# 8 warps: with VSA's combine prologue at D=128 the default 4 hold 252 registers a thread
+# already, and the mapped reads pushed cuda:100 (Triton 3.8) into a 24-byte spill. The
+# preprocess in the engine's own order keeps the default launch it was timed with.
+PREPROCESS_MAPPED_WARPS = 8
+
 # Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
 # blocks a program, 4x4x4 video tiles); the one head_dim measured; 16-bit inputs (wgmma, TMA).
 GLUON_BLOCKS = (64, 128)
@@ -333,6 +339,10 @@ class Overrides:
     # the copies' own backward instead of gradients stored through row maps (``GradTargets``;
     # an epilogue's own tensors read through such maps follow the same switch)
     grad_rows: bool = True
+    # True (with grad_rows): such callers also take o in their own row order, stored by the
+    # forward's kernels through the q map (``GradTargets.output``), instead of untiling a
+    # tile-order o. Off until timed on the GPU against the untiling it replaces.
+    out_rows: bool = False
     gluon: GluonOptions | None = None
 
 

@@ -13,6 +13,7 @@ import torch
 
 from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
+from vidsparse.ops.block_sparse_attn.grad_rows import GradRows, empty_output, output_map
 from vidsparse.ops.block_sparse_attn.kernels.fwd import (
     block_sparse_attn_fwd_kernel,
     block_sparse_attn_fwd_tma_kernel,
@@ -46,10 +47,13 @@ def block_sparse_attn_fwd(
     *,
     padding_finite: bool = False,
     epilogue: Epilogue = NO_EPILOGUE,
+    out_rows: GradRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` on inputs the caller has validated; ``lse`` is the engine's own (before
     the epilogue). ``padding_finite``: padding keys (past ``kv_block_sizes``) hold finite
-    values, so the TMA kernels may read them (their scores are masked)."""
+    values, so the TMA kernels may read them (their scores are masked). ``out_rows``: o is
+    stored in its q side's order and layout (``GradTargets.output``; lse stays in the
+    engine's)."""
     B, H, Sq, D = q.shape
     masked = kv_block_sizes is not None
     cfg = configs.lookup(target_of(q.device), "fwd", block_q, block_kv, D, masked,
@@ -71,9 +75,10 @@ def block_sparse_attn_fwd(
         return block_sparse_attn_fwd_sm90(
             q, k, v, kv_indices, kv_counts, block_q, block_kv, scale,
             kv_block_sizes=kv_block_sizes, ends=ends if masked else None, tails=tails,
-            epilogue=epilogue,
+            epilogue=epilogue, out_rows=out_rows,
         )  # fmt: skip
-    o = torch.empty_like(q)
+    o = empty_output(q, out_rows)
+    o_rows, mapped = output_map(out_rows, o)
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)
     sizes = kv_block_sizes if masked else kv_counts  # dummy pointer when unused
     lists = (kv_indices, kv_counts, sizes, ends, *list_end_strides(ends))
@@ -85,21 +90,24 @@ def block_sparse_attn_fwd(
                   **cfg.launch_kwargs())  # fmt: skip
     if use_tma:
         desc = tensor_descriptor
+        # A mapped o is stored by pointers: the q descriptor stands in, never stored through.
+        desc_o = desc(q if mapped else o, block_q)
         block_sparse_attn_fwd_tma_kernel[grid](
-            desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc(o, block_q), lse,
+            desc(q, block_q), desc(k, block_kv), desc(v, block_kv), desc_o, lse,
+            (o, o_rows, *o.stride()),
             *walk_operands(k, v, walk_tails(cfg, tails).values(), True), *lists,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
             *hook, H, Sq, *bounds, scale * LOG2E,
-            WARP_SPECIALIZE=cfg.warp_specialize, **common,
+            WARP_SPECIALIZE=cfg.warp_specialize, **common, OUT_MAPPED=mapped,
         )  # fmt: skip
         return o, lse
     block_sparse_attn_fwd_kernel[grid](
-        q, k, v, o, lse, *lists,
+        q, k, v, o, lse, o_rows, *lists,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
         *hook, H, Sq, *bounds, scale * LOG2E,
         DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype),
-        **eviction_hints(cfg), **common,
+        **eviction_hints(cfg), **common, OUT_MAPPED=mapped,
     )  # fmt: skip
     return o, lse
 

@@ -8,6 +8,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
+from vidsparse.ops.block_sparse_attn.grad_rows import GradRows, empty_output, output_map
 from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import (
     ROWS_PER_CONSUMER,
     block_sparse_attn_fwd_gluon_kernel,
@@ -61,12 +62,14 @@ def _descriptors(q, k, v, o, block_kv, tails):
 def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale,
                 kv_block_sizes=None, ends=None, tails=(0, 0),
                 epilogue: Epilogue = NO_EPILOGUE,
-                options: configs.GluonOptions | None = None):  # fmt: skip
+                options: configs.GluonOptions | None = None,
+                out_rows: GradRows | None = None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
     a GPU). With ``kv_block_sizes``, ``kv_indices`` must come ordered by
     ``lists.blocks_by_size`` with short walks of ``tails`` rows, and ``ends`` its ends; the
     kernel walks partial blocks with that many rows where the schedule says so
-    (``GluonOptions.KEY_TAILS``), else with all rows."""
+    (``GluonOptions.KEY_TAILS``), else with all rows. ``out_rows``: o (in its q side's layout,
+    ``GradTargets.output``) is stored by pointers through its map, not by TMA."""
     B, H, Sq, D = q.shape
     nq = Sq // block_q
     has_sizes = kv_block_sizes is not None
@@ -80,24 +83,29 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
         kernel, grid = block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
     else:
         kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
-    args = (*_descriptors(q, k, v, o, block_kv, tails), lse, kv_indices, kv_counts, sizes, ends,
+    o_rows, mapped = output_map(out_rows, o)
+    # A mapped o is stored by pointers: the q descriptor stands in for o's, never stored through.
+    descs = _descriptors(q, k, v, q if mapped else o, block_kv, tails)
+    args = (*descs, lse, (o, o_rows, *o.stride()), kv_indices, kv_counts, sizes, ends,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
             *list_end_strides(ends), *hook, H, Sq, k.shape[2], nq, kv_indices.shape[-1],
             scale * LOG2E)  # fmt: skip
     kwargs = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
-                  TAIL1=tails[0], TAIL2=tails[1], **opts.as_kwargs(),
+                  TAIL1=tails[0], TAIL2=tails[1], **opts.as_kwargs(), OUT_MAPPED=mapped,
                   num_warps=4)  # fmt: skip
     return kernel, grid, args, kwargs
 
 
 def block_sparse_attn_fwd_sm90(q, k, v, kv_indices, kv_counts, block_q=128, block_kv=128,
                                scale=None, *, kv_block_sizes=None, ends=None, tails=(0, 0),
-                               epilogue: Epilogue = NO_EPILOGUE):  # fmt: skip
+                               epilogue: Epilogue = NO_EPILOGUE,
+                               out_rows: GradRows | None = None):  # fmt: skip
     """Block-sparse attention forward (Gluon, Hopper); returns ``(o, lse)``.
 
     Inputs as ``gluon_fits`` says; lists int32 (converted once per list tensor otherwise),
     with ``kv_block_sizes`` ordered by ``lists.blocks_by_size`` (short walks of ``tails``
-    rows) and ``ends`` its ends. The launcher (``fwd.py``) has checked the rest; this raises
+    rows) and ``ends`` its ends; ``out_rows``: o in its q side's order and layout
+    (``GradTargets.output``). The launcher (``fwd.py``) has checked the rest; this raises
     only on what would make the kernel misread memory."""
     B, H, Sq, D = q.shape
     if not gluon_fits(q, k, v, block_q, block_kv):
@@ -113,10 +121,10 @@ def block_sparse_attn_fwd_sm90(q, k, v, kv_indices, kv_counts, block_q=128, bloc
         kv_counts = int32_contiguous(kv_counts)
     if scale is None:
         scale = D**-0.5
-    o = torch.empty_like(q)  # [B, H, Sq, D]
+    o = empty_output(q, out_rows)  # [B, H, Sq, D], or the q side's rows of out_rows
     lse = torch.empty((B, H, Sq), device=q.device, dtype=torch.float32)  # [B, H, Sq]
     kernel, grid, args, kwargs = kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q,
                                              block_kv, scale, kv_block_sizes, ends, tails,
-                                             epilogue)  # fmt: skip
+                                             epilogue, out_rows=out_rows)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return o, lse

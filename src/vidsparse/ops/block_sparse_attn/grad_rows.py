@@ -1,5 +1,6 @@
-"""Gradients written in the caller's own row order (``GradRows``): their layout, and the
-PyTorch backend's scatter into it (the Triton kernels store through the maps themselves)."""
+"""Gradients (and, on request, the output) written in the caller's own row order
+(``GradRows``): their layout, and the PyTorch backend's scatter into it and gather from it
+(the Triton kernels store and load through the maps themselves)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ class GradRows(NamedTuple):
     Every row of the outputs must be some row's destination: they are not zeroed first. Maps
     int32 with a unit stride, ``[Sq]`` and ``[Skv]``. ``*_bshd``: that side's gradients are
     stored ``[B, S, H, D]`` (diffusers' layout, seen as ``[B, H, S, D]``). The Triton kernels
-    run (the Gluon ones store whole blocks by TMA)."""
+    run (the Gluon ones store whole blocks by TMA). ``out``: the forward stored o in the q
+    side's order and layout too (``GradTargets.output``), so o and dO arrive in it and the
+    preprocess reads them through ``q_rows``."""
 
     q_rows: torch.Tensor
     kv_rows: torch.Tensor
@@ -24,6 +27,7 @@ class GradRows(NamedTuple):
     kv_len: int
     q_bshd: bool = False
     kv_bshd: bool = False
+    out: bool = False
 
     def layouts(self) -> tuple[tuple[int, bool], tuple[int, bool]]:
         return (self.q_len, self.q_bshd), (self.kv_len, self.kv_bshd)
@@ -34,13 +38,20 @@ class GradTargets(NamedTuple):
     row order (the engine's internal entry, ``grads_to``): ``q``, ``k``, ``v`` (``[B, H, S', D]``,
     any strides; ``[B, S, H, D]`` storage is kept) get them in their own order, engine query row
     ``i``'s at row ``q_rows[i]``, key row ``j``'s at ``kv_rows[j]`` (-1: none; int32, unit
-    stride), and the copies get none. Every row of q, k, v must be some engine row's target."""
+    stride), and the copies get none. Every row of q, k, v must be some engine row's target.
+    ``output``: the forward's o too comes in q's order and layout (query row ``i``'s at row
+    ``q_rows[i]``), so no tile-order o is ever allocated or kept for the backward."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     q_rows: torch.Tensor
     kv_rows: torch.Tensor
+    output: bool = False
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The five tensors, as the custom ops take them."""
+        return self.q, self.k, self.v, self.q_rows, self.kv_rows
 
 
 def empty_grads(layout: tuple[int, bool] | None, *xs: torch.Tensor) -> list[torch.Tensor]:
@@ -53,6 +64,21 @@ def empty_grads(layout: tuple[int, bool] | None, *xs: torch.Tensor) -> list[torc
     shape = (B, rows, H, D) if bshd else (B, H, rows, D)
     empties = [x.new_empty(shape) for x in xs]
     return [x.transpose(1, 2) for x in empties] if bshd else empties
+
+
+def empty_output(q: torch.Tensor, out_rows: GradRows | None) -> torch.Tensor:
+    """The forward's empty o: like q, or in ``out_rows``' q-side layout
+    (``GradTargets.output``)."""
+    if out_rows is None:
+        return torch.empty_like(q)
+    (o,) = empty_grads(out_rows.layouts()[0], q)
+    return o
+
+
+def output_map(out_rows: GradRows | None, o: torch.Tensor) -> tuple:
+    """The forward kernels' ``(O_ROWS, OUT_MAPPED)``: the q-side map of ``out_rows``, or
+    ``o`` as a pointer never read and False."""
+    return (o, False) if out_rows is None else (out_rows.q_rows, True)
 
 
 def scatter_grads(grads, grad_rows: GradRows, kv_block_sizes: torch.Tensor | None,
@@ -82,3 +108,10 @@ def scatter_rows(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
     store through a row map)."""
     out[:, :, rows[keep].long()] = x[:, :, keep].to(out.dtype)
     return out
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``out[:, :, i] = x[:, :, rows[i]]``, 0 where ``rows[i]`` is -1 (the PyTorch path of a
+    load through a row map), contiguous."""
+    keep = (rows >= 0)[:, None]
+    return x[:, :, rows.clamp_min(0).long()].masked_fill(~keep, 0).contiguous()

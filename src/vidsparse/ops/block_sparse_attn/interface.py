@@ -35,7 +35,10 @@ from vidsparse.ops.block_sparse_attn.grad_rows import (
     GradRows,
     GradTargets,
     empty_grads,
+    empty_output,
+    gather_rows,
     scatter_grads,
+    scatter_rows,
 )
 from vidsparse.ops.block_sparse_attn.reference import (
     block_sparse_attn_bwd_ref,
@@ -152,7 +155,8 @@ def block_sparse_attn_unchecked(
     :class:`~vidsparse.ops.block_sparse_attn.epilogue.Epilogue` fused into the kernels
     (``lse`` stays the engine's own). ``grads_to``: q, k, v are copies of other tensors in
     another row order (``GradTargets``); the gradients go to those, written in their order by
-    the backward's kernels, and q, k, v get none."""
+    the backward's kernels, and q, k, v get none; with ``grads_to.output`` o comes in q's
+    order and layout too (the kernels store it there)."""
     backend = resolve_backend(q.device)
     cap = kernel_block_max(target_of(q.device), q.dtype)
     if backend == "triton" and max(block_q, block_kv) > cap:
@@ -164,7 +168,7 @@ def block_sparse_attn_unchecked(
         kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
             kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap, k.shape[2] // block_kv
         )
-    targets = () if grads_to is None else tuple(grads_to)
+    targets = () if grads_to is None else (*grads_to.tensors(), grads_to.output)
     o, lse, _ = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         padding_finite, epilogue.call_name, *padded_tensors(epilogue), *targets,
@@ -344,20 +348,23 @@ def _block_sparse_attn_fwd_op(
     gv: torch.Tensor | None = None,
     q_rows: torch.Tensor | None = None,
     kv_rows: torch.Tensor | None = None,
+    out_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, lse, the epilogue's saved tensor)``. ``gq`` .. ``kv_rows``: ``GradTargets``
-    (read by the backward only)."""
+    (read by the backward only); ``out_rows``: o in gq's order and layout
+    (``GradTargets.output``)."""
     ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4))
     saved = _forward_saved(ep, q)
+    out_to = _output_rows(gq, gk, q_rows, kv_rows, out_rows)
     if _nothing_to_attend(q, k, block_kv, epilogue):
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-        return torch.zeros_like(q), lse, saved
+        return empty_output(q, out_to).zero_(), lse, saved
     if backend == "triton":
         from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
 
         o, lse = block_sparse_attn_fwd(
             q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale,
-            padding_finite=padding_finite, epilogue=ep,
+            padding_finite=padding_finite, epilogue=ep, out_rows=out_to,
         )  # fmt: skip
         return o, lse, saved
     o, lse = block_sparse_attn_ref(
@@ -365,16 +372,34 @@ def _block_sparse_attn_fwd_op(
         kv_block_sizes=kv_block_sizes, scale=scale,
     )  # fmt: skip
     o = ep.forward_torch(o, EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype))
+    if out_to is not None:
+        return scatter_rows(empty_output(q, out_to), o, q_rows, q_rows >= 0), lse.float(), saved
     return torch.empty_like(q).copy_(o), lse.float(), saved  # q's strides, as the Triton path
+
+
+def _output_rows(gq, gk, q_rows, kv_rows, out_rows: bool) -> GradRows | None:
+    """Where the forward stores o with ``out_rows`` (``GradTargets.output``): the targets'
+    row maps and layouts; None for the engine's own order."""
+    if not out_rows:
+        return None
+    if gq is None:
+        raise ValueError("out_rows needs the GradTargets (gq .. kv_rows) it stores o by")
+    return GradRows(q_rows, kv_rows, *_target_layout(gq, gk), out=True)
+
+
+def _target_layout(gq, gk) -> list[int]:
+    """``[q_len, kv_len, q_bshd, kv_bshd]`` of the targets (``GradRows``' layout fields)."""
+    return [gq.shape[2], gk.shape[2], int(is_bshd_view(gq)), int(is_bshd_view(gk))]
 
 
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
       padding_finite, epilogue, e0, e1, e2, e3, e4, gq=None, gk=None, gv=None, q_rows=None,
-      kv_rows=None):  # fmt: skip
+      kv_rows=None, out_rows=False):  # fmt: skip
     B, H, Sq, _ = q.shape
     saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4)), q)
-    return torch.empty_like(q), q.new_empty((B, H, Sq), dtype=torch.float32), saved
+    o = empty_output(q, _output_rows(gq, gk, q_rows, kv_rows, out_rows))
+    return o, q.new_empty((B, H, Sq), dtype=torch.float32), saved
 
 
 @torch.library.custom_op("vidsparse::block_sparse_attn_bwd", mutates_args=())
@@ -406,7 +431,8 @@ def _block_sparse_attn_bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none.
     With ``q_rows``, ``kv_rows`` the gradients come in the caller's row order (``GradRows``;
-    ``grad_layout``: q_len, kv_len, q_bshd, kv_bshd)."""
+    ``grad_layout``: q_len, kv_len, q_bshd, kv_bshd and, optionally, out: o and do are in
+    the q side's order too)."""
     ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4)), saved)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     if _nothing_to_attend(q, k, block_kv, epilogue):
@@ -419,6 +445,8 @@ def _block_sparse_attn_bwd_op(
             scale, padding_finite=padding_finite, epilogue=ep, grad_rows=grad_rows,
         )  # fmt: skip
     else:
+        if grad_rows is not None and grad_rows.out:  # o and do to the engine's rows
+            o, do = gather_rows(o, q_rows), gather_rows(do, q_rows)
         dq, dk, dv = _backward_torch(do, q, k, v, o, kv_indices, kv_counts, kv_block_sizes,
                                      block_q, block_kv, scale, ep)  # fmt: skip
         if grad_rows is not None:
@@ -429,8 +457,9 @@ def _block_sparse_attn_bwd_op(
 def _grad_rows(q_rows, kv_rows, grad_layout) -> GradRows | None:
     if q_rows is None:
         return None
-    q_len, kv_len, q_bshd, kv_bshd = grad_layout
-    return GradRows(q_rows, kv_rows, q_len, kv_len, bool(q_bshd), bool(kv_bshd))
+    q_len, kv_len, q_bshd, kv_bshd, *out = grad_layout
+    return GradRows(q_rows, kv_rows, q_len, kv_len, bool(q_bshd), bool(kv_bshd),
+                    bool(out and out[0]))  # fmt: skip
 
 
 def _nothing_to_attend(q, k, block_kv, epilogue: str) -> bool:
@@ -470,20 +499,26 @@ def _(do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q
 def _setup_context(ctx, inputs, output):
     (q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
      finite, epilogue, *rest) = inputs  # fmt: skip
-    tensors, (gq, gk, _gv, q_rows, kv_rows) = rest[:MAX_TENSORS], _targets(rest[MAX_TENSORS:])
+    tensors, targets = rest[:MAX_TENSORS], _targets(rest[MAX_TENSORS:])
+    gq, gk, _gv, q_rows, kv_rows, out_rows = targets
     o, lse, saved = output
     ctx.save_for_backward(q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes,
                           q_rows, kv_rows, *tensors)  # fmt: skip
     # The targets' layouts, not the targets: nothing more is kept alive for the backward.
-    ctx.grad_layout = None if gq is None else [gq.shape[2], gk.shape[2], int(is_bshd_view(gq)),
-                                               int(is_bshd_view(gk))]  # fmt: skip
+    ctx.grad_layout = None if gq is None else [*_target_layout(gq, gk), int(out_rows)]
     ctx.meta = (block_q, block_kv, scale, backend, finite, epilogue)
     ctx.mark_non_differentiable(lse, saved)
 
 
+# The forward op's GradTargets inputs: its five tensors, then out_rows.
+_TARGET_ARGS = len(GradTargets._fields)
+
+
 def _targets(rest) -> tuple:
-    """The forward op's ``GradTargets`` inputs, Nones where the call passed none."""
-    return (*rest, *([None] * (len(GradTargets._fields) - len(rest))))
+    """The forward op's ``GradTargets`` inputs (Nones where the call passed none) and
+    ``out_rows``."""
+    padded = (*rest, *([None] * (_TARGET_ARGS - len(rest))))
+    return (*padded[:-1], bool(padded[-1]))
 
 
 def _backward(ctx, do, _dlse, _dsaved):
@@ -501,8 +536,8 @@ def _backward(ctx, do, _dlse, _dsaved):
         g if t is not None and g.shape == t.shape else None for g, t in zip(grads, tensors)
     ]
     if mapped:  # the gradients are the targets': q, k, v get none
-        return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None)
-    return (dq, dk, dv, *([None] * 9), *tensor_grads, *([None] * len(GradTargets._fields)))
+        return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None, None)
+    return (dq, dk, dv, *([None] * 9), *tensor_grads, *([None] * _TARGET_ARGS))
 
 
 _block_sparse_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)

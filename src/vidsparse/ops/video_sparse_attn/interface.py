@@ -321,11 +321,12 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     video_len = grid.padded_len if tiled else grid.num_tokens
     # Natural order without text: the engine writes dq, dk, dv in q, k, v's own order (no
     # tile copies' backward), so the tile-order copies are made outside autograd; the gate is
-    # read and its gradient written through the same map (no copy at all).
+    # read and its gradient written through the same map (no copy at all); with out_rows the
+    # engine stores o in q's order too (no untiling, no tile-order o kept for the backward).
     grads_to = rows = None
     if not tiled and not text_tokens and active_overrides().grad_rows:
         rows = grid.index_tensors(q.device).token_rows
-        grads_to = GradTargets(q, k, v, rows, rows)
+        grads_to = GradTargets(q, k, v, rows, rows, output=active_overrides().out_rows)
         q, k, v = q.detach(), k.detach(), v.detach()
     q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))  # [B, H, P, D]
     o_coarse, kv_indices, kv_counts, pooled = vsa_coarse_stage(
@@ -368,7 +369,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         grads_to=grads_to,
         gate_rows=rows,
     )  # [B, H, P, D]
-    if not tiled:
+    if not tiled and not (grads_to is not None and grads_to.output):
         o = untile_output(o, grid, q if not text_tokens else None)
     if not text_tokens:
         return o

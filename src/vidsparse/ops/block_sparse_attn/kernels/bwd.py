@@ -46,22 +46,39 @@ def block_sparse_attn_bwd_preprocess_kernel(
     PROLOGUE: tl.constexpr, prologue_args,  # the epilogue's backward, see below
     H, Sq,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IN_ROWS=None, DO_T=None,  # IN_MAPPED: int32 [Sq] o's row per query row; do's tile copy
+    IN_MAPPED: tl.constexpr = False,
 ):  # fmt: skip
     """``delta = rowsum(o * do)`` and the base-2 lse, with ``-inf`` (rows that attended to
     nothing) turned into ``+inf`` so that their probabilities recompute to 0.
 
     ``PROLOGUE`` undoes the forward's epilogue: from the stored output it recovers the
     engine's own ``o`` (and may zero ``do`` or set ``lse2 = +inf`` on rows that carry no
-    gradient), and it may form the epilogue's own gradients from this one read of ``do``."""
+    gradient), and it may form the epilogue's own gradients from this one read of ``do``.
+
+    ``IN_MAPPED``: o and do are in the caller's row order (the forward stored o there,
+    ``GradTargets.output``): query row r's are read at row ``IN_ROWS[r]`` (-1: zeros), and do
+    is written in the engine's order to ``DO_T`` (contiguous ``[B, H, Sq, D]``, do's dtype)
+    for the gradient kernels, which read it by TMA."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
+    if IN_MAPPED:
+        src = tl.load(IN_ROWS + offs_m)  # [BM]
+        real = (src >= 0)[:, None]
+        src = tl.maximum(src, 0).to(tl.int64)
+        o = tl.load(O + b * stride_ob + h * stride_oh + src[:, None] * stride_os + offs_d[None, :] * stride_od,
+                    mask=real, other=0.0)  # fmt: skip
+        do = tl.load(DO + b * stride_dob + h * stride_doh + src[:, None] * stride_dos + offs_d[None, :] * stride_dod,
+                     mask=real, other=0.0)  # fmt: skip
+        tl.store(DO_T + (pid_bh.to(tl.int64) * Sq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], do)
+    else:
+        o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
+        do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
     o = o.to(tl.float32)  # [BM, D]
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
     do = do.to(tl.float32)  # [BM, D]
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse = tl.load(LSE + row)

@@ -6,6 +6,8 @@ folded into the scale). With key-block sizes the list comes full blocks first an
 up to four loops (``lists.blocks_by_size``): the full blocks unmasked, then the partial ones
 masked, those that fit in ``TAIL1`` or ``TAIL2`` rows with that many rows (smaller dots).
 Before the one store of ``o`` the kernels call the declared epilogue (``../epilogue.py``).
+``OUT_MAPPED``: o is stored in the caller's row order, each row at the row ``O_ROWS`` gives
+(-1: nowhere), by pointers (``GradTargets.output``); lse stays in the engine's order.
 
 Memory safety whatever the lists hold (the public entry validates them, but a list written
 behind its validation's back is not seen): on the caller's own lists (``CHECK_LISTS``: no
@@ -22,7 +24,7 @@ Triton's tensor-descriptor ``load`` has no eviction argument.
 import triton
 import triton.language as tl
 
-from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, walk_ends
+from vidsparse.ops.block_sparse_attn.kernels.common import load_rows, store_mapped_rows, walk_ends
 
 
 @triton.jit
@@ -161,6 +163,7 @@ def _finish_rows(acc, m_i, l_i):
 @triton.jit
 def block_sparse_attn_fwd_kernel(
     Q, K, V, O, LSE,  # q [B, H, Sq, D]; k, v [B, H, Skv, D]; o like q; lse fp32 [B, H, Sq]
+    O_ROWS,  # OUT_MAPPED: int32 [Sq], o's row for each query row (-1: none)
     KV_IDX, KV_CNT, KV_SIZES,  # int32 [Bi, H, NQ, K], [Bi, H, NQ], [NK] (unused unless HAS_KV_SIZES)
     KV_ENDS, stride_eb, stride_eh, stride_eq,  # HAS_KV_SIZES: int32 [Bi, H, NQ, 3], the walks' ends
     stride_qb, stride_qh, stride_qs, stride_qd,
@@ -178,6 +181,7 @@ def block_sparse_attn_fwd_kernel(
     HAS_KV_SIZES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     CHECK_LISTS: tl.constexpr,  # the caller's own lists: clamp counts, check every entry
     EVICT_STREAMED: tl.constexpr, EVICT_RESIDENT: tl.constexpr,  # K, V and Q loads' hints
+    OUT_MAPPED: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -222,15 +226,20 @@ def block_sparse_attn_fwd_kernel(
                                           CHECK_LISTS, EVICT_STREAMED)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
-    o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     acc = EPILOGUE(acc, b, h, pid_m, offs_m, tl.arange(0, BLOCK_M), offs_d, *epilogue_args)
-    tl.store(O + o_offs, acc.to(O.dtype.element_ty))
+    if OUT_MAPPED:
+        store_mapped_rows(O, b, h, offs_m, offs_d, stride_ob, stride_oh, stride_os, stride_od,
+                          acc, offs_m >= 0, O_ROWS)  # fmt: skip
+    else:
+        o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
+        tl.store(O + o_offs, acc.to(O.dtype.element_ty))
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
 
 
 @triton.jit
 def block_sparse_attn_fwd_tma_kernel(
     desc_q, desc_k, desc_v, desc_o, LSE,  # 4-D tensor descriptors over [B, H, S, D]
+    mapped_out,  # OUT_MAPPED: (O, O_ROWS, o's four strides): o stored by pointers, not desc_o
     desc_k1, desc_v1, desc_k2, desc_v2,  # K, V in TAIL1- and TAIL2-row boxes (unused where 0)
     KV_IDX, KV_CNT, KV_SIZES,
     KV_ENDS, stride_eb, stride_eh, stride_eq,
@@ -243,7 +252,7 @@ def block_sparse_attn_fwd_tma_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     TAIL1: tl.constexpr, TAIL2: tl.constexpr,
     HAS_KV_SIZES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    CHECK_LISTS: tl.constexpr,
+    CHECK_LISTS: tl.constexpr, OUT_MAPPED: tl.constexpr = False,
 ):
     """Hopper variant: tiles move by the bulk-copy engine (TMA)."""
     pid_m = tl.program_id(0)
@@ -282,5 +291,10 @@ def block_sparse_attn_fwd_tma_kernel(
     offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     acc = EPILOGUE(acc, b.to(tl.int64), h.to(tl.int64), pid_m, offs_m, tl.arange(0, BLOCK_M),
                    tl.arange(0, HEAD_DIM), *epilogue_args)
-    desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
+    if OUT_MAPPED:
+        O, O_ROWS, stride_ob, stride_oh, stride_os, stride_od = mapped_out
+        store_mapped_rows(O, b.to(tl.int64), h.to(tl.int64), offs_m, tl.arange(0, HEAD_DIM),
+                          stride_ob, stride_oh, stride_os, stride_od, acc, offs_m >= 0, O_ROWS)
+    else:
+        desc_o.store([b, h, pid_m * BLOCK_M, 0], acc.to(desc_o.dtype).reshape(1, 1, BLOCK_M, HEAD_DIM))
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)

@@ -333,19 +333,31 @@ def _short_walk(
 
 
 @gluon.jit
+def _store_mapped(o, b, h, rows, dims, mapped_out):
+    """o [64, D] (rows and dims in its slice layouts) stored by pointers, each row at the row
+    ``O_ROWS`` gives (-1: nowhere): o in the caller's own row order (``OUT_MAPPED``)."""
+    O, O_ROWS, stride_ob, stride_oh, stride_os, stride_od = mapped_out
+    dest = gl.load(O_ROWS + rows)  # [64]
+    row_offs = gl.expand_dims(dest.to(gl.int64) * stride_os, 1)  # [64, 1]
+    ptrs = O + b * stride_ob + h * stride_oh + row_offs + gl.expand_dims(dims * stride_od, 0)
+    gl.store(ptrs, o.to(O.dtype.element_ty), mask=gl.expand_dims(dest >= 0, 1))
+
+
+@gluon.jit
 def _consumer(
     desc_o, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
     LSE, count, ends, idx_row, stride_ik, KV_SIZES, q_row, qk_scale, valid, b, h, q_block,
     block_row0, EPILOGUE: gl.constexpr, epilogue_args, ME: gl.constexpr, Q_INDEX: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     P_IN_SMEM: gl.constexpr, HAS_KV_SIZES: gl.constexpr, TAIL1: gl.constexpr,
-    TAIL2: gl.constexpr,
+    TAIL2: gl.constexpr, mapped_out, OUT_MAPPED: gl.constexpr,
 ):  # fmt: skip
     """64 query rows, ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 * Q_INDEX``): the
     online softmax over every listed key block (with ``HAS_KV_SIZES`` the first ``ends[0]``
     unmasked, the rest masked; with short walks, ``TAIL1``, the blocks from ``ends[1]`` on with
     ``TAIL1`` and from ``ends[2]`` on with ``TAIL2`` keys: ``_list_of``), then o (q's dtype,
-    by TMA through its Q buffer) and lse (fp32),
+    by TMA through its Q buffer; with ``OUT_MAPPED`` by pointers through the row map of
+    ``mapped_out``: ``_store_mapped``) and lse (fp32),
     stored only if ``valid``, after the declared ``EPILOGUE`` (query block ``q_block`` of
     (b, h), whose first row is ``block_row0``). ``ME`` names the consumer for the ping-pong
     turns."""
@@ -439,11 +451,15 @@ def _consumer(
                      local_rows, dims, *epilogue_args)  # fmt: skip
         offs = q_row + Q_INDEX * M + gl.arange(0, M, layout=row_layout)  # [64] global rows
         gl.store(LSE + offs, lse)
-        # Q is dead (every Q K^T has completed): its buffer stages o for a TMA store.
-        q.store(o.to(q.dtype))
-        fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
-        tma.async_copy_shared_to_global(desc_o, [q_row + Q_INDEX * M, 0], q)
-        tma.store_wait(pendings=0)
+        if OUT_MAPPED:
+            _store_mapped(o, b.to(gl.int64), h.to(gl.int64), block_row0 + local_rows, dims,
+                          mapped_out)  # fmt: skip
+        else:
+            # Q is dead (every Q K^T has completed): its buffer stages o for a TMA store.
+            q.store(o.to(q.dtype))
+            fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+            tma.async_copy_shared_to_global(desc_o, [q_row + Q_INDEX * M, 0], q)
+            tma.store_wait(pendings=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -498,6 +514,7 @@ def block_sparse_attn_fwd_gluon_kernel(
     desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o blocks [64, D], k/v [BN, D]
     desc_k1, desc_v1, desc_k2, desc_v2,  # TAIL1: k/v in boxes [TAIL1, D], [TAIL2, D]
     LSE,  # fp32 [B, H, Sq]
+    mapped_out,  # OUT_MAPPED: (O, O_ROWS int32 [Sq], o's four strides), o stored by pointers
     KV_IDX, KV_CNT,  # int32 [Bi, H, NQ, K], [Bi, H, NQ]
     KV_SIZES, KV_ENDS,  # HAS_KV_SIZES: int32 [NK] real keys per block; [Bi, H, NQ, 3] ends
     stride_ib, stride_ih, stride_iq, stride_ik,  # stride_ib == 0 when lists broadcast over batch
@@ -509,7 +526,7 @@ def block_sparse_attn_fwd_gluon_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr, TAIL1: gl.constexpr, TAIL2: gl.constexpr,
     STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OUT_MAPPED: gl.constexpr = False,
 ):  # fmt: skip
     """A 128-row query block per program: one list, one K/V ring, its two 64-row halves on
     the two consumer warpgroups (ping-pong). ``TAIL1``, ``TAIL2``: the rows of the short walks
@@ -573,13 +590,13 @@ def block_sparse_attn_fwd_gluon_kernel(
                          KV_SIZES, q_row, qk_scale, valid, b, h, pid_m, pid_m * BLOCK_M,
                          EPILOGUE, epilogue_args, gl.constexpr(0), gl.constexpr(0), BLOCK_N,
                          HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES, TAIL1,
-                         TAIL2)),  # default partition: rows 0-63
+                         TAIL2, mapped_out, OUT_MAPPED)),  # default partition: rows 0-63
             (_consumer, (desc_o, q_smem, k_smem, v_smem, p_smem1, q_bar, k_ready, v_ready,
                          k_empty, v_empty, turn_bars, LSE, count, ends, idx_row, stride_ik,
                          KV_SIZES, q_row, qk_scale, valid, b, h, pid_m, pid_m * BLOCK_M,
                          EPILOGUE, epilogue_args, gl.constexpr(1), gl.constexpr(1), BLOCK_N,
                          HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES, TAIL1,
-                         TAIL2)),  # rows 64-127
+                         TAIL2, mapped_out, OUT_MAPPED)),  # rows 64-127
             (_loader, (desc_q, desc_k, desc_v, tail_descs, q_smem, k_smem, v_smem, q_bar,
                        k_ready, v_ready, k_empty, v_empty, idx_row, stride_ik, count, ends,
                        q_row, kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(2), TAIL1, TAIL2)),
@@ -593,7 +610,7 @@ def block_sparse_attn_fwd_gluon_kernel(
 def block_sparse_attn_fwd_gluon_tiles_kernel(
     desc_q, desc_k, desc_v, desc_o,  # TMA over [B*H*S, D]: q/o and k/v blocks [64, D]
     desc_k1, desc_v1, desc_k2, desc_v2,
-    LSE,
+    LSE, mapped_out,
     KV_IDX, KV_CNT, KV_SIZES, KV_ENDS,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
@@ -604,7 +621,7 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr, TAIL1: gl.constexpr, TAIL2: gl.constexpr,
     STAGES: gl.constexpr, PINGPONG: gl.constexpr, P_IN_SMEM: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, OUT_MAPPED: gl.constexpr = False,
 ):  # fmt: skip
     """Two 64-row query blocks per program (video tiles: 2 * pid and 2 * pid + 1), each with
     its own list, K/V ring and loader warp, one per consumer warpgroup. The consumers do not
@@ -672,13 +689,15 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
                          idx_row0, stride_ik, KV_SIZES, q_row0, qk_scale, valid0, b, h, block0,
                          block0 * BLOCK_M, EPILOGUE, epilogue_args, gl.constexpr(0),
                          gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False),
-                         gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2)),
+                         gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2, mapped_out,
+                         OUT_MAPPED)),
             (_consumer, (desc_o, q_smem1, k_smem1, v_smem1, p_unused, q_bar1, k_ready1,
                          v_ready1, k_empty1, v_empty1, turn_unused, LSE, count1, ends1,
                          idx_row1, stride_ik, KV_SIZES, q_row1, qk_scale, valid1, b, h, block1,
                          block1 * BLOCK_M, EPILOGUE, epilogue_args, gl.constexpr(1),
                          gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False),
-                         gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2)),
+                         gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2, mapped_out,
+                         OUT_MAPPED)),
             (_loader, (desc_q, desc_k, desc_v, tail_descs, q_smem0, k_smem0, v_smem0,
                        q_bar0, k_ready0, v_ready0, k_empty0, v_empty0, idx_row0, stride_ik,
                        count0, ends0, q_row0, kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1),
