@@ -75,11 +75,13 @@ def block_sparse_attn_bwd_preprocess_kernel(
         do = tl.load(DO + b * stride_dob + h * stride_doh + src[:, None] * stride_dos + offs_d[None, :] * stride_dod,
                      mask=real, other=0.0)  # fmt: skip
         tl.store(DO_T + (pid_bh.to(tl.int64) * Sq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], do)
+        o = o.to(tl.float32)  # [BM, D]
+        do = do.to(tl.float32)  # [BM, D]
     else:
         o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od)
+        o = o.to(tl.float32)  # [BM, D]
         do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod)
-    o = o.to(tl.float32)  # [BM, D]
-    do = do.to(tl.float32)  # [BM, D]
+        do = do.to(tl.float32)  # [BM, D]
     row = pid_bh.to(tl.int64) * Sq + offs_m
     lse = tl.load(LSE + row)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)

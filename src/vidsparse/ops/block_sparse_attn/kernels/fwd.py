@@ -226,12 +226,12 @@ def block_sparse_attn_fwd_kernel(
                                           CHECK_LISTS, EVICT_STREAMED)  # fmt: skip
 
     acc, lse = _finish_rows(acc, m_i, l_i)
+    o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
     acc = EPILOGUE(acc, b, h, pid_m, offs_m, tl.arange(0, BLOCK_M), offs_d, *epilogue_args)
     if OUT_MAPPED:
         store_mapped_rows(O, b, h, offs_m, offs_d, stride_ob, stride_oh, stride_os, stride_od,
                           acc, offs_m >= 0, O_ROWS)  # fmt: skip
     else:
-        o_offs = b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od
         tl.store(O + o_offs, acc.to(O.dtype.element_ty))
     tl.store(LSE + pid_bh.to(tl.int64) * Sq + offs_m, lse)
 
