@@ -9,7 +9,8 @@
 #   same with all blocks (does the whole model fit?), JSON under $OUT;
 #   e2e-train|e2e-train-14b: the training step (fwd+bwd, gradient checkpointing) of Wan 2.1
 #   1.3B 480p / 14B 720p (4 blocks), dense vs VSA 0.875/0.9 with gate (e2e_train_*_h200.json);
-#   e2e-train-compiled: the 1.3B step compiled (compile_for_training);
+#   e2e-train-compiled: the 1.3B step compiled (compile_for_training); e2e-train-compiled-out-rows:
+#   the same with configs.override(out_rows=True) (benchmarks/tuning/bench_with_override.py);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -87,6 +88,9 @@ for what in "$@"; do
       --out "$OUT/e2e_train_h200.json" ;;
     e2e-train-compiled) step e2e_train_compiled 270 python3 -m vidsparse.bench e2e --train \
       --compile blocks --out "$OUT/e2e_train_compiled_h200.json" ;;
+    e2e-train-compiled-out-rows) step e2e_train_compiled_out_rows 270 \
+      python3 benchmarks/tuning/bench_with_override.py out_rows=true -- e2e --train \
+      --compile blocks --out "$OUT/e2e_train_compiled_out_rows_h200.json" ;;
     train-vsa-*-compiled)  # one arm a call: ~5 minutes each (fine-tunes: after dense, warm)
       arm=${what#train-vsa-}; arm=${arm%-compiled}
       case $arm in

@@ -149,7 +149,7 @@ GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with
-# 8 warps: with VSA's combine prologue at D=128 the default 4 hold 252 registers a thread
+# 8 warps: with the heaviest epilogue prologue at D=128 the default 4 hold 252 registers a thread
 # already, and the mapped reads pushed cuda:100 (Triton 3.8) into a 24-byte spill. The
 # preprocess in the engine's own order keeps the default launch it was timed with.
 PREPROCESS_MAPPED_WARPS = 8

@@ -1,0 +1,65 @@
+"""Run one ``vidsparse.bench`` command under ``configs.override(...)``: a whole benchmark
+measured with a tuning switch set, before that switch becomes the library's default (e.g. the
+compiled training step's time and peak memory with o stored through the token map)::
+
+    PYTHONPATH=src python benchmarks/tuning/bench_with_override.py out_rows=true -- \\
+        e2e --train --compile blocks --out out/e2e_train_compiled_out_rows.json
+
+Each ``name=value`` before ``--`` is a field of ``configs.Overrides`` (``true``/``false``,
+integers, or ``none``); what follows ``--`` is the bench command line. The JSON the command
+writes (its ``--out``) gets the overrides in its ``meta``, so the file says what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+_WORDS = {"true": True, "false": False, "none": None}
+
+
+def parse_overrides(pairs: list[str]) -> dict:
+    """``{"out_rows": True, ...}`` from ``["out_rows=true", ...]``."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    fields = set(configs.Overrides.__dataclass_fields__)
+    out = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(
+                f"not a configs.Overrides field=value: {pair!r} (fields: {sorted(fields)})"
+            )
+        out[name] = _WORDS[value.lower()] if value.lower() in _WORDS else int(value)
+    return out
+
+
+def _out_path(argv: list[str]) -> Path | None:
+    if "--out" in argv and argv.index("--out") + 1 < len(argv):
+        return Path(argv[argv.index("--out") + 1])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        raise SystemExit(__doc__)
+    split = argv.index("--")
+    overrides, command = parse_overrides(argv[:split]), argv[split + 1 :]
+    from vidsparse.bench.runner import main as bench_main
+    from vidsparse.ops.block_sparse_attn import configs
+
+    print(f"configs.override({overrides})", flush=True)
+    with configs.override(**overrides):
+        code = bench_main(command)
+    out = _out_path(command)
+    if out is not None and out.is_file():
+        payload = json.loads(out.read_text())
+        payload["meta"]["overrides"] = overrides
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
