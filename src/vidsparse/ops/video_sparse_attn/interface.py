@@ -368,7 +368,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         rows_dropped=not tiled,
         grads_to=grads_to,
         gate_rows=rows,
-    )  # [B, H, P, D]
+    )  # [B, H, P, D]; with grads_to.output in q's order and layout, [B, H, S, D]
     if not tiled and not (grads_to is not None and grads_to.output):
         o = untile_output(o, grid, q if not text_tokens else None)
     if not text_tokens:
