@@ -31,7 +31,7 @@ from vidsparse.ops.block_sparse_attn.epilogue import (
     gluon_fn,
     register_epilogue,
 )
-from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets, scatter_rows
+from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets, gather_rows, scatter_rows
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, coarse_grad_dtype
 from vidsparse.ops.video_sparse_attn.reference import tile_means_bwd
@@ -372,9 +372,7 @@ class CoarseCombine(Epilogue):
         """The gate in the engine's rows (through ``gate_rows``: 0 on padding rows)."""
         if self.gate_rows is None:
             return self.gate.to(dtype)
-        rows = self.gate_rows.long()
-        gate = self.gate.to(dtype).index_select(2, rows.clamp(min=0))
-        return gate.masked_fill((rows < 0).view(1, 1, -1, 1), 0)
+        return gather_rows(self.gate.to(dtype), self.gate_rows)
 
     def _to_gate_rows(self, d_gate: torch.Tensor) -> torch.Tensor:
         """d gate from the engine's rows to the gate's (padding rows have none)."""
