@@ -11,6 +11,7 @@
 #   1.3B 480p / 14B 720p (4 blocks), dense vs VSA 0.875/0.9 with gate (e2e_train_*_h200.json);
 #   e2e-train-compiled: the 1.3B step compiled (compile_for_training); e2e-train-compiled-out-rows:
 #   the same with configs.override(out_rows=True) (benchmarks/tuning/bench_with_override.py);
+#   vsa-out-rows: bench vsa under the same override;
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -91,6 +92,8 @@ for what in "$@"; do
     e2e-train-compiled-out-rows) step e2e_train_compiled_out_rows 270 \
       python3 benchmarks/tuning/bench_with_override.py out_rows=true -- e2e --train \
       --compile blocks --out "$OUT/e2e_train_compiled_out_rows_h200.json" ;;
+    vsa-out-rows) step vsa_out_rows 540 python3 benchmarks/tuning/bench_with_override.py \
+      out_rows=true -- vsa --out "$OUT/vsa_out_rows_h200.json" ;;
     train-vsa-*-compiled)  # one arm a call: ~5 minutes each (fine-tunes: after dense, warm)
       arm=${what#train-vsa-}; arm=${arm%-compiled}
       case $arm in

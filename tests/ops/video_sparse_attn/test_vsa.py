@@ -233,10 +233,18 @@ def _out_rows_arms(device, dtype, grid, D, topk, monkeypatch):
     return arms
 
 
-def _check_out_rows(arms):
+def _check_out_rows(arms, grads_rounded=False):
+    """o (and the gradients, unless ``grads_rounded``) the same bits in both arms; rounded
+    gradients: each element within 2 units of its dtype's eps of the other arm's, relative to
+    the element or to the tensor's largest."""
     stored, untiled = arms
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), stored, untiled):
-        assert torch.equal(a, b), name
+        if name == "o" or not grads_rounded:
+            assert torch.equal(a, b), name
+        else:
+            eps = torch.finfo(a.dtype).eps
+            torch.testing.assert_close(a, b, rtol=2 * eps, atol=2 * eps * b.abs().max().item(),
+                                       msg=name)  # fmt: skip
     assert stored[0].transpose(1, 2).is_contiguous()  # q's [B, S, H, D] storage
 
 
@@ -253,8 +261,19 @@ def test_vsa_output_stored_in_natural_order_equals_untiling(triton_backend, monk
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("preprocess_warps", ["plain", "library"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_vsa_gpu_output_stored_in_natural_order_equals_untiling(dtype, monkeypatch):
-    """The same on the GPU at D=128 (the Gluon forward's mapped store, the int8 residual)."""
+def test_vsa_gpu_output_stored_in_natural_order_equals_untiling(dtype, preprocess_warps,
+                                                                 monkeypatch):  # fmt: skip
+    """The same on the GPU at D=128 (the Gluon forward's mapped store, the int8 residual).
+    The preprocess reading o and dO through the map launches with
+    ``configs.PREPROCESS_MAPPED_WARPS`` (8) where the engine-order one takes 4: its row sums
+    of o * dO then add in another order, so the gradients may differ in their last bits
+    ("library"). Launched with 4 ("plain") the two arms give the same bits."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    if preprocess_warps == "plain":
+        monkeypatch.setattr(configs, "PREPROCESS_MAPPED_WARPS", 4)
     grid = vidsparse.VideoGrid((9, 14, 22))
-    _check_out_rows(_out_rows_arms("cuda", dtype, grid, 128, 9, monkeypatch))
+    arms = _out_rows_arms("cuda", dtype, grid, 128, 9, monkeypatch)
+    _check_out_rows(arms, grads_rounded=preprocess_warps == "library")

@@ -341,8 +341,8 @@ class Overrides:
     grad_rows: bool = True
     # True (with grad_rows): such callers also take o in their own row order, stored by the
     # forward's kernels through the q map (``GradTargets.output``), instead of untiling a
-    # tile-order o. Off until timed on the GPU against the untiling it replaces.
-    out_rows: bool = False
+    # tile-order o (no tile-order o is kept for the backward: benchmarks/NOTES.md).
+    out_rows: bool = True
     gluon: GluonOptions | None = None
 
 
