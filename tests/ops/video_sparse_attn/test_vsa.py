@@ -244,7 +244,7 @@ def _check_out_rows(arms, grads_rounded=False):
         else:
             eps = torch.finfo(a.dtype).eps
             torch.testing.assert_close(a, b, rtol=2 * eps, atol=2 * eps * b.abs().max().item(),
-                                       msg=name)  # fmt: skip
+                                       msg=lambda m, name=name: f"{name}: {m}")  # fmt: skip
     assert stored[0].transpose(1, 2).is_contiguous()  # q's [B, S, H, D] storage
 
 
