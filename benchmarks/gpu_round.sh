@@ -11,7 +11,10 @@
 #   1.3B 480p / 14B 720p (4 blocks), dense vs VSA 0.875/0.9 with gate (e2e_train_*_h200.json);
 #   e2e-train-compiled: the 1.3B step compiled (compile_for_training); e2e-train-compiled-out-rows:
 #   the same with configs.override(out_rows=True) (benchmarks/tuning/bench_with_override.py);
-#   vsa-out-rows: bench vsa under the same override;
+#   vsa-out-rows: bench vsa under the same override; e2e-train-compiled-gate-tensor: the VSA
+#   rows of that step with the gate handed to the op as a tensor (bench_gate_tensor.py), the
+#   A/B of GateProjection; gate-projection-tests: its GPU tests, the compiled training test,
+#   VSA's out-rows test and the Gluon backward's;
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -92,6 +95,14 @@ for what in "$@"; do
     e2e-train-compiled-out-rows) step e2e_train_compiled_out_rows 270 \
       python3 benchmarks/tuning/bench_with_override.py out_rows=true -- e2e --train \
       --compile blocks --out "$OUT/e2e_train_compiled_out_rows_h200.json" ;;
+    e2e-train-compiled-gate-tensor) step e2e_train_compiled_gate_tensor 200 \
+      python3 benchmarks/tuning/bench_gate_tensor.py -- e2e --train --compile blocks \
+      --methods vsa --vsa-sparsities 0.875 --out "$OUT/e2e_train_compiled_gate_tensor_h200.json" ;;
+    gate-projection-tests) step gate_projection_tests 240 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/ops/video_sparse_attn/test_gate_projection.py \
+      tests/integrations/test_diffusers_compile_training.py \
+      tests/ops/video_sparse_attn/test_vsa.py::test_vsa_gpu_output_stored_in_natural_order_equals_untiling \
+      tests/ops/block_sparse_attn/test_gluon_bwd.py ;;
     vsa-out-rows) step vsa_out_rows 540 python3 benchmarks/tuning/bench_with_override.py \
       out_rows=true -- vsa --out "$OUT/vsa_out_rows_h200.json" ;;
     train-vsa-*-compiled)  # one arm a call: ~5 minutes each (fine-tunes: after dense, warm)

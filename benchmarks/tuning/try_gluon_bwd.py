@@ -89,7 +89,7 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
     scale = D**-0.5
     pf = sizes is not None  # VSA's padding keys are finite (zeros of the tiling)
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale, padding_finite=pf)
-    delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
     q_off, q_idx = cached_transpose(idx, cnt, S // bs)
 
     def triton_bwd(fused=None):

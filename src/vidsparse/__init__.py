@@ -19,6 +19,7 @@ _EXPORTS = {
     "VideoGrid": "vidsparse.layout",
     "StripeSpec": "vidsparse.masks.stripe",
     "stripe_block_mask": "vidsparse.masks.stripe",
+    "GateProjection": "vidsparse.ops.video_sparse_attn",  # VSA's gate, formed in the op
     # VSA's coarse-stage primitives, for composing other methods
     "block_mean": "vidsparse.ops.video_sparse_attn",
     "topk_lists": "vidsparse.ops.video_sparse_attn",

@@ -267,6 +267,33 @@ def test_video_sparse_attn_fullgraph_triton_interpreter(triton_backend, text_tok
         torch.testing.assert_close(g, w)
 
 
+@pytest.mark.slow
+def test_video_sparse_attn_gate_projection_fullgraph_triton_interpreter(triton_backend):
+    """A ``GateProjection`` (its tensors the engine's epilogue slots, its gradients the
+    backward op's) compiles without a graph break and gives the eager values and gradients."""
+    _need_triton_interpreter()
+    grid = VideoGrid((4, 4, 6), (2, 2, 4))
+    q, k, v = (torch.randn(1, 2, grid.num_tokens, 16, requires_grad=True) for _ in range(3))
+    x = torch.randn(1, grid.num_tokens, 12, requires_grad=True)
+    weight, bias = torch.randn(32, 12, requires_grad=True), torch.randn(32, requires_grad=True)
+    leaves = (q, k, v, x, weight, bias)
+
+    def f(q, k, v, x, weight, bias):
+        gate = vidsparse.GateProjection(x, weight, bias)
+        return vidsparse.video_sparse_attn(q, k, v, grid, topk=2, gate=gate)
+
+    explained = torch._dynamo.explain(f)(*leaves)
+    assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got, want = compiled(*leaves), f(*leaves)
+    torch.testing.assert_close(got, want)
+    grads = torch.autograd.grad(got.square().sum(), leaves)
+    grads_eager = torch.autograd.grad(want.square().sum(), leaves)
+    for g, w in zip(grads, grads_eager):
+        torch.testing.assert_close(g, w)
+
+
 # ----------------------------------------------------------------------------- VideoGrid
 
 

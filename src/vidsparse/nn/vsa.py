@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from vidsparse.layout.grid import VideoGrid
+from vidsparse.ops.video_sparse_attn.gate import GateProjection
 from vidsparse.ops.video_sparse_attn.interface import video_sparse_attn
 from vidsparse.utils.checks import check_positive_int, check_scale
 
@@ -66,6 +67,42 @@ def _zero_(linear: nn.Linear) -> None:
     nn.init.zeros_(linear.weight)
     if linear.bias is not None:
         nn.init.zeros_(linear.bias)
+
+
+_AUTOCAST_INPUTS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _forward_is_hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs more than its class's ``forward``: torch hooks, or a
+    forward replaced on the instance (diffusers' and accelerate's hooks wrap it so)."""
+    return bool(
+        "forward" in module.__dict__
+        or module._forward_hooks
+        or module._forward_pre_hooks
+        or nn.modules.module._global_forward_hooks
+        or nn.modules.module._global_forward_pre_hooks
+    )
+
+
+def linear_projection(
+    linear: nn.Linear, hidden_states: torch.Tensor, dtype
+) -> GateProjection | None:
+    """``linear(hidden_states)`` as a :class:`GateProjection` whose gate is the value
+    ``linear(hidden_states).to(dtype)`` has (its inputs cast as ``F.linear`` under autocast
+    casts them, the parameters moved to the input's device); None where that product is
+    formed in another dtype than ``dtype`` (then pass the tensor)."""
+    device = hidden_states.device
+    if torch.is_autocast_enabled(device.type):
+        if hidden_states.dtype not in _AUTOCAST_INPUTS:
+            return None
+        compute = torch.get_autocast_dtype(device.type)
+    else:
+        compute = hidden_states.dtype
+    if compute != dtype:
+        return None
+    target = {"device": device, "dtype": compute}
+    bias = None if linear.bias is None else linear.bias.to(**target)
+    return GateProjection(hidden_states.to(**target), linear.weight.to(**target), bias)
 
 
 class VideoSparseAttention(_Sparsity, nn.Module):
@@ -146,7 +183,8 @@ class VideoSparseAttention(_Sparsity, nn.Module):
         """
         self._check_heads(q)
         sparsity = self.sparsity if sparsity is None else check_sparsity("sparsity", sparsity)
-        gate = 0 if hidden_states is None else self.gate(hidden_states, q)  # 0: fine stage
+        # 0: the fine stage alone
+        gate = 0 if hidden_states is None else self._gate_for_op(hidden_states, q)
         return video_sparse_attn(
             q, k, v, grid, sparsity=sparsity, gate=gate, tiled=tiled, scale=self.scale
         )
@@ -160,6 +198,15 @@ class VideoSparseAttention(_Sparsity, nn.Module):
         gate = self.gate_proj(hidden_states)  # [B, S, H * D]
         gate = gate.view(B, S, self.heads, self.head_dim).transpose(1, 2)  # [B, H, S, D]
         return gate.to(q.dtype)
+
+    def _gate_for_op(self, hidden_states: torch.Tensor, q: torch.Tensor):
+        """The gate as the op takes it: its projection, which the op forms and does not keep
+        for the backward (``GateProjection``), else the tensor."""
+        self._check_hidden_states(hidden_states, q)
+        projection = None
+        if not _forward_is_hooked(self.gate_proj):
+            projection = linear_projection(self.gate_proj, hidden_states, q.dtype)
+        return projection if projection is not None else self.gate(hidden_states, q)
 
     def _check_heads(self, q: torch.Tensor) -> None:
         if not isinstance(q, torch.Tensor) or q.ndim != 4:
@@ -245,6 +292,15 @@ class VSAGate(_Sparsity, nn.Linear):
     def reset_parameters(self) -> None:
         """Zero weight and bias: the fine stage alone."""
         _zero_(self)
+
+    def projection(self, hidden_states: torch.Tensor, dtype) -> GateProjection | None:
+        """The gate ``self(hidden_states).to(dtype)`` as a :class:`GateProjection` for
+        :func:`video_sparse_attn`, which forms it and keeps no gate for the backward (see
+        :func:`linear_projection`). None where the module must run as a module: its forward
+        wrapped or hooked (offloading, layerwise casting) or its weight not materialised."""
+        if self.weight.is_meta or _forward_is_hooked(self):
+            return None
+        return linear_projection(self, hidden_states, dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias

@@ -57,7 +57,7 @@ def _gluon_and_triton(q, k, v, do, idx, cnt, sizes, bs):
     scale = D**-0.5
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale,
                                        padding_finite=True)  # fmt: skip
-    delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
     q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
 
     def gluon():
@@ -126,7 +126,7 @@ def test_gpu_gluon_dq_matches_reference_and_triton(dtype, padded, bs, scale):
     q, k, v, do, idx, cnt, sizes = _problem(bs, dtype, padded, scale=scale, seed=5)
     sc = D**-0.5
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
-    delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
     dq_t, _, _ = bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, sc,
                                            padding_finite=True)  # fmt: skip
     torch.full_like(q, float("nan"))  # freed: the launcher's torch.empty_like may reuse it

@@ -103,10 +103,9 @@ def test_gate_zero_reads_no_gate_keeps_no_residual_and_skips_the_coarse_backward
     seen = []
     original = fine.CoarseCombine.__init__
 
-    def spy(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, gate_rows=None, *,
-            spec=""):  # fmt: skip
+    def spy(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, *rest, spec=""):
         seen.append((gate, pooled, spec))
-        original(self, o_coarse, gate, q_block_sizes, pooled, gate_rows, spec=spec)
+        original(self, o_coarse, gate, q_block_sizes, pooled, *rest, spec=spec)
 
     monkeypatch.setattr(fine.CoarseCombine, "__init__", spy)
     q, k, v = _qkv(GRID.num_tokens)

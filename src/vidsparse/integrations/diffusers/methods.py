@@ -191,7 +191,7 @@ class _VSA(_SparseMethod):
     def attend_sharded(self, q, k, v, call, ulysses):
         # The gate projection reads this rank's hidden-state shard: a sequence shard like q,
         # exchanged with q, k, v.
-        gate, sparsity = self._gate(q.transpose(1, 2), call, 0)
+        gate, sparsity = self._gate(q.transpose(1, 2), call, 0, projected=False)
         return ulysses.video_sparse_attn(
             q,
             k,
@@ -203,12 +203,18 @@ class _VSA(_SparseMethod):
             scale=call.scale,
         )
 
-    def _gate(self, q, call, text_tokens):
+    def _gate(self, q, call, text_tokens, projected=True):
         """``(gate [B, H, S, D], sparsity)`` for q ``[B, H, S, D]``; gate 0 without a gate
-        module (the fine stage alone, as a zero gate gives, at no gate's cost)."""
+        module (the fine stage alone, as a zero gate gives, at no gate's cost). Without text
+        (and ``projected``) the gate goes as its projection where it can: the op forms it
+        and keeps none for the backward (``vidsparse.GateProjection``)."""
         module = getattr(call.attn, _GATE_REF, None) if self.gate else None
         if module is None:
             return 0, self.sparsity
+        if projected and not text_tokens:
+            projection = module.projection(call.hidden_states, q.dtype)
+            if projection is not None:
+                return projection, module.sparsity
         # The gate reads the video stream (HunyuanVideo's attention gets the video tokens as
         # hidden_states, the text separately); text rows have no coarse term, so their gate
         # rows are zeros that video_sparse_attn ignores.

@@ -42,7 +42,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-MAX_TENSORS = 5
+MAX_TENSORS = 7
 SPEC_SEPARATOR = "|"
 
 

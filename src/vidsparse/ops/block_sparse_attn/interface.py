@@ -305,7 +305,7 @@ def check_triton_blocks(block_q: int, block_kv: int) -> None:
 
 
 # --------------------------------------------------------------------------- custom ops
-# The epilogue travels as its registered name and MAX_TENSORS optional tensors (e0..e4); the
+# The epilogue travels as its registered name and MAX_TENSORS optional tensors (e0..e6); the
 # tensor it keeps for the backward (Epilogue.forward_saved) is a third forward output, empty
 # where it keeps none.
 
@@ -343,6 +343,8 @@ def _block_sparse_attn_fwd_op(
     e2: torch.Tensor | None,
     e3: torch.Tensor | None,
     e4: torch.Tensor | None,
+    e5: torch.Tensor | None,
+    e6: torch.Tensor | None,
     gq: torch.Tensor | None = None,
     gk: torch.Tensor | None = None,
     gv: torch.Tensor | None = None,
@@ -353,7 +355,7 @@ def _block_sparse_attn_fwd_op(
     """``(o, lse, the epilogue's saved tensor)``. ``gq`` .. ``kv_rows``: ``GradTargets``
     (read by the backward only); ``out_rows``: o in gq's order and layout
     (``GradTargets.output``)."""
-    ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4))
+    ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6))
     saved = _forward_saved(ep, q)
     out_to = _output_rows(gq, gk, q_rows, kv_rows, out_rows)
     if _nothing_to_attend(q, k, block_kv, epilogue):
@@ -394,10 +396,10 @@ def _target_layout(gq, gk) -> list[int]:
 
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-      padding_finite, epilogue, e0, e1, e2, e3, e4, gq=None, gk=None, gv=None, q_rows=None,
-      kv_rows=None, out_rows=False):  # fmt: skip
+      padding_finite, epilogue, e0, e1, e2, e3, e4, e5, e6, gq=None, gk=None, gv=None,
+      q_rows=None, kv_rows=None, out_rows=False):  # fmt: skip
     B, H, Sq, _ = q.shape
-    saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4)), q)
+    saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6)), q)
     o = empty_output(q, _output_rows(gq, gk, q_rows, kv_rows, out_rows))
     return o, q.new_empty((B, H, Sq), dtype=torch.float32), saved
 
@@ -425,6 +427,8 @@ def _block_sparse_attn_bwd_op(
     e2: torch.Tensor | None,
     e3: torch.Tensor | None,
     e4: torch.Tensor | None,
+    e5: torch.Tensor | None,
+    e6: torch.Tensor | None,
     q_rows: torch.Tensor | None = None,
     kv_rows: torch.Tensor | None = None,
     grad_layout: list[int] | None = None,
@@ -433,7 +437,7 @@ def _block_sparse_attn_bwd_op(
     With ``q_rows``, ``kv_rows`` the gradients come in the caller's row order (``GradRows``;
     ``grad_layout``: q_len, kv_len, q_bshd, kv_bshd and, optionally, out: o and do are in
     the q side's order too)."""
-    ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4)), saved)
+    ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6)), saved)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     if _nothing_to_attend(q, k, block_kv, epilogue):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), _slots((), do)
@@ -487,9 +491,9 @@ def _slots(grads, like: torch.Tensor) -> list[torch.Tensor]:
 
 @_block_sparse_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
-      scale, backend, padding_finite, epilogue, e0, e1, e2, e3, e4, q_rows=None, kv_rows=None,
-      grad_layout=None):  # fmt: skip
-    ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4))
+      scale, backend, padding_finite, epilogue, e0, e1, e2, e3, e4, e5, e6, q_rows=None,
+      kv_rows=None, grad_layout=None):  # fmt: skip
+    ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6))
     grads = _slots(ep.fake_gradients(), do)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     q_layout, kv_layout = (None, None) if grad_rows is None else grad_rows.layouts()

@@ -34,6 +34,7 @@ from vidsparse.ops.block_sparse_attn.epilogue import (
 from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets, gather_rows, scatter_rows
 from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
 from vidsparse.ops.video_sparse_attn.coarse import coarse_attn_bwd, coarse_grad_dtype
+from vidsparse.ops.video_sparse_attn.gate import GateProjection, gate_of, projection_grads
 from vidsparse.ops.video_sparse_attn.reference import tile_means_bwd
 from vidsparse.ops.video_sparse_attn.segments import segments_of
 
@@ -46,7 +47,7 @@ def vsa_fine_combined(
     kv_counts: torch.Tensor,
     kv_block_sizes: torch.Tensor,
     o_coarse: torch.Tensor,
-    gate_t: torch.Tensor | None,
+    gate_t: torch.Tensor | GateProjection | None,
     q_block_sizes: torch.Tensor | None,
     block: int,
     scale: float,
@@ -83,7 +84,9 @@ def vsa_fine_combined(
     writes their gradients in natural order (``GradTargets``).
 
     ``gate_rows`` (int32, one per row of q_t: the gate's row, -1 for padding): ``gate_t`` is in
-    its own (natural) row order, read and its gradient written through the map: no copy.
+    its own (natural) row order, read and its gradient written through the map: no copy. Only
+    then may ``gate_t`` be a :class:`GateProjection` (``gate.py``): formed where the hooks read
+    it, never kept.
     """
     if fine_only:
         if gate_t is not None:
@@ -93,8 +96,12 @@ def vsa_fine_combined(
         # Its gradient is formed in the engine's backward: cut the coarse stage's own backward
         # out of the graph (a None gradient would be materialised as zeros and still run it).
         o_coarse = o_coarse.detach()
-    if gate_t is not None and gate_t.stride(-1) != 1:  # the hooks read rows of unit stride
-        gate_t = gate_t.contiguous()
+    projection = gate_t if isinstance(gate_t, GateProjection) else None
+    if projection is not None and gate_rows is None:
+        raise ValueError("a GateProjection is read through gate_rows (natural order) only")
+    if projection is None and gate_t is not None and gate_t.stride(-1) != 1:
+        gate_t = gate_t.contiguous()  # the hooks read rows of unit stride
+    gate_tensors = () if gate_t is None else projection or (gate_t,)
     if q_block_sizes is not None and q_block_sizes.ndim == 2 and not segments:
         raise ValueError("a plan's q_info comes with the plan's segments")
     # A backward will run: keep o's rounding residual for it (a plain bool under compile).
@@ -104,12 +111,14 @@ def vsa_fine_combined(
         and torch.is_grad_enabled()
         and any(
             t is not None and t.requires_grad
-            for t in (q_t, k_seq, v_seq, o_coarse, gate_t, *targets)
+            for t in (q_t, k_seq, v_seq, o_coarse, *gate_tensors, *targets)
         )  # fmt: skip
     )
     spec = combine_spec(segments, residual, rows_dropped)
-    epilogue = CoarseCombine(o_coarse.contiguous(), gate_t, q_block_sizes, pooled,
-                             None if gate_t is None else gate_rows, spec=spec)  # fmt: skip
+    gate_in, *weights = (None,) if gate_t is None else projection or (gate_t,)
+    epilogue = CoarseCombine(o_coarse.contiguous(), gate_in, q_block_sizes, pooled,
+                             None if gate_t is None else gate_rows, *weights,
+                             spec=spec)  # fmt: skip
     o, _ = block_sparse_attn_unchecked(
         q_t, k_seq, v_seq, kv_indices, kv_counts, block_q=block, block_kv=block,
         kv_block_sizes=kv_block_sizes, scale=scale, padding_finite=True, epilogue=epilogue,
@@ -181,16 +190,22 @@ def _residual_step(o_low: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @register_epilogue
 class CoarseCombine(Epilogue):
     """VSA's combine as the engine's epilogue; tensors ``(o_coarse, gate, q_block_sizes,
-    pooled, gate_rows)``, all but ``o_coarse`` optional. ``o_coarse`` and ``gate`` get
-    gradients; with ``gate_rows`` the gate is in its own row order (``vsa_fine_combined``)."""
+    pooled, gate_rows, gate_weight, gate_bias)``, all but ``o_coarse`` optional. ``o_coarse``
+    and ``gate`` get gradients; with ``gate_rows`` the gate is in its own row order
+    (``vsa_fine_combined``); with ``gate_weight`` the gate slot holds a :class:`GateProjection`'s
+    hidden states, and they, the weight and the bias get the gradients."""
 
     name = "vsa_combine"
 
-    def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, gate_rows=None, *,
-                 spec=""):  # fmt: skip
-        super().__init__(o_coarse, gate, q_block_sizes, pooled, gate_rows)
+    def __init__(self, o_coarse, gate=None, q_block_sizes=None, pooled=None, gate_rows=None,
+                 gate_weight=None, gate_bias=None, *, spec=""):  # fmt: skip
+        super().__init__(o_coarse, gate, q_block_sizes, pooled, gate_rows, gate_weight, gate_bias)
         self.o_coarse, self.gate, self.q_sizes, self.pooled = o_coarse, gate, q_block_sizes, pooled
         self.gate_rows = gate_rows
+        # With a weight, the gate slot holds the projection's hidden states (gate.py): the
+        # gate is formed where a hook reads it and not kept.
+        self.projection = None if gate_weight is None else GateProjection(
+            gate, gate_weight, gate_bias)  # fmt: skip
         self.spec = spec  # [_RESIDUAL_FLAG][_DROPPED_FLAG] + the plan's flat segments
         self._residual = spec.startswith(_RESIDUAL_FLAG)
         rest = spec.removeprefix(_RESIDUAL_FLAG)
@@ -217,23 +232,25 @@ class CoarseCombine(Epilogue):
 
     # --- Triton
     def forward_args(self, call: EngineCall) -> tuple:
-        return (*self._inputs(call), *self._residual_args(), *self._flags(call))
+        return (*self._inputs(call, self._gate_tensor()), *self._residual_args(),
+                *self._flags(call))  # fmt: skip
 
     def prologue_args(self, call: EngineCall, do: torch.Tensor) -> tuple:
         B, H, _, D = do.shape
         num_q_blocks = self.o_coarse.shape[2]
         self._d_coarse = torch.empty((B, H, num_q_blocks, D), device=do.device,
                                      dtype=torch.float32)  # fmt: skip
-        self._d_gate = None if self.gate is None else torch.empty_like(self.gate)
+        gate = self._gate_tensor()  # (a projection's: formed again here, not kept)
+        self._d_gate = None if gate is None else torch.empty_like(gate)
         dgate = (self._d_coarse, 0, 0, 0) if self._d_gate is None else (
             self._d_gate, *_strides3(self._d_gate))  # fmt: skip
-        return (*self._inputs(call), *self._residual_args(), self._d_coarse,
+        return (*self._inputs(call, gate), *self._residual_args(), self._d_coarse,
                 *_strides3(self._d_coarse), *dgate, *self._flags(call))  # fmt: skip
 
-    def _inputs(self, call: EngineCall) -> tuple:
+    def _inputs(self, call: EngineCall, gate: torch.Tensor | None) -> tuple:
         """Both hooks' first arguments: o_coarse, the gate, its row map and the query block
         sizes."""
-        oc, gate, dummy = self.o_coarse, self.gate, self.o_coarse
+        oc, dummy = self.o_coarse, self.o_coarse
         gate_args = (dummy, 0, 0, 0) if gate is None else (gate, *_strides3(gate))
         rows = dummy if self.gate_rows is None else self.gate_rows
         sizes = dummy if self.q_sizes is None else self._q_block_sizes(call)
@@ -308,7 +325,7 @@ class CoarseCombine(Epilogue):
 
     # --- PyTorch
     def forward_torch(self, o_fine, call: EngineCall) -> torch.Tensor:
-        o = o_fine.float() + self._coarse_term(call.block_q, torch.float32)
+        o = o_fine.float() + self._coarse_term(call.block_q, torch.float32, self._gate_tensor())
         if self.q_sizes is not None:
             o = o.masked_fill(_padding_rows(self._q_block_sizes(call), call.block_q), 0)
         if self.saved is not None:
@@ -322,18 +339,19 @@ class CoarseCombine(Epilogue):
         o = o.to(acc)
         if self.saved is not None:  # o as the forward had it before the store rounded it
             o = o + self.saved.to(acc) * _residual_step(o, call.dtype)
-        o_fine = o - self._coarse_term(block, acc)
+        gate = self._gate_tensor()
+        o_fine = o - self._coarse_term(block, acc, gate)
         if self.q_sizes is not None:  # padding rows of o are constant zero: no gradient
             do = do.masked_fill(_padding_rows(self._q_block_sizes(call), block), 0)
         B, H, S, D = do.shape
         do5 = do.to(acc).view(B, H, S // block, block, D)
-        if self.gate is None:
+        if gate is None:
             self._d_coarse = do5.sum(-2)
         else:
-            gate = self._engine_rows_gate(acc)
-            self._d_coarse = (do5 * gate.view(B, H, S // block, block, D)).sum(-2)
+            rows_gate = self._engine_rows_gate(gate, acc)
+            self._d_coarse = (do5 * rows_gate.view(B, H, S // block, block, D)).sum(-2)
             d_gate = do5 * self.o_coarse.to(acc).unsqueeze(-2)
-            self._d_gate = self._to_gate_rows(d_gate.to(self.gate.dtype).view(B, H, S, D))
+            self._d_gate = self._to_gate_rows(d_gate.to(gate.dtype).view(B, H, S, D), gate)
         return o_fine, do
 
     def grads_torch(self, dq, dk, dv, call: EngineCall):
@@ -352,33 +370,47 @@ class CoarseCombine(Epilogue):
             g[:, :, :rows] = (g[:, :, :rows].to(acc) + share).to(g.dtype)
         return dq, dk, dv
 
-    # --- gradients of (o_coarse, gate, q_block_sizes, pooled)
+    # --- gradients of (o_coarse, gate, q_block_sizes, pooled, gate_rows, weight, bias)
     def gradients(self):
         # With pooled, o_coarse's gradient already reached q, k, v through the tile means.
         d_oc = None if self.pooled is not None else self._d_coarse.to(self.o_coarse.dtype)
-        return d_oc, self._d_gate, None, None
+        if self.projection is None:
+            return d_oc, self._d_gate, None, None
+        dx, dw, db = projection_grads(self.projection, self._d_gate)
+        self._d_gate = None
+        return d_oc, dx, None, None, None, dw, db
 
     def fake_gradients(self):
         d_oc = None if self.pooled is not None else torch.empty_like(self.o_coarse)
+        if self.projection is not None:
+            dx, dw, db = (None if t is None else torch.empty_like(t) for t in self.projection)
+            return d_oc, dx, None, None, None, dw, db
         d_gate = None if self.gate is None else torch.empty_like(self.gate)
         return d_oc, d_gate, None, None
 
-    def _coarse_term(self, block: int, dtype) -> torch.Tensor:
+    def _gate_tensor(self) -> torch.Tensor | None:
+        """The gate ``[B, H, S, D]`` (formed from the projection when given as one), or None."""
+        if self.projection is None:
+            return self.gate
+        _, H, _, D = self.o_coarse.shape
+        return gate_of(self.projection, H, D)
+
+    def _coarse_term(self, block: int, dtype, gate) -> torch.Tensor:
         """``gate * o_coarse`` broadcast over each block's rows ([B, H, S, D], in ``dtype``)."""
         coarse = self.o_coarse.to(dtype).repeat_interleave(block, dim=2)
-        return coarse if self.gate is None else self._engine_rows_gate(dtype) * coarse
+        return coarse if gate is None else self._engine_rows_gate(gate, dtype) * coarse
 
-    def _engine_rows_gate(self, dtype) -> torch.Tensor:
+    def _engine_rows_gate(self, gate, dtype) -> torch.Tensor:
         """The gate in the engine's rows (through ``gate_rows``: 0 on padding rows)."""
         if self.gate_rows is None:
-            return self.gate.to(dtype)
-        return gather_rows(self.gate.to(dtype), self.gate_rows)
+            return gate.to(dtype)
+        return gather_rows(gate.to(dtype), self.gate_rows)
 
-    def _to_gate_rows(self, d_gate: torch.Tensor) -> torch.Tensor:
+    def _to_gate_rows(self, d_gate: torch.Tensor, gate) -> torch.Tensor:
         """d gate from the engine's rows to the gate's (padding rows have none)."""
         if self.gate_rows is None:
             return d_gate
-        return scatter_rows(torch.empty_like(self.gate), d_gate, self.gate_rows,
+        return scatter_rows(torch.empty_like(gate), d_gate, self.gate_rows,
                             self.gate_rows >= 0)  # fmt: skip
 
 

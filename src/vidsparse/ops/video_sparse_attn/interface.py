@@ -51,6 +51,12 @@ from vidsparse.ops.block_sparse_attn.configs import (
 )
 from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
+from vidsparse.ops.video_sparse_attn.gate import (
+    GateProjection,
+    check_projection,
+    is_projection,
+    materialized,
+)
 from vidsparse.ops.video_sparse_attn.multi import MultiCall, video_sparse_attn_multi
 from vidsparse.ops.video_sparse_attn.reference import (
     check_number_gate,
@@ -82,7 +88,7 @@ def video_sparse_attn(
     *,
     topk: int | None = None,
     sparsity: float | None = None,
-    gate: torch.Tensor | float | None = None,
+    gate: torch.Tensor | GateProjection | float | None = None,
     tiled: bool = False,
     scale: float | None = None,
     text_tokens: int = 0,
@@ -113,7 +119,11 @@ def video_sparse_attn(
             are ignored (text rows have no coarse term; their gradient is zero). ``0`` (the
             number): the fine stage alone, as a zero gate gives (a stock checkpoint, or an
             untrained gate), without a gate tensor to tile and read, o's rounding residual,
-            or the coarse branch's backward.
+            or the coarse branch's backward. A :class:`GateProjection` ``(hidden_states,
+            weight, bias)``: the gate ``hidden_states @ weight.T + bias`` (a trained layer's
+            ``to_gate_compress``), formed inside the op so that the backward forms it again
+            instead of keeping it (one gate-sized activation less in training; gradients go
+            to the projection's three tensors).
         tiled: the video part of inputs and output in tile order (padding rows of the output
             are zero). Padding rows of k and v get no weight but must be finite
             (``grid.tile`` writes zeros): ``0 * inf`` would be NaN.
@@ -148,7 +158,8 @@ def video_sparse_attn(
                    [ . . x x x ]  video 1       q time tile 0  [ x . . . ]
                                                                key time tiles 0 1 2 3
 
-    Returns ``o`` in q's dtype and layout. Differentiable in q, k, v and gate.
+    Returns ``o`` in q's dtype and layout. Differentiable in q, k, v and gate (or the
+    projection's tensors).
     """
     if _needs_segments(grid, kv_grid, causal, text_mode, q):
         return _video_sparse_attn_segmented(
@@ -165,8 +176,9 @@ def video_sparse_attn(
     if backend == "triton":
         _check_triton_supported(q, grid)
     if q.numel() == 0:  # B = 0 or H = 0: nothing to attend, on either backend
-        return _empty_output(q, k, v, gate)
+        return _empty_output(q, k, v, materialized(gate, q.shape[1], q.shape[3]))
     if backend == "torch":
+        gate = materialized(gate, q.shape[1], q.shape[3])
         return video_sparse_attn_ref(
             q, k, v, grid, topk=topk, gate=gate, tiled=tiled, scale=scale, text_tokens=text_tokens
         )
@@ -203,6 +215,7 @@ def _video_sparse_attn_segmented(
     if backend == "triton":
         check_triton_supported(q)
         check_triton_tile(call.grids[0], "tile=(4, 4, 4)")
+    gate = materialized(gate, q.shape[1], q.shape[3])  # this path reads a gate tensor
     if q.numel() == 0 or k.numel() == 0:
         return _empty_output(q, k, v, gate)
     return video_sparse_attn_multi(q, k, v, gate, call, scale, backend)
@@ -333,6 +346,8 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         q_t, k_t, v_t, grid, topk, scale, return_pooled=True
     )
     fine_only = is_fine_only(gate)
+    if rows is None:  # the gate is tiled: formed here (a projection is read through rows only)
+        gate = materialized(gate, H, D)
     if text_tokens:
         # operator.index: plain ints (Dynamo specializes them), never SymInts, as plan keys
         plan = _cached_text_plan(grid_key(grid), text_tokens, operator.index(H), q.device)
@@ -381,8 +396,8 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
 
 
 def _fine_gate(gate, fine_only: bool, rows, grid: VideoGrid, tiled: bool, video_len: int):
-    """The gate as the fine stage reads it: as given where ``rows`` maps the engine's rows to
-    it, else tiled; None without a gate (or with ``gate=0``)."""
+    """The gate as the fine stage reads it: as given (a projection too) where ``rows`` maps
+    the engine's rows to it, else tiled; None without a gate (or with ``gate=0``)."""
     if gate is None or fine_only:
         return None
     return gate if rows is not None else video_tiles(gate, grid, tiled, video_len)
@@ -429,7 +444,10 @@ def _validate(q, k, v, grid, topk, sparsity, gate, tiled, scale, text_tokens) ->
 
 
 def _gate_tensor(gate) -> torch.Tensor | None:
-    """The gate if it is a tensor (``0``, the fine stage alone, has no device)."""
+    """The gate if it is a tensor, a projection's hidden states (``0``, the fine stage alone,
+    has no device)."""
+    if is_projection(gate):
+        return gate.hidden_states
     return gate if isinstance(gate, torch.Tensor) else None
 
 
@@ -440,7 +458,9 @@ def _check_selection_and_gate(q, num_tiles: int, topk, sparsity, gate) -> None:
         raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
     resolve_topk(num_tiles, topk, sparsity)
     check_number_gate(gate)
-    if gate is not None and not is_fine_only(gate):
+    if is_projection(gate):
+        check_projection(gate, q)
+    elif gate is not None and not is_fine_only(gate):
         check_tensor("gate", gate, ndim=4, dtypes=REFERENCE_DTYPES)
         if gate.shape != q.shape:
             raise ValueError(
