@@ -205,3 +205,43 @@ def test_gate_under_sequential_offload_meta_weights():
         assert torch.isfinite(run(model, inputs)).all()
     finally:
         remove_sparse_attention(model)
+
+
+def test_gate_goes_to_the_op_as_its_projection(monkeypatch):
+    """A trained gate reaches ``video_sparse_attn`` as a ``GateProjection`` (not kept for the
+    backward on the Triton path): the output and every parameter's gradient equal the gate
+    module's own call."""
+    import vidsparse.integrations.diffusers.methods as methods
+    from vidsparse import GateProjection
+
+    model, inputs = wan()
+    model.train()
+    apply_sparse_attention(model, "vsa", sparsity=SPARSITY, gate=True)
+    try:
+        for block in model.blocks:
+            torch.nn.init.normal_(block.to_gate_compress.weight, std=0.1)
+        seen, original = [], methods.video_sparse_attn
+
+        def recorded(*args, gate, **kwargs):
+            seen.append(type(gate))
+            return original(*args, gate=gate, **kwargs)
+
+        monkeypatch.setattr(methods, "video_sparse_attn", recorded)
+        arms = []
+        for as_projection in (True, False):
+            if not as_projection:
+                monkeypatch.setattr(VSAGate, "projection", lambda self, x, dtype: None)
+            model.zero_grad()
+            out = model(**inputs, return_dict=False)[0]
+            out.square().mean().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            arms.append((out.detach(), grads))
+        layers = len(model.blocks)
+        assert seen == [GateProjection] * layers + [torch.Tensor] * layers
+        assert torch.equal(arms[0][0], arms[1][0])
+        assert arms[0][1].keys() == arms[1][1].keys()
+        assert any("to_gate_compress" in name for name in arms[0][1])
+        for name, grad in arms[0][1].items():
+            assert torch.equal(grad, arms[1][1][name]), name
+    finally:
+        remove_sparse_attention(model)
