@@ -13,8 +13,9 @@
 #   the same with configs.override(out_rows=True) (benchmarks/tuning/bench_with_override.py);
 #   vsa-out-rows: bench vsa under the same override; e2e-train-compiled-gate-tensor: the VSA
 #   rows of that step with the gate handed to the op as a tensor (bench_gate_tensor.py), the
-#   A/B of GateProjection; gate-projection-tests: its GPU tests, the compiled training test,
-#   VSA's out-rows test and the Gluon backward's;
+#   A/B of GateProjection; e2e-train-compiled-regather: the same VSA rows with
+#   configs.override(regather=True); gate-projection-tests: both's GPU tests, the compiled
+#   training test, VSA's out-rows test and the Gluon backward's;
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -98,8 +99,13 @@ for what in "$@"; do
     e2e-train-compiled-gate-tensor) step e2e_train_compiled_gate_tensor 200 \
       python3 benchmarks/tuning/bench_gate_tensor.py -- e2e --train --compile blocks \
       --methods vsa --vsa-sparsities 0.875 --out "$OUT/e2e_train_compiled_gate_tensor_h200.json" ;;
+    e2e-train-compiled-regather) step e2e_train_compiled_regather 200 \
+      python3 benchmarks/tuning/bench_with_override.py regather=true -- e2e --train \
+      --compile blocks --methods vsa --vsa-sparsities 0.875 \
+      --out "$OUT/e2e_train_compiled_regather_h200.json" ;;
     gate-projection-tests) step gate_projection_tests 240 python3 -m pytest -q -m gpu \
       -p no:cacheprovider tests/ops/video_sparse_attn/test_gate_projection.py \
+      tests/ops/video_sparse_attn/test_vsa.py::test_vsa_gpu_regathered_copies_equal_kept_copies \
       tests/integrations/test_diffusers_compile_training.py \
       tests/ops/video_sparse_attn/test_vsa.py::test_vsa_gpu_output_stored_in_natural_order_equals_untiling \
       tests/ops/block_sparse_attn/test_gluon_bwd.py ;;

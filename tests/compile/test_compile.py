@@ -268,10 +268,20 @@ def test_video_sparse_attn_fullgraph_triton_interpreter(triton_backend, text_tok
 
 
 @pytest.mark.slow
-def test_video_sparse_attn_gate_projection_fullgraph_triton_interpreter(triton_backend):
+@pytest.mark.parametrize("regather", [False, True])
+def test_video_sparse_attn_gate_projection_fullgraph_triton_interpreter(triton_backend,
+                                                                         regather):  # fmt: skip
     """A ``GateProjection`` (its tensors the engine's epilogue slots, its gradients the
-    backward op's) compiles without a graph break and gives the eager values and gradients."""
+    backward op's) compiles without a graph break and gives the eager values and gradients;
+    so does the backward that gathers the tile copies again (``configs.override(regather=)``)."""
+    from vidsparse.ops.block_sparse_attn import configs
+
     _need_triton_interpreter()
+    with configs.override(regather=regather):
+        _check_gate_projection_compiles()
+
+
+def _check_gate_projection_compiles():
     grid = VideoGrid((4, 4, 6), (2, 2, 4))
     q, k, v = (torch.randn(1, 2, grid.num_tokens, 16, requires_grad=True) for _ in range(3))
     x = torch.randn(1, grid.num_tokens, 12, requires_grad=True)

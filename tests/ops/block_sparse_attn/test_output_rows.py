@@ -117,3 +117,48 @@ def test_gpu_output_stored_through_the_q_map_equals_moving_it(bs, sizes, dtype):
     mapped, moved = _arms("cuda", dtype, S=S, bs=bs, n=S - 3 * bs // 2, sizes=sizes)
     for name, a, b in zip(("o", "dq", "dk", "dv"), mapped, moved):
         assert torch.equal(a, b), name
+
+
+def _saved_bytes_and_grads(device, dtype, regather, *, S=64, bs=16, n=40, seed=7):
+    """Bytes of the storages autograd keeps for the backward, and ``(o, dq, dk, dv)``, of the
+    internal entry on natural tensors through ``grads_to`` (o in their order too)."""
+    from vidsparse.ops.block_sparse_attn.grad_rows import GradTargets
+    from vidsparse.ops.block_sparse_attn.interface import block_sparse_attn_unchecked
+
+    torch.manual_seed(seed)  # make_lists draws from the global generator
+    natural, rows, block_sizes = _natural_problem(device, dtype, S=S, bs=bs, n=n, sizes=True,
+                                                  seed=seed)  # fmt: skip
+    H, D = natural[0].shape[1], natural[0].shape[-1]
+    keep = rows >= 0
+    idx, cnt = make_lists(1, H, S // bs, S // bs, density=0.5, device=device, empty_rows=1)
+    leaves = [x.clone().requires_grad_() for x in natural]
+    copies = [x.detach()[:, :, rows.clamp_min(0).long()].masked_fill(~keep[:, None], 0)
+              for x in leaves]  # fmt: skip
+    targets = GradTargets(*leaves, rows, rows, output=True, regather=regather)
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o, _ = block_sparse_attn_unchecked(*copies, idx, cnt, block_q=bs, block_kv=bs,
+                                           kv_block_sizes=block_sizes, scale=D**-0.5,
+                                           padding_finite=True, grads_to=targets)  # fmt: skip
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
+    grads = torch.autograd.grad(o, leaves, do)
+    return sum(storages.values()), (o, *grads), copies, leaves
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_regathered_copies_give_the_same_bits_and_are_not_kept(backend, monkeypatch):
+    """``GradTargets.regather``: the backward keeps the natural tensors and gathers the
+    engine's copies again (rows mapped to -1 as zeros, as the copies hold them): the same
+    bits, and autograd keeps the targets' bytes instead of the longer copies'."""
+    monkeypatch.setenv("VIDSPARSE_BACKEND", backend)
+    kept, arm, copies, leaves = _saved_bytes_and_grads("cpu", torch.float16, regather=True)
+    kept_copies, arm_copies, *_ = _saved_bytes_and_grads("cpu", torch.float16, regather=False)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), arm, arm_copies):
+        assert torch.equal(a, b), name
+    longer = sum(c.nbytes for c in copies) - sum(x.nbytes for x in leaves)
+    assert longer > 0 and kept_copies - kept == longer

@@ -260,6 +260,48 @@ def test_vsa_output_stored_in_natural_order_equals_untiling(triton_backend, monk
     _check_out_rows(_out_rows_arms("cpu", torch.float32, grid, 16, 3, monkeypatch))
 
 
+def _check_regather(device, dtype, grid, D, topk):
+    """``configs.override(regather=True)``: the backward keeps natural q, k, v and tiles them
+    again; the same bits as keeping the tile copies, and the copies' padding rows no longer
+    kept (three ``[B, H, padded_len - num_tokens, D]`` blocks of bytes less)."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    B, H, S = 2, 2, grid.num_tokens
+    xs = [torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2) for _ in range(5)]
+    do = xs.pop()
+    arms, kept = [], []
+    for regather in (True, False):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        storages = {}
+
+        def pack(t, storages=storages):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with configs.override(regather=regather):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                o = vidsparse.video_sparse_attn(*leaves[:3], grid, topk=topk, gate=leaves[3])
+            arms.append((o, *torch.autograd.grad(o, leaves, do)))
+        kept.append(sum(storages.values()))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), *arms):
+        assert torch.equal(a, b), name
+    padding = 3 * B * H * (grid.padded_len - grid.num_tokens) * D * xs[0].element_size()
+    assert kept[1] - kept[0] == padding
+
+
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+def test_vsa_regathered_copies_equal_kept_copies(triton_backend):
+    _check_regather("cpu", torch.float32, vidsparse.VideoGrid((5, 6, 7)), 16, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vsa_gpu_regathered_copies_equal_kept_copies(dtype):
+    """The same on the GPU at D=128 (the Gluon and TMA kernels read the gathered copies)."""
+    _check_regather("cuda", dtype, vidsparse.VideoGrid((9, 14, 22)), 128, 9)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preprocess_warps", ["plain", "library"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

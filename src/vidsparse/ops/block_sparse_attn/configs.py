@@ -343,6 +343,10 @@ class Overrides:
     # forward's kernels through the q map (``GradTargets.output``), instead of untiling a
     # tile-order o (no tile-order o is kept for the backward: benchmarks/NOTES.md).
     out_rows: bool = True
+    # True (with grad_rows): such callers' backward keeps their q, k, v rather than the copies
+    # and gathers the copies again (``GradTargets.regather``): the copies' padding rows are not
+    # kept between the passes, for a gather of q, k, v in the backward (benchmarks/NOTES.md).
+    regather: bool = False
     gluon: GluonOptions | None = None
 
 

@@ -40,7 +40,10 @@ class GradTargets(NamedTuple):
     ``i``'s at row ``q_rows[i]``, key row ``j``'s at ``kv_rows[j]`` (-1: none; int32, unit
     stride), and the copies get none. Every row of q, k, v must be some engine row's target.
     ``output``: the forward's o too comes in q's order and layout (query row ``i``'s at row
-    ``q_rows[i]``), so no tile-order o is ever allocated or kept for the backward."""
+    ``q_rows[i]``), so no tile-order o is ever allocated or kept for the backward.
+    ``regather``: the backward keeps these tensors rather than the copies and gathers the
+    copies from them again (rows mapped to -1 as zeros), so copies longer than their targets
+    (padding rows) are not kept between the passes."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -48,6 +51,7 @@ class GradTargets(NamedTuple):
     q_rows: torch.Tensor
     kv_rows: torch.Tensor
     output: bool = False
+    regather: bool = False
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """The five tensors, as the custom ops take them."""

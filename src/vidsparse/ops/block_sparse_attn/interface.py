@@ -168,7 +168,8 @@ def block_sparse_attn_unchecked(
         kv_indices, kv_counts, kv_block_sizes, block_q, block_kv = _kernel_blocks(
             kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, cap, k.shape[2] // block_kv
         )
-    targets = () if grads_to is None else (*grads_to.tensors(), grads_to.output)
+    targets = () if grads_to is None else (*grads_to.tensors(), grads_to.output,
+                                           grads_to.regather)  # fmt: skip
     o, lse, _ = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         padding_finite, epilogue.call_name, *padded_tensors(epilogue), *targets,
@@ -351,10 +352,12 @@ def _block_sparse_attn_fwd_op(
     q_rows: torch.Tensor | None = None,
     kv_rows: torch.Tensor | None = None,
     out_rows: bool = False,
+    regather: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, lse, the epilogue's saved tensor)``. ``gq`` .. ``kv_rows``: ``GradTargets``
     (read by the backward only); ``out_rows``: o in gq's order and layout
-    (``GradTargets.output``)."""
+    (``GradTargets.output``); ``regather``: the backward keeps gq, gk, gv instead of q, k, v
+    (``GradTargets.regather``)."""
     ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6))
     saved = _forward_saved(ep, q)
     out_to = _output_rows(gq, gk, q_rows, kv_rows, out_rows)
@@ -397,7 +400,7 @@ def _target_layout(gq, gk) -> list[int]:
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
       padding_finite, epilogue, e0, e1, e2, e3, e4, e5, e6, gq=None, gk=None, gv=None,
-      q_rows=None, kv_rows=None, out_rows=False):  # fmt: skip
+      q_rows=None, kv_rows=None, out_rows=False, regather=False):  # fmt: skip
     B, H, Sq, _ = q.shape
     saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6)), q)
     o = empty_output(q, _output_rows(gq, gk, q_rows, kv_rows, out_rows))
@@ -504,9 +507,11 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
      finite, epilogue, *rest) = inputs  # fmt: skip
     tensors, targets = rest[:MAX_TENSORS], _targets(rest[MAX_TENSORS:])
-    gq, gk, _gv, q_rows, kv_rows, out_rows = targets
+    gq, gk, gv, q_rows, kv_rows, out_rows, regather = targets
     o, lse, saved = output
-    ctx.save_for_backward(q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes,
+    ctx.regather = regather and gq is not None
+    kept = (gq, gk, gv) if ctx.regather else (q, k, v)  # the copies are gathered again
+    ctx.save_for_backward(*kept, o, lse, saved, kv_indices, kv_counts, kv_block_sizes,
                           q_rows, kv_rows, *tensors)  # fmt: skip
     # The targets' layouts, not the targets: nothing more is kept alive for the backward.
     ctx.grad_layout = None if gq is None else [*_target_layout(gq, gk), int(out_rows)]
@@ -514,21 +519,25 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse, saved)
 
 
-# The forward op's GradTargets inputs: its five tensors, then out_rows.
+# The forward op's GradTargets inputs: its five tensors, then out_rows and regather.
 _TARGET_ARGS = len(GradTargets._fields)
+_TARGET_FLAGS = 2
 
 
 def _targets(rest) -> tuple:
-    """The forward op's ``GradTargets`` inputs (Nones where the call passed none) and
-    ``out_rows``."""
+    """The forward op's ``GradTargets`` inputs (Nones where the call passed none), then
+    ``out_rows`` and ``regather``."""
     padded = (*rest, *([None] * (_TARGET_ARGS - len(rest))))
-    return (*padded[:-1], bool(padded[-1]))
+    flags = padded[-_TARGET_FLAGS:]
+    return (*padded[:-_TARGET_FLAGS], *(bool(f) for f in flags))
 
 
 def _backward(ctx, do, _dlse, _dsaved):
     (q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, q_rows, kv_rows,
      *tensors) = ctx.saved_tensors  # fmt: skip
     block_q, block_kv, scale, backend, padding_finite, epilogue = ctx.meta
+    if ctx.regather:  # the engine's copies, from the targets kept instead
+        q, k, v = gather_rows(q, q_rows), gather_rows(k, kv_rows), gather_rows(v, kv_rows)
     mapped = ctx.grad_layout is not None
     maps = (q_rows, kv_rows, ctx.grad_layout) if mapped else ()
     dq, dk, dv, grads = torch.ops.vidsparse.block_sparse_attn_bwd(
@@ -540,7 +549,8 @@ def _backward(ctx, do, _dlse, _dsaved):
         g if t is not None and g.shape == t.shape else None for g, t in zip(grads, tensors)
     ]
     if mapped:  # the gradients are the targets': q, k, v get none
-        return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None, None)
+        flags = [None] * _TARGET_FLAGS
+        return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None, *flags)
     return (dq, dk, dv, *([None] * 9), *tensor_grads, *([None] * _TARGET_ARGS))
 
 

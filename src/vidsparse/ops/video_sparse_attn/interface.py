@@ -339,7 +339,9 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     grads_to = rows = None
     if not tiled and not text_tokens and active_overrides().grad_rows:
         rows = grid.index_tensors(q.device).token_rows
-        grads_to = GradTargets(q, k, v, rows, rows, output=active_overrides().out_rows)
+        overrides = active_overrides()
+        grads_to = GradTargets(q, k, v, rows, rows, output=overrides.out_rows,
+                               regather=overrides.regather)  # fmt: skip
         q, k, v = q.detach(), k.detach(), v.detach()
     q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))  # [B, H, P, D]
     o_coarse, kv_indices, kv_counts, pooled = vsa_coarse_stage(
