@@ -13,9 +13,9 @@ integration then calls the gate module and passes its output. The JSON the comma
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
+
+from bench_with_override import record_in_meta
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,12 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     VSAGate.projection = lambda self, hidden_states, dtype: None
     print("VSAGate.projection -> None: the gate goes to the op as a tensor", flush=True)
     code = bench_main(command)
-    if "--out" in command and command.index("--out") + 1 < len(command):
-        out = Path(command[command.index("--out") + 1])
-        if out.is_file():
-            payload = json.loads(out.read_text())
-            payload["meta"]["gate_as"] = "tensor"
-            out.write_text(json.dumps(payload, indent=2) + "\n")
+    record_in_meta(command, "gate_as", "tensor")
     return code
 
 

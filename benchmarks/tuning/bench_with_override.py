@@ -53,12 +53,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"configs.override({overrides})", flush=True)
     with configs.override(**overrides):
         code = bench_main(command)
+    record_in_meta(command, "overrides", overrides)
+    return code
+
+
+def record_in_meta(command: list[str], key: str, value) -> None:
+    """Add ``key: value`` to the ``meta`` of the JSON the bench command wrote (its
+    ``--out``), so the file says what it measured."""
     out = _out_path(command)
     if out is not None and out.is_file():
         payload = json.loads(out.read_text())
-        payload["meta"]["overrides"] = overrides
+        payload["meta"][key] = value
         out.write_text(json.dumps(payload, indent=2) + "\n")
-    return code
 
 
 if __name__ == "__main__":

@@ -84,13 +84,23 @@ def _forward_is_hooked(module: nn.Module) -> bool:
     )
 
 
+def _params_on(linear: nn.Linear, **target) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linear``'s weight and bias moved (and cast) to ``target``."""
+    bias = None if linear.bias is None else linear.bias.to(**target)
+    return linear.weight.to(**target), bias
+
+
 def linear_projection(
     linear: nn.Linear, hidden_states: torch.Tensor, dtype
 ) -> GateProjection | None:
     """``linear(hidden_states)`` as a :class:`GateProjection` whose gate is the value
     ``linear(hidden_states).to(dtype)`` has (its inputs cast as ``F.linear`` under autocast
-    casts them, the parameters moved to the input's device); None where that product is
-    formed in another dtype than ``dtype`` (then pass the tensor)."""
+    casts them, the parameters moved to the input's device). None where the module must be
+    called (its forward wrapped or hooked: offloading, layerwise casting; its weight not
+    materialised) or where that product is formed in another dtype than ``dtype``: then pass
+    the tensor."""
+    if linear.weight.is_meta or _forward_is_hooked(linear):
+        return None
     device = hidden_states.device
     if torch.is_autocast_enabled(device.type):
         if hidden_states.dtype not in _AUTOCAST_INPUTS:
@@ -101,8 +111,7 @@ def linear_projection(
     if compute != dtype:
         return None
     target = {"device": device, "dtype": compute}
-    bias = None if linear.bias is None else linear.bias.to(**target)
-    return GateProjection(hidden_states.to(**target), linear.weight.to(**target), bias)
+    return GateProjection(hidden_states.to(**target), *_params_on(linear, **target))
 
 
 class VideoSparseAttention(_Sparsity, nn.Module):
@@ -203,9 +212,7 @@ class VideoSparseAttention(_Sparsity, nn.Module):
         """The gate as the op takes it: its projection, which the op forms and does not keep
         for the backward (``GateProjection``), else the tensor."""
         self._check_hidden_states(hidden_states, q)
-        projection = None
-        if not _forward_is_hooked(self.gate_proj):
-            projection = linear_projection(self.gate_proj, hidden_states, q.dtype)
+        projection = linear_projection(self.gate_proj, hidden_states, q.dtype)
         return projection if projection is not None else self.gate(hidden_states, q)
 
     def _check_heads(self, q: torch.Tensor) -> None:
@@ -295,22 +302,16 @@ class VSAGate(_Sparsity, nn.Linear):
 
     def projection(self, hidden_states: torch.Tensor, dtype) -> GateProjection | None:
         """The gate ``self(hidden_states).to(dtype)`` as a :class:`GateProjection` for
-        :func:`video_sparse_attn`, which forms it and keeps no gate for the backward (see
-        :func:`linear_projection`). None where the module must run as a module: its forward
-        wrapped or hooked (offloading, layerwise casting) or its weight not materialised."""
-        if self.weight.is_meta or _forward_is_hooked(self):
-            return None
+        :func:`video_sparse_attn`, which forms it and keeps no gate for the backward; None
+        where the module must be called as a module (:func:`linear_projection`)."""
         return linear_projection(self, hidden_states, dtype)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        weight, bias = self.weight, self.bias
         if torch.is_autocast_enabled(hidden_states.device.type):
             target = {"device": hidden_states.device}  # autocast picks the matmul dtype
         else:
             target = {"device": hidden_states.device, "dtype": hidden_states.dtype}
-        weight = weight.to(**target)
-        bias = None if bias is None else bias.to(**target)
-        return nn.functional.linear(hidden_states, weight, bias)
+        return nn.functional.linear(hidden_states, *_params_on(self, **target))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, heads={self.heads}, sparsity={self.sparsity}"

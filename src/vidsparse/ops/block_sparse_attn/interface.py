@@ -513,7 +513,8 @@ def _setup_context(ctx, inputs, output):
     kept = (gq, gk, gv) if ctx.regather else (q, k, v)  # the copies are gathered again
     ctx.save_for_backward(*kept, o, lse, saved, kv_indices, kv_counts, kv_block_sizes,
                           q_rows, kv_rows, *tensors)  # fmt: skip
-    # The targets' layouts, not the targets: nothing more is kept alive for the backward.
+    # The targets' layouts (and, with regather, the targets in place of q, k, v): nothing
+    # more is kept alive for the backward.
     ctx.grad_layout = None if gq is None else [*_target_layout(gq, gk), int(out_rows)]
     ctx.meta = (block_q, block_kv, scale, backend, finite, epilogue)
     ctx.mark_non_differentiable(lse, saved)

@@ -101,7 +101,8 @@ def vsa_fine_combined(
         raise ValueError("a GateProjection is read through gate_rows (natural order) only")
     if projection is None and gate_t is not None and gate_t.stride(-1) != 1:
         gate_t = gate_t.contiguous()  # the hooks read rows of unit stride
-    gate_tensors = () if gate_t is None else projection or (gate_t,)
+    # (gate,) or a projection's (hidden states, weight, bias): the epilogue's gate slots
+    gate_parts = (None,) if gate_t is None else tuple(projection or (gate_t,))
     if q_block_sizes is not None and q_block_sizes.ndim == 2 and not segments:
         raise ValueError("a plan's q_info comes with the plan's segments")
     # A backward will run: keep o's rounding residual for it (a plain bool under compile).
@@ -111,11 +112,11 @@ def vsa_fine_combined(
         and torch.is_grad_enabled()
         and any(
             t is not None and t.requires_grad
-            for t in (q_t, k_seq, v_seq, o_coarse, *gate_tensors, *targets)
+            for t in (q_t, k_seq, v_seq, o_coarse, *gate_parts, *targets)
         )  # fmt: skip
     )
     spec = combine_spec(segments, residual, rows_dropped)
-    gate_in, *weights = (None,) if gate_t is None else projection or (gate_t,)
+    gate_in, *weights = gate_parts
     epilogue = CoarseCombine(o_coarse.contiguous(), gate_in, q_block_sizes, pooled,
                              None if gate_t is None else gate_rows, *weights,
                              spec=spec)  # fmt: skip
