@@ -15,7 +15,10 @@
 #   rows of that step with the gate handed to the op as a tensor (bench_gate_tensor.py), the
 #   A/B of GateProjection; e2e-train-compiled-regather: the same VSA rows with
 #   configs.override(regather=True); gate-projection-tests: both's GPU tests, the compiled
-#   training test, VSA's out-rows test and the Gluon backward's;
+#   training test, VSA's out-rows test and the Gluon backward's; persistent-fwd: the Gluon
+#   forward at 128x128 with and without GluonOptions.PERSISTENT (try_gluon_fwd.py, checked
+#   then timed; try_gluon_fwd.json), and its GPU tests; engine-persistent: the engine's table
+#   at 128x128 (ours, cuDNN, Flex) with it on (bench_with_override.py);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -66,6 +69,13 @@ for what in "$@"; do
       --out "$OUT/tune_masked.json" ;;
     full-first) step tune_full_first 200 python3 benchmarks/tuning/tune_block_sparse.py --full-first \
       --out "$OUT/tune_full_first.json" ;;
+    persistent-fwd) step try_persistent_fwd 300 env OUT="$OUT" python3 \
+      benchmarks/tuning/try_gluon_fwd.py --variants reg_s2_pp,reg_s2_pp_persistent
+      step persistent_fwd_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/ops/block_sparse_attn/test_gluon_fwd.py -k persistent ;;
+    engine-persistent) step engine_persistent 400 python3 benchmarks/tuning/bench_with_override.py \
+      gluon.PERSISTENT=true -- block_sparse --shapes default --providers ours,cudnn,flex \
+      --block-sizes 128x128 --out "$OUT/block_sparse_persistent_h200.json" ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;
     bwd-overlap) step try_bwd_overlap 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py ;;
     overlap-tests) step overlap_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \

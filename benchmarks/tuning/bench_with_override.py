@@ -6,7 +6,9 @@ compiled training step's time and peak memory with o stored through the token ma
         e2e --train --compile blocks --out out/e2e_train_compiled_out_rows.json
 
 Each ``name=value`` before ``--`` is a field of ``configs.Overrides`` (``true``/``false``,
-integers, or ``none``); what follows ``--`` is the bench command line. The JSON the command
+integers, or ``none``), or ``gluon.NAME=value`` a field of the Hopper forward's
+``configs.GluonOptions`` (the library's ``configs.GLUON`` with those fields replaced, e.g.
+``gluon.PERSISTENT=true``); what follows ``--`` is the bench command line. The JSON the command
 writes (its ``--out``) gets the overrides in its ``meta``, so the file says what it measured.
 """
 
@@ -20,10 +22,12 @@ _WORDS = {"true": True, "false": False, "none": None}
 
 
 def parse_overrides(pairs: list[str]) -> dict:
-    """``{"out_rows": True, ...}`` from ``["out_rows=true", ...]``."""
+    """``{"out_rows": True, "gluon.PERSISTENT": True, ...}`` from ``["out_rows=true",
+    "gluon.PERSISTENT=true", ...]``."""
     from vidsparse.ops.block_sparse_attn import configs
 
     fields = set(configs.Overrides.__dataclass_fields__)
+    fields |= {f"gluon.{name}" for name in configs.GluonOptions.__dataclass_fields__}
     out = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
@@ -33,6 +37,20 @@ def parse_overrides(pairs: list[str]) -> dict:
             )
         out[name] = _WORDS[value.lower()] if value.lower() in _WORDS else int(value)
     return out
+
+
+def as_override_kwargs(parsed: dict) -> dict:
+    """``configs.override``'s keywords: the ``gluon.*`` fields folded into one
+    ``GluonOptions``."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import configs
+
+    kwargs = {name: value for name, value in parsed.items() if not name.startswith("gluon.")}
+    gluon = {name[len("gluon.") :]: v for name, v in parsed.items() if name.startswith("gluon.")}
+    if gluon:
+        kwargs["gluon"] = replace(configs.GLUON, **gluon)
+    return kwargs
 
 
 def _out_path(argv: list[str]) -> Path | None:
@@ -51,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     from vidsparse.ops.block_sparse_attn import configs
 
     print(f"configs.override({overrides})", flush=True)
-    with configs.override(**overrides):
+    with configs.override(**as_override_kwargs(overrides)):
         code = bench_main(command)
     record_in_meta(command, "overrides", overrides)
     return code

@@ -64,6 +64,8 @@ VARIANTS = {
     "reg_s2_nopp": dict(STAGES=2, PINGPONG=False, P_IN_SMEM=False),
     "smem_s2_pp": dict(STAGES=2, PINGPONG=True, P_IN_SMEM=True),
     "smem_s2_nopp": dict(STAGES=2, PINGPONG=False, P_IN_SMEM=True),
+    # one program per SM over the query blocks (kernels/fwd_sm90_persistent.py)
+    "reg_s2_pp_persistent": dict(STAGES=2, PINGPONG=True, P_IN_SMEM=False, PERSISTENT=True),
 }
 B, H, S, D = 1, 12, 32768, 128
 BLOCK = 128

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tuning" / "bench_with_override.py"
@@ -26,6 +27,18 @@ def test_the_bench_json_names_its_overrides(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     meta = json.loads(out.read_text())["meta"]
     assert meta["overrides"] == {"out_rows": True, "grad_rows": False}
+
+
+def test_a_gluon_option_is_an_override_too():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_with_override
+
+    from vidsparse.ops.block_sparse_attn import configs
+
+    parsed = bench_with_override.parse_overrides(["gluon.PERSISTENT=true", "regather=true"])
+    assert parsed == {"gluon.PERSISTENT": True, "regather": True}
+    kwargs = bench_with_override.as_override_kwargs(parsed)
+    assert kwargs == {"regather": True, "gluon": replace(configs.GLUON, PERSISTENT=True)}
 
 
 def test_an_unknown_override_is_refused():

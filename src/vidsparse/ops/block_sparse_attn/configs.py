@@ -120,10 +120,14 @@ class GluonOptions:
     # Partial key blocks walked with fewer rows (``key_tails``; an N = 32 / 16 wgmma at 64-key
     # blocks): forward -15% / -20% on Wan 480p / 720p 4x4x4-tile lists (benchmarks/NOTES.md).
     KEY_TAILS: bool = True
+    # 128-row blocks: one program per SM over the query blocks, the next block's loads under
+    # this one's epilogue (``kernels/fwd_sm90_persistent.py``); off until timed on the GPU.
+    PERSISTENT: bool = False
 
     def as_kwargs(self) -> dict:
-        """The kernel's schedule constexprs (``KEY_TAILS`` reaches it as ``TAIL1``/``TAIL2``)."""
-        return {k: v for k, v in vars(self).items() if k != "KEY_TAILS"}
+        """The kernel's schedule constexprs (``KEY_TAILS`` reaches it as ``TAIL1``/``TAIL2``,
+        ``PERSISTENT`` as the choice of kernel)."""
+        return {k: v for k, v in vars(self).items() if k not in ("KEY_TAILS", "PERSISTENT")}
 
 
 @dataclass(frozen=True)

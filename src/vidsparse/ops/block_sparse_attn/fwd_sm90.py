@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -13,6 +15,9 @@ from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import (
     ROWS_PER_CONSUMER,
     block_sparse_attn_fwd_gluon_kernel,
     block_sparse_attn_fwd_gluon_tiles_kernel,
+)
+from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90_persistent import (
+    block_sparse_attn_fwd_gluon_persistent_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
@@ -35,6 +40,15 @@ def gluon_fits(q, k, v, block_q: int, block_kv: int) -> bool:
         and q.dtype in configs.GLUON_DTYPES
         and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
     )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (an H100 SXM's 132 where there is no GPU: the
+    meta tensors of ``vidsparse.bench.compile``)."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _descriptors(q, k, v, o, block_kv, tails):
@@ -79,7 +93,13 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     ends = ends if has_sizes else kv_counts
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     hook = (epilogue.fns().forward_sm90.fn, epilogue.forward_args(call))
-    if block_q == 2 * ROWS_PER_CONSUMER.value:
+    persistent = ()  # the persistent kernel's two more arguments: query blocks, programs
+    # (its lists are read with int32 offsets)
+    if block_q == 2 * ROWS_PER_CONSUMER.value and opts.PERSISTENT and kv_indices.numel() < 2**31:
+        programs = min(B * H * nq, _sm_count(q.device))
+        kernel, grid = block_sparse_attn_fwd_gluon_persistent_kernel, (programs,)
+        persistent = (B * H * nq, programs)
+    elif block_q == 2 * ROWS_PER_CONSUMER.value:
         kernel, grid = block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
     else:
         kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
@@ -89,7 +109,7 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     args = (*descs, lse, (o, o_rows, *o.stride()), kv_indices, kv_counts, sizes, ends,
             *broadcast_strides(kv_indices), *broadcast_strides(kv_counts),
             *list_end_strides(ends), *hook, H, Sq, k.shape[2], nq, kv_indices.shape[-1],
-            scale * LOG2E)  # fmt: skip
+            scale * LOG2E, *persistent)  # fmt: skip
     kwargs = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   TAIL1=tails[0], TAIL2=tails[1], **opts.as_kwargs(), OUT_MAPPED=mapped,
                   num_warps=4)  # fmt: skip

@@ -71,46 +71,66 @@ def _loader(
     v_empty, idx_row, stride_ik, count, ends, q_row, kv_row0, NK, BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr, Q_TILES: gl.constexpr, TAIL1: gl.constexpr, TAIL2: gl.constexpr,
 ):  # fmt: skip
-    """Q once, then K_j and V_j of every listed block j into ring slot ``j % STAGES``: whole
-    blocks up to ``ends[1]`` (``_list_of``), then, with short walks (``TAIL1``), the first
-    ``TAIL1`` rows of blocks ``ends[1]..ends[2]-1`` and the first ``TAIL2`` of the rest, by the
-    descriptors of those boxes (``tail_descs``: k1, v1, k2, v2).
+    """Q once (``load_q``), then the K and V of every listed block (``load_list``).
 
     q_smem [Q_TILES, 64, D] (two halves of a 128-row block, one per consumer; or one 64-row
     query tile); k_smem, v_smem [STAGES, BLOCK_N, D]. ``q_row``: first global row of the query
     rows in the [B*H*S, D] view; ``kv_row0``: first row of this (b, h)'s keys in that view."""
-    # All of Q lands on one barrier: the consumers wait for it once.
+    load_q(desc_q, q_smem, q_bar, q_row, Q_TILES)
+    load_list(desc_k, desc_v, tail_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+               idx_row, stride_ik, count, ends, kv_row0, NK, 0, BLOCK_N, STAGES, TAIL1,
+               TAIL2)  # fmt: skip
+
+
+@gluon.jit
+def load_q(desc_q, q_smem, q_bar, q_row, Q_TILES: gl.constexpr):
+    """The query rows from ``q_row``, in ``Q_TILES`` 64-row pieces, all landing on ``q_bar``
+    (the consumers wait for it once)."""
     mbarrier.expect(q_bar, Q_TILES * desc_q.block_type.nbytes)
     for i in gl.static_range(Q_TILES):
         tma.async_copy_global_to_shared(
             desc_q, [q_row + i * ROWS_PER_CONSUMER, 0], q_bar, q_smem.index(i)
         )
+
+
+@gluon.jit
+def load_list(
+    desc_k, desc_v, tail_descs, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, idx_row,
+    stride_ik, count, ends, kv_row0, NK, r0, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    TAIL1: gl.constexpr, TAIL2: gl.constexpr,
+):  # fmt: skip
+    """K_j and V_j of every listed block j into ring position ``r0 + j`` (``r0``: the blocks
+    the ring carried before this list): whole blocks up to ``ends[1]`` (``list_of``), then,
+    with short walks (``TAIL1``), the first ``TAIL1`` rows of blocks ``ends[1]..ends[2]-1`` and
+    the first ``TAIL2`` of the rest, by the descriptors of those boxes (``tail_descs``: k1, v1,
+    k2, v2)."""
     _, end1, end2 = ends
     _load_keys(desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, idx_row,
-               stride_ik, 0, end1, kv_row0, NK, BLOCK_N, BLOCK_N, STAGES)  # fmt: skip
+               stride_ik, 0, end1, kv_row0, NK, r0, BLOCK_N, BLOCK_N, STAGES)  # fmt: skip
     if TAIL1 > 0:
         desc_k1, desc_v1, desc_k2, desc_v2 = tail_descs
         _load_keys(desc_k1, desc_v1, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   idx_row, stride_ik, end1, end2, kv_row0, NK, TAIL1, BLOCK_N,
+                   idx_row, stride_ik, end1, end2, kv_row0, NK, r0, TAIL1, BLOCK_N,
                    STAGES)  # fmt: skip
         _load_keys(desc_k2, desc_v2, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                   idx_row, stride_ik, end2, count, kv_row0, NK, TAIL2, BLOCK_N,
+                   idx_row, stride_ik, end2, count, kv_row0, NK, r0, TAIL2, BLOCK_N,
                    STAGES)  # fmt: skip
 
 
 @gluon.jit
 def _load_keys(
     desc_k, desc_v, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, idx_row, stride_ik, lo,
-    hi, kv_row0, NK, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    hi, kv_row0, NK, r0, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """K_j and V_j, the first ``ROWS`` rows of each listed block j in ``lo..hi-1`` (boxes of
-    ``desc_k``, ``desc_v``), into ring slot ``j % STAGES`` (``_key_rows``)."""
+    ``desc_k``, ``desc_v``), into ring slot ``(r0 + j) % STAGES`` (``_key_rows``)."""
     for j in range(lo, hi):
-        slot = j % STAGES
-        # Use u = j // STAGES of this slot must wait for its consumers to release use u - 1,
+        r = r0 + j  # position in the ring's sequence of blocks
+        slot = r % STAGES
+        # Use u = r // STAGES of this slot must wait for its consumers to release use u - 1,
         # i.e. for the completion of empty-barrier phase u - 1 (parity (u - 1) & 1). For u = 0
         # parity 1 refers to the phase "before" the first one and passes at once.
-        empty_parity = ((j // STAGES) & 1) ^ 1
+        empty_parity = ((r // STAGES) & 1) ^ 1
         kv_block = gl.load(idx_row + j * stride_ik)  # scalar int32 key-block index
         kv_block = gl.minimum(gl.maximum(kv_block, 0), NK - 1)  # never another head's rows
         row = kv_row0 + kv_block * BLOCK_N  # first row of key block kv_block
@@ -171,13 +191,14 @@ def _padding_masked(s, limit, cols):
 
 @gluon.jit
 def _issue_qk(
-    q, k_smem, k_ready, turn_bars, j, s_zero, ME: gl.constexpr, STAGES: gl.constexpr,
+    q, k_smem, k_ready, turn_bars, r, s_zero, ME: gl.constexpr, STAGES: gl.constexpr,
     PINGPONG: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """Wait for K_j, take the GEMM turn, issue S_j = Q K_j^T [64, ROWS] asynchronously."""
-    slot = j % STAGES
-    mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
-    _turn_wait(turn_bars, ME, j, PINGPONG)
+    """Wait for the K at ring position ``r``, take the GEMM turn, issue S = Q K^T [64, ROWS]
+    asynchronously."""
+    slot = r % STAGES
+    mbarrier.wait(k_ready.index(slot), (r // STAGES) & 1)
+    _turn_wait(turn_bars, ME, r, PINGPONG)
     k_rows = _key_rows(k_smem, slot, ROWS, BLOCK_N)
     return warpgroup_mma(q, k_rows.permute((1, 0)), s_zero, use_acc=False, is_async=True)
 
@@ -190,12 +211,13 @@ def _rescale(acc, alpha, o_layout: gl.constexpr):
 
 @gluon.jit
 def _walk(
-    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo, hi, qk_scale, p_op, m_i,
-    l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols, p_layout: gl.constexpr,
+    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo, hi, r0, qk_scale, p_op,
+    m_i, l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols, p_layout: gl.constexpr,
     o_layout: gl.constexpr, ME: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     MASKED: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """Blocks ``lo..hi-1``, their first ``ROWS`` keys (``s_zero`` and ``cols`` that wide), P
+    """Blocks ``lo..hi-1`` (ring positions from ``r0 + lo``), their first ``ROWS`` keys
+    (``s_zero`` and ``cols`` that wide), P
     fed to the P V wgmma from registers; enters with P_{lo-1} in ``p_op`` and leaves P_{hi-1}
     there (its P V still to issue). ``MASKED``: the blocks may end in padding keys (their real
     count: ``KV_SIZES[block]``, at most ``ROWS``).
@@ -208,11 +230,12 @@ def _walk(
     ptxas may also hoist the P V wait above the softmax, which loses the overlap inside the
     warpgroup; the ping-pong still overlaps one warpgroup's softmax with the other's GEMMs."""
     for j in range(lo, hi):
-        prev = (j - 1) % STAGES
-        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, j, s_zero, ME, STAGES, PINGPONG, ROWS,
+        r = r0 + j
+        prev = (r - 1) % STAGES
+        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, r, s_zero, ME, STAGES, PINGPONG, ROWS,
                           BLOCK_N)  # fmt: skip
         acc = _rescale(acc, alpha, o_layout)  # to the max of block j-1, while S_j runs
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((r - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, _key_rows(v_smem, prev, ROWS, BLOCK_N), acc,
                               is_async=True)  # acc += P V; fmt: skip
         _turn_pass(turn_bars, ME, PINGPONG)
@@ -220,7 +243,7 @@ def _walk(
             limit = gl.load(KV_SIZES + gl.load(idx_row + j * stride_ik))
         # wgmma groups retire in order: with one outstanding, S_j (issued first) is done.
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(j % STAGES))
+        mbarrier.arrive(k_empty.index(r % STAGES))
         if MASKED:
             s = _padding_masked(s, limit, cols)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, MASKED)
@@ -232,13 +255,15 @@ def _walk(
 
 @gluon.jit
 def _last_pv(
-    p_op, v_smem, v_ready, v_empty, acc, alpha, count, o_layout: gl.constexpr,
+    p_op, v_smem, v_ready, v_empty, acc, alpha, count, r0, o_layout: gl.constexpr,
     STAGES: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """The P V of block ``count - 1`` (its first ``ROWS`` keys), the last of a walk."""
-    last = (count - 1) % STAGES
+    """The P V of block ``count - 1`` (ring position ``r0 + count - 1``; its first ``ROWS``
+    keys), the last of a walk."""
+    r = r0 + count - 1
+    last = r % STAGES
     acc = _rescale(acc, alpha, o_layout)
-    mbarrier.wait(v_ready.index(last), ((count - 1) // STAGES) & 1)
+    mbarrier.wait(v_ready.index(last), (r // STAGES) & 1)
     o_tok = warpgroup_mma(p_op, _key_rows(v_smem, last, ROWS, BLOCK_N), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(o_tok, p_op))
     mbarrier.arrive(v_empty.index(last))
@@ -292,8 +317,8 @@ def _loop_p_in_smem(
 
 @gluon.jit
 def _short_walk(
-    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo, hi, qk_scale, m_i, l_i,
-    acc, idx_row, stride_ik, KV_SIZES, p_layout: gl.constexpr, o_layout: gl.constexpr,
+    q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo, hi, r0, qk_scale, m_i,
+    l_i, acc, idx_row, stride_ik, KV_SIZES, p_layout: gl.constexpr, o_layout: gl.constexpr,
     row_layout: gl.constexpr, ME: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
@@ -311,22 +336,22 @@ def _short_walk(
         # The row statistics in this walk's score layout (the same rows a thread holds).
         m_i = gl.convert_layout(m_i, gl.SliceLayout(1, s_layout))
         l_i = gl.convert_layout(l_i, gl.SliceLayout(1, s_layout))
-        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, lo, s_zero, ME, STAGES, PINGPONG, ROWS,
-                          BLOCK_N)  # fmt: skip
+        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, r0 + lo, s_zero, ME, STAGES, PINGPONG,
+                          ROWS, BLOCK_N)  # fmt: skip
         _turn_pass(turn_bars, ME, PINGPONG)
         limit = gl.load(KV_SIZES + gl.load(idx_row + lo * stride_ik))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(lo % STAGES))
+        mbarrier.arrive(k_empty.index((r0 + lo) % STAGES))
         s = _padding_masked(s, limit, cols)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, True)
         p_op = gl.convert_layout(p.to(v_smem.dtype), p_layout)  # [64, ROWS], P_lo
         p_op, m_i, l_i, alpha, acc = _walk(
-            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo + 1, hi,
+            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, lo + 1, hi, r0,
             qk_scale, p_op, m_i, l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols,
             p_layout, o_layout, ME, STAGES, PINGPONG, True, ROWS, BLOCK_N,
         )  # fmt: skip
-        acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, hi, o_layout, STAGES, ROWS,
-                       BLOCK_N)  # fmt: skip
+        acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, hi, r0, o_layout, STAGES,
+                       ROWS, BLOCK_N)  # fmt: skip
         m_i = gl.convert_layout(m_i, row_layout)
         l_i = gl.convert_layout(l_i, row_layout)
     return acc, m_i, l_i
@@ -344,23 +369,25 @@ def _store_mapped(o, b, h, rows, dims, mapped_out):
 
 
 @gluon.jit
-def _consumer(
+def consume_rows(
     desc_o, q_smem, k_smem, v_smem, p_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn_bars,
     LSE, count, ends, idx_row, stride_ik, KV_SIZES, q_row, qk_scale, valid, b, h, q_block,
     block_row0, EPILOGUE: gl.constexpr, epilogue_args, ME: gl.constexpr, Q_INDEX: gl.constexpr,
     BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr,
     P_IN_SMEM: gl.constexpr, HAS_KV_SIZES: gl.constexpr, TAIL1: gl.constexpr,
-    TAIL2: gl.constexpr, mapped_out, OUT_MAPPED: gl.constexpr,
+    TAIL2: gl.constexpr, mapped_out, OUT_MAPPED: gl.constexpr, tile,
+    PERSISTENT: gl.constexpr,
 ):  # fmt: skip
     """64 query rows, ``q_smem[Q_INDEX]`` (global rows from ``q_row + 64 * Q_INDEX``): the
     online softmax over every listed key block (with ``HAS_KV_SIZES`` the first ``ends[0]``
     unmasked, the rest masked; with short walks, ``TAIL1``, the blocks from ``ends[1]`` on with
-    ``TAIL1`` and from ``ends[2]`` on with ``TAIL2`` keys: ``_list_of``), then o (q's dtype,
-    by TMA through its Q buffer; with ``OUT_MAPPED`` by pointers through the row map of
-    ``mapped_out``: ``_store_mapped``) and lse (fp32),
-    stored only if ``valid``, after the declared ``EPILOGUE`` (query block ``q_block`` of
-    (b, h), whose first row is ``block_row0``). ``ME`` names the consumer for the ping-pong
-    turns."""
+    ``TAIL1`` and from ``ends[2]`` on with ``TAIL2`` keys: ``list_of``), then o (q's dtype,
+    ``_store_o``) and lse (fp32), stored only if ``valid``, after the declared ``EPILOGUE``
+    (query block ``q_block`` of (b, h), whose first row is ``block_row0``). ``ME`` names the
+    consumer for the ping-pong turns. ``tile``: (ring position of the list's first block, Q's
+    parity on ``q_bar``, ``q_empty``, ``o_smem``), used by the ``PERSISTENT`` kernel
+    (``fwd_sm90_persistent.py``): Q is released on ``q_empty`` once its Q K^Ts have retired,
+    and o is staged in ``o_smem``; one block a program stages o in Q's buffer."""
     M: gl.constexpr = ROWS_PER_CONSUMER
     # wgmma accumulator layouts for this 4-warp partition: 16 rows per warp, N = 128 per
     # instruction (the largest N that divides both BLOCK_N and HEAD_DIM).
@@ -383,20 +410,23 @@ def _consumer(
     acc = gl.zeros([M, HEAD_DIM], gl.float32, layout=o_layout)  # [64, D] unnormalised o
     s_zero = gl.zeros([M, BLOCK_N], gl.float32, layout=s_layout)  # ignored acc of Q K^T
 
-    # Wait for Q even when the row is empty: the epilogue reuses the Q buffer for o, and the
-    # loader's TMA into it must have landed before we overwrite it.
-    mbarrier.wait(q_bar, 0)
+    r0, q_phase, q_empty, o_smem = tile
+    if not PERSISTENT:
+        o_smem = q_smem  # Q is dead by the epilogue: its buffer stages o
+    # Wait for Q even when the row is empty: the loader's TMA into the buffer must have landed
+    # before the epilogue overwrites it (one block a program) or Q is released (persistent).
+    mbarrier.wait(q_bar, q_phase)
 
     num_full, end1, end2 = ends
     if end1 > 0:  # the blocks walked with all BLOCK_N keys: 0..end1-1
         # ---- prologue: S_0 and its softmax (no P V yet) ----
-        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, 0, s_zero, ME, STAGES, PINGPONG,
+        s_tok = _issue_qk(q, k_smem, k_ready, turn_bars, r0, s_zero, ME, STAGES, PINGPONG,
                           BLOCK_N, BLOCK_N)  # fmt: skip
         _turn_pass(turn_bars, ME, PINGPONG)
         if HAS_KV_SIZES:  # block 0 is partial when no listed block is full
             limit = gl.where(num_full > 0, BLOCK_N, gl.load(KV_SIZES + gl.load(idx_row)))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s_tok,))
-        mbarrier.arrive(k_empty.index(0))  # K_0 read: the loader may refill the slot
+        mbarrier.arrive(k_empty.index(r0 % STAGES))  # K_0 read: the loader may refill it
         if HAS_KV_SIZES:
             s = _padding_masked(s, limit, cols)
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, qk_scale, HAS_KV_SIZES)  # P_0 fp32
@@ -413,31 +443,33 @@ def _consumer(
             # full blocks
             p_op, m_i, l_i, alpha, acc = _walk(
                 q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, 1, num_full,
-                qk_scale, p_op, m_i, l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES, cols,
-                p_layout, o_layout, ME, STAGES, PINGPONG, False, BLOCK_N, BLOCK_N,
+                r0, qk_scale, p_op, m_i, l_i, alpha, acc, s_zero, idx_row, stride_ik, KV_SIZES,
+                cols, p_layout, o_layout, ME, STAGES, PINGPONG, False, BLOCK_N, BLOCK_N,
             )  # fmt: skip
             if HAS_KV_SIZES:
                 # partial blocks
                 p_op, m_i, l_i, alpha, acc = _walk(
                     q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars,
-                    gl.maximum(num_full, 1), end1, qk_scale, p_op, m_i, l_i, alpha, acc, s_zero,
-                    idx_row, stride_ik, KV_SIZES, cols, p_layout, o_layout, ME, STAGES, PINGPONG,
-                    True, BLOCK_N, BLOCK_N,
+                    gl.maximum(num_full, 1), end1, r0, qk_scale, p_op, m_i, l_i, alpha, acc,
+                    s_zero, idx_row, stride_ik, KV_SIZES, cols, p_layout, o_layout, ME, STAGES,
+                    PINGPONG, True, BLOCK_N, BLOCK_N,
                 )  # fmt: skip
-            acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, end1, o_layout, STAGES,
-                           BLOCK_N, BLOCK_N)  # fmt: skip
+            acc = _last_pv(p_op, v_smem, v_ready, v_empty, acc, alpha, end1, r0, o_layout,
+                           STAGES, BLOCK_N, BLOCK_N)  # fmt: skip
     if TAIL1 > 0:  # partial blocks of at most TAIL1, then TAIL2 real keys
         acc, m_i, l_i = _short_walk(
-            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, end1, end2,
+            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, end1, end2, r0,
             qk_scale, m_i, l_i, acc, idx_row, stride_ik, KV_SIZES, p_layout, o_layout,
             row_layout, ME, STAGES, PINGPONG, TAIL1, BLOCK_N,
         )  # fmt: skip
         acc, m_i, l_i = _short_walk(
-            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, end2, count,
+            q, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn_bars, end2, count, r0,
             qk_scale, m_i, l_i, acc, idx_row, stride_ik, KV_SIZES, p_layout, o_layout,
             row_layout, ME, STAGES, PINGPONG, TAIL2, BLOCK_N,
         )  # fmt: skip
 
+    if PERSISTENT:  # every wgmma reading this Q has retired
+        mbarrier.arrive(q_empty)
     # ---- epilogue: normalise; rows that saw no block get o = 0, lse = -inf ----
     live = l_i > 0.0
     l_safe = gl.where(live, l_i, 1.0)
@@ -451,14 +483,28 @@ def _consumer(
                      local_rows, dims, *epilogue_args)  # fmt: skip
         offs = q_row + Q_INDEX * M + gl.arange(0, M, layout=row_layout)  # [64] global rows
         gl.store(LSE + offs, lse)
-        if OUT_MAPPED:
-            _store_mapped(o, b.to(gl.int64), h.to(gl.int64), block_row0 + local_rows, dims,
-                          mapped_out)  # fmt: skip
-        else:
-            # Q is dead (every Q K^T has completed): its buffer stages o for a TMA store.
-            q.store(o.to(q.dtype))
-            fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
-            tma.async_copy_shared_to_global(desc_o, [q_row + Q_INDEX * M, 0], q)
+        _store_o(o, desc_o, o_smem, q_row, b.to(gl.int64), h.to(gl.int64), block_row0 + local_rows,
+                 dims, mapped_out, Q_INDEX, OUT_MAPPED, PERSISTENT)  # fmt: skip
+
+
+@gluon.jit
+def _store_o(
+    o, desc_o, o_smem, q_row, b, h, rows, dims, mapped_out, Q_INDEX: gl.constexpr,
+    OUT_MAPPED: gl.constexpr, PERSISTENT: gl.constexpr,
+):  # fmt: skip
+    """o [64, D], rows ``q_row + 64 * Q_INDEX ..``: by pointers through the row map
+    (``OUT_MAPPED``: ``_store_mapped``), else by TMA from ``o_smem[Q_INDEX]``, waited for
+    here (one block a program) or left running into the next block (persistent: waited for
+    before the buffer is written again)."""
+    if OUT_MAPPED:
+        _store_mapped(o, b, h, rows, dims, mapped_out)
+    else:
+        stage = o_smem.index(Q_INDEX)
+        tma.store_wait(pendings=0)  # persistent: the last block's o has left the buffer
+        stage.store(o.to(stage.dtype))
+        fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+        tma.async_copy_shared_to_global(desc_o, [q_row + Q_INDEX * ROWS_PER_CONSUMER, 0], stage)
+        if not PERSISTENT:
             tma.store_wait(pendings=0)
 
 
@@ -468,10 +514,10 @@ def _consumer(
 
 
 @gluon.jit
-def _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block, valid, K,
+def list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block, valid, K,
              stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq,
              stride_eb, stride_eh, stride_eq, HAS_KV_SIZES: gl.constexpr,
-             TAIL1: gl.constexpr):  # fmt: skip
+             TAIL1: gl.constexpr, WIDE: gl.constexpr = True):  # fmt: skip
     """``(list pointer, count, ends)`` of query block ``block`` of (b, h); an invalid block
     (past the last one) lists nothing. The count is clamped to the list width ``K``.
 
@@ -480,10 +526,12 @@ def _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block, valid, K,
     ``TAIL2`` rows end at the count. Without short walks the masked walk takes every partial
     block (its ends: the count), without key-block sizes every block is full. Clamped so that
     ``end0 <= end1 <= end2 <= count``: the loader and the consumers, which read the same ends,
-    then walk the same blocks whatever the tensor holds."""
-    b = b.to(gl.int64)
-    h = h.to(gl.int64)
-    block = block.to(gl.int64)
+    then walk the same blocks whatever the tensor holds. ``WIDE``: offsets into the lists in
+    int64 (False: int32, for lists of fewer than 2**31 entries)."""
+    if WIDE:
+        b = b.to(gl.int64)
+        h = h.to(gl.int64)
+        block = block.to(gl.int64)
     idx_row = KV_IDX + b * stride_ib + h * stride_ih + block * stride_iq
     count = gl.load(KV_CNT + b * stride_cb + h * stride_ch + block * stride_cq, mask=valid,
                     other=0)  # fmt: skip
@@ -501,7 +549,7 @@ def _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block, valid, K,
 
 
 @gluon.jit
-def _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def init_ring(k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -542,7 +590,7 @@ def block_sparse_attn_fwd_gluon_kernel(
     kv_row0 = pid_bh * Skv  # first key row of this (b, h) in [B*H*Skv, D]
     valid = pid_m < NQ  # always: the grid has NQ programs along dim 0
     NK = Skv // BLOCK_N  # key blocks: the loader clamps every entry below it
-    idx_row, count, ends = _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, pid_m, valid, K,
+    idx_row, count, ends = list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, pid_m, valid, K,
                                     stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
                                     stride_cq, stride_eb, stride_eh, stride_eq, HAS_KV_SIZES,
                                     TAIL1)  # fmt: skip
@@ -575,7 +623,7 @@ def block_sparse_attn_fwd_gluon_kernel(
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar, count=1)  # the loader's expect is the one arrival; TMA bytes complete it
-    _init_ring(k_ready, v_ready, k_empty, v_empty, STAGES, 2)
+    init_ring(k_ready, v_ready, k_empty, v_empty, STAGES, 2)
     mbarrier.init(turn_bars.index(0), count=1)
     mbarrier.init(turn_bars.index(1), count=1)
     # Consumer 0 takes the first turn: complete phase 0 of its turn barrier up front.
@@ -585,18 +633,20 @@ def block_sparse_attn_fwd_gluon_kernel(
     # (Tuples are spelled out: concatenating them in a jit function unwraps the constexprs.)
     gl.warp_specialize(
         [
-            (_consumer, (desc_o, q_smem, k_smem, v_smem, p_smem0, q_bar, k_ready, v_ready,
+            (consume_rows, (desc_o, q_smem, k_smem, v_smem, p_smem0, q_bar, k_ready, v_ready,
                          k_empty, v_empty, turn_bars, LSE, count, ends, idx_row, stride_ik,
                          KV_SIZES, q_row, qk_scale, valid, b, h, pid_m, pid_m * BLOCK_M,
                          EPILOGUE, epilogue_args, gl.constexpr(0), gl.constexpr(0), BLOCK_N,
                          HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES, TAIL1,
-                         TAIL2, mapped_out, OUT_MAPPED)),  # default partition: rows 0-63
-            (_consumer, (desc_o, q_smem, k_smem, v_smem, p_smem1, q_bar, k_ready, v_ready,
+                         TAIL2, mapped_out, OUT_MAPPED, (0, 0, q_bar, q_smem),
+                         gl.constexpr(False))),  # default partition: rows 0-63
+            (consume_rows, (desc_o, q_smem, k_smem, v_smem, p_smem1, q_bar, k_ready, v_ready,
                          k_empty, v_empty, turn_bars, LSE, count, ends, idx_row, stride_ik,
                          KV_SIZES, q_row, qk_scale, valid, b, h, pid_m, pid_m * BLOCK_M,
                          EPILOGUE, epilogue_args, gl.constexpr(1), gl.constexpr(1), BLOCK_N,
                          HEAD_DIM, STAGES, PINGPONG, P_IN_SMEM, HAS_KV_SIZES, TAIL1,
-                         TAIL2, mapped_out, OUT_MAPPED)),  # rows 64-127
+                         TAIL2, mapped_out, OUT_MAPPED, (0, 0, q_bar, q_smem),
+                         gl.constexpr(False))),  # rows 64-127
             (_loader, (desc_q, desc_k, desc_v, tail_descs, q_smem, k_smem, v_smem, q_bar,
                        k_ready, v_ready, k_empty, v_empty, idx_row, stride_ik, count, ends,
                        q_row, kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(2), TAIL1, TAIL2)),
@@ -640,11 +690,11 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     valid0 = block0 < NQ
     valid1 = block1 < NQ  # false in the last program when NQ is odd
     NK = Skv // BLOCK_N
-    idx_row0, count0, ends0 = _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block0, valid0, K,
+    idx_row0, count0, ends0 = list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block0, valid0, K,
                                        stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
                                        stride_cq, stride_eb, stride_eh, stride_eq, HAS_KV_SIZES,
                                        TAIL1)  # fmt: skip
-    idx_row1, count1, ends1 = _list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block1, valid1, K,
+    idx_row1, count1, ends1 = list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block1, valid1, K,
                                        stride_ib, stride_ih, stride_iq, stride_cb, stride_ch,
                                        stride_cq, stride_eb, stride_eh, stride_eq, HAS_KV_SIZES,
                                        TAIL1)  # fmt: skip
@@ -678,26 +728,26 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     turn_unused = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar0, count=1)
     mbarrier.init(q_bar1, count=1)
-    _init_ring(k_ready0, v_ready0, k_empty0, v_empty0, STAGES, 1)
-    _init_ring(k_ready1, v_ready1, k_empty1, v_empty1, STAGES, 1)
+    init_ring(k_ready0, v_ready0, k_empty0, v_empty0, STAGES, 1)
+    init_ring(k_ready1, v_ready1, k_empty1, v_empty1, STAGES, 1)
     fence_async_shared()
 
     gl.warp_specialize(
         [
-            (_consumer, (desc_o, q_smem0, k_smem0, v_smem0, p_unused, q_bar0, k_ready0,
+            (consume_rows, (desc_o, q_smem0, k_smem0, v_smem0, p_unused, q_bar0, k_ready0,
                          v_ready0, k_empty0, v_empty0, turn_unused, LSE, count0, ends0,
                          idx_row0, stride_ik, KV_SIZES, q_row0, qk_scale, valid0, b, h, block0,
                          block0 * BLOCK_M, EPILOGUE, epilogue_args, gl.constexpr(0),
                          gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False),
                          gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2, mapped_out,
-                         OUT_MAPPED)),
-            (_consumer, (desc_o, q_smem1, k_smem1, v_smem1, p_unused, q_bar1, k_ready1,
+                         OUT_MAPPED, (0, 0, q_bar0, q_smem0), gl.constexpr(False))),
+            (consume_rows, (desc_o, q_smem1, k_smem1, v_smem1, p_unused, q_bar1, k_ready1,
                          v_ready1, k_empty1, v_empty1, turn_unused, LSE, count1, ends1,
                          idx_row1, stride_ik, KV_SIZES, q_row1, qk_scale, valid1, b, h, block1,
                          block1 * BLOCK_M, EPILOGUE, epilogue_args, gl.constexpr(1),
                          gl.constexpr(0), BLOCK_N, HEAD_DIM, STAGES, gl.constexpr(False),
                          gl.constexpr(False), HAS_KV_SIZES, TAIL1, TAIL2, mapped_out,
-                         OUT_MAPPED)),
+                         OUT_MAPPED, (0, 0, q_bar1, q_smem1), gl.constexpr(False))),
             (_loader, (desc_q, desc_k, desc_v, tail_descs, q_smem0, k_smem0, v_smem0,
                        q_bar0, k_ready0, v_ready0, k_empty0, v_empty0, idx_row0, stride_ik,
                        count0, ends0, q_row0, kv_row0, NK, BLOCK_N, STAGES, gl.constexpr(1),
