@@ -549,12 +549,35 @@ def list_of(KV_IDX, KV_CNT, KV_ENDS, b, h, block, valid, K,
 
 
 @gluon.jit
-def init_ring(k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def key_ring(desc_k, desc_v, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+             HEAD_DIM: gl.constexpr, CONSUMERS: gl.constexpr):  # fmt: skip
+    """A K/V ring, ``(k, v [STAGES, BLOCK_N, D], k_ready, v_ready, k_empty, v_empty)``, its
+    barriers initialised: ready by the loader's expect (TMA bytes complete it), empty by one
+    arrival per consumer warpgroup."""
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
+    return k_smem, v_smem, k_ready, v_ready, k_empty, v_empty
+
+
+@gluon.jit
+def turn_barriers():
+    """The two consumers' GEMM turns (ping-pong); consumer 0 holds the first: phase 0 of its
+    barrier completes up front."""
+    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(turn_bars.index(0), count=1)
+    mbarrier.init(turn_bars.index(1), count=1)
+    mbarrier.arrive(turn_bars.index(0))
+    return turn_bars
 
 
 @gluon.jit
@@ -600,12 +623,8 @@ def block_sparse_attn_fwd_gluon_kernel(
     q_smem = gl.allocate_shared_memory(
         desc_q.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM], desc_q.layout
     )  # [2, 64, D]; fmt: skip
-    k_smem = gl.allocate_shared_memory(
-        desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout
-    )  # [STAGES, BN, D]; fmt: skip
-    v_smem = gl.allocate_shared_memory(
-        desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout
-    )  # [STAGES, BN, D]; fmt: skip
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = key_ring(desc_k, desc_v, STAGES,
+                                                                  BLOCK_N, HEAD_DIM, 2)
     if P_IN_SMEM:  # P staging, per consumer: [buffer, 64, BN], 2 x 32 KB in all
         p_smem0 = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, BLOCK_N],
                                             desc_k.layout)  # fmt: skip
@@ -615,19 +634,9 @@ def block_sparse_attn_fwd_gluon_kernel(
         p_smem0 = gl.allocate_shared_memory(desc_k.dtype, [2, 8, 64], desc_k.layout)
         p_smem1 = gl.allocate_shared_memory(desc_k.dtype, [2, 8, 64], desc_k.layout)
 
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)  # the loader's expect is the one arrival; TMA bytes complete it
-    init_ring(k_ready, v_ready, k_empty, v_empty, STAGES, 2)
-    mbarrier.init(turn_bars.index(0), count=1)
-    mbarrier.init(turn_bars.index(1), count=1)
-    # Consumer 0 takes the first turn: complete phase 0 of its turn barrier up front.
-    mbarrier.arrive(turn_bars.index(0))
+    turn_bars = turn_barriers()
     fence_async_shared()  # barrier inits visible to the async proxy before any TMA uses them
 
     # (Tuples are spelled out: concatenating them in a jit function unwraps the constexprs.)
@@ -708,28 +717,18 @@ def block_sparse_attn_fwd_gluon_tiles_kernel(
     # Shared memory per consumer: Q 16 KB, K and V rings 2 * STAGES * 16 KB.
     q_smem0 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
     q_smem1 = gl.allocate_shared_memory(desc_q.dtype, [1, BLOCK_M, HEAD_DIM], desc_q.layout)
-    k_smem0 = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-    v_smem0 = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
-    k_smem1 = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-    v_smem1 = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    k_smem0, v_smem0, k_ready0, v_ready0, k_empty0, v_empty0 = key_ring(desc_k, desc_v, STAGES,
+                                                                        BLOCK_N, HEAD_DIM, 1)
+    k_smem1, v_smem1, k_ready1, v_ready1, k_empty1, v_empty1 = key_ring(desc_k, desc_v, STAGES,
+                                                                        BLOCK_N, HEAD_DIM, 1)
     p_unused = gl.allocate_shared_memory(desc_k.dtype, [2, 8, 64], desc_k.layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar0 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     q_bar1 = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    k_ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty0 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     turn_unused = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar0, count=1)
     mbarrier.init(q_bar1, count=1)
-    init_ring(k_ready0, v_ready0, k_empty0, v_empty0, STAGES, 1)
-    init_ring(k_ready1, v_ready1, k_empty1, v_empty1, STAGES, 1)
     fence_async_shared()
 
     gl.warp_specialize(

@@ -23,10 +23,11 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import (
     ROWS_PER_CONSUMER,
     consume_rows,
-    init_ring,
+    key_ring,
     list_of,
     load_list,
     load_q,
+    turn_barriers,
 )
 
 
@@ -133,24 +134,16 @@ def block_sparse_attn_fwd_gluon_persistent_kernel(
                                        desc_q.layout)  # fmt: skip
     o_smem = gl.allocate_shared_memory(desc_o.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
                                        desc_o.layout)  # fmt: skip
-    k_smem = gl.allocate_shared_memory(desc_k.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(desc_v.dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    k_smem, v_smem, k_ready, v_ready, k_empty, v_empty = key_ring(desc_k, desc_v, STAGES,
+                                                                  BLOCK_N, HEAD_DIM, 2)
     p_unused = gl.allocate_shared_memory(desc_k.dtype, [2, 8, 64], desc_k.layout)
 
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
-    turn_bars = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(q_bar, count=1)
     mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
-    init_ring(k_ready, v_ready, k_empty, v_empty, STAGES, 2)
-    mbarrier.init(turn_bars.index(0), count=1)
-    mbarrier.init(turn_bars.index(1), count=1)
-    mbarrier.arrive(turn_bars.index(0))  # consumer 0 takes the first turn
+    turn_bars = turn_barriers()
     fence_async_shared()
 
     # (Tuples are spelled out: concatenating them in a jit function unwraps the constexprs.)
