@@ -18,7 +18,8 @@
 #   training test, VSA's out-rows test and the Gluon backward's; persistent-fwd: the Gluon
 #   forward at 128x128 with and without GluonOptions.PERSISTENT (try_gluon_fwd.py, checked
 #   then timed; try_gluon_fwd.json), and its GPU tests; engine-persistent: the engine's table
-#   at 128x128 (ours, cuDNN, Flex) with it on (bench_with_override.py);
+#   at 128x128 (ours, cuDNN, Flex) with it on (bench_with_override.py); vsa480-persistent:
+#   bench vsa at Wan 480p with it on (the 64-row persistent kernel);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -76,6 +77,9 @@ for what in "$@"; do
     engine-persistent) step engine_persistent 400 python3 benchmarks/tuning/bench_with_override.py \
       gluon.PERSISTENT=true -- block_sparse --shapes default --providers ours,cudnn,flex \
       --block-sizes 128x128 --out "$OUT/block_sparse_persistent_h200.json" ;;
+    vsa480-persistent) step vsa480_persistent 200 python3 benchmarks/tuning/bench_with_override.py \
+      gluon.PERSISTENT=true -- vsa --shapes wan1.3b-480p --sparsities 0.875 \
+      --out "$OUT/vsa480_persistent_h200.json" ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;
     bwd-overlap) step try_bwd_overlap 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py ;;
     overlap-tests) step overlap_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \

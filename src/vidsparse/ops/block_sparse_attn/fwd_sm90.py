@@ -18,6 +18,7 @@ from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90 import (
 )
 from vidsparse.ops.block_sparse_attn.kernels.fwd_sm90_persistent import (
     block_sparse_attn_fwd_gluon_persistent_kernel,
+    block_sparse_attn_fwd_gluon_persistent_tiles_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import (
     LOG2E,
@@ -93,16 +94,19 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     ends = ends if has_sizes else kv_counts
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     hook = (epilogue.fns().forward_sm90.fn, epilogue.forward_args(call))
-    persistent = ()  # the persistent kernel's two more arguments: query blocks, programs
-    # (its lists are read with int32 offsets)
-    if block_q == 2 * ROWS_PER_CONSUMER.value and opts.PERSISTENT and kv_indices.numel() < 2**31:
-        programs = min(B * H * nq, _sm_count(q.device))
-        kernel, grid = block_sparse_attn_fwd_gluon_persistent_kernel, (programs,)
-        persistent = (B * H * nq, programs)
-    elif block_q == 2 * ROWS_PER_CONSUMER.value:
+    shared_block = block_q == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
+    per_head = nq if shared_block else (nq + 1) // 2  # a (b, h)'s blocks, or pairs of them
+    persistent = ()  # the persistent kernels' two more arguments: tiles, programs
+    # (their lists are read with int32 offsets)
+    if opts.PERSISTENT and kv_indices.numel() < 2**31:
+        programs = min(B * H * per_head, _sm_count(q.device))
+        kernel = (block_sparse_attn_fwd_gluon_persistent_kernel if shared_block
+                  else block_sparse_attn_fwd_gluon_persistent_tiles_kernel)  # fmt: skip
+        grid, persistent = (programs,), (B * H * per_head, programs)
+    elif shared_block:
         kernel, grid = block_sparse_attn_fwd_gluon_kernel, (nq, B * H)
     else:
-        kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, ((nq + 1) // 2, B * H)
+        kernel, grid = block_sparse_attn_fwd_gluon_tiles_kernel, (per_head, B * H)
     o_rows, mapped = output_map(out_rows, o)
     # A mapped o is stored by pointers: the q descriptor stands in for o's, never stored through.
     descs = _descriptors(q, k, v, q if mapped else o, block_kv, tails)
