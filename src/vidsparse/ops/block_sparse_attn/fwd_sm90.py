@@ -98,7 +98,7 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     per_head = nq if shared_block else (nq + 1) // 2  # a (b, h)'s blocks, or pairs of them
     persistent = ()  # the persistent kernels' two more arguments: tiles, programs
     # (their lists are read with int32 offsets)
-    if opts.PERSISTENT and kv_indices.numel() < 2**31:
+    if opts.PERSISTENT and max(kv_indices.numel(), ends.numel()) < 2**31:
         programs = min(B * H * per_head, _sm_count(q.device))
         kernel = (block_sparse_attn_fwd_gluon_persistent_kernel if shared_block
                   else block_sparse_attn_fwd_gluon_persistent_tiles_kernel)  # fmt: skip
