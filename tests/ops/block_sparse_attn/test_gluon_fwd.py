@@ -147,6 +147,29 @@ def test_gluon_launch_takes_the_short_walks_only_where_asked(block):
         assert any(a is ends for a in args) == has_sizes
 
 
+def test_persistent_launch_takes_one_block_a_program_for_lists_past_int32(caplog):
+    """``GluonOptions.PERSISTENT`` reads the lists with int32 offsets: lists of 2**31 entries
+    or more take the one-block kernel, and the log says so (meta tensors: no memory)."""
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import configs, fwd_sm90
+
+    meta = torch.device("meta")
+    B, H, S, D = 1, 2, 1024, 128
+    q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
+    lse = torch.empty(B, H, S, device=meta)
+    cnt = torch.empty(1, H, 8, dtype=torch.int32, device=meta)
+    options = replace(configs.GLUON, PERSISTENT=True)
+    for width, persistent in ((8, True), (2**28, False)):  # 2 * 8 * 2**28 = 2**32 entries
+        idx = torch.empty(1, H, 8, width, dtype=torch.int32, device=meta)
+        caplog.clear()
+        kernel, grid, args, _ = fwd_sm90.kernel_args(q, q, q, q, lse, idx, cnt, 128, 128,
+                                                     D**-0.5, options=options)  # fmt: skip
+        assert ("persistent" in kernel.fn.__name__) == persistent
+        assert len(grid) == (1 if persistent else 2)
+        assert ("int32 offsets" in caplog.text) != persistent
+
+
 def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 

@@ -120,8 +120,8 @@ class GluonOptions:
     # Partial key blocks walked with fewer rows (``key_tails``; an N = 32 / 16 wgmma at 64-key
     # blocks): forward -15% / -20% on Wan 480p / 720p 4x4x4-tile lists (benchmarks/NOTES.md).
     KEY_TAILS: bool = True
-    # 128-row blocks: one program per SM over the query blocks, the next block's loads under
-    # this one's epilogue (``kernels/fwd_sm90_persistent.py``); off until timed on the GPU.
+    # One program per SM over the query blocks (64-row: pairs of them), the next block's loads
+    # under this one's epilogue (``kernels/fwd_sm90_persistent.py``); off until timed on a GPU.
     PERSISTENT: bool = False
 
     def as_kwargs(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from triton.experimental.gluon import language as gl
@@ -52,6 +53,11 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _int32_lists(kv_indices, ends) -> bool:
+    """Can the persistent kernels, which read the lists with int32 offsets, take these?"""
+    return max(kv_indices.numel(), ends.numel()) < 2**31
+
+
 def _descriptors(q, k, v, o, block_kv, tails):
     """TMA descriptors over the [B*H*S, D] views: q, o in 64-row pieces, k, v in key blocks,
     then k, v in boxes of each short walk's rows (``tails``; a walk that does not run gets the
@@ -97,8 +103,11 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     shared_block = block_q == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
     per_head = nq if shared_block else (nq + 1) // 2  # a (b, h)'s blocks, or pairs of them
     persistent = ()  # the persistent kernels' two more arguments: tiles, programs
-    # (their lists are read with int32 offsets)
-    if opts.PERSISTENT and max(kv_indices.numel(), ends.numel()) < 2**31:
+    if opts.PERSISTENT and not _int32_lists(kv_indices, ends):
+        logging.getLogger("vidsparse").warning(
+            "vidsparse: GluonOptions.PERSISTENT reads the lists with int32 offsets; these have "
+            "2**31 entries or more, so one block a program runs instead")  # fmt: skip
+    if opts.PERSISTENT and _int32_lists(kv_indices, ends):
         programs = min(B * H * per_head, _sm_count(q.device))
         kernel = (block_sparse_attn_fwd_gluon_persistent_kernel if shared_block
                   else block_sparse_attn_fwd_gluon_persistent_tiles_kernel)  # fmt: skip
