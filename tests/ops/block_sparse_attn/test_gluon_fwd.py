@@ -255,7 +255,7 @@ def test_gpu_persistent_forward_equals_one_block_a_program(monkeypatch, padded, 
     from vidsparse.ops.block_sparse_attn import fwd, fwd_sm90
     from vidsparse.ops.block_sparse_attn.configs import GLUON, override
 
-    monkeypatch.setattr(fwd_sm90, "_sm_count", lambda device: programs)
+    monkeypatch.setattr(fwd_sm90, "num_sms", lambda device: programs)
     launches = []
     real_args = fwd_sm90.kernel_args
 

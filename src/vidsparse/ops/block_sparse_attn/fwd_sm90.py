@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -27,6 +26,7 @@ from vidsparse.ops.block_sparse_attn.launch import (
     int32_contiguous,
     list_end_strides,
 )
+from vidsparse.utils.device import num_sms
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -42,15 +42,6 @@ def gluon_fits(q, k, v, block_q: int, block_kv: int) -> bool:
         and q.dtype in configs.GLUON_DTYPES
         and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in (q, k, v))
     )
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of ``device`` (an H100 SXM's 132 where there is no GPU: the
-    meta tensors of ``vidsparse.bench.compile``)."""
-    if device.type != "cuda":
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _int32_lists(kv_indices, ends) -> bool:
@@ -108,7 +99,7 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
             "vidsparse: GluonOptions.PERSISTENT reads the lists with int32 offsets; these have "
             "2**31 entries or more, so one block a program runs instead")  # fmt: skip
     if opts.PERSISTENT and _int32_lists(kv_indices, ends):
-        programs = min(B * H * per_head, _sm_count(q.device))
+        programs = min(B * H * per_head, num_sms(q.device))
         kernel = (block_sparse_attn_fwd_gluon_persistent_kernel if shared_block
                   else block_sparse_attn_fwd_gluon_persistent_tiles_kernel)  # fmt: skip
         grid, persistent = (programs,), (B * H * per_head, programs)
