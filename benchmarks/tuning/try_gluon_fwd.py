@@ -57,14 +57,14 @@ from vidsparse.bench.compile import compile_sm90  # noqa: E402
 
 # Gluon variants: name -> fields of configs.GluonOptions replaced in the library's configs.GLUON.
 # reg_*: P fed to the P V wgmma from registers; smem_*: P staged in shared memory (SS wgmma).
-# s2/s3: K/V ring depth; pp: ping-pong between the two consumer warpgroups.
+# s2/s3: K/V ring depth; pp: ping-pong between the two consumer warpgroups. One query block a
+# program, except *_persistent: one program per SM over them (kernels/fwd_sm90_persistent.py).
 VARIANTS = {
-    "reg_s2_pp": dict(STAGES=2, PINGPONG=True, P_IN_SMEM=False),
-    "reg_s3_pp": dict(STAGES=3, PINGPONG=True, P_IN_SMEM=False),
-    "reg_s2_nopp": dict(STAGES=2, PINGPONG=False, P_IN_SMEM=False),
-    "smem_s2_pp": dict(STAGES=2, PINGPONG=True, P_IN_SMEM=True),
-    "smem_s2_nopp": dict(STAGES=2, PINGPONG=False, P_IN_SMEM=True),
-    # one program per SM over the query blocks (kernels/fwd_sm90_persistent.py)
+    "reg_s2_pp": dict(STAGES=2, PINGPONG=True, P_IN_SMEM=False, PERSISTENT=False),
+    "reg_s3_pp": dict(STAGES=3, PINGPONG=True, P_IN_SMEM=False, PERSISTENT=False),
+    "reg_s2_nopp": dict(STAGES=2, PINGPONG=False, P_IN_SMEM=False, PERSISTENT=False),
+    "smem_s2_pp": dict(STAGES=2, PINGPONG=True, P_IN_SMEM=True, PERSISTENT=False),
+    "smem_s2_nopp": dict(STAGES=2, PINGPONG=False, P_IN_SMEM=True, PERSISTENT=False),
     "reg_s2_pp_persistent": dict(STAGES=2, PINGPONG=True, P_IN_SMEM=False, PERSISTENT=True),
 }
 B, H, S, D = 1, 12, 32768, 128

@@ -53,23 +53,32 @@ for dtype in (torch.bfloat16, torch.float16):
 rep = compile_sm90({}, out_rows=True)
 print(json.dumps(dict(block=128, combine=0, residual=0, masked=False, key_tails=False,
                       out_rows=True, dtype=str(torch.bfloat16), **rep)))
-# the persistent kernels (GluonOptions.PERSISTENT): 128x128, every walk; 64x64 plain
+# one block a program (GluonOptions.PERSISTENT off: what lists past int32 offsets take):
+# 128x128, every walk; 64x64 plain
 for masked, key_tails in ((False, False), (True, False), (True, True)):
-    rep = compile_sm90({"PERSISTENT": True}, masked=masked, key_tails=key_tails)
+    rep = compile_sm90({"PERSISTENT": False}, masked=masked, key_tails=key_tails)
     print(json.dumps(dict(block=128, combine=0, residual=0, masked=masked, key_tails=key_tails,
-                          persistent=True, dtype=str(torch.bfloat16), **rep)))
-rep = compile_sm90({"PERSISTENT": True}, block=64)
+                          persistent=False, dtype=str(torch.bfloat16), **rep)))
+rep = compile_sm90({"PERSISTENT": False}, block=64)
 print(json.dumps(dict(block=64, combine=0, residual=0, masked=False, key_tails=False,
-                      persistent=True, dtype=str(torch.bfloat16), **rep)))
+                      persistent=False, dtype=str(torch.bfloat16), **rep)))
 """
 
-# The persistent 128x128 kernel's partitions take the program id and a base pointer over from
-# the program's prologue: ptxas keeps them in local memory across the register split
-# (``setmaxnreg``) and reads them once per query block, not in the walks. Measured: 24 bytes
-# with key-block sizes, none without. (The 64x64 one with VSA's combine spills: 124-132 bytes
-# with o stored by TMA on Triton 3.6, 152 with o through VSA's token map on Triton 3.8, none
-# on 3.6; not checked here until it is spill-free, since PERSISTENT is off.)
-PERSISTENT_SPILL_BYTES = 32
+# The persistent kernels (the library's default, GluonOptions.PERSISTENT) take values over
+# from the program's prologue into their partitions (program id, base pointers, the
+# epilogue's arguments): ptxas keeps some in local memory across the register split
+# (``setmaxnreg``) and reads them once per query block (at 64 rows, pair), never in the walks.
+# Measured: at 128 rows 20-24 bytes with key-block sizes, none without; at 64 rows with VSA's
+# combine and its residual (a training forward) 112-152 bytes (Triton 3.6: 132 with o stored
+# by TMA, none through the token map; 3.8: 112 and 152), none otherwise. Timed with them on
+# an H100 (benchmarks/NOTES.md), VSA's tile-order fwd+bwd was faster than one block a
+# program. Every other variant, and one block a program, must be spill-free.
+def _spill_bound(report: dict) -> int:
+    if not report.get("persistent", True):  # reports without the key: the library's default
+        return 0
+    if report["block"] == 64:
+        return 160 if report["residual"] else 0
+    return 32
 
 
 @pytest.mark.slow
@@ -103,11 +112,10 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
         label = (
             f"block={r['block']} combine={r['combine']} residual={r['residual']} "
             f"masked={r['masked']} key_tails={r['key_tails']} "
-            f"out_rows={r.get('out_rows', False)} persistent={r.get('persistent', False)} "
+            f"out_rows={r.get('out_rows', False)} persistent={r.get('persistent', True)} "
             f"{r['dtype']}"
         )
-        spill_bound = PERSISTENT_SPILL_BYTES if r.get("persistent") else 0
-        assert r["spill_bytes"] <= spill_bound, (label, r)
+        assert r["spill_bytes"] <= _spill_bound(r), (label, r)
         assert r["sass_a_operand_hazards"] == 0, (label, r)
         assert not r["ptxas_warnings"], (label, r)  # e.g. wgmma serialised (C7510-C7515)
 

@@ -121,8 +121,10 @@ class GluonOptions:
     # blocks): forward -15% / -20% on Wan 480p / 720p 4x4x4-tile lists (benchmarks/NOTES.md).
     KEY_TAILS: bool = True
     # One program per SM over the query blocks (64-row: pairs of them), the next block's loads
-    # under this one's epilogue (``kernels/fwd_sm90_persistent.py``); off until timed on a GPU.
-    PERSISTENT: bool = False
+    # under this one's epilogue (``kernels/fwd_sm90_persistent.py``): 1/8 forward -1 to -3%,
+    # 1/16 -3 to -8%, VSA 480p -1% (benchmarks/NOTES.md). Lists of 2**31 entries or more take
+    # one block a program (int32 offsets), logged.
+    PERSISTENT: bool = True
 
     def as_kwargs(self) -> dict:
         """The kernel's schedule constexprs (``KEY_TAILS`` reaches it as ``TAIL1``/``TAIL2``,
