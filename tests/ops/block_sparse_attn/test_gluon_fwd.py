@@ -64,6 +64,7 @@ print(json.dumps(dict(block=64, combine=0, residual=0, masked=False, key_tails=F
                       persistent=False, dtype=str(torch.bfloat16), **rep)))
 """
 
+
 # The persistent kernels (the library's default, GluonOptions.PERSISTENT) take values over
 # from the program's prologue into their partitions (program id, base pointers, the
 # epilogue's arguments): ptxas keeps some in local memory across the register split
