@@ -19,7 +19,8 @@
 #   forward at 128x128 with and without GluonOptions.PERSISTENT (try_gluon_fwd.py, checked
 #   then timed; try_gluon_fwd.json), and its GPU tests; engine-one-block: the engine's table
 #   at 128x128 (ours, cuDNN, Flex) with it off (bench_with_override.py), the A/B of the
-#   default; vsa480-one-block: bench vsa at Wan 480p with it off;
+#   default; vsa480-persistent: bench vsa at Wan 480p with PERSISTENT_TILES on (the 64-row
+#   persistent kernel), and vsa-tests-persistent VSA's GPU tests with it;
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -77,9 +78,11 @@ for what in "$@"; do
     engine-one-block) step engine_one_block 400 python3 benchmarks/tuning/bench_with_override.py \
       gluon.PERSISTENT=false -- block_sparse --shapes default --providers ours,cudnn,flex \
       --block-sizes 128x128 --out "$OUT/block_sparse_one_block_h200.json" ;;
-    vsa480-one-block) step vsa480_one_block 200 python3 benchmarks/tuning/bench_with_override.py \
-      gluon.PERSISTENT=false -- vsa --shapes wan1.3b-480p --sparsities 0.875 \
-      --out "$OUT/vsa480_one_block_h200.json" ;;
+    vsa480-persistent) step vsa480_persistent 200 python3 benchmarks/tuning/bench_with_override.py \
+      gluon.PERSISTENT_TILES=true -- vsa --shapes wan1.3b-480p --sparsities 0.875 \
+      --out "$OUT/vsa480_persistent_h200.json" ;;
+    vsa-tests-persistent) step vsa_tests_persistent 500 env VIDSPARSE_TEST_GLUON=PERSISTENT_TILES=1 \
+      python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/video_sparse_attn ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;
     bwd-overlap) step try_bwd_overlap 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py ;;
     overlap-tests) step overlap_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \

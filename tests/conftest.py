@@ -80,3 +80,27 @@ def _give_back_gpu_memory(request):
     yield
     if HAS_GPU and "gpu" in request.keywords:
         torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _gluon_schedule_from_env():
+    """``VIDSPARSE_TEST_GLUON="PERSISTENT_TILES=1"``: run the tests under that Gluon forward
+    schedule (``configs.GluonOptions`` fields, comma-separated, integers or 0/1), e.g. a
+    schedule that is off by default through a whole folder's GPU tests."""
+    spec = os.environ.get("VIDSPARSE_TEST_GLUON", "")
+    if not spec:
+        yield
+        return
+    from dataclasses import fields, replace
+
+    from vidsparse.ops.block_sparse_attn import configs
+
+    types = {f.name: f.type for f in fields(configs.GluonOptions)}
+    changes = {}
+    for item in spec.split(","):
+        name, value = item.split("=")
+        if name not in types:
+            raise pytest.UsageError(f"VIDSPARSE_TEST_GLUON: no GluonOptions field {name!r}")
+        changes[name] = bool(int(value)) if types[name] in (bool, "bool") else int(value)
+    with configs.override(gluon=replace(configs.GLUON, **changes)):
+        yield

@@ -53,33 +53,27 @@ for dtype in (torch.bfloat16, torch.float16):
 rep = compile_sm90({}, out_rows=True)
 print(json.dumps(dict(block=128, combine=0, residual=0, masked=False, key_tails=False,
                       out_rows=True, dtype=str(torch.bfloat16), **rep)))
-# one block a program (GluonOptions.PERSISTENT off: what lists past int32 offsets take):
-# 128x128, every walk; 64x64 plain
+# 128x128 one block a program (GluonOptions.PERSISTENT off: what lists past int32 offsets
+# take), every walk; the persistent 64x64 tiles kernel (PERSISTENT_TILES, off), plain
 for masked, key_tails in ((False, False), (True, False), (True, True)):
     rep = compile_sm90({"PERSISTENT": False}, masked=masked, key_tails=key_tails)
     print(json.dumps(dict(block=128, combine=0, residual=0, masked=masked, key_tails=key_tails,
                           persistent=False, dtype=str(torch.bfloat16), **rep)))
-rep = compile_sm90({"PERSISTENT": False}, block=64)
+rep = compile_sm90({"PERSISTENT_TILES": True}, block=64)
 print(json.dumps(dict(block=64, combine=0, residual=0, masked=False, key_tails=False,
-                      persistent=False, dtype=str(torch.bfloat16), **rep)))
+                      persistent=True, dtype=str(torch.bfloat16), **rep)))
 """
 
 
-# The persistent kernels (the library's default, GluonOptions.PERSISTENT) take values over
-# from the program's prologue into their partitions (program id, base pointers, the
-# epilogue's arguments): ptxas keeps some in local memory across the register split
-# (``setmaxnreg``) and reads them once per query block (at 64 rows, pair), never in the walks.
-# Measured: at 128 rows 20-24 bytes with key-block sizes, none without; at 64 rows with VSA's
-# combine and its residual (a training forward) 112-152 bytes (Triton 3.6: 132 with o stored
-# by TMA, none through the token map; 3.8: 112 and 152), none otherwise. Timed with them on
-# an H100 (benchmarks/NOTES.md), VSA's tile-order fwd+bwd was faster than one block a
-# program. Every other variant, and one block a program, must be spill-free.
+# The persistent kernels take values over from the program's prologue into their partitions
+# (program id, base pointers): ptxas keeps some in local memory across the register split
+# (``setmaxnreg``) and reads them once per query block, never in the walks. Measured at 128
+# rows (the library's default): 20-24 bytes with key-block sizes, none without. (The 64-row
+# tiles kernel, off, spills 112-152 bytes with VSA's combine and its residual; plain, none.)
+# Every other variant must be spill-free.
 def _spill_bound(report: dict) -> int:
-    if not report.get("persistent", True):  # reports without the key: the library's default
-        return 0
-    if report["block"] == 64:
-        return 160 if report["residual"] else 0
-    return 32
+    persistent = report.get("persistent", report["block"] == 128)  # no key: the default
+    return 32 if persistent and report["block"] == 128 else 0
 
 
 @pytest.mark.slow
@@ -150,6 +144,24 @@ def test_gluon_launch_takes_the_short_walks_only_where_asked(block):
         assert (kwargs["TAIL1"], kwargs["TAIL2"]) == want
         assert "KEY_TAILS" not in kwargs
         assert any(a is ends for a in args) == has_sizes
+
+
+@pytest.mark.parametrize("block", [64, 128])
+def test_default_forward_is_persistent_at_128_rows_only(block):
+    """The library's schedule: the persistent kernel for 128-row blocks, one program per
+    tile pair for VSA's 64-row tiles (``PERSISTENT_TILES`` off until its GPU tests run)."""
+    from vidsparse.ops.block_sparse_attn import configs, fwd_sm90
+
+    meta = torch.device("meta")
+    B, H, S, D = 1, 2, 8 * block, 128
+    q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
+    lse = torch.empty(B, H, S, device=meta)
+    idx = torch.empty(1, H, 8, 2, dtype=torch.int32, device=meta)
+    cnt = torch.empty(1, H, 8, dtype=torch.int32, device=meta)
+    kernel, grid, _, _ = fwd_sm90.kernel_args(q, q, q, q, lse, idx, cnt, block, block, D**-0.5,
+                                              options=configs.GLUON)  # fmt: skip
+    assert ("persistent" in kernel.fn.__name__) == (block == 128)
+    assert len(grid) == (1 if block == 128 else 2)
 
 
 def test_persistent_launch_takes_one_block_a_program_for_lists_past_int32(caplog):
@@ -280,7 +292,9 @@ def test_gpu_persistent_forward_equals_one_block_a_program(monkeypatch, padded, 
     sizes = _pad_keys(k, v, bs) if padded else None
     runs = []
     for persistent in (False, True):
-        options = replace(GLUON, KEY_TAILS=key_tails, PERSISTENT=persistent)
+        options = replace(
+            GLUON, KEY_TAILS=key_tails, PERSISTENT=persistent, PERSISTENT_TILES=persistent
+        )
         with override(gluon=options):
             runs.append(fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, D**-0.5,
                                                   padding_finite=True))  # fmt: skip

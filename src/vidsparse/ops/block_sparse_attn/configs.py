@@ -120,16 +120,20 @@ class GluonOptions:
     # Partial key blocks walked with fewer rows (``key_tails``; an N = 32 / 16 wgmma at 64-key
     # blocks): forward -15% / -20% on Wan 480p / 720p 4x4x4-tile lists (benchmarks/NOTES.md).
     KEY_TAILS: bool = True
-    # One program per SM over the query blocks (64-row: pairs of them), the next block's loads
-    # under this one's epilogue (``kernels/fwd_sm90_persistent.py``): 1/8 forward -1 to -3%,
-    # 1/16 -3 to -8%, VSA 480p -1% (benchmarks/NOTES.md). Lists of 2**31 entries or more take
-    # one block a program (int32 offsets), logged.
+    # One program per SM over the 128-row query blocks, the next block's loads under this
+    # one's epilogue (``kernels/fwd_sm90_persistent.py``): at 1/8 forward -1 to -3%, at 1/16
+    # -3 to -8% (benchmarks/NOTES.md). Lists of 2**31 entries or more take one block a
+    # program (int32 offsets), logged.
     PERSISTENT: bool = True
+    # The same over pairs of 64-row tiles (video tiles, with a client's epilogue): off until
+    # the tile clients' GPU tests have run with it (timed on an H100: -1.4% at Wan 480p).
+    PERSISTENT_TILES: bool = False
 
     def as_kwargs(self) -> dict:
         """The kernel's schedule constexprs (``KEY_TAILS`` reaches it as ``TAIL1``/``TAIL2``,
-        ``PERSISTENT`` as the choice of kernel)."""
-        return {k: v for k, v in vars(self).items() if k not in ("KEY_TAILS", "PERSISTENT")}
+        ``PERSISTENT``, ``PERSISTENT_TILES`` as the choice of kernel)."""
+        launcher_only = ("KEY_TAILS", "PERSISTENT", "PERSISTENT_TILES")
+        return {k: v for k, v in vars(self).items() if k not in launcher_only}
 
 
 @dataclass(frozen=True)

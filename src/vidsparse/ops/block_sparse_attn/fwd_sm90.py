@@ -94,11 +94,12 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     shared_block = block_q == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
     per_head = nq if shared_block else (nq + 1) // 2  # a (b, h)'s blocks, or pairs of them
     persistent = ()  # the persistent kernels' two more arguments: tiles, programs
-    if opts.PERSISTENT and not _int32_lists(kv_indices, ends):
+    wants_persistent = opts.PERSISTENT if shared_block else opts.PERSISTENT_TILES
+    if wants_persistent and not _int32_lists(kv_indices, ends):
         logging.getLogger("vidsparse").warning(
             "vidsparse: GluonOptions.PERSISTENT reads the lists with int32 offsets; these have "
             "2**31 entries or more, so one block a program runs instead")  # fmt: skip
-    if opts.PERSISTENT and _int32_lists(kv_indices, ends):
+    if wants_persistent and _int32_lists(kv_indices, ends):
         programs = min(B * H * per_head, num_sms(q.device))
         kernel = (block_sparse_attn_fwd_gluon_persistent_kernel if shared_block
                   else block_sparse_attn_fwd_gluon_persistent_tiles_kernel)  # fmt: skip
