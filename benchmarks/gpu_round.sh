@@ -20,7 +20,9 @@
 #   then timed; try_gluon_fwd.json), and its GPU tests; engine-one-block: the engine's table
 #   at 128x128 (ours, cuDNN, Flex) with it off (bench_with_override.py), the A/B of the
 #   default; vsa480-persistent: bench vsa at Wan 480p with PERSISTENT_TILES on (the 64-row
-#   persistent kernel), and vsa-tests-persistent VSA's GPU tests with it;
+#   persistent kernel), and vsa-tests-persistent VSA's GPU tests with it; one-pass-bwd: the
+#   one-pass backward's GPU tests (dQ by atomics, bwd_sm90.dkdvdq_gluon), then its A/B
+#   against the two Gluon kernels (try_gluon_bwd.py --one-pass, try_one_pass_bwd.json);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -83,6 +85,10 @@ for what in "$@"; do
       --out "$OUT/vsa480_persistent_h200.json" ;;
     vsa-tests-persistent) step vsa_tests_persistent 500 env VIDSPARSE_TEST_GLUON=PERSISTENT_TILES=1 \
       python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/video_sparse_attn ;;
+    one-pass-bwd) step one_pass_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
+      step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
+        --one-pass --cases engine ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;
     bwd-overlap) step try_bwd_overlap 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py ;;
     overlap-tests) step overlap_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \

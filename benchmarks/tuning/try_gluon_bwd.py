@@ -21,6 +21,13 @@ backward whole (with its Gluon kernels where they apply) with its kernels from t
 At the engine shape cuDNN's dense backward is timed too (fwd+bwd minus fwd), the bar the
 backward is held to. Writes ``$OUT/try_gluon_bwd.json`` if ``OUT`` is set; prints a
 table last.
+
+``--one-pass`` (128x128 cases only) compares instead the one-pass backward
+(``bwd_sm90.dkdvdq_gluon``: dQ by atomics from the dK/dV walk, dq's zeroing and scaling
+included) at 2 and 3 stages with the two Gluon kernels back to back and with the library's
+backward whole, and fwd+bwd both ways (forward, preprocess, backward; the transposed lists
+cached as the library caches them); its dK, dV against the dK/dV kernel's bits and its dQ
+against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
 """
 
 from __future__ import annotations
@@ -181,9 +188,78 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
+    """The one-pass backward against the two Gluon kernels and the library's (``--one-pass``)."""
+    from dataclasses import replace
+
+    import triton
+
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
+
+    q, k, v, do, idx, cnt, sizes, bs, density = _case(name, gen)
+    assert bs == 128, "the one-pass kernel takes 128-row blocks"
+    B, H, S, _ = q.shape
+    scale = D**-0.5
+    rows = []
+
+    def row(provider, ms, **extra):
+        r = {"case": name, "provider": provider, "ms": ms, "density": density, **extra}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    def bench(fn):
+        fn()
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+    def forward():
+        return fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale)
+
+    o, lse = forward()
+    q_off, q_idx = cached_transpose(idx, cnt, S // bs)
+
+    def prep(o, lse):
+        return bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())[:2]
+
+    def two_kernels(o=o, lse=lse):
+        delta, lse2 = prep(o, lse)
+        dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale)
+        return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale), dk, dv
+
+    def one_pass(stages, o=o, lse=lse):
+        delta, lse2 = prep(o, lse)
+        opts = replace(configs.GLUON_DKDVDQ[bs], STAGES=stages)
+        dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
+                                           options=opts)  # fmt: skip
+        return dq, dk, dv
+
+    def library():
+        return bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, scale)
+
+    dq_2, dk_2, dv_2 = two_kernels()
+    row("two_kernels", bench(two_kernels))
+    row("fwd+two_kernels", bench(lambda: two_kernels(*forward())))
+    row("library_bwd", bench(library))
+    row("fwd+library_bwd", bench(lambda: (forward(), library())))
+    for stages in (2, 3):
+        checks = {}
+        for run in (1, 2):
+            dq, dk, dv = one_pass(stages)
+            checks[f"run{run}"] = {
+                "dk_equal": bool(torch.equal(dk, dk_2)), "dv_equal": bool(torch.equal(dv, dv_2)),
+                "err_dq_vs_dq_kernel": _rel_l2(dq, dq_2), "nan": bool(torch.isnan(dq).any()),
+            }  # fmt: skip
+        row(f"one_pass_s{stages}", bench(lambda s=stages: one_pass(s)), **checks)
+        row(f"fwd+one_pass_s{stages}", bench(lambda s=stages: one_pass(s, *forward())))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="engine,vsa480")
+    ap.add_argument("--one-pass", action="store_true", help="the one-pass backward's A/B")
     args = ap.parse_args()
     import triton
 
@@ -194,10 +270,11 @@ def main() -> None:
     gen.manual_seed(0)
     rows = []
     for name in args.cases.split(","):
-        rows += run_case(name, gen)
+        rows += one_pass_case(name, gen) if args.one_pass else run_case(name, gen)
     out_dir = os.environ.get("OUT")
     if out_dir:
-        with open(os.path.join(out_dir, "try_gluon_bwd.json"), "w") as f:
+        out_name = "try_one_pass_bwd.json" if args.one_pass else "try_gluon_bwd.json"
+        with open(os.path.join(out_dir, out_name), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\n{'case':>7} {'provider':>60} {'ms':>8}  extra")
     for r in rows:

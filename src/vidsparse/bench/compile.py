@@ -157,6 +157,31 @@ def compile_dq_sm90(
     return compile_launch_sm90(kernel, args, kwargs)
 
 
+def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bfloat16) -> dict:
+    """Compile the one-pass backward (``ops/block_sparse_attn/kernels/bwd_sm90_fused.py``,
+    128-row blocks) for cuda:90 on meta tensors; returns the report of ``compile_sm90``.
+    ``options``: fields of ``configs.GluonBwdOptions`` overriding ``GLUON_DKDVDQ``'s."""
+    _require_compiler("compile_dkdvdq_sm90")
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
+
+    meta = torch.device("meta")
+    q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D], as k, v, do, dk, dv
+    dq_acc = torch.empty(B, H, S, D, dtype=torch.float32, device=meta)
+    lse2 = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S], as delta
+    nk = S // BLOCK
+    offsets = torch.empty(1, H, nk + 1, dtype=torch.int32, device=meta)  # [1, H, NK + 1]
+    indices = torch.empty(1, H, nk * (nk // 8), dtype=torch.int32, device=meta)  # [1, H, NQ*K]
+    sizes = torch.empty(nk, dtype=torch.int32, device=meta) if masked else None  # [NK]
+    schedule = replace(configs.GLUON_DKDVDQ[BLOCK], **options) if options else None
+    kernel, _, args, kwargs = bwd_sm90.dkdvdq_kernel_args(
+        q, q, q, q, q, q, dq_acc, lse2, lse2, offsets, indices, BLOCK, D**-0.5, sizes,
+        options=schedule,
+    )  # fmt: skip
+    return compile_launch_sm90(kernel, args, kwargs)
+
+
 def _require_compiler(name: str) -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError(

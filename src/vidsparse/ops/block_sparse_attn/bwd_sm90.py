@@ -21,6 +21,9 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     block_sparse_attn_bwd_dq_gluon_kernel,
     block_sparse_attn_bwd_dq_gluon_tiles_kernel,
 )
+from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90_fused import (
+    block_sparse_attn_bwd_dkdvdq_gluon_kernel,
+)
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -121,11 +124,7 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
     ``kv_block_sizes``, padding keys are read by TMA and their gradients are 0 whatever they
     hold. Raises only on what would make the kernel misread memory."""
     _check_inputs("dkdv_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
-    for name, x in (("q_offsets", q_offsets), ("q_indices", q_indices)):
-        if x.dtype != torch.int32 or x.stride(-1) != 1:
-            raise ValueError(f"dkdv_gluon: {name} must be int32 with a unit last stride")
-    if q_offsets.shape[-1] != k.shape[2] // block + 1:
-        raise ValueError("dkdv_gluon: q_offsets must hold NK + 1 bounds per (batch, head)")
+    _check_transposed_lists("dkdv_gluon", q_offsets, q_indices, k, block)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -203,3 +202,53 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
                                                 epilogue, grad_args, options)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dq
+
+
+def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_indices, block,
+                       scale, kv_block_sizes=None,
+                       options: configs.GluonBwdOptions | None = None):  # fmt: skip
+    """``(kernel, grid, args, kwargs)`` of the one-pass backward (also used to compile for sm_90
+    without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D]."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    has_sizes = kv_block_sizes is not None
+    sizes = kv_block_sizes if has_sizes else q_offsets  # dummy pointer when unused
+    nk = Skv // block
+    args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_acc, q_offsets, q_indices,
+            sizes, *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2], H, Sq,
+            Skv, Sq // block - 1, nk, q_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
+    opts = (options or configs.GLUON_DKDVDQ[block]).as_kwargs()
+    kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
+                  num_warps=4)  # fmt: skip
+    return block_sparse_attn_bwd_dkdvdq_gluon_kernel, (nk, B * H), args, kwargs
+
+
+def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
+                 kv_block_sizes=None,
+                 options: configs.GluonBwdOptions | None = None):  # fmt: skip
+    """``(dk, dv, dq)`` in one pass (Hopper, 128-row blocks, no epilogue): dK and dV the dK/dV
+    kernel's bits, dQ added from every key block's step into an fp32 accumulator by atomics,
+    so its last bits vary from run to run (``kernels/bwd_sm90_fused.py``). Inputs as
+    ``dkdv_gluon``'s. Not yet taken by the engine's backward (built, not yet timed)."""
+    _check_inputs("dkdvdq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
+    if block not in configs.GLUON_DKDVDQ:
+        raise ValueError(f"dkdvdq_gluon: block {block} not supported; "
+                         f"supported: {sorted(configs.GLUON_DKDVDQ)}")  # fmt: skip
+    _check_transposed_lists("dkdvdq_gluon", q_offsets, q_indices, k, block)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kernel, grid, args, kwargs = dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta,
+                                                    q_offsets, q_indices, block, scale,
+                                                    kv_block_sizes, options)  # fmt: skip
+    kernel[grid](*args, **kwargs)
+    return dk, dv, dq_acc.mul_(scale).to(q.dtype)
+
+
+def _check_transposed_lists(launcher, q_offsets, q_indices, k, block) -> None:
+    for name, x in (("q_offsets", q_offsets), ("q_indices", q_indices)):
+        if x.dtype != torch.int32 or x.stride(-1) != 1:
+            raise ValueError(f"{launcher}: {name} must be int32 with a unit last stride")
+    if q_offsets.shape[-1] != k.shape[2] // block + 1:
+        raise ValueError(f"{launcher}: q_offsets must hold NK + 1 bounds per (batch, head)")

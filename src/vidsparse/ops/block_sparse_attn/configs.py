@@ -156,6 +156,9 @@ GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
 # dQ: at 128 rows Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit (2-4 timed
 # alike on the H200); the 64-row kernel holds two rings, 2 steps each.
 GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
+# dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
+# dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB). Not yet timed.
+GLUON_DKDVDQ = {128: GluonBwdOptions(STAGES=3)}
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with

@@ -63,7 +63,7 @@ STEP_M = gl.constexpr(64)
 
 
 @gluon.jit
-def _loader(
+def load_steps(
     desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem, v_smem, q_smem, do_smem,
     lse_smem, dl_smem, kv_bar, ready, empty, idx_row, start, end, Q_LAST, q_row0, kv_row,
     BLOCK_M: gl.constexpr, STAGES: gl.constexpr, KV_TILES: gl.constexpr,
@@ -195,7 +195,7 @@ def _consumer(
 
 
 @gluon.jit
-def _list_of(Q_OFF, Q_IDX, b, h, kv_block, valid, WIDTH, stride_offb, stride_offh,
+def transposed_list_of(Q_OFF, Q_IDX, b, h, kv_block, valid, WIDTH, stride_offb, stride_offh,
              stride_qib, stride_qih):  # fmt: skip
     """``(list pointer, start, end)`` of key block ``kv_block`` in the transposed lists; an
     invalid block (past the last one) lists nothing. Bounds clamped into ``[0, WIDTH]``."""
@@ -210,14 +210,14 @@ def _list_of(Q_OFF, Q_IDX, b, h, kv_block, valid, WIDTH, stride_offb, stride_off
 
 
 @gluon.jit
-def _init_ring(ready, empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
+def init_ring(ready, empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect; TMA bytes complete it
         mbarrier.init(empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
 
 
 @gluon.jit
-def _ring(desc_q, desc_lse2, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
+def step_ring(desc_q, desc_lse2, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Shared memory of one ring: Q, dO [STAGES, 64, D], lse2, delta [STAGES, 64]; barriers."""
     q_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES, STEP_M, HEAD_DIM], desc_q.layout)
     do_smem = gl.allocate_shared_memory(desc_q.dtype, [STAGES, STEP_M, HEAD_DIM], desc_q.layout)
@@ -252,7 +252,7 @@ def block_sparse_attn_bwd_dkdv_gluon_kernel(
     h = pid_bh % H
     kv_row = pid_bh * Skv + pid_n * BLOCK_N  # first row of this key block in [B*H*Skv, D]
     valid = pid_n < NK  # always: the grid has NK programs along dim 0
-    idx_row, start, end = _list_of(Q_OFF, Q_IDX, b, h, pid_n, valid, WIDTH, stride_offb,
+    idx_row, start, end = transposed_list_of(Q_OFF, Q_IDX, b, h, pid_n, valid, WIDTH, stride_offb,
                                    stride_offh, stride_qib, stride_qih)  # fmt: skip
     num_steps = (end - start) * (BLOCK_M // STEP_M)
 
@@ -261,10 +261,10 @@ def block_sparse_attn_bwd_dkdv_gluon_kernel(
                                        desc_k.layout)  # fmt: skip
     v_smem = gl.allocate_shared_memory(desc_v.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
                                        desc_v.layout)  # fmt: skip
-    q_smem, do_smem, lse_smem, dl_smem, ready, empty = _ring(desc_q, desc_lse2, STAGES, HEAD_DIM)
+    q_smem, do_smem, lse_smem, dl_smem, ready, empty = step_ring(desc_q, desc_lse2, STAGES, HEAD_DIM)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    _init_ring(ready, empty, STAGES, 2)
+    init_ring(ready, empty, STAGES, 2)
     fence_async_shared()  # barrier inits visible to the async proxy before any TMA uses them
 
     # (Tuples are spelled out: concatenating them in a jit function unwraps the constexprs.)
@@ -278,7 +278,7 @@ def block_sparse_attn_bwd_dkdv_gluon_kernel(
                          kv_bar, ready, empty, num_steps, KV_SIZES, pid_n, kv_row, valid, b, h,
                          qk_scale, scale, EPILOGUE, epilogue_args, gl.constexpr(1), HEAD_DIM,
                          STAGES, HAS_KV_SIZES)),  # key rows 64-127
-            (_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem, v_smem,
+            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem, v_smem,
                        q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty, idx_row, start,
                        end, Q_LAST, pid_bh * Sq, kv_row, BLOCK_M, STAGES, gl.constexpr(2))),
         ],
@@ -314,9 +314,9 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
     block1 = 2 * pid + 1
     valid0 = block0 < NK
     valid1 = block1 < NK  # false in the last program when NK is odd
-    idx0, start0, end0 = _list_of(Q_OFF, Q_IDX, b, h, block0, valid0, WIDTH, stride_offb,
+    idx0, start0, end0 = transposed_list_of(Q_OFF, Q_IDX, b, h, block0, valid0, WIDTH, stride_offb,
                                   stride_offh, stride_qib, stride_qih)  # fmt: skip
-    idx1, start1, end1 = _list_of(Q_OFF, Q_IDX, b, h, block1, valid1, WIDTH, stride_offb,
+    idx1, start1, end1 = transposed_list_of(Q_OFF, Q_IDX, b, h, block1, valid1, WIDTH, stride_offb,
                                   stride_offh, stride_qib, stride_qih)  # fmt: skip
     # Past the last block (NK odd) the loader still reads a K/V tile (rows of the next head,
     # or zeros past the tensor: TMA bounds) so the consumer's wait completes; its list is
@@ -329,16 +329,16 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
     v_smem0 = gl.allocate_shared_memory(desc_v.dtype, [1, BLOCK_N, HEAD_DIM], desc_v.layout)
     k_smem1 = gl.allocate_shared_memory(desc_k.dtype, [1, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem1 = gl.allocate_shared_memory(desc_v.dtype, [1, BLOCK_N, HEAD_DIM], desc_v.layout)
-    q_smem0, do_smem0, lse_smem0, dl_smem0, ready0, empty0 = _ring(desc_q, desc_lse2, STAGES,
+    q_smem0, do_smem0, lse_smem0, dl_smem0, ready0, empty0 = step_ring(desc_q, desc_lse2, STAGES,
                                                                    HEAD_DIM)  # fmt: skip
-    q_smem1, do_smem1, lse_smem1, dl_smem1, ready1, empty1 = _ring(desc_q, desc_lse2, STAGES,
+    q_smem1, do_smem1, lse_smem1, dl_smem1, ready1, empty1 = step_ring(desc_q, desc_lse2, STAGES,
                                                                    HEAD_DIM)  # fmt: skip
     kv_bar0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_bar1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar0, count=1)
     mbarrier.init(kv_bar1, count=1)
-    _init_ring(ready0, empty0, STAGES, 1)
-    _init_ring(ready1, empty1, STAGES, 1)
+    init_ring(ready0, empty0, STAGES, 1)
+    init_ring(ready1, empty1, STAGES, 1)
     fence_async_shared()
 
     gl.warp_specialize(
@@ -351,11 +351,11 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
                          dl_smem1, kv_bar1, ready1, empty1, (end1 - start1) * NSUB, KV_SIZES,
                          block1, kv_row1, valid1, b, h, qk_scale, scale, EPILOGUE,
                          epilogue_args, gl.constexpr(0), HEAD_DIM, STAGES, HAS_KV_SIZES)),
-            (_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem0,
+            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem0,
                        v_smem0, q_smem0, do_smem0, lse_smem0, dl_smem0, kv_bar0, ready0, empty0,
                        idx0, start0, end0, Q_LAST, pid_bh * Sq, kv_row0, BLOCK_M, STAGES,
                        gl.constexpr(1))),
-            (_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem1,
+            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem1,
                        v_smem1, q_smem1, do_smem1, lse_smem1, dl_smem1, kv_bar1, ready1, empty1,
                        idx1, start1, end1, Q_LAST, pid_bh * Sq, kv_row1, BLOCK_M, STAGES,
                        gl.constexpr(1))),
@@ -387,7 +387,7 @@ def _dq_loader(
     STEP_BYTES: gl.constexpr = desc_k.block_type.nbytes + desc_v.block_type.nbytes
     for j in range(count * NSUB):
         slot = j % STAGES
-        empty_parity = ((j // STAGES) & 1) ^ 1  # as in _loader
+        empty_parity = ((j // STAGES) & 1) ^ 1  # as in load_steps
         kv_block = _listed_block(idx_row, stride_ik, j // NSUB, NK)
         row = kv_row0 + kv_block * BLOCK_N + (j % NSUB) * STEP_M
         mbarrier.wait(empty.index(slot), empty_parity)
@@ -538,7 +538,7 @@ def block_sparse_attn_bwd_dq_gluon_kernel(
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(q_bar, count=1)
-    _init_ring(ready, empty, STAGES, 2)
+    init_ring(ready, empty, STAGES, 2)
     fence_async_shared()  # barrier inits visible to the async proxy before any TMA uses them
 
     gl.warp_specialize(
@@ -618,8 +618,8 @@ def block_sparse_attn_bwd_dq_gluon_tiles_kernel(
     empty1 = gl.allocate_shared_memory(gl.int64, [STAGES, 1], bar_layout)
     mbarrier.init(q_bar0, count=1)
     mbarrier.init(q_bar1, count=1)
-    _init_ring(ready0, empty0, STAGES, 1)
-    _init_ring(ready1, empty1, STAGES, 1)
+    init_ring(ready0, empty0, STAGES, 1)
+    init_ring(ready1, empty1, STAGES, 1)
     fence_async_shared()
 
     gl.warp_specialize(
