@@ -56,7 +56,7 @@ E2E_DENSE_ONCE=(--methods dense --warmup 0 --reps 1 --share-reps 0)
 [ $# -eq 0 ] && set -- tests demo
 for what in "$@"; do
   case $what in
-    tests) step gpu_tests 480 bash benchmarks/gpu_tests_parallel.sh ;;
+    tests) step gpu_tests 540 bash benchmarks/gpu_tests_parallel.sh ;;
     short-walk-tests) step short_walk_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/block_sparse_attn/test_gluon_fwd.py tests/ops/video_sparse_attn/test_vsa_fine.py \
       tests/ops/block_sparse_attn/test_block_sparse_attn.py::test_gpu_short_walks_match_reference_and_all_rows \
@@ -84,7 +84,7 @@ for what in "$@"; do
       gluon.PERSISTENT_TILES=true -- vsa --shapes wan1.3b-480p --sparsities 0.875 \
       --out "$OUT/vsa480_persistent_h200.json" ;;
     vsa-tests-persistent) step vsa_tests_persistent 500 env VIDSPARSE_TEST_GLUON=PERSISTENT_TILES=1 \
-      python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/video_sparse_attn ;;
+      ONLY=video_sparse_attn OUT="$OUT/persistent_tiles" bash benchmarks/gpu_tests_parallel.sh ;;
     one-pass-bwd) step one_pass_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
       step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
