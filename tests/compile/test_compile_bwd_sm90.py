@@ -5,9 +5,9 @@ run in a child process without ``TRITON_INTERPRET``): dK/dV at both block sizes,
 without key-block sizes, both 16-bit dtypes, and at 64x64 with a dK/dV hook of VSA's shape
 compiled in; dQ at both block sizes, with and without key-block sizes, and at 64x64 with VSA's
 own Gluon dQ hook (``combine_sm90.pooled_dq_sm90``); the one-pass kernel at 128x128 with and
-without key-block sizes. No write to the registers of an in-flight register-A wgmma (the SASS
-check of the Gluon forward), no ptxas warning, no spill in dQ and none in the others beyond
-the few bytes listed in ``ACCEPTED_SPILL_BYTES`` / ``ACCEPTED_FUSED_SPILL_BYTES``.
+without key-block sizes, and its ordered kernel. No write to the registers of an in-flight
+register-A wgmma (the SASS check of the Gluon forward), no ptxas warning, no spill in dQ and
+none in the others beyond the bytes listed in the ``ACCEPTED_*_SPILL_BYTES`` tables.
 
 VSA's dK/dV hook (``video_sparse_attn/kernels/combine.py``'s ``pooled_dkdv``) is a
 ``@triton.jit`` function, whose ``tl.arange`` has no layout, so it cannot be called from Gluon;
@@ -48,6 +48,10 @@ ACCEPTED_SPILL_BYTES = {
 # the engine): 32-bit scalars as above, measured 24 / 72 bytes (Triton 3.6 / 3.8) without
 # key-block sizes, 88 / 32 with them.
 ACCEPTED_FUSED_SPILL_BYTES = {False: 80, True: 96}
+# Its ordered kernel (dQ's adds in key-block order by a writer warp): the writer warp's
+# scalars at the 32 registers a thread the consumers leave it (352 bytes on Triton 3.6; with
+# an empty writer 80). Listed until the writer is measured on a GPU.
+ACCEPTED_ORDERED_SPILL_BYTES = 448
 
 _COMPILE = """
 import json, sys, torch
@@ -73,6 +77,9 @@ for masked in (False, True):
     rep = compile_dkdvdq_sm90({{}}, masked=masked)
     print(json.dumps(dict(kernel="dkdvdq", block=128, masked=masked, hook=False,
                           dtype=str(torch.bfloat16), **rep)))
+rep = compile_dkdvdq_sm90({{}}, ordered=True)
+print(json.dumps(dict(kernel="dkdvdq", block=128, masked=False, hook=False, ordered=True,
+                      dtype=str(torch.bfloat16), **rep)))
 """
 
 
@@ -166,7 +173,7 @@ def test_gluon_backward_compiles_for_sm90():
     dq = [r for r in reports if r.get("kernel") == "dq"]
     fused = [r for r in reports if r.get("kernel") == "dkdvdq"]
     reports = [r for r in reports if r.get("kernel") is None]
-    assert len(reports) == 10 and len(dq) == 6 and len(fused) == 2
+    assert len(reports) == 10 and len(dq) == 6 and len(fused) == 3
     for r in dq:  # the dQ kernels (VSA's hook in too): no spill at all, no hazard, no warning
         print(json.dumps(r))
         assert r["sass_a_operand_hazards"] == 0 and r["shared"] <= 227 * 1024, r
@@ -185,5 +192,7 @@ def test_gluon_backward_compiles_for_sm90():
     for r in dq:
         assert r["spill_bytes"] == 0, r
     for r in fused:
-        assert r["spill_bytes"] <= ACCEPTED_FUSED_SPILL_BYTES[r["masked"]], r
+        bound = (ACCEPTED_ORDERED_SPILL_BYTES if r.get("ordered")
+                 else ACCEPTED_FUSED_SPILL_BYTES[r["masked"]])  # fmt: skip
+        assert r["spill_bytes"] <= bound, r
         assert not r["ptxas_warnings"], r

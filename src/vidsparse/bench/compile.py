@@ -157,10 +157,12 @@ def compile_dq_sm90(
     return compile_launch_sm90(kernel, args, kwargs)
 
 
-def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bfloat16) -> dict:
+def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bfloat16,
+                        ordered: bool = False) -> dict:  # fmt: skip
     """Compile the one-pass backward (``ops/block_sparse_attn/kernels/bwd_sm90_fused.py``,
     128-row blocks) for cuda:90 on meta tensors; returns the report of ``compile_sm90``.
-    ``options``: fields of ``configs.GluonBwdOptions`` overriding ``GLUON_DKDVDQ``'s."""
+    ``options``: fields of ``configs.GluonBwdOptions`` overriding the library's;
+    ``ordered``: the kernel that adds dQ in key-block order."""
     _require_compiler("compile_dkdvdq_sm90")
     from dataclasses import replace
 
@@ -174,10 +176,17 @@ def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bflo
     offsets = torch.empty(1, H, nk + 1, dtype=torch.int32, device=meta)  # [1, H, NK + 1]
     indices = torch.empty(1, H, nk * (nk // 8), dtype=torch.int32, device=meta)  # [1, H, NQ*K]
     sizes = torch.empty(nk, dtype=torch.int32, device=meta) if masked else None  # [NK]
-    schedule = replace(configs.GLUON_DKDVDQ[BLOCK], **options) if options else None
+    table = configs.GLUON_DKDVDQ_ORDERED if ordered else configs.GLUON_DKDVDQ
+    schedule = replace(table[BLOCK], **options) if options else None
+    order = None
+    if ordered:
+        idx = torch.empty(1, H, nk, nk // 8, dtype=torch.int32, device=meta)  # [1, H, NQ, K]
+        cnt = torch.empty(1, H, nk, dtype=torch.int32, device=meta)  # [1, H, NQ]
+        sems = torch.empty(B * H * nk * 2 + 1, dtype=torch.int32, device=meta)
+        order = (idx, cnt, sems[1:], sems[:1])
     kernel, _, args, kwargs = bwd_sm90.dkdvdq_kernel_args(
         q, q, q, q, q, q, dq_acc, lse2, lse2, offsets, indices, BLOCK, D**-0.5, sizes,
-        options=schedule,
+        options=schedule, order=order,
     )  # fmt: skip
     return compile_launch_sm90(kernel, args, kwargs)
 

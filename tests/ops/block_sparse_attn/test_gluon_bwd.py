@@ -258,3 +258,34 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
     _, _, dq_again = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs,
                                            sc, kv_block_sizes=sizes)  # fmt: skip
     torch.testing.assert_close(dq_again, dq, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.timeout(300, method="thread")  # a semaphore wait that never ends: fail, not hang
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded):
+    """``dkdvdq_gluon(ordered_by=...)``: dQ's adds in key-block order, so dq is the same bits
+    on every run (three; 2 * 3 heads of 9 key blocks, lists with an empty row),
+    and equal in value to the unordered kernel's; dK, dV the dK/dV kernel's bits."""
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
+
+    bs = 128
+    q, k, v, do, idx, cnt, sizes = _problem(bs, torch.bfloat16, padded, scale=4.0, seed=13)
+    sc = D**-0.5
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
+    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
+    dk_2, dv_2 = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs, sc,
+                                     kv_block_sizes=sizes)  # fmt: skip
+    _, _, dq_unordered = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices,
+                                               bs, sc, kv_block_sizes=sizes)  # fmt: skip
+    runs = [bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs, sc,
+                                  kv_block_sizes=sizes, ordered_by=(idx, cnt))
+            for _ in range(3)]  # fmt: skip
+    dk, dv, dq = runs[0]
+    assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
+    assert not torch.isnan(dq).any()
+    for _, _, dq_again in runs[1:]:
+        assert torch.equal(dq_again, dq)
+    torch.testing.assert_close(dq, dq_unordered, rtol=1e-2, atol=1e-3)

@@ -23,6 +23,7 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
 )
 from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90_fused import (
     block_sparse_attn_bwd_dkdvdq_gluon_kernel,
+    block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
 
@@ -206,29 +207,44 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
 
 def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_indices, block,
                        scale, kv_block_sizes=None,
-                       options: configs.GluonBwdOptions | None = None):  # fmt: skip
+                       options: configs.GluonBwdOptions | None = None,
+                       order=None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of the one-pass backward (also used to compile for sm_90
-    without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D]."""
+    without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D].
+    ``order``: None (unordered adds), or ``(kv_indices, kv_counts, semaphores, ticket)``,
+    the forward lists (int32, unit last stride) and zeroed int32 ``[B*H*NQ*2]`` and ``[1]``:
+    the ordered kernel."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     has_sizes = kv_block_sizes is not None
     sizes = kv_block_sizes if has_sizes else q_offsets  # dummy pointer when unused
     nk = Skv // block
+    ordering, kernel, table = (), block_sparse_attn_bwd_dkdvdq_gluon_kernel, configs.GLUON_DKDVDQ
+    if order is not None:
+        kv_indices, kv_counts, semaphores, ticket = order
+        ordering = (kv_indices, kv_counts, kv_indices.shape[-1],
+                    *broadcast_strides(kv_indices)[:3], *broadcast_strides(kv_counts),
+                    semaphores, ticket)  # fmt: skip
+        kernel = block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel
+        table = configs.GLUON_DKDVDQ_ORDERED
     args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_acc, q_offsets, q_indices,
-            sizes, *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2], H, Sq,
-            Skv, Sq // block - 1, nk, q_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
-    opts = (options or configs.GLUON_DKDVDQ[block]).as_kwargs()
+            sizes, *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
+            *ordering, H, Sq, Skv, Sq // block - 1, nk, q_indices.shape[-1], scale * LOG2E,
+            scale)  # fmt: skip
+    opts = (options or table[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
                   num_warps=4)  # fmt: skip
-    return block_sparse_attn_bwd_dkdvdq_gluon_kernel, (nk, B * H), args, kwargs
+    return kernel, (nk, B * H), args, kwargs
 
 
 def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
-                 kv_block_sizes=None,
-                 options: configs.GluonBwdOptions | None = None):  # fmt: skip
+                 kv_block_sizes=None, options: configs.GluonBwdOptions | None = None,
+                 ordered_by=None):  # fmt: skip
     """``(dk, dv, dq)`` in one pass (Hopper, 128-row blocks, no epilogue): dK and dV the dK/dV
-    kernel's bits, dQ added from every key block's step into an fp32 accumulator by atomics,
-    so its last bits vary from run to run (``kernels/bwd_sm90_fused.py``). Inputs as
+    kernel's bits, dQ added from every key block's step into an fp32 accumulator by atomics
+    (``kernels/bwd_sm90_fused.py``). Unordered, dq's last bits vary from run to run;
+    ``ordered_by=(kv_indices, kv_counts)``, the forward lists the transposed ones came from,
+    adds each query step's in key-block order, so dq is the same bits on every run. Inputs as
     ``dkdv_gluon``'s. Not yet taken by the engine's backward (built, not yet timed)."""
     _check_inputs("dkdvdq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     if block not in configs.GLUON_DKDVDQ:
@@ -239,9 +255,15 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
         scale = q.shape[-1] ** -0.5
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    order = None
+    if ordered_by is not None:
+        kv_indices, kv_counts = (int32_contiguous(x) for x in ordered_by)
+        steps = q.shape[0] * q.shape[1] * (q.shape[2] // STEP_M.value)
+        semaphores = torch.zeros(steps + 1, dtype=torch.int32, device=q.device)
+        order = (kv_indices, kv_counts, semaphores[1:], semaphores[:1])  # one zeroing for both
     kernel, grid, args, kwargs = dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta,
                                                     q_offsets, q_indices, block, scale,
-                                                    kv_block_sizes, options)  # fmt: skip
+                                                    kv_block_sizes, options, order)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dk, dv, dq_acc.mul_(scale).to(q.dtype)
 

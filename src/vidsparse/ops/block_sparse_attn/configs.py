@@ -159,6 +159,11 @@ GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB). Not yet timed.
 GLUON_DKDVDQ = {128: GluonBwdOptions(STAGES=3)}
+# The same with dQ's adds in key-block order (``ordered``): 32 KB more for the writer warp's
+# tiles, so 2 steps (197 KB). The loader and the writer warp share LOADER_REGS: the consumers
+# need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the third
+# warpgroup; the writer's scalars spill at that (352 bytes).
+GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with

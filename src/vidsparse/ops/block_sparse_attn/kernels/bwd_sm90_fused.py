@@ -12,9 +12,18 @@ and consumer c forms columns ``64c .. 64c + 63`` of the step's dQ over all 128 k
 
     dQ[:, 64c:64c+64] = dS[64 q, 128 k] @ K[128 k, 64c:64c+64]    (dS^T from shared, transposed)
 
-and adds them to the fp32 accumulator ``dq_acc`` (``red.global.add``, unordered: the sum's
-order, so its last bits, differ from run to run; dK and dV are the dK/dV kernel's bits). The
-dS tiles are double-buffered by step parity: a consumer writing buffer ``j % 2`` at step j has
+and adds them to the fp32 accumulator ``dq_acc`` (``atom.global.add``; dK and dV are the dK/dV
+kernel's bits). Unordered, the sum's order, so dq's last bits, differ from run to run.
+
+The ordered kernel makes dq the same bits on every run, FlashAttention-3's way: a semaphore per
+(b, h, 64-row query step) counts the key blocks whose adds are in, and key block n adds only
+when it equals n's rank among the step's listed key blocks (the forward-list entries below
+n). Waiting is a loop, and a loop inside the consumers' step makes ptxas spill their dK/dV
+accumulators, so the consumers hand their dQ halves to a writer warp through shared memory
+(``dq_full`` / ``dq_empty``), which counts the rank, waits, adds and counts itself. No wait
+closes a cycle: a block waits only for lower key blocks of its head, and a program takes its
+(b, h, key block) from a ticket drawn when it starts, so every lower block's program has
+started (is running or done), whatever order the hardware starts programs in. The dS tiles are double-buffered by step parity: a consumer writing buffer ``j % 2`` at step j has
 waited on step j - 1's barrier, which the other consumer reaches only after its step j - 2
 (the last reader of that buffer) has retired every wgmma.
 
@@ -41,6 +50,9 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     transposed_list_of,
 )
 
+# A barrier over this partition's warps (Triton 3.8 renamed Gluon's ``thread_barrier``).
+partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
 
 @gluon.jit
 def _add_dq(DQ_ACC, dq, q_row, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -55,12 +67,15 @@ def _add_dq(DQ_ACC, dq, q_row, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
 @gluon.jit
 def _fused_consumer(
     desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem,
-    kv_bar, ready, empty, ds_ready, idx_row, start, num_steps, KV_SIZES, kv_block, kv_row,
-    q_row0, Q_LAST, valid, qk_scale, scale, K_INDEX: gl.constexpr, BLOCK_M: gl.constexpr,
-    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, HAS_KV_SIZES: gl.constexpr,
+    kv_bar, ready, empty, ds_ready, dq_smem, dq_full, dq_empty, idx_row, start, num_steps,
+    KV_SIZES, kv_block, kv_row, q_row0, Q_LAST, valid, qk_scale, scale, K_INDEX: gl.constexpr,
+    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, HANDOFF: gl.constexpr,
 ):  # fmt: skip
     """dK, dV of key rows ``k_smem[K_INDEX]`` over ``num_steps`` ring steps, stored if
-    ``valid``; each step's dQ columns ``64 K_INDEX ..`` added into ``DQ_ACC``."""
+    ``valid``; each step's dQ columns ``64 K_INDEX ..`` added into ``DQ_ACC``, or with
+    ``HANDOFF`` put in ``dq_smem[K_INDEX]`` for the writer warp (``dq_full``: both halves are
+    there; ``dq_empty``: it has read them)."""
     M: gl.constexpr = ROWS_PER_CONSUMER
     NSUB: gl.constexpr = BLOCK_M // STEP_M
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -126,10 +141,15 @@ def _fused_consumer(
             num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok)
         )
         mbarrier.arrive(empty.index(slot))
-        q_block = gl.load(idx_row + start + j // NSUB)  # the loader's row, clamped alike
-        q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
-        q_row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
-        _add_dq(DQ_ACC, dq, q_row, K_INDEX * HALF, HEAD_DIM, dq_layout)
+        if HANDOFF:  # to the writer warp, through shared memory
+            mbarrier.wait(dq_empty, (j & 1) ^ 1)  # it has read the last step's (j = 0: passes)
+            dq_smem.index(K_INDEX).store(dq)
+            mbarrier.arrive(dq_full)
+        else:
+            q_block = gl.load(idx_row + start + j // NSUB)  # the loader's row, clamped alike
+            q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
+            q_row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+            _add_dq(DQ_ACC, dq, q_row, K_INDEX * HALF, HEAD_DIM, dq_layout)
 
     if valid:
         dk = dk * scale
@@ -141,6 +161,80 @@ def _fused_consumer(
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_dv, [row, 0], v)
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _rank_in_list(idx_base, cnt_base, stride_iq, stride_cq, K, q_block, kv_block):
+    """How many entries of query block ``q_block``'s forward list are below ``kv_block``: the
+    key blocks whose dQ adds come before this one's (one warp; the count clamped to K)."""
+    q_block = q_block.to(gl.int64)
+    count = gl.load(cnt_base + q_block * stride_cq)
+    count = gl.minimum(gl.maximum(count, 0), K)
+    row = idx_base + q_block * stride_iq
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    rank = 0
+    for c in range(0, count, 32):
+        e = c + gl.arange(0, 32, layout=layout)
+        entries = gl.load(row + e, mask=e < count, other=2**30)
+        rank += gl.sum((entries < kv_block).to(gl.int32), axis=0)
+    return rank
+
+
+@gluon.jit
+def _dq_writer(DQ_ACC, dq_smem, dq_full, dq_empty, idx_row, start, num_steps, Q_LAST, q_row0,
+               kv_block, idx_base, cnt_base, stride_iq, stride_cq, K, sem_row,
+               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
+    """One warp: each step's dQ tile (``dq_smem``, the consumers' column halves) added into
+    ``DQ_ACC`` after every lower listed key block's (the step's semaphore in ``sem_row``
+    counts them), then counted."""
+    NSUB: gl.constexpr = BLOCK_M // STEP_M
+    HALF: gl.constexpr = HEAD_DIM // 2
+    ROWS: gl.constexpr = 2  # rows of a tile added at once: 4 values a thread, few registers
+    layout: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [1, 1], [1, 0])
+    r = gl.expand_dims(gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout)), 1)
+    c = gl.expand_dims(gl.arange(0, HALF, layout=gl.SliceLayout(0, layout)), 0)
+    for j in range(num_steps):
+        q_block = gl.load(idx_row + start + j // NSUB)  # the loader's row, clamped alike
+        q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
+        sem = sem_row + q_block * NSUB + j % NSUB
+        rank = _rank_in_list(idx_base, cnt_base, stride_iq, stride_cq, K, q_block, kv_block)
+        done = gl.atomic_add(sem, 0, sem="acquire")
+        while done < rank:
+            done = gl.atomic_add(sem, 0, sem="acquire")
+        mbarrier.wait(dq_full, j & 1)
+        rows = DQ_ACC + (q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M).to(gl.int64) * HEAD_DIM
+        for i in gl.static_range(0, STEP_M, ROWS):
+            for half in gl.static_range(2):
+                part = dq_smem.index(half).slice(i, ROWS, dim=0).load(layout)
+                gl.atomic_add(rows + (i + r) * HEAD_DIM + half * HALF + c, part, sem="relaxed")
+        mbarrier.arrive(dq_empty)  # the consumers may write the next step's halves
+        partition_barrier()  # every lane's adds issued before the count
+        gl.atomic_add(sem, 1, sem="release")
+
+
+@gluon.jit
+def _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Shared memory and barriers (initialised) of both one-pass kernels: K, V 2 x 32 KB (dK,
+    dV's staging after the walk); the ring STAGES x 32.5 KB; dS^T halves 2 buffers x 2 x 8 KB."""
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                       desc_k.layout)  # fmt: skip
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                       desc_v.layout)  # fmt: skip
+    q_smem, do_smem, lse_smem, dl_smem, ready, empty = step_ring(desc_q, desc_lse2, STAGES,
+                                                                 HEAD_DIM)  # fmt: skip
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
+        [ROWS_PER_CONSUMER, STEP_M], desc_q.dtype
+    )
+    ds_smem = gl.allocate_shared_memory(desc_q.dtype, [4, ROWS_PER_CONSUMER, STEP_M], ds_layout)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    mbarrier.init(kv_bar, count=1)
+    init_ring(ready, empty, STAGES, 2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer
+    fence_async_shared()  # barrier inits visible to the async proxy before any TMA uses them
+    return k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready, kv_bar
 
 
 @gluon.jit
@@ -171,39 +265,24 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
                                              stride_qih)  # fmt: skip
     num_steps = (end - start) * (BLOCK_M // STEP_M)
 
-    # K, V 2 x 32 KB; the ring STAGES x 32.5 KB; dS^T halves 2 buffers x 2 x 8 KB.
-    k_smem = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
-                                       desc_k.layout)  # fmt: skip
-    v_smem = gl.allocate_shared_memory(desc_v.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
-                                       desc_v.layout)  # fmt: skip
-    q_smem, do_smem, lse_smem, dl_smem, ready, empty = step_ring(desc_q, desc_lse2, STAGES,
-                                                                 HEAD_DIM)  # fmt: skip
-    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(
-        [ROWS_PER_CONSUMER, STEP_M], desc_q.dtype
-    )
-    ds_smem = gl.allocate_shared_memory(desc_q.dtype, [4, ROWS_PER_CONSUMER, STEP_M], ds_layout)
-    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    mbarrier.init(kv_bar, count=1)
-    init_ring(ready, empty, STAGES, 2)
-    for i in gl.static_range(2):
-        mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer
-    fence_async_shared()
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready,
+     kv_bar) = _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES, HEAD_DIM)
 
     q_row0 = pid_bh * Sq
     gl.warp_specialize(
         [
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
-                               idx_row, start, num_steps, KV_SIZES, pid_n, kv_row, q_row0,
-                               Q_LAST, valid, qk_scale, scale, gl.constexpr(0), BLOCK_M,
-                               HEAD_DIM, STAGES, HAS_KV_SIZES)),
+                               ds_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                               pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                               gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                               gl.constexpr(False))),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
-                               idx_row, start, num_steps, KV_SIZES, pid_n, kv_row, q_row0,
-                               Q_LAST, valid, qk_scale, scale, gl.constexpr(1), BLOCK_M,
-                               HEAD_DIM, STAGES, HAS_KV_SIZES)),
+                               ds_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                               pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                               gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                               gl.constexpr(False))),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                           v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
                           idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
@@ -211,4 +290,77 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
+    )  # fmt: skip
+
+
+@gluon.jit
+def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv, desc_lse2, desc_delta, DQ_ACC,
+    Q_OFF, Q_IDX, KV_SIZES, stride_offb, stride_offh, stride_qib, stride_qih,
+    # the forward lists [Bi, H, NQ, K], [Bi, H, NQ] (their strides); int32 semaphores
+    # [B*H*NQ*2] (one a 64-row query step) and a ticket [1], zeroed by the caller
+    KV_IDX, KV_CNT, K, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq,
+    SEM, TICKET,
+    H, Sq, Skv, Q_LAST, NK, WIDTH,
+    qk_scale, scale,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """``block_sparse_attn_bwd_dkdvdq_gluon_kernel`` with each query step's dQ adds in key-block
+    order (module docstring): the consumers hand their dQ halves to a writer warp through
+    shared memory (32 KB), which waits for the lower key blocks, adds and counts. A program
+    takes its (b, h, key block) from a ticket drawn when it starts."""
+    gl.static_assert(BLOCK_N == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
+    gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
+    ticket = gl.atomic_add(TICKET, 1)
+    pid_n = ticket % NK
+    pid_bh = ticket // NK
+    b = pid_bh // H
+    h = pid_bh % H
+    kv_row = pid_bh * Skv + pid_n * BLOCK_N
+    valid = pid_n < NK
+    idx_row, start, end = transposed_list_of(Q_OFF, Q_IDX, b, h, pid_n, valid, WIDTH,
+                                             stride_offb, stride_offh, stride_qib,
+                                             stride_qih)  # fmt: skip
+    num_steps = (end - start) * (BLOCK_M // STEP_M)
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready,
+     kv_bar) = _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES, HEAD_DIM)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, STEP_M, HEAD_DIM // 2],
+                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    dq_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    dq_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    mbarrier.init(dq_full, count=2)  # one arrival per consumer
+    mbarrier.init(dq_empty, count=1)  # the writer's
+    fence_async_shared()
+    idx_base = KV_IDX + b.to(gl.int64) * stride_ib + h.to(gl.int64) * stride_ih
+    cnt_base = KV_CNT + b.to(gl.int64) * stride_cb + h.to(gl.int64) * stride_ch
+    sem_row = SEM + pid_bh * (Q_LAST + 1) * (BLOCK_M // STEP_M)
+
+    q_row0 = pid_bh * Sq
+    gl.warp_specialize(
+        [
+            (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
+                               lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
+                               dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
+                               pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                               gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                               gl.constexpr(True))),
+            (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
+                               lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
+                               dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
+                               pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                               gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                               gl.constexpr(True))),
+            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
+                          v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
+                          idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
+                          gl.constexpr(2))),
+            (_dq_writer, (DQ_ACC, dq_smem, dq_full, dq_empty, idx_row, start, num_steps, Q_LAST,
+                          q_row0, pid_n, idx_base, cnt_base, stride_iq, stride_cq, K, sem_row,
+                          BLOCK_M, HEAD_DIM)),
+        ],
+        [4, 1, 1],
+        [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
     )  # fmt: skip
