@@ -89,6 +89,22 @@ def _padding_rows(k, sizes, bs):
     return (torch.arange(k.shape[2], device=k.device) % bs) >= sizes.long().repeat_interleave(bs)
 
 
+def _check_dq(dq, q, k, v, do, idx, cnt, sizes, bs, other, other_name):
+    """dq: no NaN, 0 on the empty query rows, and against fp64 as close as PyTorch in low
+    precision and as ``other`` (another kernel's dq) are."""
+    assert not torch.isnan(dq).any()
+    empty = (cnt.expand(q.shape[0], -1, -1) == 0).repeat_interleave(bs, dim=2)  # [B, H, Sq]
+    assert empty.any() and (dq[empty] == 0).all()
+    q64 = q.detach().double().requires_grad_()
+    o_ref, _ = masked_dense_attention(q64, k.double(), v.double(), idx, cnt, bs, bs, sizes)
+    (dq64,) = torch.autograd.grad(o_ref, (q64,), do.double())
+    q_low = q.detach().clone().requires_grad_()
+    (dq_low,) = torch.autograd.grad(_lowprec_baseline(q_low, k, v, idx, cnt, bs, bs, sizes),
+                                    (q_low,), do)  # fmt: skip
+    assert_error_relative("dq", dq, dq64, dq_low, atol=2e-3)
+    assert_error_relative(f"dq (vs {other_name})", dq, dq64, other, atol=2e-3)
+
+
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded", [False, True])
@@ -131,17 +147,7 @@ def test_gpu_gluon_dq_matches_reference_and_triton(dtype, padded, bs, scale):
                                            padding_finite=True)  # fmt: skip
     torch.full_like(q, float("nan"))  # freed: the launcher's torch.empty_like may reuse it
     dq = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, sc, kv_block_sizes=sizes)
-    assert not torch.isnan(dq).any()
-    empty = (cnt.expand(q.shape[0], -1, -1) == 0).repeat_interleave(bs, dim=2)  # [B, H, Sq]
-    assert empty.any() and (dq[empty] == 0).all()
-    q64 = q.detach().double().requires_grad_()
-    o_ref, _ = masked_dense_attention(q64, k.double(), v.double(), idx, cnt, bs, bs, sizes)
-    (dq64,) = torch.autograd.grad(o_ref, (q64,), do.double())
-    q_low = q.detach().clone().requires_grad_()
-    (dq_low,) = torch.autograd.grad(_lowprec_baseline(q_low, k, v, idx, cnt, bs, bs, sizes),
-                                    (q_low,), do)  # fmt: skip
-    assert_error_relative("dq", dq, dq64, dq_low, atol=2e-3)
-    assert_error_relative("dq (vs Triton)", dq, dq64, dq_t, atol=2e-3)
+    _check_dq(dq, q, k, v, do, idx, cnt, sizes, bs, dq_t, "Triton")
 
 
 @pytest.mark.parametrize("bs", [128, 64])
@@ -220,6 +226,30 @@ def test_gpu_engine_backward_is_bit_identical_across_runs(gluon_calls):
         assert torch.equal(a, b)
 
 
+def _one_pass_case(dtype, padded, scale, seed):
+    """``(problem, one_pass, (dk, dv, dq))``: a 128x128 problem (``_problem``),
+    ``one_pass(**kw)`` calling ``dkdvdq_gluon`` on its forward's preprocess and transposed
+    lists, and the dK/dV and dQ kernels' gradients from the same."""
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
+
+    bs, sc = 128, D**-0.5
+    problem = _problem(bs, dtype, padded, scale=scale, seed=seed)
+    q, k, v, do, idx, cnt, sizes = problem
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
+    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
+    lists = (lse2, delta, q_offsets, q_indices, bs, sc)
+
+    def one_pass(**kw):
+        return bwd_sm90.dkdvdq_gluon(q, k, v, do, *lists, kv_block_sizes=sizes, **kw)
+
+    dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, *lists, kv_block_sizes=sizes)
+    dq = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, sc, kv_block_sizes=sizes)
+    return problem, one_pass, (dk, dv, dq)
+
+
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded", [False, True])
@@ -227,62 +257,25 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
     """``dkdvdq_gluon`` (dQ by atomics from the dK/dV walk): dK and dV the dK/dV kernel's bits;
     dQ against fp64, the low-precision baseline and the dQ kernel, 0 on the empty query row;
     partial key blocks with large finite padding (``padded``), input scales 1, 4 and 16."""
-    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
-    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
-    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
-
-    bs = 128
-    q, k, v, do, idx, cnt, sizes = _problem(bs, dtype, padded, scale=scale, seed=11)
-    sc = D**-0.5
-    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
-    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
-    q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
-    dk_2, dv_2 = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs, sc,
-                                     kv_block_sizes=sizes)  # fmt: skip
-    dq_2 = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, sc, kv_block_sizes=sizes)
-    dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs, sc,
-                                       kv_block_sizes=sizes)  # fmt: skip
+    problem, one_pass, (dk_2, dv_2, dq_2) = _one_pass_case(dtype, padded, scale, 11)
+    q, k, v, do, idx, cnt, sizes = problem
+    dk, dv, dq = one_pass()
     assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
-    assert not torch.isnan(dq).any()
-    empty = (cnt.expand(q.shape[0], -1, -1) == 0).repeat_interleave(bs, dim=2)  # [B, H, Sq]
-    assert empty.any() and (dq[empty] == 0).all()
-    q64 = q.detach().double().requires_grad_()
-    o_ref, _ = masked_dense_attention(q64, k.double(), v.double(), idx, cnt, bs, bs, sizes)
-    (dq64,) = torch.autograd.grad(o_ref, (q64,), do.double())
-    q_low = q.detach().clone().requires_grad_()
-    (dq_low,) = torch.autograd.grad(_lowprec_baseline(q_low, k, v, idx, cnt, bs, bs, sizes),
-                                    (q_low,), do)  # fmt: skip
-    assert_error_relative("dq", dq, dq64, dq_low, atol=2e-3)
-    assert_error_relative("dq (vs the dQ kernel)", dq, dq64, dq_2, atol=2e-3)
+    _check_dq(dq, q, k, v, do, idx, cnt, sizes, 128, dq_2, "the dQ kernel")
     # atomics in any order: another run differs in the fp32 sum's last bits only
-    _, _, dq_again = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs,
-                                           sc, kv_block_sizes=sizes)  # fmt: skip
-    torch.testing.assert_close(dq_again, dq, rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(one_pass()[2], dq, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.timeout(300, method="thread")  # a semaphore wait that never ends: fail, not hang
 @pytest.mark.parametrize("padded", [False, True])
 def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded):
     """``dkdvdq_gluon(ordered_by=...)``: dQ's adds in key-block order, so dq is the same bits
-    on every run (three; 2 * 3 heads of 9 key blocks, lists with an empty row),
-    and equal in value to the unordered kernel's; dK, dV the dK/dV kernel's bits."""
-    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
-    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
-    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
-
-    bs = 128
-    q, k, v, do, idx, cnt, sizes = _problem(bs, torch.bfloat16, padded, scale=4.0, seed=13)
-    sc = D**-0.5
-    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
-    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
-    q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
-    dk_2, dv_2 = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs, sc,
-                                     kv_block_sizes=sizes)  # fmt: skip
-    _, _, dq_unordered = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices,
-                                               bs, sc, kv_block_sizes=sizes)  # fmt: skip
-    runs = [bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs, sc,
-                                  kv_block_sizes=sizes, ordered_by=(idx, cnt))
-            for _ in range(3)]  # fmt: skip
+    on every run (three; 2 * 3 heads of 9 key blocks, lists with an empty row), and equal in
+    value to the unordered kernel's; dK, dV the dK/dV kernel's bits."""
+    problem, one_pass, (dk_2, dv_2, _) = _one_pass_case(torch.bfloat16, padded, 4.0, 13)
+    idx, cnt = problem[4:6]
+    dq_unordered = one_pass()[2]
+    runs = [one_pass(ordered_by=(idx, cnt)) for _ in range(3)]
     dk, dv, dq = runs[0]
     assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
     assert not torch.isnan(dq).any()

@@ -115,6 +115,18 @@ def test_gluon_forward_compiles_for_sm90_spill_and_hazard_free():
         assert not r["ptxas_warnings"], (label, r)  # e.g. wgmma serialised (C7510-C7515)
 
 
+def _meta_launch_inputs(block):
+    """``(q, lse, idx, cnt)`` on meta tensors: 8 query blocks of ``block`` rows, two heads,
+    lists of width 2 (no memory: for the launcher's choices)."""
+    meta = torch.device("meta")
+    B, H, S, D = 1, 2, 8 * block, 128
+    q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
+    lse = torch.empty(B, H, S, device=meta)
+    idx = torch.empty(1, H, 8, 2, dtype=torch.int32, device=meta)
+    cnt = torch.empty(1, H, 8, dtype=torch.int32, device=meta)
+    return q, lse, idx, cnt
+
+
 @pytest.mark.parametrize("block", [64, 128])
 def test_gluon_launch_takes_the_short_walks_only_where_asked(block):
     """``kernel_args`` on meta tensors: TAIL1 / TAIL2 reach the kernel only with key-block
@@ -124,14 +136,10 @@ def test_gluon_launch_takes_the_short_walks_only_where_asked(block):
 
     from vidsparse.ops.block_sparse_attn import configs, fwd_sm90
 
-    meta = torch.device("meta")
-    B, H, S, D = 1, 2, 8 * block, 128
-    q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
-    lse = torch.empty(B, H, S, device=meta)
-    idx = torch.empty(1, H, 8, 2, dtype=torch.int32, device=meta)
-    cnt = torch.empty(1, H, 8, dtype=torch.int32, device=meta)
+    q, lse, idx, cnt = _meta_launch_inputs(block)
+    D, meta = q.shape[-1], q.device
     sizes = torch.empty(8, dtype=torch.int32, device=meta)
-    ends = torch.empty(1, H, 8, 3, dtype=torch.int32, device=meta)
+    ends = torch.empty(1, q.shape[1], 8, 3, dtype=torch.int32, device=meta)
     tails = configs.key_tails(block)
     assert tails == (block // 2, block // 4)
     for has_sizes, on, want in ((True, True, tails), (True, False, (0, 0)),
@@ -152,12 +160,8 @@ def test_default_forward_is_persistent_at_128_rows_only(block):
     tile pair for VSA's 64-row tiles (``PERSISTENT_TILES`` off until its GPU tests run)."""
     from vidsparse.ops.block_sparse_attn import configs, fwd_sm90
 
-    meta = torch.device("meta")
-    B, H, S, D = 1, 2, 8 * block, 128
-    q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
-    lse = torch.empty(B, H, S, device=meta)
-    idx = torch.empty(1, H, 8, 2, dtype=torch.int32, device=meta)
-    cnt = torch.empty(1, H, 8, dtype=torch.int32, device=meta)
+    q, lse, idx, cnt = _meta_launch_inputs(block)
+    D = q.shape[-1]
     kernel, grid, _, _ = fwd_sm90.kernel_args(q, q, q, q, lse, idx, cnt, block, block, D**-0.5,
                                               options=configs.GLUON)  # fmt: skip
     assert ("persistent" in kernel.fn.__name__) == (block == 128)
