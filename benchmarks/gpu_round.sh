@@ -23,6 +23,8 @@
 #   persistent kernel), and vsa-tests-persistent VSA's GPU tests with it; one-pass-bwd: the
 #   one-pass backward's GPU tests (dQ by atomics, bwd_sm90.dkdvdq_gluon), then its A/B
 #   against the two Gluon kernels (try_gluon_bwd.py --one-pass, try_one_pass_bwd.json);
+#   engine-one-pass: the engine's 128x128 table (ours, cuDNN, Flex) with the backward in one
+#   pass, ordered then unordered (configs.override(one_pass=...), bench_with_override.py);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -89,6 +91,11 @@ for what in "$@"; do
         tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
       step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
         --one-pass --cases engine ;;
+    engine-one-pass) for mode in ordered unordered; do
+        step "engine_one_pass_$mode" 200 python3 benchmarks/tuning/bench_with_override.py \
+          one_pass=$mode -- block_sparse --shapes default --providers ours,cudnn,flex \
+          --block-sizes 128x128 --out "$OUT/block_sparse_one_pass_${mode}_h200.json"
+      done ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;
     bwd-overlap) step try_bwd_overlap 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py ;;
     overlap-tests) step overlap_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \

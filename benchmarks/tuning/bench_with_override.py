@@ -35,8 +35,18 @@ def parse_overrides(pairs: list[str]) -> dict:
             raise SystemExit(
                 f"not a configs.Overrides field=value: {pair!r} (fields: {sorted(fields)})"
             )
-        out[name] = _WORDS[value.lower()] if value.lower() in _WORDS else int(value)
+        out[name] = _value(value)
     return out
+
+
+def _value(text: str):
+    """true / false / none, an integer, or the text itself (``one_pass=ordered``)."""
+    if text.lower() in _WORDS:
+        return _WORDS[text.lower()]
+    try:
+        return int(text)
+    except ValueError:
+        return text
 
 
 def as_override_kwargs(parsed: dict) -> dict:

@@ -45,3 +45,11 @@ def test_an_unknown_override_is_refused():
     done = _run("no_such_knob=true", "--", "vsa", "--device", "cpu", "--tiny")
     assert done.returncode != 0
     assert "not a configs.Overrides field" in done.stderr
+
+
+def test_a_word_value_stays_a_word():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import bench_with_override
+
+    parsed = bench_with_override.parse_overrides(["one_pass=ordered", "overlap=none"])
+    assert parsed == {"one_pass": "ordered", "overlap": None}

@@ -305,3 +305,12 @@ def test_lists_mutated_through_data_1000_runs_never_fault_on_gpu(dtype, block, w
     for name, grad, want in zip("qkv", (q.grad, k.grad, v.grad), ref_grads):
         err = (grad.double() - want).norm() / want.norm()
         assert err <= tol, f"d{name}: {float(err)}"
+
+
+def test_an_unknown_one_pass_mode_is_refused_before_any_launch():
+    """``configs.override(one_pass=...)`` takes "ordered", "unordered" or None."""
+    from vidsparse.ops.block_sparse_attn import bwd, configs
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+
+    with configs.override(one_pass="sorted"), pytest.raises(ValueError, match="one_pass"):
+        bwd._one_pass_asked(True, 128, NO_EPILOGUE, None)

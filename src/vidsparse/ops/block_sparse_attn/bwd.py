@@ -21,6 +21,7 @@ from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.configs import KernelConfig
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
 from vidsparse.ops.block_sparse_attn.grad_rows import GradRows, empty_grads
+from vidsparse.ops.block_sparse_attn.kernels import no_epilogue
 from vidsparse.ops.block_sparse_attn.kernels.bwd import (
     block_sparse_attn_bwd_dkdv_kernel,
     block_sparse_attn_bwd_dq_kernel,
@@ -86,14 +87,14 @@ def block_sparse_attn_bwd(
         kv_cfg, epilogue.quiet_rows(call), q, do, kv_indices, kv_counts, num_kv_blocks,
         block_q, gluon_dkdv, kv_tma,
     )  # fmt: skip
-    by_size = lists_by_size(kv_indices, kv_counts, kv_block_sizes, block_kv)
-    dq_lists, dq_counts, ends, tails, checked = by_size
-    if gluon_dq:  # converted here, not on dQ's side stream (once per list tensor: cached)
-        dq_lists, dq_counts = int32_contiguous(dq_lists), int32_contiguous(dq_counts)
+    if _one_pass_asked(gluon_dkdv and gluon_dq, block_kv, epilogue, grad_rows):
+        return _one_pass(q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts,
+                         block_kv, scale, kv_block_sizes)  # fmt: skip
+    dq_lists, dq_counts, tails, checked, list_strides, ends_args = _dq_lists(
+        kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq
+    )
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
-    list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
-    ends_args = (ends, *list_end_strides(ends))
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
                   DOT_PRECISION=configs.dot_precision(target_of(q.device), q.dtype))  # fmt: skip
     # K, V for the short walks: their own TMA boxes, or the tensors for pointer loads.
@@ -164,6 +165,43 @@ def block_sparse_attn_bwd(
                     **eviction_hints(q_cfg), **dq_walks,
                     **common, **q_cfg.launch_kwargs(), GRAD_ROWS=mapped,
                 )  # fmt: skip
+    return dq, dk, dv
+
+
+def _dq_lists(kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq):
+    """``(lists, counts, tails, checked, their strides, (ends, its strides))`` the dQ kernels
+    walk (``lists_by_size``), int32 for the Gluon kernel: converted here, not on dQ's side
+    stream (once per list tensor: cached)."""
+    dq_lists, dq_counts, ends, tails, checked = lists_by_size(kv_indices, kv_counts,
+                                                              kv_block_sizes, block_kv)  # fmt: skip
+    if gluon_dq:
+        dq_lists, dq_counts = int32_contiguous(dq_lists), int32_contiguous(dq_counts)
+    list_strides = (*broadcast_strides(dq_lists), *broadcast_strides(dq_counts))
+    return dq_lists, dq_counts, tails, checked, list_strides, (ends, *list_end_strides(ends))
+
+
+def _one_pass_asked(both_gluon, block, epilogue, grad_rows) -> bool:
+    """Does ``configs.override(one_pass="ordered" | "unordered")`` ask for the one-pass Hopper
+    backward, and does it apply (both Gluon kernels chosen, 128-row blocks, no epilogue, the
+    engine's row order)? Tuning only: off until timed on a GPU."""
+    mode = configs.active_overrides().one_pass
+    if mode not in (None, "ordered", "unordered"):
+        raise ValueError(f"one_pass={mode!r}: 'ordered', 'unordered' or None")
+    fns = epilogue.fns()
+    return (mode is not None and both_gluon and block == 128 and grad_rows is None
+            and fns.dkdv.fn is no_epilogue.dkdv_identity
+            and fns.dq.fn is no_epilogue.dq_identity)  # fmt: skip
+
+
+def _one_pass(q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts, block,
+              scale, kv_block_sizes):  # fmt: skip
+    """``(dq, dk, dv)`` by ``bwd_sm90.dkdvdq_gluon``, dQ's adds in key-block order where the
+    override says "ordered"."""
+    ordered = configs.active_overrides().one_pass == "ordered"
+    dk, dv, dq = gluon_launcher("bwd_sm90", "backward").dkdvdq_gluon(
+        q, k, v, do, lse2, delta, q_offsets, q_indices, block, scale,
+        kv_block_sizes=kv_block_sizes, ordered_by=(kv_indices, kv_counts) if ordered else None,
+    )  # fmt: skip
     return dq, dk, dv
 
 

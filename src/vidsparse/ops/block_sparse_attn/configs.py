@@ -366,6 +366,10 @@ class Overrides:
     # kept between the passes, for a gather of q, k, v in the backward (benchmarks/NOTES.md).
     regather: bool = False
     gluon: GluonOptions | None = None
+    # "ordered" / "unordered": the Hopper backward in one pass where it applies (128x128, no
+    # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or not.
+    # Off until timed on a GPU.
+    one_pass: str | None = None
 
 
 _active = Overrides()
