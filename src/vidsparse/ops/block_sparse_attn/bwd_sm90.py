@@ -244,8 +244,10 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     kernel's bits, dQ added from every key block's step into an fp32 accumulator by atomics
     (``kernels/bwd_sm90_fused.py``). Unordered, dq's last bits vary from run to run;
     ``ordered_by=(kv_indices, kv_counts)``, the forward lists the transposed ones came from,
-    adds each query step's in key-block order, so dq is the same bits on every run. Inputs as
-    ``dkdv_gluon``'s. Not yet taken by the engine's backward (built, not yet timed)."""
+    adds each query step's in key-block order, so dq is the same bits on every run (they must
+    be the lists ``q_offsets``, ``q_indices`` were transposed from: lists that disagree can
+    leave the kernel waiting forever). Inputs as ``dkdv_gluon``'s. The engine's backward takes
+    it only under ``configs.override(one_pass=...)`` (built, not yet timed)."""
     _check_inputs("dkdvdq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     if block not in configs.GLUON_DKDVDQ:
         raise ValueError(f"dkdvdq_gluon: block {block} not supported; "

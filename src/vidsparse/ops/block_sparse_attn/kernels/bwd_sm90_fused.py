@@ -13,7 +13,10 @@ and consumer c forms columns ``64c .. 64c + 63`` of the step's dQ over all 128 k
     dQ[:, 64c:64c+64] = dS[64 q, 128 k] @ K[128 k, 64c:64c+64]    (dS^T from shared, transposed)
 
 and adds them to the fp32 accumulator ``dq_acc`` (``atom.global.add``; dK and dV are the dK/dV
-kernel's bits). Unordered, the sum's order, so dq's last bits, differ from run to run.
+kernel's bits). Unordered, the sum's order, so dq's last bits, differ from run to run. The dS
+tiles are double-buffered by step parity: a consumer writing buffer ``j % 2`` at step j has
+waited on step j - 1's barrier, which the other consumer reaches only after its step j - 2
+(the last reader of that buffer) has retired every wgmma.
 
 The ordered kernel makes dq the same bits on every run, FlashAttention-3's way: a semaphore per
 (b, h, 64-row query step) counts the key blocks whose adds are in, and key block n adds only
@@ -23,9 +26,10 @@ accumulators, so the consumers hand their dQ halves to a writer warp through sha
 (``dq_full`` / ``dq_empty``), which counts the rank, waits, adds and counts itself. No wait
 closes a cycle: a block waits only for lower key blocks of its head, and a program takes its
 (b, h, key block) from a ticket drawn when it starts, so every lower block's program has
-started (is running or done), whatever order the hardware starts programs in. The dS tiles are double-buffered by step parity: a consumer writing buffer ``j % 2`` at step j has
-waited on step j - 1's barrier, which the other consumer reaches only after its step j - 2
-(the last reader of that buffer) has retired every wgmma.
+started (is running or done), whatever order the hardware starts programs in. This needs the
+transposed lists to be the forward lists' transpose (as the engine builds them): with lists
+that disagree a count can fall short and the kernel wait forever, where the other kernels
+would only compute a wrong result.
 
 The caller zeroes ``dq_acc`` before and turns it into dq after (``dq = dq_acc * scale``).
 128x128 blocks, D = 128, 16-bit inputs, no dQ hook (the engine's identity epilogue).
