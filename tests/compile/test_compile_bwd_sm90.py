@@ -45,12 +45,12 @@ ACCEPTED_SPILL_BYTES = {
     (64, True, True): 64,
 }
 # The one-pass backward (dQ by atomics, kernels/bwd_sm90_fused.py; 128 rows, not yet taken by
-# the engine): 32-bit scalars as above, measured 24 / 72 bytes (Triton 3.6 / 3.8) without
-# key-block sizes, 88 / 32 with them.
+# the engine): 32-bit scalars as above, measured 24 / 16 bytes (Triton 3.6 / 3.8) without
+# key-block sizes, 88 / 40 with them.
 ACCEPTED_FUSED_SPILL_BYTES = {False: 80, True: 96}
 # Its ordered kernel (dQ's adds in key-block order by a writer warp): the writer warp's
-# scalars at the 32 registers a thread the consumers leave it (352 bytes on Triton 3.6; with
-# an empty writer 80). Listed until the writer is measured on a GPU.
+# scalars at the 32 registers a thread the consumers leave it (352 / 216 bytes on Triton 3.6 /
+# 3.8; with an empty writer 80). Listed until the writer is measured on a GPU.
 ACCEPTED_ORDERED_SPILL_BYTES = 448
 
 _COMPILE = """

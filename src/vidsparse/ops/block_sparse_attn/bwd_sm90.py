@@ -267,7 +267,7 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
                                                     q_offsets, q_indices, block, scale,
                                                     kv_block_sizes, options, order)  # fmt: skip
     kernel[grid](*args, **kwargs)
-    return dk, dv, dq_acc.mul_(scale).to(q.dtype)
+    return dk, dv, dq_acc.to(q.dtype)
 
 
 def _check_transposed_lists(launcher, q_offsets, q_indices, k, block) -> None:
