@@ -170,11 +170,12 @@ def test_default_forward_is_persistent_at_128_rows_only(block):
 
 def test_persistent_launch_takes_one_block_a_program_for_lists_past_int32(caplog):
     """``GluonOptions.PERSISTENT`` reads the lists with int32 offsets: lists of 2**31 entries
-    or more take the one-block kernel, and the log says so (meta tensors: no memory)."""
+    or more take the one-block kernel, and the log says so once (meta tensors: no memory)."""
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import configs, fwd_sm90
 
+    fwd_sm90._log_one_block_fallback.cache_clear()
     meta = torch.device("meta")
     B, H, S, D = 1, 2, 1024, 128
     q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
@@ -189,6 +190,10 @@ def test_persistent_launch_takes_one_block_a_program_for_lists_past_int32(caplog
         assert ("persistent" in kernel.fn.__name__) == persistent
         assert len(grid) == (1 if persistent else 2)
         assert ("int32 offsets" in caplog.text) != persistent
+    caplog.clear()  # the same lists again: the one-block kernel, no second log line
+    kernel, _, _, _ = fwd_sm90.kernel_args(q, q, q, q, lse, idx, cnt, 128, 128, D**-0.5,
+                                           options=options)  # fmt: skip
+    assert "persistent" not in kernel.fn.__name__ and "int32 offsets" not in caplog.text
 
 
 def _hopper() -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -49,6 +50,14 @@ def _int32_lists(kv_indices, ends) -> bool:
     return max(kv_indices.numel(), ends.numel()) < 2**31
 
 
+@functools.cache
+def _log_one_block_fallback() -> None:
+    """Once a process: the persistent kernels read the lists with int32 offsets."""
+    logging.getLogger("vidsparse").warning(
+        "vidsparse: GluonOptions.PERSISTENT reads the lists with int32 offsets; these have "
+        "2**31 entries or more, so one block a program runs instead")  # fmt: skip
+
+
 def _descriptors(q, k, v, o, block_kv, tails):
     """TMA descriptors over the [B*H*S, D] views: q, o in 64-row pieces, k, v in key blocks,
     then k, v in boxes of each short walk's rows (``tails``; a walk that does not run gets the
@@ -94,12 +103,11 @@ def kernel_args(q, k, v, o, lse, kv_indices, kv_counts, block_q, block_kv, scale
     shared_block = block_q == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
     per_head = nq if shared_block else (nq + 1) // 2  # a (b, h)'s blocks, or pairs of them
     persistent = ()  # the persistent kernels' two more arguments: tiles, programs
+    persistent_fits = _int32_lists(kv_indices, ends)
     wants_persistent = opts.PERSISTENT if shared_block else opts.PERSISTENT_TILES
-    if wants_persistent and not _int32_lists(kv_indices, ends):
-        logging.getLogger("vidsparse").warning(
-            "vidsparse: GluonOptions.PERSISTENT reads the lists with int32 offsets; these have "
-            "2**31 entries or more, so one block a program runs instead")  # fmt: skip
-    if wants_persistent and _int32_lists(kv_indices, ends):
+    if wants_persistent and not persistent_fits:
+        _log_one_block_fallback()
+    if wants_persistent and persistent_fits:
         programs = min(B * H * per_head, num_sms(q.device))
         kernel = (block_sparse_attn_fwd_gluon_persistent_kernel if shared_block
                   else block_sparse_attn_fwd_gluon_persistent_tiles_kernel)  # fmt: skip
