@@ -110,13 +110,7 @@ def compile_dkdv_sm90(
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 
-    meta = torch.device("meta")
-    q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D], as k, v, do, dk, dv
-    lse2 = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S], as delta
-    nk = S // block
-    offsets = torch.empty(1, H, nk + 1, dtype=torch.int32, device=meta)  # [1, H, NK + 1]
-    indices = torch.empty(1, H, nk * (nk // 8), dtype=torch.int32, device=meta)  # [1, H, NQ*K]
-    sizes = torch.empty(nk, dtype=torch.int32, device=meta) if masked else None  # [NK]
+    q, lse2, offsets, indices, sizes = _dkdv_meta(dtype, block, masked)
     hooked, grad_args = epilogue if epilogue is not None else (NO_EPILOGUE, ())
     schedule = replace(configs.GLUON_DKDV[block], **options) if options else None
     kernel, _, args, kwargs = bwd_sm90.kernel_args(
@@ -168,14 +162,9 @@ def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bflo
 
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
 
-    meta = torch.device("meta")
-    q = torch.empty(B, H, S, D, dtype=dtype, device=meta)  # [B, H, S, D], as k, v, do, dk, dv
+    q, lse2, offsets, indices, sizes = _dkdv_meta(dtype, BLOCK, masked)
+    meta, nk = q.device, S // BLOCK
     dq_acc = torch.empty(B, H, S, D, dtype=torch.float32, device=meta)
-    lse2 = torch.empty(B, H, S, dtype=torch.float32, device=meta)  # [B, H, S], as delta
-    nk = S // BLOCK
-    offsets = torch.empty(1, H, nk + 1, dtype=torch.int32, device=meta)  # [1, H, NK + 1]
-    indices = torch.empty(1, H, nk * (nk // 8), dtype=torch.int32, device=meta)  # [1, H, NQ*K]
-    sizes = torch.empty(nk, dtype=torch.int32, device=meta) if masked else None  # [NK]
     table = configs.GLUON_DKDVDQ_ORDERED if ordered else configs.GLUON_DKDVDQ
     schedule = replace(table[BLOCK], **options) if options else None
     order = None
@@ -189,6 +178,20 @@ def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bflo
         options=schedule, order=order,
     )  # fmt: skip
     return compile_launch_sm90(kernel, args, kwargs)
+
+
+def _dkdv_meta(dtype, block: int, masked: bool):
+    """``(q, lse2, q_offsets, q_indices, kv_block_sizes)`` of a dK/dV launch on meta tensors:
+    q [B, H, S, D] (as k, v, do, dk, dv), lse2 [B, H, S] (as delta), transposed lists of
+    density 1/8, key-block sizes [NK] when ``masked``."""
+    meta = torch.device("meta")
+    q = torch.empty(B, H, S, D, dtype=dtype, device=meta)
+    lse2 = torch.empty(B, H, S, dtype=torch.float32, device=meta)
+    nk = S // block
+    offsets = torch.empty(1, H, nk + 1, dtype=torch.int32, device=meta)  # [1, H, NK + 1]
+    indices = torch.empty(1, H, nk * (nk // 8), dtype=torch.int32, device=meta)  # [1, H, NQ*K]
+    sizes = torch.empty(nk, dtype=torch.int32, device=meta) if masked else None
+    return q, lse2, offsets, indices, sizes
 
 
 def _require_compiler(name: str) -> None:

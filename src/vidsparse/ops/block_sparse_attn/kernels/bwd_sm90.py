@@ -210,6 +210,24 @@ def transposed_list_of(Q_OFF, Q_IDX, b, h, kv_block, valid, WIDTH, stride_offb, 
 
 
 @gluon.jit
+def key_block(pid_n, pid_bh, H, Skv, NK, lists, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr):  # fmt: skip
+    """``(b, h, first row, valid, list pointer, start, end, steps)`` of key block ``pid_n`` of
+    head ``pid_bh`` (its first row in the [B*H*Skv, D] view; valid: a block of the grid, always
+    for a grid of NK programs along dim 0); ``lists``: the transposed lists, their strides and
+    width."""
+    Q_OFF, Q_IDX, stride_offb, stride_offh, stride_qib, stride_qih, WIDTH = lists
+    b = pid_bh // H
+    h = pid_bh % H
+    kv_row = pid_bh * Skv + pid_n * BLOCK_N
+    valid = pid_n < NK
+    idx_row, start, end = transposed_list_of(Q_OFF, Q_IDX, b, h, pid_n, valid, WIDTH,
+                                             stride_offb, stride_offh, stride_qib,
+                                             stride_qih)  # fmt: skip
+    return b, h, kv_row, valid, idx_row, start, end, (end - start) * (BLOCK_M // STEP_M)
+
+
+@gluon.jit
 def init_ring(ready, empty, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)  # the loader's expect; TMA bytes complete it
@@ -248,13 +266,9 @@ def block_sparse_attn_bwd_dkdv_gluon_kernel(
     gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    kv_row = pid_bh * Skv + pid_n * BLOCK_N  # first row of this key block in [B*H*Skv, D]
-    valid = pid_n < NK  # always: the grid has NK programs along dim 0
-    idx_row, start, end = transposed_list_of(Q_OFF, Q_IDX, b, h, pid_n, valid, WIDTH, stride_offb,
-                                   stride_offh, stride_qib, stride_qih)  # fmt: skip
-    num_steps = (end - start) * (BLOCK_M // STEP_M)
+    lists = (Q_OFF, Q_IDX, stride_offb, stride_offh, stride_qib, stride_qih, WIDTH)
+    b, h, kv_row, valid, idx_row, start, end, num_steps = key_block(pid_n, pid_bh, H, Skv, NK,
+                                                                    lists, BLOCK_M, BLOCK_N)
 
     # K, V (also dK, dV's staging buffers) 2 x 32 KB; the ring STAGES x 32.5 KB.
     k_smem = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
@@ -279,8 +293,8 @@ def block_sparse_attn_bwd_dkdv_gluon_kernel(
                          qk_scale, scale, EPILOGUE, epilogue_args, gl.constexpr(1), HEAD_DIM,
                          STAGES, HAS_KV_SIZES)),  # key rows 64-127
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem, v_smem,
-                       q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty, idx_row, start,
-                       end, Q_LAST, pid_bh * Sq, kv_row, BLOCK_M, STAGES, gl.constexpr(2))),
+                         q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty, idx_row, start,
+                         end, Q_LAST, pid_bh * Sq, kv_row, BLOCK_M, STAGES, gl.constexpr(2))),
         ],
         [4, 1],  # warps: second consumer warpgroup, loader warp
         [CONSUMER_REGS, LOADER_REGS],  # setmaxnreg: the loader gives its registers away
@@ -314,10 +328,12 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
     block1 = 2 * pid + 1
     valid0 = block0 < NK
     valid1 = block1 < NK  # false in the last program when NK is odd
-    idx0, start0, end0 = transposed_list_of(Q_OFF, Q_IDX, b, h, block0, valid0, WIDTH, stride_offb,
-                                  stride_offh, stride_qib, stride_qih)  # fmt: skip
-    idx1, start1, end1 = transposed_list_of(Q_OFF, Q_IDX, b, h, block1, valid1, WIDTH, stride_offb,
-                                  stride_offh, stride_qib, stride_qih)  # fmt: skip
+    idx0, start0, end0 = transposed_list_of(Q_OFF, Q_IDX, b, h, block0, valid0, WIDTH,
+                                                stride_offb, stride_offh, stride_qib,
+                                                stride_qih)  # fmt: skip
+    idx1, start1, end1 = transposed_list_of(Q_OFF, Q_IDX, b, h, block1, valid1, WIDTH,
+                                                stride_offb, stride_offh, stride_qib,
+                                                stride_qih)  # fmt: skip
     # Past the last block (NK odd) the loader still reads a K/V tile (rows of the next head,
     # or zeros past the tensor: TMA bounds) so the consumer's wait completes; its list is
     # empty and nothing is stored.
@@ -330,9 +346,9 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
     k_smem1 = gl.allocate_shared_memory(desc_k.dtype, [1, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem1 = gl.allocate_shared_memory(desc_v.dtype, [1, BLOCK_N, HEAD_DIM], desc_v.layout)
     q_smem0, do_smem0, lse_smem0, dl_smem0, ready0, empty0 = step_ring(desc_q, desc_lse2, STAGES,
-                                                                   HEAD_DIM)  # fmt: skip
+                                                                       HEAD_DIM)  # fmt: skip
     q_smem1, do_smem1, lse_smem1, dl_smem1, ready1, empty1 = step_ring(desc_q, desc_lse2, STAGES,
-                                                                   HEAD_DIM)  # fmt: skip
+                                                                       HEAD_DIM)  # fmt: skip
     kv_bar0 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_bar1 = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar0, count=1)
@@ -352,13 +368,13 @@ def block_sparse_attn_bwd_dkdv_gluon_tiles_kernel(
                          block1, kv_row1, valid1, b, h, qk_scale, scale, EPILOGUE,
                          epilogue_args, gl.constexpr(0), HEAD_DIM, STAGES, HAS_KV_SIZES)),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem0,
-                       v_smem0, q_smem0, do_smem0, lse_smem0, dl_smem0, kv_bar0, ready0, empty0,
-                       idx0, start0, end0, Q_LAST, pid_bh * Sq, kv_row0, BLOCK_M, STAGES,
-                       gl.constexpr(1))),
+                         v_smem0, q_smem0, do_smem0, lse_smem0, dl_smem0, kv_bar0, ready0, empty0,
+                         idx0, start0, end0, Q_LAST, pid_bh * Sq, kv_row0, BLOCK_M, STAGES,
+                         gl.constexpr(1))),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem1,
-                       v_smem1, q_smem1, do_smem1, lse_smem1, dl_smem1, kv_bar1, ready1, empty1,
-                       idx1, start1, end1, Q_LAST, pid_bh * Sq, kv_row1, BLOCK_M, STAGES,
-                       gl.constexpr(1))),
+                         v_smem1, q_smem1, do_smem1, lse_smem1, dl_smem1, kv_bar1, ready1, empty1,
+                         idx1, start1, end1, Q_LAST, pid_bh * Sq, kv_row1, BLOCK_M, STAGES,
+                         gl.constexpr(1))),
         ],
         [4, 1, 1],  # warps: second consumer warpgroup, two loader warps
         [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],

@@ -49,9 +49,9 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     ROWS_PER_CONSUMER,
     STEP_M,
     init_ring,
+    key_block,
     load_steps,
     step_ring,
-    transposed_list_of,
 )
 
 # A barrier over this partition's warps (Triton 3.8 renamed Gluon's ``thread_barrier``).
@@ -218,22 +218,6 @@ def _dq_writer(DQ_ACC, dq_smem, dq_full, dq_empty, idx_row, start, num_steps, Q_
 
 
 @gluon.jit
-def _key_block(pid_n, pid_bh, H, Skv, NK, lists, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr):  # fmt: skip
-    """``(b, h, first row, valid, list pointer, start, end, steps)`` of key block ``pid_n`` of
-    head ``pid_bh``; ``lists``: the transposed lists, their strides and width."""
-    Q_OFF, Q_IDX, stride_offb, stride_offh, stride_qib, stride_qih, WIDTH = lists
-    b = pid_bh // H
-    h = pid_bh % H
-    kv_row = pid_bh * Skv + pid_n * BLOCK_N
-    valid = pid_n < NK
-    idx_row, start, end = transposed_list_of(Q_OFF, Q_IDX, b, h, pid_n, valid, WIDTH,
-                                             stride_offb, stride_offh, stride_qib,
-                                             stride_qih)  # fmt: skip
-    return b, h, kv_row, valid, idx_row, start, end, (end - start) * (BLOCK_M // STEP_M)
-
-
-@gluon.jit
 def _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Shared memory and barriers (initialised) of both one-pass kernels: K, V 2 x 32 KB (dK,
     dV's staging after the walk); the ring STAGES x 32.5 KB; dS^T halves 2 buffers x 2 x 8 KB."""
@@ -277,7 +261,7 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
     gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
-    b, h, kv_row, valid, idx_row, start, end, num_steps = _key_block(
+    b, h, kv_row, valid, idx_row, start, end, num_steps = key_block(
         pid_n, pid_bh, H, Skv, NK, (Q_OFF, Q_IDX, stride_offb, stride_offh, stride_qib, stride_qih, WIDTH), BLOCK_M, BLOCK_N
     )
 
@@ -332,7 +316,7 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
     ticket = gl.atomic_add(TICKET, 1)
     pid_n = ticket % NK
     pid_bh = ticket // NK
-    b, h, kv_row, valid, idx_row, start, end, num_steps = _key_block(
+    b, h, kv_row, valid, idx_row, start, end, num_steps = key_block(
         pid_n, pid_bh, H, Skv, NK, (Q_OFF, Q_IDX, stride_offb, stride_offh, stride_qib, stride_qih, WIDTH), BLOCK_M, BLOCK_N
     )
     (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready,
