@@ -24,8 +24,8 @@ table last.
 
 ``--one-pass`` (128x128 cases only) compares instead the one-pass backward
 (``bwd_sm90.dkdvdq_gluon``: dQ by atomics from the dK/dV walk, dq's zeroing and scaling
-included) at 2 and 3 stages, and its ordered kernel (dQ's adds in key-block order, the same
-bits every run), with the two Gluon kernels back to back and with the library's
+included) and its ordered kernel (dQ's adds in key-block order, the same bits every run),
+each at 2 and 3 stages, with the two Gluon kernels back to back and with the library's
 backward whole, and fwd+bwd both ways (forward, preprocess, backward; the transposed lists
 cached as the library caches them); its dK, dV against the dK/dV kernel's bits and its dQ
 against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
@@ -255,19 +255,22 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
         row(f"one_pass_s{stages}", bench(lambda s=stages: one_pass(s)), **checks)
         row(f"fwd+one_pass_s{stages}", bench(lambda s=stages: one_pass(s, *forward())))
 
-    def ordered(o=o, lse=lse):  # last: a semaphore protocol that hangs ends the run here
+    def ordered(stages, o=o, lse=lse):  # last: a semaphore protocol that hangs ends the run
         delta, lse2 = prep(o, lse)
+        opts = replace(configs.GLUON_DKDVDQ_ORDERED[bs], STAGES=stages)
         dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
-                                           ordered_by=(idx, cnt))  # fmt: skip
+                                           options=opts, ordered_by=(idx, cnt))  # fmt: skip
         return dq, dk, dv
 
-    dq_a, dk, dv = ordered()
-    dq_b = ordered()[0]
-    checks = {"dk_equal": bool(torch.equal(dk, dk_2)), "dv_equal": bool(torch.equal(dv, dv_2)),
-              "dq_same_bits_twice": bool(torch.equal(dq_a, dq_b)),
-              "err_dq_vs_dq_kernel": _rel_l2(dq_a, dq_2)}  # fmt: skip
-    row("one_pass_ordered", bench(ordered), **checks)
-    row("fwd+one_pass_ordered", bench(lambda: ordered(*forward())))
+    for stages in (2, 3):
+        dq_a, dk, dv = ordered(stages)
+        dq_b = ordered(stages)[0]
+        checks = {"dk_equal": bool(torch.equal(dk, dk_2)),
+                  "dv_equal": bool(torch.equal(dv, dv_2)),
+                  "dq_same_bits_twice": bool(torch.equal(dq_a, dq_b)),
+                  "err_dq_vs_dq_kernel": _rel_l2(dq_a, dq_2)}  # fmt: skip
+        row(f"one_pass_ordered_s{stages}", bench(lambda s=stages: ordered(s)), **checks)
+        row(f"fwd+one_pass_ordered_s{stages}", bench(lambda s=stages: ordered(s, *forward())))
     return rows
 
 

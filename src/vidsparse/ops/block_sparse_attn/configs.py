@@ -160,9 +160,10 @@ GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB). Not yet timed.
 GLUON_DKDVDQ = {128: GluonBwdOptions(STAGES=3)}
 # The same with dQ's adds in key-block order (``ordered``): 32 KB more for the writer warp's
-# tiles, so 2 steps (197 KB). The loader and the writer warp share LOADER_REGS: the consumers
-# need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the third
-# warpgroup; the writer's scalars spill at that (352 bytes).
+# tiles; 2 steps take 198,128 bytes, 3 fit too (231,440 of 232,448): both timed next
+# (``try_gluon_bwd.py --one-pass``). The loader and the writer warp share LOADER_REGS: the
+# consumers need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the
+# third warpgroup; the writer's scalars spill at that (352 bytes).
 GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
 
 
