@@ -247,7 +247,8 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     adds each query step's in key-block order, so dq is the same bits on every run (they must
     be the lists ``q_offsets``, ``q_indices`` were transposed from: lists that disagree can
     leave the kernel waiting forever). Inputs as ``dkdv_gluon``'s. The engine's backward takes
-    it only under ``configs.override(one_pass=...)`` (built, not yet timed)."""
+    it only under ``configs.override(one_pass=...)``: both are slower than the two kernels
+    (``benchmarks/NOTES.md``)."""
     _check_inputs("dkdvdq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     if block not in configs.GLUON_DKDVDQ:
         raise ValueError(f"dkdvdq_gluon: block {block} not supported; "

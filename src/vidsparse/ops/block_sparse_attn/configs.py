@@ -125,8 +125,10 @@ class GluonOptions:
     # -3 to -8% (benchmarks/NOTES.md). Lists of 2**31 entries or more take one block a
     # program (int32 offsets), logged.
     PERSISTENT: bool = True
-    # The same over pairs of 64-row tiles (video tiles, with a client's epilogue): off until
-    # the tile clients' GPU tests have run with it (timed on an H100: -1.4% at Wan 480p).
+    # The same over pairs of 64-row tiles (video tiles, with a client's epilogue): the tile
+    # clients' GPU tests pass with it, but it stays off: at Wan 480p's tiles their forward
+    # moved within the noise (-0.2 to -1.4%, H100), and their epilogue variants spill on
+    # Triton 3.8 (benchmarks/NOTES.md).
     PERSISTENT_TILES: bool = False
 
     def as_kwargs(self) -> dict:
@@ -157,11 +159,12 @@ GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
 # alike on the H200); the 64-row kernel holds two rings, 2 steps each.
 GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
-# dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB). Not yet timed.
+# dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB; 2 steps timed 2% slower).
+# Slower than the two kernels (4.96 against 4.28 ms at 1/8, H100): a tuning override only.
 GLUON_DKDVDQ = {128: GluonBwdOptions(STAGES=3)}
 # The same with dQ's adds in key-block order (``ordered``): 32 KB more for the writer warp's
-# tiles; 2 steps take 198,128 bytes, 3 fit too (231,440 of 232,448): both timed next
-# (``try_gluon_bwd.py --one-pass``). The loader and the writer warp share LOADER_REGS: the
+# tiles; 2 steps take 198,128 bytes, 3 fit too (231,440 of 232,448; timed alike, 8.7 ms: one
+# writer warp cannot keep up). The loader and the writer warp share LOADER_REGS: the
 # consumers need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the
 # third warpgroup; the writer's scalars spill at that (352 bytes).
 GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
