@@ -31,7 +31,9 @@
 #   (init and data order), into out/train_vsa_compiled_seedN; longer arms: TRAIN_STEPS=N (into
 #   out/train_vsa_compiled_stepsN[_seedM]), TRAIN_DECAY=N (the cosine's floor from step N on),
 #   TRAIN_MINUTES (the call's training budget, 7.5), TRAIN_RESUME=1 (continue the arm's
-#   checkpoint: the next call of an arm that stopped at its budget, on the same warm machine)
+#   checkpoint: the next call of an arm that stopped at its budget, on the same warm machine),
+#   TRAIN_EVAL_EVERY=N (steps between evals, 50; evals draw no training randomness, and at
+#   100 a 1,200-step dense arm should fit one call on an H100: ~495 s, estimated)
 #   (default: tests demo; parallel needs 2 GPUs)
 # OUT is this script's log folder: every step logs under $OUT (./out/gpu when OUT is unset), so
 # a step that hits its time limit still leaves its log behind. Where the tree was copied to the
@@ -154,7 +156,7 @@ for what in "$@"; do
       step "train_vsa_${arm}_compiled$long${TRAIN_SEED:+_seed$seed}" 580 python3 -m vidsparse.bench train_vsa --arm "$arm" \
         --compile blocks --seed "$seed" --out "$dir" --max-minutes "${TRAIN_MINUTES:-7.5}" \
         ${TRAIN_STEPS:+--steps "$TRAIN_STEPS"} ${TRAIN_DECAY:+--lr-decay-steps "$TRAIN_DECAY"} \
-        ${TRAIN_RESUME:+--resume}
+        ${TRAIN_EVAL_EVERY:+--eval-every "$TRAIN_EVAL_EVERY"} ${TRAIN_RESUME:+--resume}
       cp "$dir"/*.json "$dir"/*.png "$OUT/$sub" ;;
     e2e-train-14b) step e2e_train_14b 240 python3 -m vidsparse.bench e2e --train --model wan14b \
       --layers 4 --warmup 1 --reps 3 --share-reps 1 \
