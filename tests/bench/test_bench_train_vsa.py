@@ -134,6 +134,18 @@ def test_a_resumed_arm_repeats_the_uninterrupted_run(tmp_path):
     assert meta["complete"] and [c["end_step"] for c in meta["calls"]] == [3, 4]
 
 
+def test_how_often_it_evaluates_leaves_the_training_as_it_is(tmp_path):
+    """Evals draw no training randomness: evaluating every step or only at the end trains the
+    same weights (the per-step losses and the last eval agree exactly)."""
+    often = run_arm(tmp_path / "often", "vsa0.875", "--no-plot", "--eval-every", "1")
+    rarely = run_arm(tmp_path / "rarely", "vsa0.875", "--no-plot", "--eval-every", "4")
+    assert [r["step"] for r in often] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in rarely] == [0, 4]
+    assert [x for r in often for x in r["train_losses"]] == rarely[-1]["train_losses"]
+    assert rarely[-1]["eval_loss"] == often[-1]["eval_loss"]
+    assert rarely[-1]["eval_loss_ema"] == often[-1]["eval_loss_ema"]
+
+
 def test_the_cosine_lr_warms_up_then_decays_to_its_floor_at_the_last_step():
     args = train_vsa.parse_args(["--arm", "dense", "--steps", "600", "--lr-warmup", "50"])
     assert args.lr_schedule == "cosine"
