@@ -243,7 +243,9 @@ HOPPER = {
     # outside the loops at D=128 with TMA, accepted for the measured gain) where dK/dV does
     # not run in the Gluon kernel (D=128, 16-bit, contiguous: ``gluon``; GLUON_DKDV). At 64x64
     # the Gluon dK/dV kernel was slower than Triton's (4.14 vs 3.82 ms on 4x4x4 video tiles), so
-    # it is off there; the 64x64 Gluon dQ kernel is compile-checked but not yet timed, so off.
+    # it is off there. The 64x64 Gluon dQ kernel was 3% faster than Triton's on those tiles
+    # (2.915 vs 2.998 ms) but is off: gradients stored through row maps (a tile client in
+    # natural order) cannot take it, and tile order alone would not repay a second path.
     # The masked 64x64 dK/dV walks partial query blocks with fewer rows where an epilogue
     # declares quiet rows (query_tails): 84 B of spill on sm_90 and still faster on 4x4x4
     # video tiles (benchmarks/NOTES.md). Where the pair runs as two launches (the Gluon kernels
