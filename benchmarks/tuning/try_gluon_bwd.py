@@ -29,6 +29,12 @@ each at 2 and 3 stages, with the two Gluon kernels back to back and with the lib
 backward whole, and fwd+bwd both ways (forward, preprocess, backward; the transposed lists
 cached as the library caches them); its dK, dV against the dK/dV kernel's bits and its dQ
 against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
+
+``--persistent`` (128x128 cases only) compares the persistent dK/dV kernel (one program per
+SM, key blocks longest first; ``configs.Overrides.persistent_dkdv``) with one block a
+program, each at 2 and 3 stages, in three alternating rounds (medians), then the library's
+backward and fwd+bwd with and without the override; its dK, dV against the one-block
+kernel's bits (``$OUT/try_persistent_bwd.json``).
 """
 
 from __future__ import annotations
@@ -43,6 +49,26 @@ import torch  # noqa: E402
 
 VARIANTS = {"s2": dict(STAGES=2), "s3": dict(STAGES=3)}
 D = 128
+
+
+def _bench(fn) -> float:
+    """``do_bench`` median (ms) of ``fn``, after one call that compiles and fills caches."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def _recorder(rows: list, name: str, density: float):
+    """``row(provider, ms, **extra)``: a row of case ``name`` appended to ``rows``, printed."""
+
+    def row(provider, ms, **extra):
+        r = {"case": name, "provider": provider, "ms": ms, "density": density, **extra}
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    return row
 
 
 def _rel_l2(x, ref) -> float:
@@ -85,8 +111,6 @@ def _triton_row(configs, q, kernel, bs, sizes):
 def run_case(name: str, gen: torch.Generator) -> list[dict]:
     from dataclasses import replace
 
-    import triton
-
     from vidsparse.bench import harness
     from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
@@ -127,23 +151,14 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
         dq_t, dk_t, dv_t = triton_bwd()
     bwd_flops = 2.5 * 4.0 * B * H * S * S * D * density
     rows = []
-
-    def bench(fn):
-        fn()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-    def row(provider, ms, **extra):
-        r = {"case": name, "provider": provider, "ms": ms, "density": density, **extra}
-        rows.append(r)
-        print(json.dumps(r), flush=True)
+    row = _recorder(rows, name, density)
 
     for vname, options in VARIANTS.items():
         try:
             dk, dv = gluon(options)
             errs = {"err_dk_vs_triton": _rel_l2(dk, dk_t), "err_dv_vs_triton": _rel_l2(dv, dv_t),
                     "nan": bool(torch.isnan(dk).any() or torch.isnan(dv).any())}  # fmt: skip
-            row(f"gluon_dkdv_{vname}", bench(lambda o=options: gluon(o)), **errs)
+            row(f"gluon_dkdv_{vname}", _bench(lambda o=options: gluon(o)), **errs)
         except Exception as e:  # keep timing the others
             row(f"gluon_dkdv_{vname}", None, error=f"{type(e).__name__}: {e}"[:800])
     for vname, stages in (("s2", 2), ("s3", 3), ("s4", 4)):
@@ -156,7 +171,7 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
         try:
             dq = gluon_dq()
             errs = {"err_dq_vs_triton": _rel_l2(dq, dq_t), "nan": bool(torch.isnan(dq).any())}
-            row(f"gluon_dq_{vname}", bench(gluon_dq), **errs)
+            row(f"gluon_dq_{vname}", _bench(gluon_dq), **errs)
         except Exception as e:  # e.g. a ring that does not fit (64-row kernel, 3+ stages)
             row(f"gluon_dq_{vname}", None, error=f"{type(e).__name__}: {e}"[:800])
     # The Triton kernels apart (two launches), from the profiler: per-call kernel time.
@@ -165,7 +180,7 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
         if "dkdv" in ev.key or "_dq_" in ev.key or "preprocess" in ev.key:
             row(f"triton:{ev.key[:60]}", ev.device_time_total / 1e3 / 10)
     for name, fn in (("triton_bwd", triton_only(triton_bwd)), ("library_bwd", triton_bwd)):
-        ms = bench(fn)
+        ms = _bench(fn)
         row(name, ms, tflops=bwd_flops / (ms * 1e-3) / 1e12)
     prof = harness.cuda_profile(triton_bwd, calls=10)  # the library's kernels, Gluon's included
     for ev in prof.key_averages():
@@ -183,7 +198,7 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
         def cudnn_fwd_bwd():
             torch.autograd.grad(cudnn_fwd(), (qg, kg, vg), do)
 
-        f, fb = bench(cudnn_fwd), bench(cudnn_fwd_bwd)
+        f, fb = _bench(cudnn_fwd), _bench(cudnn_fwd_bwd)
         dense_bwd = 2.5 * 4.0 * B * H * S * S * D
         row("cudnn_dense_bwd", fb - f, tflops=dense_bwd / ((fb - f) * 1e-3) / 1e12)
     return rows
@@ -192,8 +207,6 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
 def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
     """The one-pass backward against the two Gluon kernels and the library's (``--one-pass``)."""
     from dataclasses import replace
-
-    import triton
 
     from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
@@ -204,16 +217,7 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
     B, H, S, _ = q.shape
     scale = D**-0.5
     rows = []
-
-    def row(provider, ms, **extra):
-        r = {"case": name, "provider": provider, "ms": ms, "density": density, **extra}
-        rows.append(r)
-        print(json.dumps(r), flush=True)
-
-    def bench(fn):
-        fn()
-        torch.cuda.synchronize()
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    row = _recorder(rows, name, density)
 
     def forward():
         return fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale)
@@ -240,10 +244,10 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
         return bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, scale)
 
     dq_2, dk_2, dv_2 = two_kernels()
-    row("two_kernels", bench(two_kernels))
-    row("fwd+two_kernels", bench(lambda: two_kernels(*forward())))
-    row("library_bwd", bench(library))
-    row("fwd+library_bwd", bench(lambda: (forward(), library())))
+    row("two_kernels", _bench(two_kernels))
+    row("fwd+two_kernels", _bench(lambda: two_kernels(*forward())))
+    row("library_bwd", _bench(library))
+    row("fwd+library_bwd", _bench(lambda: (forward(), library())))
     for stages in (2, 3):
         checks = {}
         for run in (1, 2):
@@ -252,8 +256,8 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
                 "dk_equal": bool(torch.equal(dk, dk_2)), "dv_equal": bool(torch.equal(dv, dv_2)),
                 "err_dq_vs_dq_kernel": _rel_l2(dq, dq_2), "nan": bool(torch.isnan(dq).any()),
             }  # fmt: skip
-        row(f"one_pass_s{stages}", bench(lambda s=stages: one_pass(s)), **checks)
-        row(f"fwd+one_pass_s{stages}", bench(lambda s=stages: one_pass(s, *forward())))
+        row(f"one_pass_s{stages}", _bench(lambda s=stages: one_pass(s)), **checks)
+        row(f"fwd+one_pass_s{stages}", _bench(lambda s=stages: one_pass(s, *forward())))
 
     def ordered(stages, o=o, lse=lse):  # last: a semaphore protocol that hangs ends the run
         delta, lse2 = prep(o, lse)
@@ -269,8 +273,58 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
                   "dv_equal": bool(torch.equal(dv, dv_2)),
                   "dq_same_bits_twice": bool(torch.equal(dq_a, dq_b)),
                   "err_dq_vs_dq_kernel": _rel_l2(dq_a, dq_2)}  # fmt: skip
-        row(f"one_pass_ordered_s{stages}", bench(lambda s=stages: ordered(s)), **checks)
-        row(f"fwd+one_pass_ordered_s{stages}", bench(lambda s=stages: ordered(s, *forward())))
+        row(f"one_pass_ordered_s{stages}", _bench(lambda s=stages: ordered(s)), **checks)
+        row(f"fwd+one_pass_ordered_s{stages}", _bench(lambda s=stages: ordered(s, *forward())))
+    return rows
+
+
+def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
+    """The persistent dK/dV kernel against one block a program (see the module's docstring)."""
+    import statistics
+    from dataclasses import replace
+
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
+
+    q, k, v, do, idx, cnt, sizes, bs, density = _case(name, gen)
+    assert bs == 128, "the persistent dK/dV kernel takes 128-row blocks"
+    scale = D**-0.5
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale)
+    delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())[:2]
+    q_off, q_idx = cached_transpose(idx, cnt, q.shape[2] // bs)
+    rows = []
+    row = _recorder(rows, name, density)
+
+    def dkdv(persistent: bool, stages: int):
+        table = configs.GLUON_DKDV_PERSISTENT if persistent else configs.GLUON_DKDV
+        opts = replace(table[bs], STAGES=stages)
+        return lambda: bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
+                                           options=opts, persistent=persistent)  # fmt: skip
+
+    arms = {f"dkdv_{'persistent' if p else 'one_block'}_s{s}": dkdv(p, s)
+            for p in (False, True) for s in (2, 3)}  # fmt: skip
+    reference = arms["dkdv_one_block_s3"]()
+    same_bits = {n: all(torch.equal(a, b) for a, b in zip(fn(), reference))
+                 for n, fn in arms.items()}  # fmt: skip
+    times = {n: [] for n in arms}
+    for _ in range(3):  # alternating rounds: the machine's drift falls on every arm alike
+        for n, fn in arms.items():
+            times[n].append(_bench(fn))
+    for n in arms:
+        row(n, statistics.median(times[n]), rounds=times[n], same_bits=same_bits[n])
+
+    def library():
+        return bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, scale)
+
+    def forward_and_library():
+        return fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale), library()
+
+    for persistent in (False, True):
+        with configs.override(persistent_dkdv=persistent):
+            tag = "persistent" if persistent else "one_block"
+            row(f"library_bwd_{tag}", _bench(library))
+            row(f"fwd+library_bwd_{tag}", _bench(forward_and_library))
     return rows
 
 
@@ -278,6 +332,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="engine,vsa480")
     ap.add_argument("--one-pass", action="store_true", help="the one-pass backward's A/B")
+    ap.add_argument("--persistent", action="store_true", help="the persistent dK/dV's A/B")
     args = ap.parse_args()
     import triton
 
@@ -288,10 +343,14 @@ def main() -> None:
     gen.manual_seed(0)
     rows = []
     for name in args.cases.split(","):
-        rows += one_pass_case(name, gen) if args.one_pass else run_case(name, gen)
+        study = (one_pass_case if args.one_pass
+                 else persistent_case if args.persistent else run_case)  # fmt: skip
+        rows += study(name, gen)
     out_dir = os.environ.get("OUT")
     if out_dir:
-        out_name = "try_one_pass_bwd.json" if args.one_pass else "try_gluon_bwd.json"
+        out_name = ("try_one_pass_bwd.json" if args.one_pass
+                    else "try_persistent_bwd.json" if args.persistent
+                    else "try_gluon_bwd.json")  # fmt: skip
         with open(os.path.join(out_dir, out_name), "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\n{'case':>7} {'provider':>60} {'ms':>8}  extra")

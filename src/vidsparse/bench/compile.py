@@ -98,12 +98,13 @@ def compile_sm90(
 
 def compile_dkdv_sm90(
     options: dict, *, masked: bool = False, dtype=torch.bfloat16, block: int = BLOCK,
-    epilogue=None,
+    epilogue=None, persistent: bool = False,
 ) -> dict:  # fmt: skip
     """Compile the Gluon dK/dV kernel (``ops/block_sparse_attn/kernels/bwd_sm90.py``) for
     cuda:90 on meta tensors; returns the report of ``compile_sm90``. ``options``: fields of
     ``configs.GluonBwdOptions`` overriding the library's; ``masked``: with key-block sizes;
-    ``epilogue``: ``(epilogue, grad_args)`` whose Gluon dK/dV hook is compiled in (None: none)."""
+    ``epilogue``: ``(epilogue, grad_args)`` whose Gluon dK/dV hook is compiled in (None: none);
+    ``persistent``: the persistent kernel (``kernels/bwd_sm90_persistent.py``, 128 rows)."""
     _require_compiler("compile_dkdv_sm90")
     from dataclasses import replace
 
@@ -112,10 +113,11 @@ def compile_dkdv_sm90(
 
     q, lse2, offsets, indices, sizes = _dkdv_meta(dtype, block, masked)
     hooked, grad_args = epilogue if epilogue is not None else (NO_EPILOGUE, ())
-    schedule = replace(configs.GLUON_DKDV[block], **options) if options else None
+    table = configs.GLUON_DKDV_PERSISTENT if persistent else configs.GLUON_DKDV
+    schedule = replace(table[block], **options) if options else None
     kernel, _, args, kwargs = bwd_sm90.kernel_args(
         q, q, q, q, q, q, lse2, lse2, offsets, indices, block, D**-0.5, sizes,
-        epilogue=hooked, grad_args=grad_args, options=schedule,
+        epilogue=hooked, grad_args=grad_args, options=schedule, persistent=persistent,
     )  # fmt: skip
     return compile_launch_sm90(kernel, args, kwargs)
 

@@ -39,8 +39,8 @@ def _problem(bs, dtype, padded, *, B=2, H=3, nq=7, nk=9, density=0.5, seed=0, sc
     idx, cnt = make_lists(1, H, nq, nk, density=density, device="cuda", empty_rows=1)
     sizes = None
     if padded:
-        sizes = torch.tensor([bs, 37, bs, 0, 1, bs, 32, bs, bs - 1][:nk], dtype=torch.int32,
-                             device="cuda")  # fmt: skip
+        pattern = [bs, 37, bs, 0, 1, bs, 32, bs, bs - 1] * (nk // 9 + 1)
+        sizes = torch.tensor(pattern[:nk], dtype=torch.int32, device="cuda")
         pad = (torch.arange(Skv, device="cuda") % bs) >= sizes.long().repeat_interleave(bs)
         k[:, :, pad] = 300.0
         v[:, :, pad] = -300.0
@@ -60,9 +60,9 @@ def _gluon_and_triton(q, k, v, do, idx, cnt, sizes, bs):
     delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
     q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
 
-    def gluon():
+    def gluon(**kwargs):
         return bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, bs, scale,
-                                   kv_block_sizes=sizes)  # fmt: skip
+                                   kv_block_sizes=sizes, **kwargs)  # fmt: skip
 
     _, dk_t, dv_t = bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs,
                                               scale, padding_finite=True)  # fmt: skip
@@ -167,6 +167,49 @@ def test_gpu_gluon_dkdv_bit_identical_and_unlisted_blocks_zero(bs):
     listed = (idx[..., :1] == 2) & (cnt[..., None] > 0)
     assert not listed.any()
     assert (first[0][:, :, rows] == 0).all() and (first[1][:, :, rows] == 0).all()
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(),  # 27 key blocks: fewer than the SMs, one a program
+        dict(B=1, H=1, nq=3, nk=2, density=0.9),  # two programs
+        dict(B=2, H=12, nq=24, nk=40, density=0.2),  # 960 blocks: ~7 a program
+        dict(B=3, H=16, nq=40, nk=48, density=0.125, scale=4.0),  # 2,304: ~17 a program
+    ],
+)
+def test_gpu_persistent_dkdv_gives_the_one_block_kernels_bits(padded, shape):
+    """The persistent dK/dV kernel (128 rows, ``persistent=True``) against one block a
+    program: the same bits whether a program walks one key block or many (its ring position
+    and K/V phases carried from block to block), with lists broadcast over the batch, an empty
+    row, unlisted key blocks (dK = dV = 0) and key-block sizes."""
+    q, k, v, do, idx, cnt, sizes = _problem(128, torch.bfloat16, padded, seed=21, **shape)
+    gluon, _ = _gluon_and_triton(q, k, v, do, idx, cnt, sizes, 128)
+    one_block = gluon(persistent=False)
+    persistent = gluon(persistent=True)
+    for name, a, b in zip(("dk", "dv"), persistent, one_block):
+        assert not torch.isnan(a).any(), name
+        assert torch.equal(a, b), name
+
+
+def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkeypatch):
+    """``configs.override(persistent_dkdv=True)``: the engine's backward at 128x128 orders its
+    key blocks for the persistent kernel, and its gradients are the default's bits."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
+
+    q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, nq=16, nk=16, seed=22)
+    orders = []
+    real = bwd_sm90.cached_snake_order
+    monkeypatch.setattr(bwd_sm90, "cached_snake_order",
+                        lambda *a: orders.append(a[1:]) or real(*a))  # fmt: skip
+    default = _engine_grads(q, k, v, do, idx, cnt, 128)
+    assert not orders
+    with configs.override(persistent_dkdv=True):
+        asked = _engine_grads(q, k, v, do, idx, cnt, 128)
+    assert len(orders) == 1, orders
+    for a, b in zip(asked, default):
+        assert torch.equal(a, b)
 
 
 def _engine_grads(q, k, v, do, idx, cnt, bs):

@@ -25,7 +25,12 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90_fused import (
     block_sparse_attn_bwd_dkdvdq_gluon_kernel,
     block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel,
 )
+from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90_persistent import (
+    block_sparse_attn_bwd_dkdv_gluon_persistent_kernel,
+)
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
+from vidsparse.ops.block_sparse_attn.lists import cached_snake_order
+from vidsparse.utils.device import num_sms
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
@@ -89,11 +94,13 @@ def _steps(*xs):
 
 def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, scale,
                 kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
-                options: configs.GluonBwdOptions | None = None):  # fmt: skip
+                options: configs.GluonBwdOptions | None = None,
+                persistent: bool | None = None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one launch (also used to compile for sm_90 without
     a GPU). ``q_offsets``, ``q_indices``: the transposed lists (``lists.cached_transpose``);
     ``lse2``, ``delta``: the preprocess's outputs (``bwd._preprocess``); ``grad_args``: the
-    epilogue's (``epilogue.grad_args``, asked for here when None)."""
+    epilogue's (``epilogue.grad_args``, asked for here when None); ``persistent``: at 128 rows,
+    the persistent kernel (None: ``configs.Overrides.persistent_dkdv``)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     has_sizes = kv_block_sizes is not None
@@ -101,15 +108,25 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
     if grad_args is None:
         grad_args = epilogue.grad_args(EngineCall(block, block, kv_block_sizes, scale, q.dtype))
     nk = Skv // block
-    if block == 2 * ROWS_PER_CONSUMER.value:
+    shared_block = block == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
+    if persistent is None:
+        persistent = configs.active_overrides().persistent_dkdv
+    persistent = persistent and shared_block
+    order = ()  # the persistent kernel's three more arguments: order, key blocks, programs
+    if persistent:
+        programs = min(B * H * nk, num_sms(q.device))
+        kernel, grid = block_sparse_attn_bwd_dkdv_gluon_persistent_kernel, (programs,)
+        order = (cached_snake_order(q_offsets, B, programs), B * H * nk, programs)
+    elif shared_block:
         kernel, grid = block_sparse_attn_bwd_dkdv_gluon_kernel, (nk, B * H)
     else:
         kernel, grid = block_sparse_attn_bwd_dkdv_gluon_tiles_kernel, ((nk + 1) // 2, B * H)
     args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), q_offsets, q_indices, sizes,
             *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
             dkdv_hook(epilogue, block), grad_args, H, Sq, Skv, Sq // block - 1, nk,
-            q_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
-    opts = (options or configs.GLUON_DKDV[block]).as_kwargs()
+            q_indices.shape[-1], scale * LOG2E, scale, *order)  # fmt: skip
+    table = configs.GLUON_DKDV_PERSISTENT if persistent else configs.GLUON_DKDV
+    opts = (options or table[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
                   num_warps=4)  # fmt: skip
     return kernel, grid, args, kwargs
@@ -117,13 +134,16 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
 
 def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
                kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
-               options: configs.GluonBwdOptions | None = None):  # fmt: skip
+               options: configs.GluonBwdOptions | None = None,
+               persistent: bool | None = None):  # fmt: skip
     """``(dk, dv)`` of the block-sparse attention backward by the Gluon kernel (Hopper).
 
     Inputs as ``gluon_bwd_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
     backward's preprocess; the transposed lists int32 (``lists.cached_transpose``). With
     ``kv_block_sizes``, padding keys are read by TMA and their gradients are 0 whatever they
-    hold. Raises only on what would make the kernel misread memory."""
+    hold. ``persistent``: at 128 rows, one program per SM over the key blocks, longest lists
+    first (the same bits; None: ``configs.Overrides.persistent_dkdv``). Raises only on what
+    would make the kernel misread memory."""
     _check_inputs("dkdv_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     _check_transposed_lists("dkdv_gluon", q_offsets, q_indices, k, block)
     if scale is None:
@@ -131,7 +151,7 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     kernel, grid, args, kwargs = kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets,
                                              q_indices, block, scale, kv_block_sizes, epilogue,
-                                             grad_args, options)  # fmt: skip
+                                             grad_args, options, persistent)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dk, dv
 

@@ -155,6 +155,9 @@ class GluonBwdOptions:
 
 
 GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
+# dK/dV as a persistent kernel (kernels/bwd_sm90_persistent.py; 128 rows): 64 KB more for the
+# dK, dV staging buffers. Not yet timed (``Overrides.persistent_dkdv``).
+GLUON_DKDV_PERSISTENT = {128: GluonBwdOptions(STAGES=3)}
 # dQ: at 128 rows Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit (2-4 timed
 # alike on the H200); the 64-row kernel holds two rings, 2 steps each.
 GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
@@ -376,6 +379,9 @@ class Overrides:
     # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or not.
     # Off until timed on a GPU.
     one_pass: str | None = None
+    # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks dealt longest
+    # first (``bwd_sm90.dkdv_gluon``; the same bits). Off until timed on a GPU.
+    persistent_dkdv: bool = False
 
 
 _active = Overrides()

@@ -73,6 +73,36 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=
     )  # fmt: skip
 
 
+def cached_snake_order(q_offsets: torch.Tensor, batch: int, programs: int) -> torch.Tensor:
+    """``snake_order`` of the key blocks of transposed lists ``q_offsets`` (``[Bi, H, NK +
+    1]``, Bi 1 or ``batch``) over ``batch`` batch entries, computed once per lists
+    (``derived_lists``)."""
+    return derived_lists.get(
+        "snake_order", (q_offsets,), (batch, programs),
+        lambda: snake_order(q_offsets.diff(dim=-1).expand(batch, -1, -1), programs),
+    )  # fmt: skip
+
+
+def snake_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
+    """An order (int32, a permutation of ``lengths``' flat indices) in which a persistent grid
+    of ``programs`` programs, each taking entries ``pid, pid + programs, ...``, gets nearly
+    equal totals: longest first, dealt in a snake (even waves to programs 0, 1, ...; odd ones
+    back from the last program of the wave)::
+
+        lengths sorted:  9 8 7 6 | 5 4 3 2 | 1          programs = 4
+        programs:        0 1 2 3 | 3 2 1 0 | 0
+        totals:          0: 9+2+1  1: 8+3  2: 7+4  3: 6+5
+    """
+    by_length = torch.argsort(lengths.flatten(), descending=True, stable=True)
+    n = by_length.numel()
+    t = torch.arange(n, device=by_length.device)
+    wave, lane = t // programs, t % programs
+    width = torch.clamp(n - wave * programs, max=programs)  # the programs of this wave
+    backwards = wave % 2 == 1
+    source = wave * programs + torch.where(backwards, width - 1 - lane, lane)
+    return by_length[source].to(torch.int32)
+
+
 # dK/dV's walks of a key block's query blocks: all rows, tails[0], tails[1]
 QUERY_GROUPS = _KERNEL_QUERY_GROUPS.value
 

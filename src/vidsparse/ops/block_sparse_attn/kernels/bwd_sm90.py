@@ -73,7 +73,16 @@ def load_steps(
     ``q_row0``: first row of this (b, h)'s queries in the [B*H*Sq, D] view; ``Q_LAST``: the
     last query block (a kernel argument, NQ - 1: computed in the kernel, ptxas kept it across
     the loader's register handover in local memory)."""
-    NSUB: gl.constexpr = BLOCK_M // STEP_M
+    load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, KV_TILES)
+    entries = idx_row + start  # this key block's list (few live scalars: 24 registers)
+    for j in range((end - start) * (BLOCK_M // STEP_M)):
+        load_step(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse_smem, dl_smem,
+                  ready, empty, entries, j, j, Q_LAST, q_row0, BLOCK_M, STAGES)  # fmt: skip
+
+
+@gluon.jit
+def load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, KV_TILES: gl.constexpr):
+    """K and V of a key block (``KV_TILES`` 64-row tiles from global row ``kv_row``)."""
     mbarrier.expect(kv_bar, KV_TILES * (desc_k.block_type.nbytes + desc_v.block_type.nbytes))
     for i in gl.static_range(KV_TILES):
         tma.async_copy_global_to_shared(
@@ -82,27 +91,35 @@ def load_steps(
         tma.async_copy_global_to_shared(
             desc_v, [kv_row + i * ROWS_PER_CONSUMER, 0], kv_bar, v_smem.index(i)
         )
+
+
+@gluon.jit
+def load_step(
+    desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse_smem, dl_smem, ready, empty,
+    entries, j, r, Q_LAST, q_row0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Q, dO, lse2 and delta of step ``j`` of the list at ``entries`` into the ring's position
+    ``r`` (slot ``r % STAGES``; one block a program: r = j)."""
+    NSUB: gl.constexpr = BLOCK_M // STEP_M
     STEP_BYTES: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                                  + desc_lse2.block_type.nbytes
                                  + desc_delta.block_type.nbytes)  # fmt: skip
-    entries = idx_row + start  # this key block's list (few live scalars: 24 registers)
-    for j in range((end - start) * NSUB):
-        slot = j % STAGES
-        # Use u = j // STAGES of a slot waits for the release of use u - 1 (parity (u - 1) & 1);
-        # for u = 0, parity 1 names the phase before the first and passes at once.
-        empty_parity = ((j // STAGES) & 1) ^ 1
-        q_block = gl.load(entries + j // NSUB)  # scalar int32 query-block index
-        q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)  # never another head's rows
-        row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
-        mbarrier.wait(empty.index(slot), empty_parity)
-        # One barrier for all four: every GEMM of the step needs Q or dO, and the softmax rows
-        # are tiny (256 bytes each).
-        bar = ready.index(slot)
-        mbarrier.expect(bar, STEP_BYTES)
-        tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(slot))
-        tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(slot))
-        tma.async_copy_global_to_shared(desc_lse2, [row], bar, lse_smem.index(slot))
-        tma.async_copy_global_to_shared(desc_delta, [row], bar, dl_smem.index(slot))
+    slot = r % STAGES
+    # Use u = r // STAGES of a slot waits for the release of use u - 1 (parity (u - 1) & 1);
+    # for u = 0, parity 1 names the phase before the first and passes at once.
+    empty_parity = ((r // STAGES) & 1) ^ 1
+    q_block = gl.load(entries + j // NSUB)  # scalar int32 query-block index
+    q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)  # never another head's rows
+    row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+    mbarrier.wait(empty.index(slot), empty_parity)
+    # One barrier for all four: every GEMM of the step needs Q or dO, and the softmax rows are
+    # tiny (256 bytes each).
+    bar = ready.index(slot)
+    mbarrier.expect(bar, STEP_BYTES)
+    tma.async_copy_global_to_shared(desc_q, [row, 0], bar, q_smem.index(slot))
+    tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(slot))
+    tma.async_copy_global_to_shared(desc_lse2, [row], bar, lse_smem.index(slot))
+    tma.async_copy_global_to_shared(desc_delta, [row], bar, dl_smem.index(slot))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,40 +155,15 @@ def _consumer(
     dk = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
     dv = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
     s_zero = gl.zeros([M, STEP_M], gl.float32, layout=s_layout)  # ignored acc (use_acc=False)
-    if HAS_KV_SIZES:  # padding keys: rows at or past the block's real size
-        key_rows = K_INDEX * M + gl.arange(0, M, layout=gl.SliceLayout(1, s_layout))
-        real = gl.expand_dims(key_rows < gl.load(KV_SIZES + kv_block), 1)  # [64, 1]
+    real = real_keys(KV_SIZES, kv_block, s_layout, K_INDEX, HAS_KV_SIZES)
 
     # Wait for K and V even when the list is empty: the store reuses their buffers, and the
     # loader's TMA into them must have landed before we overwrite them.
     mbarrier.wait(kv_bar, 0)
     for j in range(num_steps):
-        slot = j % STAGES
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        q = q_smem.index(slot)  # [STEP_M, D]
-        do = do_smem.index(slot)
-        s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        lse2 = gl.expand_dims(lse_smem.index(slot).load(col_layout), 0)  # [1, STEP_M]
-        delta = gl.expand_dims(dl_smem.index(slot).load(col_layout), 0)
-        # wgmma groups retire in order: with one outstanding, S^T (issued first) is done.
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
-        p = gl.exp2(s * qk_scale - lse2)  # [64, STEP_M]; lse2 = +inf on empty rows: p = 0
-        if HAS_KV_SIZES:
-            p = gl.where(real, p, 0.0)
-        p_op = gl.convert_layout(p.to(q.dtype), op_layout)
-        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)  # dV += P^T dO, while dS^T forms
-        dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))  # dP^T done, dV in flight
-        ds = p * (dp - delta)
-        if HAS_KV_SIZES:  # whatever the padding rows of V hold, their dS is 0
-            ds = gl.where(real, ds, 0.0)
-        ds_op = gl.convert_layout(ds.to(q.dtype), op_layout)
-        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)  # dK += dS^T Q
-        # Both register-A wgmmas retired: their operands may be overwritten, the slot reused.
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(
-            num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op)
-        )
-        mbarrier.arrive(empty.index(slot))
+        dk, dv = dkdv_step(k, v, q_smem, do_smem, lse_smem, dl_smem, ready, empty, j, dk, dv,
+                           real, s_zero, qk_scale, op_layout, col_layout, STAGES,
+                           HAS_KV_SIZES)  # fmt: skip
 
     if valid:
         dk = dk * scale
@@ -187,6 +179,54 @@ def _consumer(
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_dv, [row, 0], v)
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def real_keys(KV_SIZES, kv_block, s_layout: gl.constexpr, K_INDEX: gl.constexpr,
+              HAS_KV_SIZES: gl.constexpr):  # fmt: skip
+    """[64, 1]: which of this consumer's key rows are real (below the block's size), or 0
+    when there are no key-block sizes (every row is)."""
+    if HAS_KV_SIZES:
+        M: gl.constexpr = ROWS_PER_CONSUMER
+        key_rows = K_INDEX * M + gl.arange(0, M, layout=gl.SliceLayout(1, s_layout))
+        return gl.expand_dims(key_rows < gl.load(KV_SIZES + kv_block), 1)
+    else:
+        return 0
+
+
+@gluon.jit
+def dkdv_step(
+    k, v, q_smem, do_smem, lse_smem, dl_smem, ready, empty, r, dk, dv, real, s_zero, qk_scale,
+    op_layout: gl.constexpr, col_layout: gl.constexpr, STAGES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
+):  # fmt: skip
+    """One 64-query step at the ring's position ``r``: ``(dk, dv)`` with its share added; the
+    slot released once both register-A wgmmas have retired."""
+    slot = r % STAGES
+    mbarrier.wait(ready.index(slot), (r // STAGES) & 1)
+    q = q_smem.index(slot)  # [STEP_M, D]
+    do = do_smem.index(slot)
+    s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(v, do.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    lse2 = gl.expand_dims(lse_smem.index(slot).load(col_layout), 0)  # [1, STEP_M]
+    delta = gl.expand_dims(dl_smem.index(slot).load(col_layout), 0)
+    # wgmma groups retire in order: with one outstanding, S^T (issued first) is done.
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))
+    p = gl.exp2(s * qk_scale - lse2)  # [64, STEP_M]; lse2 = +inf on empty rows: p = 0
+    if HAS_KV_SIZES:
+        p = gl.where(real, p, 0.0)
+    p_op = gl.convert_layout(p.to(q.dtype), op_layout)
+    dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)  # dV += P^T dO, while dS^T forms
+    dp = warpgroup_mma_wait(num_outstanding=1, deps=(dp_tok,))  # dP^T done, dV in flight
+    ds = p * (dp - delta)
+    if HAS_KV_SIZES:  # whatever the padding rows of V hold, their dS is 0
+        ds = gl.where(real, ds, 0.0)
+    ds_op = gl.convert_layout(ds.to(q.dtype), op_layout)
+    dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)  # dK += dS^T Q
+    # Both register-A wgmmas retired: their operands may be overwritten, the slot reused.
+    dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op))
+    mbarrier.arrive(empty.index(slot))
+    return dk, dv
 
 
 # ---------------------------------------------------------------------------------------------

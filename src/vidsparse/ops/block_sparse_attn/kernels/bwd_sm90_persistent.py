@@ -1,0 +1,204 @@
+"""The Hopper (sm_90) dK/dV kernel at 128x128 blocks as a persistent kernel (launcher:
+``../bwd_sm90.py``, ``configs.Overrides.persistent_dkdv``; off until timed on a GPU).
+
+One program per SM walks key blocks in the order ``ORDER`` gives (a permutation of the
+``B * H * NK`` key blocks; program ``pid`` takes entries ``pid, pid + nprog, ...``). Its
+partitions are those of ``bwd_sm90.py``'s one-block kernel (a loader warp, two consumer
+warpgroups of 64 key rows sharing one ring), each carrying the ring's position from block to
+block. What one block a program leaves exposed is overlapped: as soon as both consumers have
+retired their last wgmma on K and V (``kv_empty``) the loader brings the next block's K and V,
+then its query steps into ring slots as they free up, while the consumers finish the
+epilogue, whose dK and dV leave by TMA stores from buffers of their own (waited for only when
+those buffers are written again).
+
+Transposed lists are ragged (at density 1/8 a key block's length has a ~17% deviation), so a
+static walk in launch order would leave some programs far behind the mean; the launcher
+orders the blocks longest first, dealt to the programs in a snake (``lists.snake_order``),
+which keeps every program's total within about one short block of the others.
+
+The arithmetic is the one-block kernel's, step for step (``bwd_sm90.dkdv_step``): the same
+bits, whatever the order (each key block is one program's, with no atomics).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
+    ROWS_PER_CONSUMER,
+    STEP_M,
+    dkdv_step,
+    init_ring,
+    load_kv,
+    load_step,
+    real_keys,
+    step_ring,
+)
+
+
+@gluon.jit
+def _span(Q_OFF, stride_offb, stride_offh, WIDTH, pid_bh, H, kv_block):
+    """``(start, end)`` of key block ``kv_block`` of head ``pid_bh`` (b * H + h) in the
+    transposed lists, clamped into ``[0, WIDTH]``; int32 offsets (``Q_OFF`` is
+    ``[Bi, H, NK + 1]``: small), which keeps the consumers' registers for the accumulators."""
+    row = Q_OFF + (pid_bh // H) * stride_offb + (pid_bh % H) * stride_offh + kv_block
+    start = gl.minimum(gl.maximum(gl.load(row), 0), WIDTH)
+    end = gl.minimum(gl.maximum(gl.load(row + 1), start), WIDTH)
+    return start, end
+
+
+@gluon.jit
+def _persistent_loader(
+    desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem, v_smem, q_smem, do_smem,
+    lse_smem, dl_smem, kv_bar, kv_empty, ready, empty, ORDER, Q_OFF, Q_IDX, stride_offb,
+    stride_offh, stride_qib, stride_qih, WIDTH, H, Sq, Skv, NK, Q_LAST, num_items, nprog,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """Per key block: wait until the consumers have retired their last wgmma on the previous
+    block's K and V, load this one's, then its steps at the ring positions that follow the
+    previous block's."""
+    pid = gl.program_id(0)
+    r0 = pid * 0  # ring position of the block's first step (an int32 tensor)
+    for t in range(pid, num_items, nprog):
+        it = (t - pid) // nprog
+        item = gl.load(ORDER + t)  # (b * H + h) * NK + n
+        pid_bh = item // NK
+        kv_block = item % NK
+        start, end = _span(Q_OFF, stride_offb, stride_offh, WIDTH, pid_bh, H, kv_block)
+        num_steps = (end - start) * (BLOCK_M // STEP_M)
+        kv_row = pid_bh * Skv + kv_block * BLOCK_N
+        # Phase it - 1 of kv_empty: the consumers done with the last K and V (the first passes).
+        mbarrier.wait(kv_empty, (it & 1) ^ 1)
+        load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, 2)
+        entries = (Q_IDX + (pid_bh // H).to(gl.int64) * stride_qib
+                   + (pid_bh % H).to(gl.int64) * stride_qih + start)  # fmt: skip
+        for j in range(num_steps):
+            load_step(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse_smem,
+                      dl_smem, ready, empty, entries, j, r0 + j, Q_LAST, pid_bh * Sq, BLOCK_M,
+                      STAGES)  # fmt: skip
+        r0 += num_steps
+
+
+@gluon.jit
+def _persistent_consumer(
+    desc_dk, desc_dv, k_smem, v_smem, out_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar,
+    kv_empty, ready, empty, ORDER, Q_OFF, stride_offb, stride_offh, WIDTH, KV_SIZES, H, Skv, NK,
+    num_items, nprog, qk_scale, scale, EPILOGUE: gl.constexpr, epilogue_args, K_INDEX: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    STAGES: gl.constexpr, HAS_KV_SIZES: gl.constexpr,
+):  # fmt: skip
+    """dK, dV of key rows ``64 K_INDEX ..`` of each of the program's key blocks, stored
+    through ``out_smem[2 K_INDEX]`` (dK) and ``[2 K_INDEX + 1]`` (dV); the last stores are
+    waited for before the program ends."""
+    M: gl.constexpr = ROWS_PER_CONSUMER
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, STEP_M, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    k = k_smem.index(K_INDEX)
+    v = v_smem.index(K_INDEX)
+    dk_out = out_smem.index(2 * K_INDEX)
+    dv_out = out_smem.index(2 * K_INDEX + 1)
+    s_zero = gl.zeros([M, STEP_M], gl.float32, layout=s_layout)
+    dims = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    pid = gl.program_id(0)
+    r0 = pid * 0
+    for t in range(pid, num_items, nprog):
+        it = (t - pid) // nprog
+        item = gl.load(ORDER + t)  # (b * H + h) * NK + n
+        pid_bh = item // NK
+        kv_block = item % NK
+        start, end = _span(Q_OFF, stride_offb, stride_offh, WIDTH, pid_bh, H, kv_block)
+        num_steps = (end - start) * (BLOCK_M // STEP_M)
+        kv_row = pid_bh * Skv + kv_block * BLOCK_N
+        real = real_keys(KV_SIZES, kv_block, s_layout, K_INDEX, HAS_KV_SIZES)
+        dk = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
+        dv = gl.zeros([M, HEAD_DIM], gl.float32, layout=acc_layout)
+        mbarrier.wait(kv_bar, it & 1)  # even for an empty list: the loader's phases stay paired
+        for j in range(num_steps):
+            dk, dv = dkdv_step(k, v, q_smem, do_smem, lse_smem, dl_smem, ready, empty, r0 + j,
+                               dk, dv, real, s_zero, qk_scale, op_layout, col_layout, STAGES,
+                               HAS_KV_SIZES)  # fmt: skip
+        # Every wgmma that read K and V has retired (dkdv_step waits for all): the loader may
+        # bring the next block's.
+        mbarrier.arrive(kv_empty)
+        dk = dk * scale
+        b = (pid_bh // H).to(gl.int64)
+        h = (pid_bh % H).to(gl.int64)
+        dk, dv = EPILOGUE(dk, dv, b, h, kv_block, dims, *epilogue_args)
+        row = kv_row + K_INDEX * M
+        tma.store_wait(pendings=0)  # the previous block's stores have read the buffers
+        dk_out.store(dk.to(dk_out.dtype))
+        fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+        tma.async_copy_shared_to_global(desc_dk, [row, 0], dk_out)
+        dv_out.store(dv.to(dv_out.dtype))  # while dK's TMA store runs
+        fence_async_shared()
+        tma.async_copy_shared_to_global(desc_dv, [row, 0], dv_out)
+        r0 += num_steps
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def block_sparse_attn_bwd_dkdv_gluon_persistent_kernel(
+    desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,
+    desc_lse2, desc_delta,
+    Q_OFF, Q_IDX, KV_SIZES,
+    stride_offb, stride_offh, stride_qib, stride_qih,
+    EPILOGUE: gl.constexpr, epilogue_args,
+    H, Sq, Skv, Q_LAST, NK, WIDTH,
+    qk_scale, scale,
+    ORDER,  # int32 [num_items]: the key blocks (flat (b * H + h) * NK + n) in walking order
+    num_items,  # B * H * NK
+    nprog,  # the grid's programs (an argument: no register holds it across the partitions)
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+):  # fmt: skip
+    """``bwd_sm90.block_sparse_attn_bwd_dkdv_gluon_kernel``'s arguments and results, its grid
+    one program per SM (or per key block, if fewer) over ``ORDER``."""
+    gl.static_assert(BLOCK_N == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
+    gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
+    # K, V 2 x 32 KB; dK, dV's staging buffers 4 x 16 KB; the ring STAGES x 32.5 KB.
+    k_smem = gl.allocate_shared_memory(desc_k.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                       desc_k.layout)  # fmt: skip
+    v_smem = gl.allocate_shared_memory(desc_v.dtype, [2, ROWS_PER_CONSUMER, HEAD_DIM],
+                                       desc_v.layout)  # fmt: skip
+    out_smem = gl.allocate_shared_memory(desc_dk.dtype, [4, ROWS_PER_CONSUMER, HEAD_DIM],
+                                         desc_dk.layout)  # fmt: skip
+    q_smem, do_smem, lse_smem, dl_smem, ready, empty = step_ring(desc_q, desc_lse2, STAGES, HEAD_DIM)
+    bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
+    init_ring(ready, empty, STAGES, 2)
+    fence_async_shared()
+
+    # (Tuples are spelled out: concatenating them in a jit function unwraps the constexprs.)
+    gl.warp_specialize(
+        [
+            (_persistent_consumer, (desc_dk, desc_dv, k_smem, v_smem, out_smem, q_smem, do_smem,
+                                    lse_smem, dl_smem, kv_bar, kv_empty, ready, empty, ORDER,
+                                    Q_OFF, stride_offb, stride_offh, WIDTH, KV_SIZES, H, Skv,
+                                    NK, num_items, nprog, qk_scale,
+                                    scale, EPILOGUE, epilogue_args, gl.constexpr(0), BLOCK_M,
+                                    BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES)),
+            (_persistent_consumer, (desc_dk, desc_dv, k_smem, v_smem, out_smem, q_smem, do_smem,
+                                    lse_smem, dl_smem, kv_bar, kv_empty, ready, empty, ORDER,
+                                    Q_OFF, stride_offb, stride_offh, WIDTH, KV_SIZES, H, Skv,
+                                    NK, num_items, nprog, qk_scale,
+                                    scale, EPILOGUE, epilogue_args, gl.constexpr(1), BLOCK_M,
+                                    BLOCK_N, HEAD_DIM, STAGES, HAS_KV_SIZES)),
+            (_persistent_loader, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
+                                  v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, kv_empty,
+                                  ready, empty, ORDER, Q_OFF, Q_IDX, stride_offb, stride_offh,
+                                  stride_qib, stride_qih, WIDTH, H, Sq, Skv, NK, Q_LAST,
+                                  num_items, nprog, BLOCK_M, BLOCK_N, STAGES)),
+        ],
+        [4, 1],  # warps: second consumer warpgroup, loader warp
+        [CONSUMER_REGS, LOADER_REGS],
+    )  # fmt: skip

@@ -1,0 +1,74 @@
+"""The order in which the persistent dK/dV kernel walks its key blocks (``lists.snake_order``,
+``lists.cached_snake_order``): a permutation, and programs whose totals differ by at most one
+block's length. On the CPU (the kernel itself: ``test_gluon_bwd.py``, on a Hopper GPU)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import make_lists
+from vidsparse.ops.block_sparse_attn.lists import cached_snake_order, cached_transpose, snake_order
+
+
+def _totals(lengths: torch.Tensor, order: torch.Tensor, programs: int) -> torch.Tensor:
+    """Each program's total length when program p takes entries p, p + programs, ..."""
+    walked = lengths.flatten()[order.long()]
+    owner = torch.arange(order.numel()) % programs
+    return torch.zeros(programs, dtype=walked.dtype).index_add_(0, owner, walked)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 300), min_size=1, max_size=400),
+    programs=st.integers(1, 140),
+)
+def test_snake_order_is_a_permutation_with_totals_within_one_block(lengths, programs):
+    lengths = torch.tensor(lengths)
+    order = snake_order(lengths, programs)
+    assert order.dtype == torch.int32
+    assert torch.equal(torch.sort(order).values, torch.arange(lengths.numel(), dtype=torch.int32))
+    totals = _totals(lengths, order, min(programs, lengths.numel()))
+    # Sorted waves dealt alternately forwards and backwards: the spread of each wave is at
+    # most its first length minus its last, and those spans do not overlap.
+    assert int(totals.max() - totals.min()) <= int(lengths.max())
+
+
+def test_launch_order_would_not_balance_where_the_snake_does():
+    """The order matters: ragged lengths walked in launch order leave a program far behind."""
+    lengths = torch.tensor([100, 1, 100, 1, 100, 1, 100, 1])
+    programs = 2
+    in_launch_order = _totals(lengths, torch.arange(8, dtype=torch.int32), programs)
+    snake = _totals(lengths, snake_order(lengths, programs), programs)
+    assert int(in_launch_order.max() - in_launch_order.min()) == 396
+    assert int(snake.max() - snake.min()) <= 100
+
+
+def test_cached_snake_order_covers_the_batch_of_broadcast_lists_and_is_cached():
+    """Lists broadcast over the batch (``Bi = 1``): the order covers every (b, h, key block),
+    each batch entry's blocks as long as the lists say, and the second call is the same
+    tensor."""
+    torch.manual_seed(0)
+    B, H, nq, nk = 3, 2, 6, 5
+    idx, cnt = make_lists(1, H, nq, nk, density=0.5, device="cpu", empty_rows=1)
+    q_offsets, _ = cached_transpose(idx, cnt, nk)
+    order = cached_snake_order(q_offsets, B, 4)
+    assert order is cached_snake_order(q_offsets, B, 4)
+    assert torch.equal(torch.sort(order).values, torch.arange(B * H * nk, dtype=torch.int32))
+    lengths = q_offsets.diff(dim=-1).expand(B, -1, -1).flatten()
+    walked = lengths[order.long()]
+    assert torch.equal(walked, torch.sort(walked, descending=True).values[_snake_positions(
+        B * H * nk, 4)])  # fmt: skip
+
+
+def _snake_positions(n: int, programs: int) -> torch.Tensor:
+    """Where entry t of a snake order sits in the descending sort (the docstring's deal)."""
+    positions = []
+    for wave_start in range(0, n, programs):
+        width = min(programs, n - wave_start)
+        lanes = list(range(width))
+        if (wave_start // programs) % 2:
+            lanes.reverse()
+        positions += [wave_start + lane for lane in lanes]
+    return torch.tensor(positions)
