@@ -193,6 +193,19 @@ def test_gpu_persistent_dkdv_gives_the_one_block_kernels_bits(padded, shape):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("programs", [1, 5])
+def test_gpu_persistent_dkdv_with_few_programs(monkeypatch, programs):
+    """One program, or five, walking all 27 key blocks of the small problem (every K/V phase
+    and ring position across many blocks, empty lists among them): the same bits."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "num_sms", lambda device: programs)
+    q, k, v, do, idx, cnt, sizes = _problem(128, torch.bfloat16, True, seed=23, density=0.3)
+    gluon, _ = _gluon_and_triton(q, k, v, do, idx, cnt, sizes, 128)
+    for a, b in zip(gluon(persistent=True), gluon(persistent=False)):
+        assert torch.equal(a, b)
+
+
 def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkeypatch):
     """``configs.override(persistent_dkdv=True)``: the engine's backward at 128x128 orders its
     key blocks for the persistent kernel, and its gradients are the default's bits."""

@@ -1,6 +1,7 @@
 """The order in which the persistent dK/dV kernel walks its key blocks (``lists.snake_order``,
 ``lists.cached_snake_order``): a permutation, and programs whose totals differ by at most one
-block's length. On the CPU (the kernel itself: ``test_gluon_bwd.py``, on a Hopper GPU)."""
+block's length; and its launch (``bwd_sm90.kernel_args`` on meta tensors). On the CPU (the
+kernel itself: ``test_gluon_bwd.py``, on a Hopper GPU)."""
 
 from __future__ import annotations
 
@@ -72,3 +73,37 @@ def _snake_positions(n: int, programs: int) -> torch.Tensor:
             lanes.reverse()
         positions += [wave_start + lane for lane in lanes]
     return torch.tensor(positions)
+
+
+def test_the_persistent_dkdv_launch_at_128_rows_only(monkeypatch):
+    """``persistent=True``: at 128 rows one program per SM (or per key block, if fewer) with
+    the walking order and its two counts as the last arguments; at 64 rows the tiles kernel
+    (no persistent one there); left to ``configs.Overrides.persistent_dkdv`` otherwise."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
+
+    monkeypatch.setattr(bwd_sm90, "num_sms", lambda device: 132)
+    meta = torch.device("meta")
+    B, H, S, D = 2, 3, 2048, 128
+    q = torch.empty(B, H, S, D, dtype=torch.bfloat16, device=meta)
+    lse2 = torch.empty(B, H, S, device=meta)
+    for block, programs in ((128, 2 * 3 * 16), (64, None)):
+        nk = S // block
+        offsets = torch.empty(1, H, nk + 1, dtype=torch.int32, device=meta)
+        indices = torch.empty(1, H, nk * 4, dtype=torch.int32, device=meta)
+        kernel, grid, args, _ = bwd_sm90.kernel_args(
+            q, q, q, q, q, q, lse2, lse2, offsets, indices, block, D**-0.5, persistent=True
+        )  # fmt: skip
+        assert ("persistent" in kernel.fn.__name__) == (programs is not None)
+        if programs is not None:
+            assert grid == (min(programs, 132),)
+            assert args[-2:] == (programs, min(programs, 132))
+            assert args[-3].shape == (programs,) and args[-3].dtype == torch.int32
+        else:
+            assert len(grid) == 2
+    offsets = torch.empty(1, H, S // 128 + 1, dtype=torch.int32, device=meta)
+    indices = torch.empty(1, H, 64, dtype=torch.int32, device=meta)
+    for asked in (False, True):
+        with configs.override(persistent_dkdv=asked):
+            kernel = bwd_sm90.kernel_args(q, q, q, q, q, q, lse2, lse2, offsets, indices, 128,
+                                          D**-0.5)[0]  # fmt: skip
+        assert ("persistent" in kernel.fn.__name__) == asked
