@@ -25,9 +25,10 @@
 #   against the two Gluon kernels (try_gluon_bwd.py --one-pass, try_one_pass_bwd.json);
 #   engine-one-pass: the engine's 128x128 table (ours, cuDNN, Flex) with the backward in one
 #   pass, ordered then unordered (configs.override(one_pass=...), bench_with_override.py);
-#   persistent-bwd: the persistent dK/dV kernel's GPU tests, then its A/B against one block a
-#   program (try_gluon_bwd.py --persistent, try_persistent_bwd.json); engine-persistent-bwd:
-#   the engine's 128x128 table with it (configs.override(persistent_dkdv=True));
+#   persistent-bwd: the persistent dK/dV and dQ kernels' GPU tests, then their A/B against one
+#   block a program (try_gluon_bwd.py --persistent, try_persistent_bwd.json);
+#   engine-persistent-bwd: the engine's 128x128 table with both (configs.override(
+#   persistent_dkdv=True, persistent_dq=True));
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -106,7 +107,8 @@ for what in "$@"; do
       step try_persistent_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
         --persistent --cases engine ;;
     engine-persistent-bwd) step engine_persistent_bwd 200 python3 \
-      benchmarks/tuning/bench_with_override.py persistent_dkdv=true -- block_sparse \
+      benchmarks/tuning/bench_with_override.py persistent_dkdv=true persistent_dq=true -- \
+      block_sparse \
       --shapes default --providers ours,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_persistent_bwd_h200.json" ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;

@@ -30,11 +30,12 @@ backward whole, and fwd+bwd both ways (forward, preprocess, backward; the transp
 cached as the library caches them); its dK, dV against the dK/dV kernel's bits and its dQ
 against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
 
-``--persistent`` (128x128 cases only) compares the persistent dK/dV kernel (one program per
-SM, key blocks longest first; ``configs.Overrides.persistent_dkdv``) with one block a
-program, each at 2 and 3 stages, in three alternating rounds (medians), then the library's
-backward and fwd+bwd with and without the override; its dK, dV against the one-block
-kernel's bits (``$OUT/try_persistent_bwd.json``).
+``--persistent`` (128x128 cases only) compares the persistent dK/dV and dQ kernels (one
+program per SM, blocks longest first; ``configs.Overrides.persistent_dkdv`` /
+``persistent_dq``) with one block a program, dK/dV at 2 and 3 stages, dQ at 3 and 4, in
+three alternating rounds (medians), then the library's backward and fwd+bwd with neither,
+each and both overrides; their gradients against the one-block kernels' bits
+(``$OUT/try_persistent_bwd.json``).
 """
 
 from __future__ import annotations
@@ -279,7 +280,8 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
 
 
 def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
-    """The persistent dK/dV kernel against one block a program (see the module's docstring)."""
+    """The persistent dK/dV and dQ kernels against one block a program (see the module's
+    docstring)."""
     import statistics
     from dataclasses import replace
 
@@ -288,7 +290,7 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
     from vidsparse.ops.block_sparse_attn.lists import cached_transpose
 
     q, k, v, do, idx, cnt, sizes, bs, density = _case(name, gen)
-    assert bs == 128, "the persistent dK/dV kernel takes 128-row blocks"
+    assert bs == 128, "the persistent kernels take 128-row blocks"
     scale = D**-0.5
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale)
     delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())[:2]
@@ -302,10 +304,18 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
         return lambda: bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
                                            options=opts, persistent=persistent)  # fmt: skip
 
+    def dq(persistent: bool, stages: int):
+        table = configs.GLUON_DQ_PERSISTENT if persistent else configs.GLUON_DQ
+        opts = replace(table[bs], STAGES=stages)
+        return lambda: (bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale,
+                                          options=opts, persistent=persistent),)  # fmt: skip
+
     arms = {f"dkdv_{'persistent' if p else 'one_block'}_s{s}": dkdv(p, s)
             for p in (False, True) for s in (2, 3)}  # fmt: skip
-    reference = arms["dkdv_one_block_s3"]()
-    same_bits = {n: all(torch.equal(a, b) for a, b in zip(fn(), reference))
+    arms |= {f"dq_{'persistent' if p else 'one_block'}_s{s}": dq(p, s)
+             for p in (False, True) for s in (3, 4)}  # fmt: skip
+    references = {"dkdv": arms["dkdv_one_block_s3"](), "dq": arms["dq_one_block_s4"]()}
+    same_bits = {n: all(torch.equal(a, b) for a, b in zip(fn(), references[n.split("_")[0]]))
                  for n, fn in arms.items()}  # fmt: skip
     times = {n: [] for n in arms}
     for _ in range(3):  # alternating rounds: the machine's drift falls on every arm alike
@@ -320,9 +330,13 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
     def forward_and_library():
         return fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale), library()
 
-    for persistent in (False, True):
-        with configs.override(persistent_dkdv=persistent):
-            tag = "persistent" if persistent else "one_block"
+    for tag, dkdv_p, dq_p in (
+        ("one_block", False, False),
+        ("persistent_dkdv", True, False),
+        ("persistent_dq", False, True),
+        ("persistent_both", True, True),
+    ):
+        with configs.override(persistent_dkdv=dkdv_p, persistent_dq=dq_p):
             row(f"library_bwd_{tag}", _bench(library))
             row(f"fwd+library_bwd_{tag}", _bench(forward_and_library))
     return rows

@@ -1,15 +1,15 @@
-"""The Gluon dK/dV and dQ kernels (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``) and
-the one-pass backward (``kernels/bwd_sm90_fused.py``) compile for sm_90 on any machine
+"""The Gluon dK/dV and dQ kernels (Hopper, ``ops/block_sparse_attn/kernels/bwd_sm90.py``), the
+one-pass backward (``kernels/bwd_sm90_fused.py``) and the persistent kernels
+(``kernels/bwd_sm90_persistent.py``) compile for sm_90 on any machine
 (``vidsparse.bench.compile.compile_dkdv_sm90`` / ``compile_dq_sm90`` / ``compile_dkdvdq_sm90``,
 run in a child process without ``TRITON_INTERPRET``): dK/dV at both block sizes, with and
 without key-block sizes, both 16-bit dtypes, and at 64x64 with a dK/dV hook of VSA's shape
 compiled in; dQ at both block sizes, with and without key-block sizes, and at 64x64 with VSA's
 own Gluon dQ hook (``combine_sm90.pooled_dq_sm90``); the one-pass kernel at 128x128 with and
-without key-block sizes, and its ordered kernel; the persistent dK/dV kernel
-(``kernels/bwd_sm90_persistent.py``) with and without key-block sizes. No write to the
-registers of an in-flight register-A wgmma (the SASS check of the Gluon forward), no ptxas
-warning, no spill in dQ and none in the others beyond the bytes listed in the
-``ACCEPTED_*_SPILL_BYTES`` tables.
+without key-block sizes, and its ordered kernel; the persistent dK/dV and dQ kernels at
+128x128 with and without key-block sizes. No write to the registers of an in-flight
+register-A wgmma (the SASS check of the Gluon forward), no ptxas warning, no spill in dQ and
+none in the others beyond the bytes listed in the ``ACCEPTED_*_SPILL_BYTES`` tables.
 
 VSA's dK/dV hook (``video_sparse_attn/kernels/combine.py``'s ``pooled_dkdv``) is a
 ``@triton.jit`` function, whose ``tl.arange`` has no layout, so it cannot be called from Gluon;
@@ -73,14 +73,16 @@ for block, masked, hook, dtype in cases:
     rep = compile_dkdv_sm90({{}}, masked=masked, dtype=dtype, block=block,
                             epilogue=hooked_epilogue(block) if hook else None)
     print(json.dumps(dict(block=block, masked=masked, hook=hook, dtype=str(dtype), **rep)))
-dq_cases = [(128, False, False, torch.bfloat16), (128, False, False, torch.float16),
-            (128, True, False, torch.bfloat16), (64, False, False, torch.bfloat16),
-            (64, True, False, torch.bfloat16), (64, True, True, torch.bfloat16)]
-for block, masked, hook, dtype in dq_cases:
+dq_cases = [(128, False, False, torch.bfloat16, False), (128, False, False, torch.float16, False),
+            (128, True, False, torch.bfloat16, False), (64, False, False, torch.bfloat16, False),
+            (64, True, False, torch.bfloat16, False), (64, True, True, torch.bfloat16, False),
+            (128, False, False, torch.bfloat16, True), (128, True, False, torch.bfloat16, True)]
+for block, masked, hook, dtype, persistent in dq_cases:
     rep = compile_dq_sm90({{}}, masked=masked, dtype=dtype, block=block,
-                          epilogue=vsa_dq_epilogue(block) if hook else None)
+                          epilogue=vsa_dq_epilogue(block) if hook else None,
+                          persistent=persistent)
     print(json.dumps(dict(kernel="dq", block=block, masked=masked, hook=hook, dtype=str(dtype),
-                          **rep)))
+                          persistent=persistent, **rep)))
 for masked in (False, True):
     rep = compile_dkdvdq_sm90({{}}, masked=masked)
     print(json.dumps(dict(kernel="dkdvdq", block=128, masked=masked, hook=False,
@@ -186,7 +188,7 @@ def test_gluon_backward_compiles_for_sm90():
     fused = [r for r in reports if r.get("kernel") == "dkdvdq"]
     persistent = [r for r in reports if r.get("kernel") == "persistent"]
     reports = [r for r in reports if r.get("kernel") is None]
-    assert len(reports) == 10 and len(dq) == 6 and len(fused) == 3 and len(persistent) == 2
+    assert len(reports) == 10 and len(dq) == 8 and len(fused) == 3 and len(persistent) == 2
     for r in dq:  # the dQ kernels (VSA's hook in too): no spill at all, no hazard, no warning
         print(json.dumps(r))
         assert r["sass_a_operand_hazards"] == 0 and r["shared"] <= 227 * 1024, r

@@ -124,13 +124,13 @@ def compile_dkdv_sm90(
 
 def compile_dq_sm90(
     options: dict, *, masked: bool = False, dtype=torch.bfloat16, block: int = BLOCK,
-    epilogue=None,
+    epilogue=None, persistent: bool = False,
 ) -> dict:  # fmt: skip
     """Compile the Gluon dQ kernel (``ops/block_sparse_attn/kernels/bwd_sm90.py``) for cuda:90
     on meta tensors; returns the report of ``compile_sm90``. ``options``: fields of
     ``configs.GluonBwdOptions`` overriding the library's ``GLUON_DQ``; ``masked``: with
     key-block sizes; ``epilogue``: ``(epilogue, grad_args)`` whose Gluon dQ hook is compiled in
-    (None: none)."""
+    (None: none); ``persistent``: the persistent kernel (``kernels/bwd_sm90_persistent.py``)."""
     _require_compiler("compile_dq_sm90")
     from dataclasses import replace
 
@@ -145,10 +145,11 @@ def compile_dq_sm90(
     cnt = torch.empty(1, H, nq, dtype=torch.int32, device=meta)  # [1, H, NQ]
     sizes = torch.empty(nq, dtype=torch.int32, device=meta) if masked else None  # [NK]
     hooked, grad_args = epilogue if epilogue is not None else (NO_EPILOGUE, ())
-    schedule = replace(configs.GLUON_DQ[block], **options) if options else None
+    table = configs.GLUON_DQ_PERSISTENT if persistent else configs.GLUON_DQ
+    schedule = replace(table[block], **options) if options else None
     kernel, _, args, kwargs = bwd_sm90.dq_kernel_args(
         q, q, q, q, q, lse2, lse2, idx, cnt, block, D**-0.5, sizes,
-        epilogue=hooked, grad_args=grad_args, options=schedule,
+        epilogue=hooked, grad_args=grad_args, options=schedule, persistent=persistent,
     )  # fmt: skip
     return compile_launch_sm90(kernel, args, kwargs)
 

@@ -206,23 +206,54 @@ def test_gpu_persistent_dkdv_with_few_programs(monkeypatch, programs):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("programs", [None, 1, 5])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_persistent_dq_gives_the_one_block_kernels_bits(monkeypatch, padded, programs):
+    """The persistent dQ kernel (128 rows, ``persistent=True``) against one block a program:
+    the same bits with one program per SM (or per query block), and with one or five walking
+    all 14 query blocks (Q's phases and ring positions carried over; an empty list and a
+    one-block list among them), lists broadcast over the batch, key-block sizes."""
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+
+    if programs is not None:
+        monkeypatch.setattr(bwd_sm90, "num_sms", lambda device: programs)
+    q, k, v, do, idx, cnt, sizes = _problem(128, torch.bfloat16, padded, seed=24)
+    scale = D**-0.5
+    o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, 128, 128, scale,
+                                       padding_finite=True)  # fmt: skip
+    delta, lse2, _ = bwd._preprocess(do, o, lse, 128, NO_EPILOGUE.fns(), ())
+
+    def dq(persistent):
+        return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, 128, scale,
+                                 kv_block_sizes=sizes, persistent=persistent)  # fmt: skip
+
+    one_block, persistent = dq(False), dq(True)
+    assert not torch.isnan(persistent).any()
+    assert torch.equal(persistent, one_block)
+
+
 def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkeypatch):
-    """``configs.override(persistent_dkdv=True)``: the engine's backward at 128x128 orders its
-    key blocks for the persistent kernel, and its gradients are the default's bits."""
+    """``configs.override(persistent_dkdv=True)`` (and ``persistent_dq``): the engine's
+    backward at 128x128 orders its key blocks (query blocks) for the persistent kernels, and
+    its gradients are the default's bits."""
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
 
     q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, nq=16, nk=16, seed=22)
     orders = []
-    real = bwd_sm90.cached_snake_order
-    monkeypatch.setattr(bwd_sm90, "cached_snake_order",
-                        lambda *a: orders.append(a[1:]) or real(*a))  # fmt: skip
+    for name in ("cached_snake_order", "cached_count_order"):
+        real = getattr(bwd_sm90, name)
+        monkeypatch.setattr(bwd_sm90, name,
+                            lambda *a, n=name, f=real: orders.append(n) or f(*a))  # fmt: skip
     default = _engine_grads(q, k, v, do, idx, cnt, 128)
     assert not orders
     with configs.override(persistent_dkdv=True):
         asked = _engine_grads(q, k, v, do, idx, cnt, 128)
-    assert len(orders) == 1, orders
-    for a, b in zip(asked, default):
-        assert torch.equal(a, b)
+    with configs.override(persistent_dkdv=True, persistent_dq=True):
+        both = _engine_grads(q, k, v, do, idx, cnt, 128)
+    assert orders == ["cached_snake_order", "cached_snake_order", "cached_count_order"], orders
+    for a, b, c in zip(asked, both, default):
+        assert torch.equal(a, c) and torch.equal(b, c)
 
 
 def _engine_grads(q, k, v, do, idx, cnt, bs):

@@ -107,3 +107,27 @@ def test_the_persistent_dkdv_launch_at_128_rows_only(monkeypatch):
             kernel = bwd_sm90.kernel_args(q, q, q, q, q, q, lse2, lse2, offsets, indices, 128,
                                           D**-0.5)[0]  # fmt: skip
         assert ("persistent" in kernel.fn.__name__) == asked
+
+
+def test_the_persistent_dq_launch_walks_query_blocks_by_their_counts(monkeypatch):
+    """``dq_kernel_args(..., persistent=True)`` at 128 rows: one program per SM (or per query
+    block), the query blocks in the snake order of their counts (clamped into the lists'
+    width, as the kernels read them); at 64 rows the tiles kernel."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90
+
+    monkeypatch.setattr(bwd_sm90, "num_sms", lambda device: 4)
+    B, H, S, D = 2, 3, 1024, 128
+    q = torch.zeros(B, H, S, D, dtype=torch.bfloat16)
+    lse2 = torch.zeros(B, H, S)
+    for block in (128, 64):
+        nq = S // block
+        idx = torch.zeros(1, H, nq, 5, dtype=torch.int32)
+        cnt = torch.randint(-1, 8, (1, H, nq), dtype=torch.int32)  # some past the width
+        kernel, grid, args, _ = bwd_sm90.dq_kernel_args(q, q, q, q, q, lse2, lse2, idx, cnt,
+                                                        block, D**-0.5,
+                                                        persistent=True)  # fmt: skip
+        assert ("persistent" in kernel.fn.__name__) == (block == 128)
+        if block == 128:
+            assert grid == (4,) and args[-2:] == (B * H * nq, 4)
+            lengths = cnt.clamp(0, 5).expand(B, -1, -1).flatten()
+            assert torch.equal(args[-3], snake_order(lengths, 4))

@@ -27,9 +27,10 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90_fused import (
 )
 from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90_persistent import (
     block_sparse_attn_bwd_dkdv_gluon_persistent_kernel,
+    block_sparse_attn_bwd_dq_gluon_persistent_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
-from vidsparse.ops.block_sparse_attn.lists import cached_snake_order
+from vidsparse.ops.block_sparse_attn.lists import cached_count_order, cached_snake_order
 from vidsparse.utils.device import num_sms
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -173,10 +174,12 @@ def _check_inputs(launcher, q, k, v, do, lse2, delta, kv_block_sizes, block) -> 
 
 def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, scale,
                    kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
-                   options: configs.GluonBwdOptions | None = None):  # fmt: skip
+                   options: configs.GluonBwdOptions | None = None,
+                   persistent: bool | None = None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of one dQ launch (also used to compile for sm_90 without
     a GPU). ``lse2``, ``delta``: the preprocess's outputs; the lists int32 with a unit last
-    stride; ``grad_args``: the epilogue's (asked for here when None)."""
+    stride; ``grad_args``: the epilogue's (asked for here when None); ``persistent``: at 128
+    rows, the persistent kernel (None: ``configs.Overrides.persistent_dq``)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     has_sizes = kv_block_sizes is not None
@@ -186,14 +189,26 @@ def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, s
     if not dq_hook_fits(epilogue):
         raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dQ hook (EpilogueFns.dq_sm90)")
     nq = Sq // block
+    shared_block = block == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
+    if persistent is None:
+        persistent = configs.active_overrides().persistent_dq
+    persistent = persistent and shared_block
+    order, programs = (), 0  # the persistent kernel's three more arguments
+    if persistent:
+        programs = min(B * H * nq, num_sms(q.device))
+        walk = cached_count_order(kv_counts, kv_indices.shape[-1], B, programs)
+        order = (walk, B * H * nq, programs)
     lists = (kv_indices, kv_counts, sizes, *broadcast_strides(kv_indices),
              *broadcast_strides(kv_counts))  # fmt: skip
     args = (*_tiles(q, k, v, do, dq), lse2, delta, *lists, epilogue.fns().dq_sm90.fn, grad_args,
-            H, Sq, Skv, nq, kv_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
-    opts = (options or configs.GLUON_DQ[block]).as_kwargs()
+            H, Sq, Skv, nq, kv_indices.shape[-1], scale * LOG2E, scale, *order)  # fmt: skip
+    table = configs.GLUON_DQ_PERSISTENT if persistent else configs.GLUON_DQ
+    opts = (options or table[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
                   num_warps=4)  # fmt: skip
-    if block == 2 * ROWS_PER_CONSUMER.value:
+    if persistent:
+        return block_sparse_attn_bwd_dq_gluon_persistent_kernel, (programs,), args, kwargs
+    if shared_block:
         return block_sparse_attn_bwd_dq_gluon_kernel, (nq, B * H), args, kwargs
     return block_sparse_attn_bwd_dq_gluon_tiles_kernel, ((nq + 1) // 2, B * H), args, kwargs
 
@@ -201,15 +216,17 @@ def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, s
 def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=None, *,
              kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
              options: configs.GluonBwdOptions | None = None,
-             out: torch.Tensor | None = None):  # fmt: skip
+             out: torch.Tensor | None = None, persistent: bool | None = None):  # fmt: skip
     """``dq`` of the block-sparse attention backward by the Gluon kernel (Hopper), written
     into ``out`` where given (a contiguous tensor like q).
 
     Inputs as ``gluon_bwd_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
     backward's preprocess; the lists [Bi, H, NQ, K] and [Bi, H, NQ] (int32 with a unit last
     stride, converted once per list tensor otherwise). With ``kv_block_sizes``, padding keys
-    are read by TMA and get no weight whatever they hold (finite). Raises only on what would
-    make the kernel misread memory."""
+    are read by TMA and get no weight whatever they hold (finite). ``persistent``: at 128 rows,
+    one program per SM over the query blocks, longest lists first (the same bits; None:
+    ``configs.Overrides.persistent_dq``). Raises only on what would make the kernel misread
+    memory."""
     _check_inputs("dq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     if out is not None and not (out.shape == q.shape and out.dtype == q.dtype
                                 and out.is_contiguous()):  # fmt: skip
@@ -220,7 +237,8 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
     dq = torch.empty_like(q) if out is None else out
     kernel, grid, args, kwargs = dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices,
                                                 kv_counts, block, scale, kv_block_sizes,
-                                                epilogue, grad_args, options)  # fmt: skip
+                                                epilogue, grad_args, options,
+                                                persistent)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dq
 

@@ -161,6 +161,9 @@ GLUON_DKDV_PERSISTENT = {128: GluonBwdOptions(STAGES=3)}
 # dQ: at 128 rows Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit (2-4 timed
 # alike on the H200); the 64-row kernel holds two rings, 2 steps each.
 GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
+# dQ as a persistent kernel (kernels/bwd_sm90_persistent.py; 128 rows): 32 KB more for dQ's
+# staging buffers, which 4 steps still leave room for. Not yet timed (``persistent_dq``).
+GLUON_DQ_PERSISTENT = {128: GluonBwdOptions(STAGES=4)}
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB; 2 steps timed 2% slower).
 # Slower than the two kernels (4.96 against 4.28 ms at 1/8, H100): a tuning override only.
@@ -382,6 +385,8 @@ class Overrides:
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks dealt longest
     # first (``bwd_sm90.dkdv_gluon``; the same bits). Off until timed on a GPU.
     persistent_dkdv: bool = False
+    # True: the same for the dQ kernel, query blocks dealt longest first.
+    persistent_dq: bool = False
 
 
 _active = Overrides()

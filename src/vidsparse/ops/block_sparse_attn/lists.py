@@ -83,6 +83,17 @@ def cached_snake_order(q_offsets: torch.Tensor, batch: int, programs: int) -> to
     )  # fmt: skip
 
 
+def cached_count_order(kv_counts: torch.Tensor, width: int, batch: int,
+                       programs: int) -> torch.Tensor:  # fmt: skip
+    """``snake_order`` of the query blocks of lists with counts ``kv_counts`` (``[Bi, H,
+    NQ]``, clamped into ``[0, width]`` as the kernels read them) over ``batch`` batch entries,
+    computed once per counts (``derived_lists``): the persistent dQ kernel's walk."""
+    return derived_lists.get(
+        "count_order", (kv_counts,), (width, batch, programs),
+        lambda: snake_order(kv_counts.clamp(0, width).expand(batch, -1, -1), programs),
+    )  # fmt: skip
+
+
 def snake_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
     """An order (int32, a permutation of ``lengths``' flat indices) in which a persistent grid
     of ``programs`` programs, each taking entries ``pid, pid + programs, ...``, gets nearly

@@ -434,23 +434,40 @@ def _dq_loader(
 ):  # fmt: skip
     """Q and dO (``Q_TILES`` 64-row tiles each) once, then K and V of every step: listed key
     block ``j // NSUB``, its rows ``64 (j % NSUB) ..``, into ring slot ``j % STAGES``."""
-    NSUB: gl.constexpr = BLOCK_N // STEP_M
+    dq_load_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, Q_TILES)
+    for j in range(count * (BLOCK_N // STEP_M)):
+        dq_load_step(desc_k, desc_v, k_smem, v_smem, ready, empty, idx_row, stride_ik, j, j,
+                     kv_row0, NK, BLOCK_N, STAGES)  # fmt: skip
+
+
+@gluon.jit
+def dq_load_q(desc_q, desc_do, q_smem, do_smem, q_bar, q_row, Q_TILES: gl.constexpr):
+    """Q and dO of a query block (``Q_TILES`` 64-row tiles each from global row ``q_row``)."""
     mbarrier.expect(q_bar, Q_TILES * (desc_q.block_type.nbytes + desc_do.block_type.nbytes))
     for i in gl.static_range(Q_TILES):
         row = q_row + i * ROWS_PER_CONSUMER
         tma.async_copy_global_to_shared(desc_q, [row, 0], q_bar, q_smem.index(i))
         tma.async_copy_global_to_shared(desc_do, [row, 0], q_bar, do_smem.index(i))
+
+
+@gluon.jit
+def dq_load_step(
+    desc_k, desc_v, k_smem, v_smem, ready, empty, idx_row, stride_ik, j, r, kv_row0, NK,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+):  # fmt: skip
+    """K and V of step ``j`` (listed key block ``j // NSUB``, its rows ``64 (j % NSUB) ..``)
+    into the ring's position ``r`` (slot ``r % STAGES``; one block a program: r = j)."""
+    NSUB: gl.constexpr = BLOCK_N // STEP_M
     STEP_BYTES: gl.constexpr = desc_k.block_type.nbytes + desc_v.block_type.nbytes
-    for j in range(count * NSUB):
-        slot = j % STAGES
-        empty_parity = ((j // STAGES) & 1) ^ 1  # as in load_steps
-        kv_block = _listed_block(idx_row, stride_ik, j // NSUB, NK)
-        row = kv_row0 + kv_block * BLOCK_N + (j % NSUB) * STEP_M
-        mbarrier.wait(empty.index(slot), empty_parity)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, STEP_BYTES)  # S and dP need K and V together: one barrier
-        tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_smem.index(slot))
-        tma.async_copy_global_to_shared(desc_v, [row, 0], bar, v_smem.index(slot))
+    slot = r % STAGES
+    empty_parity = ((r // STAGES) & 1) ^ 1  # as in load_step
+    kv_block = _listed_block(idx_row, stride_ik, j // NSUB, NK)
+    row = kv_row0 + kv_block * BLOCK_N + (j % NSUB) * STEP_M
+    mbarrier.wait(empty.index(slot), empty_parity)
+    bar = ready.index(slot)
+    mbarrier.expect(bar, STEP_BYTES)  # S and dP need K and V together: one barrier
+    tma.async_copy_global_to_shared(desc_k, [row, 0], bar, k_smem.index(slot))
+    tma.async_copy_global_to_shared(desc_v, [row, 0], bar, v_smem.index(slot))
 
 
 @gluon.jit
@@ -507,24 +524,9 @@ def _dq_consumer(
     # Wait for Q and dO even when the list is empty: the store reuses Q's buffer.
     mbarrier.wait(q_bar, 0)
     for j in range(num_steps):
-        slot = j % STAGES
-        if HAS_KV_SIZES:  # the step's real keys, read while the slot may still be landing
-            size = gl.load(KV_SIZES + _listed_block(idx_row, stride_ik, j // NSUB, NK))
-            limit = size - (j % NSUB) * STEP_M
-        mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
-        k = k_smem.index(slot)  # [64 keys, D]
-        v = v_smem.index(slot)
-        s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S (issued first) is done
-        p = gl.exp2(s * qk_scale - lse2)  # [64, 64]
-        if HAS_KV_SIZES:  # whatever TMA read for the padding keys, their P and dS are 0
-            p = gl.where(gl.expand_dims(cols < limit, 0), p, 0.0)
-        dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
-        ds_op = gl.convert_layout((p * (dp - delta)).to(q.dtype), op_layout)
-        dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)  # dQ += dS K
-        dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ds_op))
-        mbarrier.arrive(empty.index(slot))
+        dq = dq_step(q, do, k_smem, v_smem, ready, empty, j, j, dq, lse2, delta, cols, s_zero,
+                     qk_scale, idx_row, stride_ik, KV_SIZES, NK, op_layout, NSUB, STAGES,
+                     HAS_KV_SIZES)  # fmt: skip
 
     if valid:
         dq = dq * scale
@@ -540,7 +542,36 @@ def _dq_consumer(
 
 
 @gluon.jit
-def _dq_list_of(KV_IDX, KV_CNT, b, h, q_block, valid, K, stride_ib, stride_ih, stride_iq,
+def dq_step(
+    q, do, k_smem, v_smem, ready, empty, j, r, dq, lse2, delta, cols, s_zero, qk_scale, idx_row,
+    stride_ik, KV_SIZES, NK, op_layout: gl.constexpr, NSUB: gl.constexpr, STAGES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr,
+):  # fmt: skip
+    """Step ``j`` of the list (64 keys) at the ring's position ``r``: ``dq`` with its share
+    added; the slot released once the register-A wgmma has retired."""
+    slot = r % STAGES
+    if HAS_KV_SIZES:  # the step's real keys, read while the slot may still be landing
+        size = gl.load(KV_SIZES + _listed_block(idx_row, stride_ik, j // NSUB, NK))
+        limit = size - (j % NSUB) * STEP_M
+    mbarrier.wait(ready.index(slot), (r // STAGES) & 1)
+    k = k_smem.index(slot)  # [64 keys, D]
+    v = v_smem.index(slot)
+    s_tok = warpgroup_mma(q, k.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    dp_tok = warpgroup_mma(do, v.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_tok,))  # S (issued first) is done
+    p = gl.exp2(s * qk_scale - lse2)  # [64, 64]
+    if HAS_KV_SIZES:  # whatever TMA read for the padding keys, their P and dS are 0
+        p = gl.where(gl.expand_dims(cols < limit, 0), p, 0.0)
+    dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp_tok,))
+    ds_op = gl.convert_layout((p * (dp - delta)).to(q.dtype), op_layout)
+    dq_tok = warpgroup_mma(ds_op, k, dq, is_async=True)  # dQ += dS K
+    dq, ds_op = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok, ds_op))
+    mbarrier.arrive(empty.index(slot))
+    return dq
+
+
+@gluon.jit
+def dq_list_of(KV_IDX, KV_CNT, b, h, q_block, valid, K, stride_ib, stride_ih, stride_iq,
                 stride_cb, stride_ch, stride_cq):  # fmt: skip
     """``(list pointer, count)`` of query block ``q_block``; an invalid block lists nothing.
     The count is clamped into ``[0, K]``."""
@@ -578,7 +609,7 @@ def block_sparse_attn_bwd_dq_gluon_kernel(
     q_row = pid_bh * Sq + pid_m * BLOCK_M
     valid = pid_m < NQ  # always: the grid has NQ programs along dim 0
     NK = Skv // BLOCK_N
-    idx_row, count = _dq_list_of(KV_IDX, KV_CNT, b, h, pid_m, valid, K, stride_ib, stride_ih,
+    idx_row, count = dq_list_of(KV_IDX, KV_CNT, b, h, pid_m, valid, K, stride_ib, stride_ih,
                                  stride_iq, stride_cb, stride_ch, stride_cq)  # fmt: skip
     num_steps = count * (BLOCK_N // STEP_M)
 
@@ -646,9 +677,9 @@ def block_sparse_attn_bwd_dq_gluon_tiles_kernel(
     valid0 = block0 < NQ
     valid1 = block1 < NQ  # false in the last program when NQ is odd
     NK = Skv // BLOCK_N
-    idx0, count0 = _dq_list_of(KV_IDX, KV_CNT, b, h, block0, valid0, K, stride_ib, stride_ih,
+    idx0, count0 = dq_list_of(KV_IDX, KV_CNT, b, h, block0, valid0, K, stride_ib, stride_ih,
                                stride_iq, stride_cb, stride_ch, stride_cq)  # fmt: skip
-    idx1, count1 = _dq_list_of(KV_IDX, KV_CNT, b, h, block1, valid1, K, stride_ib, stride_ih,
+    idx1, count1 = dq_list_of(KV_IDX, KV_CNT, b, h, block1, valid1, K, stride_ib, stride_ih,
                                stride_iq, stride_cb, stride_ch, stride_cq)  # fmt: skip
     # Past the last block (NQ odd) the loader still reads a Q tile (rows of the next head, or
     # zeros past the tensor: TMA bounds) so the consumer's wait completes; nothing is stored.
