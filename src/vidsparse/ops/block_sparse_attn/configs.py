@@ -380,7 +380,7 @@ class Overrides:
     gluon: GluonOptions | None = None
     # "ordered" / "unordered": the Hopper backward in one pass where it applies (128x128, no
     # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or not.
-    # Off until timed on a GPU.
+    # Both were slower than the two kernels on an H100 (benchmarks/NOTES.md).
     one_pass: str | None = None
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks dealt longest
     # first (``bwd_sm90.dkdv_gluon``; the same bits). Off until timed on a GPU.
