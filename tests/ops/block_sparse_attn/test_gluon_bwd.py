@@ -173,7 +173,7 @@ def test_gpu_gluon_dkdv_bit_identical_and_unlisted_blocks_zero(bs):
 @pytest.mark.parametrize(
     "shape",
     [
-        dict(),  # 27 key blocks: fewer than the SMs, one a program
+        dict(),  # 54 key blocks: fewer than the SMs, one a program
         dict(B=1, H=1, nq=3, nk=2, density=0.9),  # two programs
         dict(B=2, H=12, nq=24, nk=40, density=0.2),  # 960 blocks: ~7 a program
         dict(B=3, H=16, nq=40, nk=48, density=0.125, scale=4.0),  # 2,304: ~17 a program
@@ -195,7 +195,7 @@ def test_gpu_persistent_dkdv_gives_the_one_block_kernels_bits(padded, shape):
 
 @pytest.mark.parametrize("programs", [1, 5])
 def test_gpu_persistent_dkdv_with_few_programs(monkeypatch, programs):
-    """One program, or five, walking all 27 key blocks of the small problem (every K/V phase
+    """One program, or five, walking all 54 key blocks of the small problem (every K/V phase
     and ring position across many blocks, empty lists among them): the same bits."""
     from vidsparse.ops.block_sparse_attn import bwd_sm90
 
@@ -211,7 +211,7 @@ def test_gpu_persistent_dkdv_with_few_programs(monkeypatch, programs):
 def test_gpu_persistent_dq_gives_the_one_block_kernels_bits(monkeypatch, padded, programs):
     """The persistent dQ kernel (128 rows, ``persistent=True``) against one block a program:
     the same bits with one program per SM (or per query block), and with one or five walking
-    all 14 query blocks (Q's phases and ring positions carried over; an empty list and a
+    all 42 query blocks (Q's phases and ring positions carried over; an empty list and a
     one-block list among them), lists broadcast over the batch, key-block sizes."""
     from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
