@@ -34,8 +34,8 @@ against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
 program per SM, blocks longest first; ``configs.Overrides.persistent_dkdv`` /
 ``persistent_dq``) with one block a program, dK/dV at 2 and 3 stages, dQ at 3 and 4, in
 three alternating rounds (medians), then the library's backward and fwd+bwd with neither,
-each and both overrides; their gradients against the one-block kernels' bits
-(``$OUT/try_persistent_bwd.json``).
+each and both overrides, also alternated (``harness.alternating_ms``); their gradients
+against the one-block kernels' bits (``$OUT/try_persistent_bwd.json``).
 """
 
 from __future__ import annotations
@@ -53,12 +53,11 @@ D = 128
 
 
 def _bench(fn) -> float:
-    """``do_bench`` median (ms) of ``fn``, after one call that compiles and fills caches."""
-    import triton
+    """``harness.time_ms`` of ``fn`` (``do_bench``'s median; its first call, untimed, compiles)
+    with the 200 ms of calls this script has always timed."""
+    from vidsparse.bench import harness
 
-    fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    return harness.time_ms(fn, device=torch.device("cuda"), rep=200)
 
 
 def _recorder(rows: list, name: str, density: float):
@@ -285,6 +284,7 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
     import statistics
     from dataclasses import replace
 
+    from vidsparse.bench import harness
     from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
     from vidsparse.ops.block_sparse_attn.lists import cached_transpose
@@ -330,15 +330,17 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
     def forward_and_library():
         return fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale), library()
 
-    for tag, dkdv_p, dq_p in (
-        ("one_block", False, False),
-        ("persistent_dkdv", True, False),
-        ("persistent_dq", False, True),
-        ("persistent_both", True, True),
-    ):
-        with configs.override(persistent_dkdv=dkdv_p, persistent_dq=dq_p):
-            row(f"library_bwd_{tag}", _bench(library))
-            row(f"fwd+library_bwd_{tag}", _bench(forward_and_library))
+    switches = {
+        "one_block": dict(persistent_dkdv=False, persistent_dq=False),
+        "persistent_dkdv": dict(persistent_dkdv=True, persistent_dq=False),
+        "persistent_dq": dict(persistent_dkdv=False, persistent_dq=True),
+        "persistent_both": dict(persistent_dkdv=True, persistent_dq=True),
+    }
+    for name, fn in (("library_bwd", library), ("fwd+library_bwd", forward_and_library)):
+        times = harness.alternating_ms(switches, lambda tag: configs.override(**switches[tag]),
+                                       lambda f=fn: f, device=q.device)  # fmt: skip
+        for tag, rounds in times.items():
+            row(f"{name}_{tag}", statistics.median(rounds), rounds=rounds)
     return rows
 
 
