@@ -35,7 +35,9 @@ program per SM, blocks longest first; ``configs.Overrides.persistent_dkdv`` /
 ``persistent_dq``) with one block a program, dK/dV at 2 and 3 stages, dQ at 3 and 4, in
 three alternating rounds (medians), then the library's backward and fwd+bwd with neither,
 each and both overrides, also alternated (``harness.alternating_ms``); their gradients
-against the one-block kernels' bits (``$OUT/try_persistent_bwd.json``).
+against the one-block kernels' bits; and fwd+bwd with neither and with both replayed from a
+CUDA graph, beside its kernels' summed GPU time, which tells host gaps in the eager time from
+the kernels' own (``$OUT/try_persistent_bwd.json``).
 """
 
 from __future__ import annotations
@@ -341,6 +343,12 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
                                        lambda f=fn: f, device=q.device)  # fmt: skip
         for tag, rounds in times.items():
             row(f"{name}_{tag}", statistics.median(rounds), rounds=rounds)
+    for tag in ("one_block", "persistent_both"):  # eager fwd+bwd against its kernels' GPU time
+        with configs.override(**switches[tag]):
+            ms, how = harness.time_graph_ms(forward_and_library, device=q.device)
+            prof = harness.cuda_profile(forward_and_library, calls=10)
+        summed = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 10
+        row(f"fwd+library_bwd_{tag}_graph", ms, how=how, summed_kernel_ms=round(summed, 4))
     return rows
 
 
