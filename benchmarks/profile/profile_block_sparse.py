@@ -3,6 +3,8 @@
     PYTHONPATH=src python benchmarks/profile/profile_block_sparse.py --seq 8192 --density 0.25
 
 Shows where backward time goes (preprocess, list transpose, dK/dV, dQ) next to the forward.
+``--trace DIR`` also writes each density's Chrome trace (``DIR/block_sparse_<bq>x<bk>_<d>.json``:
+both streams' kernels on one timeline, so idle GPU time between them shows).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--density", type=float, nargs="+", default=[1.0, 0.25])
     ap.add_argument("--block", default="128x64")
+    ap.add_argument("--trace", default=None, help="folder for Chrome traces")
     args = ap.parse_args(argv)
     bq, bk = (int(x) for x in args.block.split("x"))
     S, H, D = args.seq, args.heads, 128
@@ -40,6 +43,8 @@ def main(argv=None):
         prof = harness.cuda_profile(step, 5)
         print(f"\n=== S={S} H={H} block {bq}x{bk} density {d} (5 steps) ===")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+        if args.trace:
+            prof.export_chrome_trace(f"{args.trace}/block_sparse_{bq}x{bk}_{d}.json")
 
 
 if __name__ == "__main__":
