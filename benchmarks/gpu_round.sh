@@ -29,6 +29,8 @@
 #   block a program (try_gluon_bwd.py --persistent, try_persistent_bwd.json);
 #   engine-persistent-bwd: the engine's 128x128 table with both (configs.override(
 #   persistent_dkdv=True, persistent_dq=True));
+#   clocks: the engine's 1/8 fwd+bwd over do_bench windows of 10 ms to 3 s with the SM clock and
+#   power beside them (profile_clocks.py, clocks.json);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
@@ -111,6 +113,7 @@ for what in "$@"; do
       block_sparse \
       --shapes default --providers ours,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_persistent_bwd_h200.json" ;;
+    clocks) step profile_clocks 200 python3 benchmarks/profile/profile_clocks.py --out "$OUT" ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;
     bwd-overlap) step try_bwd_overlap 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py ;;
     overlap-tests) step overlap_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \

@@ -156,13 +156,15 @@ class GluonBwdOptions:
 
 GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
 # dK/dV as a persistent kernel (kernels/bwd_sm90_persistent.py; 128 rows): 64 KB more for the
-# dK, dV staging buffers. Not yet timed (``Overrides.persistent_dkdv``).
+# dK, dV staging buffers. Slower than one block a program on an H100 (2 stages timed alike;
+# benchmarks/NOTES.md), so only under ``Overrides.persistent_dkdv``.
 GLUON_DKDV_PERSISTENT = {128: GluonBwdOptions(STAGES=3)}
 # dQ: at 128 rows Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit (2-4 timed
 # alike on the H200); the 64-row kernel holds two rings, 2 steps each.
 GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 # dQ as a persistent kernel (kernels/bwd_sm90_persistent.py; 128 rows): 32 KB more for dQ's
-# staging buffers, which 4 steps still leave room for. Not yet timed (``persistent_dq``).
+# staging buffers, which 4 steps still leave room for. Timed alike with one block a program on
+# an H100 (3 steps too), so only under ``Overrides.persistent_dq``.
 GLUON_DQ_PERSISTENT = {128: GluonBwdOptions(STAGES=4)}
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB; 2 steps timed 2% slower).
@@ -383,7 +385,7 @@ class Overrides:
     # Both were slower than the two kernels on an H100 (benchmarks/NOTES.md).
     one_pass: str | None = None
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks dealt longest
-    # first (``bwd_sm90.dkdv_gluon``; the same bits). Off until timed on a GPU.
+    # first (``bwd_sm90.dkdv_gluon``; the same bits). Off: no faster on an H100 (NOTES).
     persistent_dkdv: bool = False
     # True: the same for the dQ kernel, query blocks dealt longest first.
     persistent_dq: bool = False
