@@ -31,13 +31,14 @@ cached as the library caches them); its dK, dV against the dK/dV kernel's bits a
 against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
 
 ``--persistent`` (128x128 cases only) compares the persistent dK/dV and dQ kernels (one
-program per SM, blocks longest first; ``configs.Overrides.persistent_dkdv`` /
-``persistent_dq``) with one block a program, dK/dV at 2 and 3 stages, dQ at 3 and 4, in
-three alternating rounds (medians), then the library's backward and fwd+bwd with neither,
-each and both overrides, also alternated (``harness.alternating_ms``); their gradients
-against the one-block kernels' bits; and fwd+bwd with neither and with both replayed from a
-CUDA graph, beside its kernels' summed GPU time, which tells host gaps in the eager time from
-the kernels' own (``$OUT/try_persistent_bwd.json``).
+program per SM; ``configs.Overrides.persistent_dkdv`` / ``persistent_dq``) with one block a
+program: dK/dV at 2 and 3 stages, walked banded and longest first
+(``configs.PERSISTENT_ORDER``), dQ at 3 and 4, banded, in three alternating rounds (medians),
+then the library's backward and fwd+bwd with neither, each and both overrides, also
+alternated (``harness.alternating_ms``); their gradients against the one-block kernels' bits;
+and fwd+bwd with neither and with both replayed from a CUDA graph, beside its kernels' summed
+GPU time, which tells host gaps in the eager time from the kernels' own
+(``$OUT/try_persistent_bwd.json``).
 """
 
 from __future__ import annotations
@@ -300,22 +301,35 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
     rows = []
     row = _recorder(rows, name, density)
 
-    def dkdv(persistent: bool, stages: int):
+    def walked(order: str, fn):  # the persistent kernels' walk (configs.PERSISTENT_ORDER)
+        def run():
+            saved, configs.PERSISTENT_ORDER = configs.PERSISTENT_ORDER, order
+            try:
+                return fn()
+            finally:
+                configs.PERSISTENT_ORDER = saved
+
+        return run
+
+    def dkdv(persistent: bool, stages: int, order: str = "banded"):
         table = configs.GLUON_DKDV_PERSISTENT if persistent else configs.GLUON_DKDV
         opts = replace(table[bs], STAGES=stages)
-        return lambda: bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
-                                           options=opts, persistent=persistent)  # fmt: skip
+        return walked(order, lambda: bwd_sm90.dkdv_gluon(
+            q, k, v, do, lse2, delta, q_off, q_idx, bs, scale, options=opts,
+            persistent=persistent))  # fmt: skip
 
-    def dq(persistent: bool, stages: int):
+    def dq(persistent: bool, stages: int, order: str = "banded"):
         table = configs.GLUON_DQ_PERSISTENT if persistent else configs.GLUON_DQ
         opts = replace(table[bs], STAGES=stages)
-        return lambda: (bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale,
-                                          options=opts, persistent=persistent),)  # fmt: skip
+        return walked(order, lambda: (bwd_sm90.dq_gluon(
+            q, k, v, do, lse2, delta, idx, cnt, bs, scale, options=opts,
+            persistent=persistent),))  # fmt: skip
 
-    arms = {f"dkdv_{'persistent' if p else 'one_block'}_s{s}": dkdv(p, s)
-            for p in (False, True) for s in (2, 3)}  # fmt: skip
-    arms |= {f"dq_{'persistent' if p else 'one_block'}_s{s}": dq(p, s)
-             for p in (False, True) for s in (3, 4)}  # fmt: skip
+    arms = {"dkdv_one_block_s3": dkdv(False, 3), "dkdv_one_block_s2": dkdv(False, 2)}
+    arms |= {f"dkdv_persistent_{o}_s{s}": dkdv(True, s, o)
+             for o in ("banded", "longest_first") for s in (2, 3)}  # fmt: skip
+    arms |= {"dq_one_block_s4": dq(False, 4), "dq_persistent_banded_s4": dq(True, 4),
+             "dq_persistent_banded_s3": dq(True, 3)}  # fmt: skip
     references = {"dkdv": arms["dkdv_one_block_s3"](), "dq": arms["dq_one_block_s4"]()}
     same_bits = {n: all(torch.equal(a, b) for a, b in zip(fn(), references[n.split("_")[0]]))
                  for n, fn in arms.items()}  # fmt: skip

@@ -166,6 +166,13 @@ GLUON_DQ = {128: GluonBwdOptions(STAGES=4), 64: GluonBwdOptions(STAGES=2)}
 # staging buffers, which 4 steps still leave room for. Timed alike with one block a program on
 # an H100 (3 steps too), so only under ``Overrides.persistent_dq``.
 GLUON_DQ_PERSISTENT = {128: GluonBwdOptions(STAGES=4)}
+# The persistent backward kernels' walk (lists.walk_order): "banded" (lists.banded_order)
+# deals bands of two waves' worth of neighbouring blocks (about a head's key blocks at S=32k)
+# in pairs to the programs furthest behind, so the programs resident at a time read one or two
+# heads' Q and dO, which L2 holds; "longest_first" (lists.snake_order) sorts all blocks at
+# once, so every head is resident at once (at 46a1be8 on an H100 its dK/dV ran 7% slower than
+# one block a program).
+PERSISTENT_ORDER = "banded"
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB; 2 steps timed 2% slower).
 # Slower than the two kernels (4.96 against 4.28 ms at 1/8, H100): a tuning override only.

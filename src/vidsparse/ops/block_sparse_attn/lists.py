@@ -30,6 +30,7 @@ import torch
 import triton
 
 from vidsparse.masks.block_sparse import transpose_block_lists
+from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.configs import LIST_REORDER
 from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS as _KERNEL_QUERY_GROUPS
 from vidsparse.ops.block_sparse_attn.kernels.lists import blocks_by_size_kernel
@@ -74,24 +75,32 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=
 
 
 def cached_snake_order(q_offsets: torch.Tensor, batch: int, programs: int) -> torch.Tensor:
-    """``snake_order`` of the key blocks of transposed lists ``q_offsets`` (``[Bi, H, NK +
+    """``walk_order`` of the key blocks of transposed lists ``q_offsets`` (``[Bi, H, NK +
     1]``, Bi 1 or ``batch``) over ``batch`` batch entries, computed once per lists
-    (``derived_lists``)."""
+    (``derived_lists``), banded as ``configs.PERSISTENT_ORDER`` says."""
+    banded = configs.PERSISTENT_ORDER == "banded"
     return derived_lists.get(
-        "snake_order", (q_offsets,), (batch, programs),
-        lambda: snake_order(q_offsets.diff(dim=-1).expand(batch, -1, -1), programs),
+        "snake_order", (q_offsets,), (batch, programs, banded),
+        lambda: walk_order(q_offsets.diff(dim=-1).expand(batch, -1, -1), programs, banded),
     )  # fmt: skip
 
 
 def cached_count_order(kv_counts: torch.Tensor, width: int, batch: int,
                        programs: int) -> torch.Tensor:  # fmt: skip
-    """``snake_order`` of the query blocks of lists with counts ``kv_counts`` (``[Bi, H,
+    """``walk_order`` of the query blocks of lists with counts ``kv_counts`` (``[Bi, H,
     NQ]``, clamped into ``[0, width]`` as the kernels read them) over ``batch`` batch entries,
-    computed once per counts (``derived_lists``): the persistent dQ kernel's walk."""
+    computed once per counts (``derived_lists``): the persistent dQ kernel's walk, banded as
+    ``configs.PERSISTENT_ORDER`` says."""
+    banded = configs.PERSISTENT_ORDER == "banded"
     return derived_lists.get(
-        "count_order", (kv_counts,), (width, batch, programs),
-        lambda: snake_order(kv_counts.clamp(0, width).expand(batch, -1, -1), programs),
+        "count_order", (kv_counts,), (width, batch, programs, banded),
+        lambda: walk_order(kv_counts.clamp(0, width).expand(batch, -1, -1), programs, banded),
     )  # fmt: skip
+
+
+def walk_order(lengths: torch.Tensor, programs: int, banded: bool) -> torch.Tensor:
+    """The persistent kernels' walk: ``banded_order`` or ``snake_order``."""
+    return banded_order(lengths, programs) if banded else snake_order(lengths, programs)
 
 
 def snake_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
@@ -112,6 +121,59 @@ def snake_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
     backwards = wave % 2 == 1
     source = wave * programs + torch.where(backwards, width - 1 - lane, lane)
     return by_length[source].to(torch.int32)
+
+
+def banded_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
+    """``snake_order``'s contract, with each wave among neighbours: the flat indices in bands
+    of ``2 * programs`` (one head's key blocks, where a head has that many), each band two
+    waves. A band's entries, longest first, pair up as longest with shortest; the pairs with
+    the largest sums go to the programs furthest behind so far (the longer of a pair in the
+    first wave, the shorter in the second); a last band of fewer entries goes longest first to
+    the programs furthest behind. Lanes are then named so the last wave's programs come first,
+    as the kernels' ``pid, pid + programs, ...`` requires::
+
+        band 0: 9 8 7 6 5 4 3 2   pairs 9+2 8+3 7+4 6+5       programs = 4
+        band 1: 9 7 5 3 3 2 1 1   pairs 9+1 7+1 5+2 3+3  -> the largest sum to the lowest total
+
+    Built on the host (one copy of ``lengths`` a call: the callers cache it per lists)."""
+    if lengths.is_meta:  # a launch built only to compile: shapes, no values
+        return torch.empty(lengths.numel(), device=lengths.device, dtype=torch.int32)
+    flat = lengths.flatten().to("cpu", torch.int64)
+    n = flat.numel()
+    order = torch.argsort(flat, descending=True, stable=True)
+    order = order[torch.argsort(order // (2 * programs), stable=True)]  # bands, longest first
+    totals = torch.zeros(programs, dtype=torch.int64)
+    waves = []  # (abstract programs, their entries) per wave
+    for start in range(0, n, 2 * programs):
+        waves += _deal_band(order[start : start + 2 * programs], flat, totals, programs)
+    last = waves[-1][0]
+    lane = torch.empty(programs, dtype=torch.int64)
+    others = torch.ones(programs, dtype=torch.bool)
+    others[last] = False
+    lane[torch.cat([last, others.nonzero().flatten()])] = torch.arange(programs)
+    walk = torch.empty(n, dtype=torch.int64)
+    for w, (owners, entries) in enumerate(waves):
+        walk[w * programs + lane[owners]] = entries
+    return walk.to(device=lengths.device, dtype=torch.int32)
+
+
+def _deal_band(band: torch.Tensor, flat: torch.Tensor, totals: torch.Tensor, programs: int):
+    """``banded_order``'s deal of one band (its entries longest first): the band's waves as
+    ``(programs, entries)``; ``totals`` (each program's sum so far) updated in place."""
+    if band.numel() == 2 * programs:
+        longer, shorter = band[:programs], band[programs:].flip(0)
+        sums = flat[longer] + flat[shorter]
+        behind = torch.argsort(totals, stable=True)
+        largest = torch.argsort(sums, descending=True, stable=True)
+        totals[behind] += sums[largest]
+        return [(behind, longer[largest]), (behind, shorter[largest])]
+    waves = []
+    for wave in (band[:programs], band[programs:]):
+        if wave.numel():
+            behind = torch.argsort(totals, stable=True)[: wave.numel()]
+            totals[behind] += flat[wave]
+            waves.append((behind, wave))
+    return waves
 
 
 # dK/dV's walks of a key block's query blocks: all rows, tails[0], tails[1]

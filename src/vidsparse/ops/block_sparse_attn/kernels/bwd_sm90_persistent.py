@@ -14,9 +14,12 @@ whose results leave by TMA stores from buffers of their own (waited for only whe
 buffers are written again).
 
 Transposed lists are ragged (at density 1/8 a key block's length has a ~17% deviation), so a
-static walk in launch order would leave some programs far behind the mean; the launchers
-order the blocks longest first, dealt to the programs in a snake (``lists.snake_order``),
-which keeps every program's total within one block's length of the others.
+static walk in launch order would leave some programs far behind the mean. The launchers
+hand the kernels an order table (``lists.walk_order``): by default bands of neighbouring
+blocks, each dealt in pairs to the programs furthest behind (``lists.banded_order``: the
+programs resident at a time read one or two heads' Q and dO, which L2 holds), or all blocks
+longest first in a snake (``lists.snake_order``: every program within one block's length of
+the others); ``configs.PERSISTENT_ORDER`` picks.
 
 The arithmetic is the one-block kernels', step for step (``bwd_sm90.dkdv_step``,
 ``dq_step``): the same bits, whatever the order (each block is one program's, no atomics).
