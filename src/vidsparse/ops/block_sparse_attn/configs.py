@@ -156,8 +156,8 @@ class GluonBwdOptions:
 
 GLUON_DKDV = {128: GluonBwdOptions(STAGES=3), 64: GluonBwdOptions(STAGES=2)}
 # dK/dV as a persistent kernel (kernels/bwd_sm90_persistent.py; 128 rows): 64 KB more for the
-# dK, dV staging buffers. Slower than one block a program on an H100 (2 stages timed alike;
-# benchmarks/NOTES.md), so only under ``Overrides.persistent_dkdv``.
+# dK, dV staging buffers. Walked longest first, slower than one block a program on an H100 (2
+# stages timed alike; benchmarks/NOTES.md), so only under ``Overrides.persistent_dkdv``.
 GLUON_DKDV_PERSISTENT = {128: GluonBwdOptions(STAGES=3)}
 # dQ: at 128 rows Q and dO take 64 KB, so 4 steps of 64 keys (two key blocks) fit (2-4 timed
 # alike on the H200); the 64-row kernel holds two rings, 2 steps each.
@@ -391,10 +391,11 @@ class Overrides:
     # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or not.
     # Both were slower than the two kernels on an H100 (benchmarks/NOTES.md).
     one_pass: str | None = None
-    # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks dealt longest
-    # first (``bwd_sm90.dkdv_gluon``; the same bits). Off: no faster on an H100 (NOTES).
+    # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks walked as
+    # PERSISTENT_ORDER says (``bwd_sm90.dkdv_gluon``; the same bits). Off: walked longest
+    # first it was no faster on an H100 (NOTES); the banded walk is not yet timed.
     persistent_dkdv: bool = False
-    # True: the same for the dQ kernel, query blocks dealt longest first.
+    # True: the same for the dQ kernel's query blocks.
     persistent_dq: bool = False
 
 
