@@ -33,8 +33,8 @@ against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
 ``--persistent`` (128x128 cases only) compares the persistent dK/dV and dQ kernels (one
 program per SM; ``configs.Overrides.persistent_dkdv`` / ``persistent_dq``) with one block a
 program: dK/dV at 2 and 3 stages, walked banded and longest first
-(``configs.PERSISTENT_ORDER``), dQ at 3 and 4, banded, in three alternating rounds (medians),
-then the library's backward and fwd+bwd with neither, each and both overrides, also
+(``configs.Overrides.persistent_order``), dQ at 3 and 4, banded, in three alternating rounds
+(medians), then the library's backward and fwd+bwd with neither, each and both overrides, also
 alternated (``harness.alternating_ms``); their gradients against the one-block kernels' bits;
 and fwd+bwd with neither and with both replayed from a CUDA graph, beside its kernels' summed
 GPU time, which tells host gaps in the eager time from the kernels' own
@@ -301,13 +301,10 @@ def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
     rows = []
     row = _recorder(rows, name, density)
 
-    def walked(order: str, fn):  # the persistent kernels' walk (configs.PERSISTENT_ORDER)
+    def walked(order: str, fn):  # the persistent kernels' walk, one of PERSISTENT_ORDERS
         def run():
-            saved, configs.PERSISTENT_ORDER = configs.PERSISTENT_ORDER, order
-            try:
+            with configs.override(persistent_order=order):
                 return fn()
-            finally:
-                configs.PERSISTENT_ORDER = saved
 
         return run
 

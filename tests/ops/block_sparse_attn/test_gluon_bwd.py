@@ -241,7 +241,7 @@ def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkey
 
     q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, nq=16, nk=16, seed=22)
     orders = []
-    for name in ("cached_snake_order", "cached_count_order"):
+    for name in ("cached_dkdv_walk", "cached_dq_walk"):
         real = getattr(bwd_sm90, name)
         monkeypatch.setattr(bwd_sm90, name,
                             lambda *a, n=name, f=real: orders.append(n) or f(*a))  # fmt: skip
@@ -251,7 +251,7 @@ def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkey
         asked = _engine_grads(q, k, v, do, idx, cnt, 128)
     with configs.override(persistent_dkdv=True, persistent_dq=True):
         both = _engine_grads(q, k, v, do, idx, cnt, 128)
-    assert orders == ["cached_snake_order", "cached_snake_order", "cached_count_order"], orders
+    assert orders == ["cached_dkdv_walk", "cached_dkdv_walk", "cached_dq_walk"], orders
     for a, b, c in zip(asked, both, default):
         assert torch.equal(a, c) and torch.equal(b, c)
 

@@ -1,11 +1,12 @@
 """The order in which the persistent dK/dV and dQ kernels walk their blocks
-(``lists.snake_order``, ``lists.banded_order``, ``lists.cached_snake_order``): permutations
+(``lists.snake_order``, ``lists.banded_order``, ``lists.cached_dkdv_walk``): permutations
 whose programs' totals stay within one block's length (snake) or two (banded, each wave among
 neighbours); and the launches (``bwd_sm90.kernel_args`` on meta tensors). On the CPU (the
 kernels themselves: ``test_gluon_bwd.py``, on a Hopper GPU)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from helpers import make_lists
 from vidsparse.ops.block_sparse_attn.lists import (
     banded_order,
-    cached_snake_order,
+    cached_dkdv_walk,
     cached_transpose,
     snake_order,
 )
@@ -90,28 +91,36 @@ def test_banded_order_balances_the_engines_ragged_key_blocks():
     assert (launch.max().item() / mean - 1) > 3 * (banded.max().item() / mean - 1)
 
 
-def test_cached_snake_order_covers_the_batch_of_broadcast_lists_and_is_cached(monkeypatch):
-    """Lists broadcast over the batch (``Bi = 1``): the order covers every (b, h, key block),
+def test_cached_dkdv_walk_covers_the_batch_of_broadcast_lists_and_is_cached():
+    """Lists broadcast over the batch (``Bi = 1``): the walk covers every (b, h, key block),
     each batch entry's blocks as long as the lists say, and the second call is the same
-    tensor; ``configs.PERSISTENT_ORDER`` picks the banded order or not (cached apart)."""
-    from vidsparse.ops.block_sparse_attn import configs
-
-    monkeypatch.setattr(configs, "PERSISTENT_ORDER", "longest_first")
+    tensor; the banded walk and the snake are cached apart."""
     torch.manual_seed(0)
     B, H, nq, nk = 3, 2, 6, 5
     idx, cnt = make_lists(1, H, nq, nk, density=0.5, device="cpu", empty_rows=1)
     q_offsets, _ = cached_transpose(idx, cnt, nk)
-    order = cached_snake_order(q_offsets, B, 4)
-    assert order is cached_snake_order(q_offsets, B, 4)
+    order = cached_dkdv_walk(q_offsets, B, 4, banded=False)
+    assert order is cached_dkdv_walk(q_offsets, B, 4, banded=False)
     assert torch.equal(torch.sort(order).values, torch.arange(B * H * nk, dtype=torch.int32))
     lengths = q_offsets.diff(dim=-1).expand(B, -1, -1).flatten()
     walked = lengths[order.long()]
     assert torch.equal(walked, torch.sort(walked, descending=True).values[_snake_positions(
         B * H * nk, 4)])  # fmt: skip
-    monkeypatch.setattr(configs, "PERSISTENT_ORDER", "banded")
-    banded = cached_snake_order(q_offsets, B, 4)
-    assert banded is cached_snake_order(q_offsets, B, 4)
+    banded = cached_dkdv_walk(q_offsets, B, 4, banded=True)
+    assert banded is cached_dkdv_walk(q_offsets, B, 4, banded=True)
     assert torch.equal(banded, banded_order(lengths, 4))
+
+
+def test_the_walk_is_banded_by_default_and_an_unknown_walk_is_refused():
+    """``configs.persistent_walk_is_banded``: ``PERSISTENT_ORDER`` ("banded"), the override's
+    ``persistent_order`` where set, and a ValueError naming the walks for anything else."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    assert configs.persistent_walk_is_banded()
+    with configs.override(persistent_order="longest_first"):
+        assert not configs.persistent_walk_is_banded()
+    with configs.override(persistent_order="spiral"), pytest.raises(ValueError, match="banded"):
+        configs.persistent_walk_is_banded()
 
 
 def _snake_positions(n: int, programs: int) -> torch.Tensor:

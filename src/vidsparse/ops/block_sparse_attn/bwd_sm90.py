@@ -30,7 +30,7 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90_persistent import (
     block_sparse_attn_bwd_dq_gluon_persistent_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int32_contiguous
-from vidsparse.ops.block_sparse_attn.lists import cached_count_order, cached_snake_order
+from vidsparse.ops.block_sparse_attn.lists import cached_dkdv_walk, cached_dq_walk
 from vidsparse.utils.device import num_sms
 
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -110,14 +110,14 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
         grad_args = epilogue.grad_args(EngineCall(block, block, kv_block_sizes, scale, q.dtype))
     nk = Skv // block
     shared_block = block == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
-    if persistent is None:
-        persistent = configs.active_overrides().persistent_dkdv
-    persistent = persistent and shared_block
+    asked = configs.active_overrides().persistent_dkdv if persistent is None else persistent
+    programs = _persistent_programs(asked, shared_block, B * H * nk, q.device)
+    persistent = programs > 0
     order = ()  # the persistent kernel's three more arguments: order, key blocks, programs
     if persistent:
-        programs = min(B * H * nk, num_sms(q.device))
         kernel, grid = block_sparse_attn_bwd_dkdv_gluon_persistent_kernel, (programs,)
-        order = (cached_snake_order(q_offsets, B, programs), B * H * nk, programs)
+        walk = cached_dkdv_walk(q_offsets, B, programs, configs.persistent_walk_is_banded())
+        order = (walk, B * H * nk, programs)
     elif shared_block:
         kernel, grid = block_sparse_attn_bwd_dkdv_gluon_kernel, (nk, B * H)
     else:
@@ -133,6 +133,12 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
     return kernel, grid, args, kwargs
 
 
+def _persistent_programs(asked: bool, shared_block: bool, blocks: int, device) -> int:
+    """The persistent kernel's programs (one per SM, or per block where fewer), or 0 where the
+    one-block kernels run: it is asked for and the block is split over the two consumers."""
+    return min(blocks, num_sms(device)) if asked and shared_block else 0
+
+
 def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
                kv_block_sizes=None, epilogue: Epilogue = NO_EPILOGUE, grad_args=None,
                options: configs.GluonBwdOptions | None = None,
@@ -142,9 +148,10 @@ def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=
     Inputs as ``gluon_bwd_fits`` says; ``lse2``, ``delta`` fp32 [B, H, Sq] from the
     backward's preprocess; the transposed lists int32 (``lists.cached_transpose``). With
     ``kv_block_sizes``, padding keys are read by TMA and their gradients are 0 whatever they
-    hold. ``persistent``: at 128 rows, one program per SM over the key blocks, longest lists
-    first (the same bits; None: ``configs.Overrides.persistent_dkdv``). Raises only on what
-    would make the kernel misread memory."""
+    hold. ``persistent``: at 128 rows, one program per SM over the key blocks, walked as
+    ``configs.persistent_walk_is_banded`` says (the same bits; None:
+    ``configs.Overrides.persistent_dkdv``). Raises only on what would make the kernel misread
+    memory."""
     _check_inputs("dkdv_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     _check_transposed_lists("dkdv_gluon", q_offsets, q_indices, k, block)
     if scale is None:
@@ -190,13 +197,13 @@ def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, s
         raise ValueError(f"epilogue {epilogue.name!r} has no Gluon dQ hook (EpilogueFns.dq_sm90)")
     nq = Sq // block
     shared_block = block == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
-    if persistent is None:
-        persistent = configs.active_overrides().persistent_dq
-    persistent = persistent and shared_block
-    order, programs = (), 0  # the persistent kernel's three more arguments
+    asked = configs.active_overrides().persistent_dq if persistent is None else persistent
+    programs = _persistent_programs(asked, shared_block, B * H * nq, q.device)
+    persistent = programs > 0
+    order = ()  # the persistent kernel's three more arguments: order, query blocks, programs
     if persistent:
-        programs = min(B * H * nq, num_sms(q.device))
-        walk = cached_count_order(kv_counts, kv_indices.shape[-1], B, programs)
+        walk = cached_dq_walk(kv_counts, kv_indices.shape[-1], B, programs,
+                              configs.persistent_walk_is_banded())  # fmt: skip
         order = (walk, B * H * nq, programs)
     lists = (kv_indices, kv_counts, sizes, *broadcast_strides(kv_indices),
              *broadcast_strides(kv_counts))  # fmt: skip
@@ -224,9 +231,9 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
     backward's preprocess; the lists [Bi, H, NQ, K] and [Bi, H, NQ] (int32 with a unit last
     stride, converted once per list tensor otherwise). With ``kv_block_sizes``, padding keys
     are read by TMA and get no weight whatever they hold (finite). ``persistent``: at 128 rows,
-    one program per SM over the query blocks, longest lists first (the same bits; None:
-    ``configs.Overrides.persistent_dq``). Raises only on what would make the kernel misread
-    memory."""
+    one program per SM over the query blocks, walked as ``configs.persistent_walk_is_banded``
+    says (the same bits; None: ``configs.Overrides.persistent_dq``). Raises only on what would
+    make the kernel misread memory."""
     _check_inputs("dq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     if out is not None and not (out.shape == q.shape and out.dtype == q.dtype
                                 and out.is_contiguous()):  # fmt: skip

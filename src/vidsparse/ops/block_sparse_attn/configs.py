@@ -173,6 +173,7 @@ GLUON_DQ_PERSISTENT = {128: GluonBwdOptions(STAGES=4)}
 # once, so every head is resident at once (at 46a1be8 on an H100 its dK/dV ran 7% slower than
 # one block a program).
 PERSISTENT_ORDER = "banded"
+PERSISTENT_ORDERS = ("banded", "longest_first")
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB; 2 steps timed 2% slower).
 # Slower than the two kernels (4.96 against 4.28 ms at 1/8, H100): a tuning override only.
@@ -397,6 +398,8 @@ class Overrides:
     persistent_dkdv: bool = False
     # True: the same for the dQ kernel's query blocks.
     persistent_dq: bool = False
+    # The persistent kernels' walk, one of PERSISTENT_ORDERS (None: PERSISTENT_ORDER).
+    persistent_order: str | None = None
 
 
 _active = Overrides()
@@ -420,6 +423,16 @@ def override(**changes):
 
 def active_overrides() -> Overrides:
     return _active
+
+
+def persistent_walk_is_banded() -> bool:
+    """Do the persistent backward kernels walk banded (``PERSISTENT_ORDER``, or the active
+    override's ``persistent_order``)? Raises on a walk that is not one of
+    ``PERSISTENT_ORDERS``."""
+    order = _active.persistent_order or PERSISTENT_ORDER
+    if order not in PERSISTENT_ORDERS:
+        raise ValueError(f"persistent_order must be one of {PERSISTENT_ORDERS}, got {order!r}")
+    return order == "banded"
 
 
 def lookup(

@@ -30,7 +30,6 @@ import torch
 import triton
 
 from vidsparse.masks.block_sparse import transpose_block_lists
-from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.configs import LIST_REORDER
 from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS as _KERNEL_QUERY_GROUPS
 from vidsparse.ops.block_sparse_attn.kernels.lists import blocks_by_size_kernel
@@ -74,26 +73,24 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=
     )  # fmt: skip
 
 
-def cached_snake_order(q_offsets: torch.Tensor, batch: int, programs: int) -> torch.Tensor:
+def cached_dkdv_walk(q_offsets: torch.Tensor, batch: int, programs: int,
+                     banded: bool) -> torch.Tensor:  # fmt: skip
     """``walk_order`` of the key blocks of transposed lists ``q_offsets`` (``[Bi, H, NK +
     1]``, Bi 1 or ``batch``) over ``batch`` batch entries, computed once per lists
-    (``derived_lists``), banded as ``configs.PERSISTENT_ORDER`` says."""
-    banded = configs.PERSISTENT_ORDER == "banded"
+    (``derived_lists``): the persistent dK/dV kernel's walk."""
     return derived_lists.get(
-        "snake_order", (q_offsets,), (batch, programs, banded),
+        "dkdv_walk", (q_offsets,), (batch, programs, banded),
         lambda: walk_order(q_offsets.diff(dim=-1).expand(batch, -1, -1), programs, banded),
     )  # fmt: skip
 
 
-def cached_count_order(kv_counts: torch.Tensor, width: int, batch: int,
-                       programs: int) -> torch.Tensor:  # fmt: skip
+def cached_dq_walk(kv_counts: torch.Tensor, width: int, batch: int, programs: int,
+                   banded: bool) -> torch.Tensor:  # fmt: skip
     """``walk_order`` of the query blocks of lists with counts ``kv_counts`` (``[Bi, H,
     NQ]``, clamped into ``[0, width]`` as the kernels read them) over ``batch`` batch entries,
-    computed once per counts (``derived_lists``): the persistent dQ kernel's walk, banded as
-    ``configs.PERSISTENT_ORDER`` says."""
-    banded = configs.PERSISTENT_ORDER == "banded"
+    computed once per counts (``derived_lists``): the persistent dQ kernel's walk."""
     return derived_lists.get(
-        "count_order", (kv_counts,), (width, batch, programs, banded),
+        "dq_walk", (kv_counts,), (width, batch, programs, banded),
         lambda: walk_order(kv_counts.clamp(0, width).expand(batch, -1, -1), programs, banded),
     )  # fmt: skip
 

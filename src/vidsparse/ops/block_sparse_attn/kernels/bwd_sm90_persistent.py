@@ -19,7 +19,7 @@ hand the kernels an order table (``lists.walk_order``): by default bands of neig
 blocks, each dealt in pairs to the programs furthest behind (``lists.banded_order``: the
 programs resident at a time read one or two heads' Q and dO, which L2 holds), or all blocks
 longest first in a snake (``lists.snake_order``: every program within one block's length of
-the others); ``configs.PERSISTENT_ORDER`` picks.
+the others); ``configs.persistent_walk_is_banded`` picks.
 
 The arithmetic is the one-block kernels', step for step (``bwd_sm90.dkdv_step``,
 ``dq_step``): the same bits, whatever the order (each block is one program's, no atomics).
