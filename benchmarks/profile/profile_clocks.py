@@ -18,10 +18,10 @@ import statistics
 import subprocess
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 
 import torch
-import triton
 
 from vidsparse.bench import harness
 from vidsparse.masks.block_sparse import random_block_lists
@@ -47,9 +47,8 @@ def samples_between(path: Path, start: float, end: float) -> tuple[float, float]
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 3:
             continue
-        try:
-            stamp = time.mktime(time.strptime(parts[0].split(".")[0], "%Y/%m/%d %H:%M:%S"))
-            stamp += float("0." + parts[0].split(".")[1]) if "." in parts[0] else 0.0
+        try:  # nvidia-smi's local time, as time.time() and a naive datetime take it
+            stamp = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
             clock, power = float(parts[1]), float(parts[2])
         except ValueError:
             continue
@@ -83,7 +82,7 @@ def main(argv=None):
         for window in WINDOWS_MS:
             time.sleep(2.0)  # idle first: every window starts from a rested board
             start = time.time()
-            ms = triton.testing.do_bench(fn, warmup=5, rep=window, return_mode="median")
+            ms = harness.time_ms(fn, device=q.device, warmup=5, rep=window)
             rows.append({"window_ms": window, "ms": ms, "t0": start, "t1": time.time()})
     finally:
         if proc is not None:

@@ -30,13 +30,6 @@ from vidsparse.bench import harness
 from vidsparse.masks.block_sparse import random_block_lists
 
 
-def kernel_ms(fn, calls: int = 5) -> float:
-    """GPU kernel time of one call (torch.profiler's device events, summed)."""
-    prof = harness.cuda_profile(fn, calls, warmup=1)
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / calls / 1e3
-
-
 def host_ms(fn, calls: int = 20) -> float:
     """Median wall time of enqueuing one call; the GPU drains between calls."""
     times = []
@@ -82,7 +75,7 @@ def main(argv=None):
     for mode in ("fwd", "fwd+bwd"):
         fn = harness.mode_callable(forward, (q, k, v), mode)
         bench = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        gpu = kernel_ms(fn)
+        gpu = harness.summed_kernel_ms(fn, warmup=1)
         host = host_ms(fn)
         print(
             f"{mode}: do_bench {bench:.3f} ms, kernels {gpu:.3f} ms, exposed"

@@ -175,6 +175,14 @@ def kernel_ms(fn: Callable[[], Any], contains: str, calls: int = 5) -> dict[str,
     }
 
 
+def summed_kernel_ms(fn: Callable[[], Any], calls: int = 5, warmup: int = 3) -> float:
+    """GPU milliseconds of all the kernels one call of ``fn`` launches, summed (``cuda_profile``
+    over ``calls`` calls; self times, so no operator counts its kernels twice). Kernels that
+    overlap on two streams count in full, so this can exceed the call's wall time."""
+    prof = cuda_profile(fn, calls=calls, warmup=warmup)
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls / 1e3
+
+
 def time_graph_ms(fn: Callable[[], Any], *, device: torch.device) -> tuple[float, str]:
     """``(milliseconds, how)``: on the GPU, the median of ``do_bench`` over replays of ``fn``
     captured in a CUDA graph, i.e. the GPU time of its kernels without the host's launch
