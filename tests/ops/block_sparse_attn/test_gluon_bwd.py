@@ -193,27 +193,32 @@ def test_gpu_persistent_dkdv_gives_the_one_block_kernels_bits(padded, shape):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("walk", ["banded", "longest_first"])
 @pytest.mark.parametrize("programs", [1, 5])
-def test_gpu_persistent_dkdv_with_few_programs(monkeypatch, programs):
+def test_gpu_persistent_dkdv_with_few_programs(monkeypatch, programs, walk):
     """One program, or five, walking all 54 key blocks of the small problem (every K/V phase
-    and ring position across many blocks, empty lists among them): the same bits."""
-    from vidsparse.ops.block_sparse_attn import bwd_sm90
+    and ring position across many blocks, empty lists among them), in either walk: the same
+    bits."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
 
     monkeypatch.setattr(bwd_sm90, "num_sms", lambda device: programs)
     q, k, v, do, idx, cnt, sizes = _problem(128, torch.bfloat16, True, seed=23, density=0.3)
     gluon, _ = _gluon_and_triton(q, k, v, do, idx, cnt, sizes, 128)
-    for a, b in zip(gluon(persistent=True), gluon(persistent=False)):
+    with configs.override(persistent_order=walk):
+        persistent = gluon(persistent=True)
+    for a, b in zip(persistent, gluon(persistent=False)):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("walk", ["banded", "longest_first"])
 @pytest.mark.parametrize("programs", [None, 1, 5])
 @pytest.mark.parametrize("padded", [False, True])
-def test_gpu_persistent_dq_gives_the_one_block_kernels_bits(monkeypatch, padded, programs):
+def test_gpu_persistent_dq_gives_the_one_block_kernels_bits(monkeypatch, padded, programs, walk):
     """The persistent dQ kernel (128 rows, ``persistent=True``) against one block a program:
     the same bits with one program per SM (or per query block), and with one or five walking
     all 42 query blocks (Q's phases and ring positions carried over; an empty list and a
-    one-block list among them), lists broadcast over the batch, key-block sizes."""
-    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
+    one-block list among them), lists broadcast over the batch, key-block sizes, either walk."""
+    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 
     if programs is not None:
@@ -228,7 +233,9 @@ def test_gpu_persistent_dq_gives_the_one_block_kernels_bits(monkeypatch, padded,
         return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, 128, scale,
                                  kv_block_sizes=sizes, persistent=persistent)  # fmt: skip
 
-    one_block, persistent = dq(False), dq(True)
+    with configs.override(persistent_order=walk):
+        persistent = dq(True)
+    one_block = dq(False)
     assert not torch.isnan(persistent).any()
     assert torch.equal(persistent, one_block)
 
