@@ -111,13 +111,15 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
     nk = Skv // block
     shared_block = block == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
     asked = configs.active_overrides().persistent_dkdv if persistent is None else persistent
-    programs = _persistent_programs(asked, shared_block, B * H * nk, q.device)
-    persistent = programs > 0
-    order = ()  # the persistent kernel's three more arguments: order, key blocks, programs
+    order = _persistent_walk(
+        asked and shared_block,
+        B * H * nk,
+        q.device,
+        lambda n, banded: cached_dkdv_walk(q_offsets, B, n, banded),
+    )
+    persistent = bool(order)
     if persistent:
-        kernel, grid = block_sparse_attn_bwd_dkdv_gluon_persistent_kernel, (programs,)
-        walk = cached_dkdv_walk(q_offsets, B, programs, configs.persistent_walk_is_banded())
-        order = (walk, B * H * nk, programs)
+        kernel, grid = block_sparse_attn_bwd_dkdv_gluon_persistent_kernel, (order[-1],)
     elif shared_block:
         kernel, grid = block_sparse_attn_bwd_dkdv_gluon_kernel, (nk, B * H)
     else:
@@ -133,10 +135,15 @@ def kernel_args(q, k, v, do, dk, dv, lse2, delta, q_offsets, q_indices, block, s
     return kernel, grid, args, kwargs
 
 
-def _persistent_programs(asked: bool, shared_block: bool, blocks: int, device) -> int:
-    """The persistent kernel's programs (one per SM, or per block where fewer), or 0 where the
-    one-block kernels run: it is asked for and the block is split over the two consumers."""
-    return min(blocks, num_sms(device)) if asked and shared_block else 0
+def _persistent_walk(runs: bool, blocks: int, device, walk_of) -> tuple:
+    """The persistent kernel's three more arguments, ``(walk, blocks, programs)``, or ``()``
+    where the one-block kernel runs (``runs`` false). One program per SM, or per block where
+    fewer; ``walk_of(programs, banded)`` is the cached walk, banded as
+    ``configs.persistent_walk_is_banded`` says."""
+    if not runs:
+        return ()
+    programs = min(blocks, num_sms(device))
+    return walk_of(programs, configs.persistent_walk_is_banded()), blocks, programs
 
 
 def dkdv_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
@@ -198,13 +205,14 @@ def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, s
     nq = Sq // block
     shared_block = block == 2 * ROWS_PER_CONSUMER.value  # split over the consumers, or one each
     asked = configs.active_overrides().persistent_dq if persistent is None else persistent
-    programs = _persistent_programs(asked, shared_block, B * H * nq, q.device)
-    persistent = programs > 0
-    order = ()  # the persistent kernel's three more arguments: order, query blocks, programs
-    if persistent:
-        walk = cached_dq_walk(kv_counts, kv_indices.shape[-1], B, programs,
-                              configs.persistent_walk_is_banded())  # fmt: skip
-        order = (walk, B * H * nq, programs)
+    width = kv_indices.shape[-1]
+    order = _persistent_walk(
+        asked and shared_block,
+        B * H * nq,
+        q.device,
+        lambda n, banded: cached_dq_walk(kv_counts, width, B, n, banded),
+    )
+    persistent = bool(order)
     lists = (kv_indices, kv_counts, sizes, *broadcast_strides(kv_indices),
              *broadcast_strides(kv_counts))  # fmt: skip
     args = (*_tiles(q, k, v, do, dq), lse2, delta, *lists, epilogue.fns().dq_sm90.fn, grad_args,
@@ -214,7 +222,7 @@ def dq_kernel_args(q, k, v, do, dq, lse2, delta, kv_indices, kv_counts, block, s
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
                   num_warps=4)  # fmt: skip
     if persistent:
-        return block_sparse_attn_bwd_dq_gluon_persistent_kernel, (programs,), args, kwargs
+        return block_sparse_attn_bwd_dq_gluon_persistent_kernel, (order[-1],), args, kwargs
     if shared_block:
         return block_sparse_attn_bwd_dq_gluon_kernel, (nq, B * H), args, kwargs
     return block_sparse_attn_bwd_dq_gluon_tiles_kernel, ((nq + 1) // 2, B * H), args, kwargs
