@@ -91,6 +91,23 @@ def test_banded_order_balances_the_engines_ragged_key_blocks():
     assert (launch.max().item() / mean - 1) > 3 * (banded.max().item() / mean - 1)
 
 
+@pytest.mark.gpu
+def test_gpu_banded_order_is_built_on_the_device_and_captured_by_a_cuda_graph():
+    """The walk of lengths on the GPU is built there (no copy to the host, which a CUDA graph
+    capture refuses) and is the walk the CPU builds from the same lengths."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(0, 40, (3 * 200,), generator=gen, dtype=torch.int32)
+    on_gpu = lengths.cuda()
+    banded_order(on_gpu, 132)  # warm-up outside the capture (allocator, kernels)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = banded_order(on_gpu, 132)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert captured.device == on_gpu.device
+    assert torch.equal(captured.cpu(), banded_order(lengths, 132))
+
+
 def test_cached_dkdv_walk_covers_the_batch_of_broadcast_lists_and_is_cached():
     """Lists broadcast over the batch (``Bi = 1``): the walk covers every (b, h, key block),
     each batch entry's blocks as long as the lists say, and the second call is the same

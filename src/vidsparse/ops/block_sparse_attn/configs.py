@@ -170,8 +170,8 @@ GLUON_DQ_PERSISTENT = {128: GluonBwdOptions(STAGES=4)}
 # deals bands of two waves' worth of neighbouring blocks (about a head's key blocks at S=32k)
 # in pairs to the programs furthest behind, so the programs resident at a time read one or two
 # heads' Q and dO, which L2 holds; "longest_first" (lists.snake_order) sorts all blocks at
-# once, so every head is resident at once (at 46a1be8 on an H100 its dK/dV ran 7% slower than
-# one block a program).
+# once, so every head is resident at once (on an H100 its dK/dV ran 6-7% slower than one block a
+# program, banded 2%: benchmarks/NOTES.md).
 PERSISTENT_ORDER = "banded"
 PERSISTENT_ORDERS = ("banded", "longest_first")
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
@@ -393,8 +393,8 @@ class Overrides:
     # Both were slower than the two kernels on an H100 (benchmarks/NOTES.md).
     one_pass: str | None = None
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks walked as
-    # PERSISTENT_ORDER says (``bwd_sm90.dkdv_gluon``; the same bits). Off: walked longest
-    # first it was no faster on an H100 (NOTES); the banded walk is not yet timed.
+    # PERSISTENT_ORDER says (``bwd_sm90.dkdv_gluon``; the same bits). Off: no faster on an H100
+    # under either walk (benchmarks/NOTES.md).
     persistent_dkdv: bool = False
     # True: the same for the dQ kernel's query blocks.
     persistent_dq: bool = False

@@ -132,26 +132,28 @@ def banded_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
         band 0: 9 8 7 6 5 4 3 2   pairs 9+2 8+3 7+4 6+5       programs = 4
         band 1: 9 7 5 3 3 2 1 1   pairs 9+1 7+1 5+2 3+3  -> the largest sum to the lowest total
 
-    Built on the host (one copy of ``lengths`` a call: the callers cache it per lists)."""
+    Built where ``lengths`` live, without reading them back to the host (so a CUDA graph can
+    capture it): a few small launches a band, which the callers pay once per lists."""
     if lengths.is_meta:  # a launch built only to compile: shapes, no values
         return torch.empty(lengths.numel(), device=lengths.device, dtype=torch.int32)
-    flat = lengths.flatten().to("cpu", torch.int64)
+    device = lengths.device
+    flat = lengths.flatten().to(torch.int64)
     n = flat.numel()
     order = torch.argsort(flat, descending=True, stable=True)
     order = order[torch.argsort(order // (2 * programs), stable=True)]  # bands, longest first
-    totals = torch.zeros(programs, dtype=torch.int64)
+    totals = torch.zeros(programs, dtype=torch.int64, device=device)
     waves = []  # (abstract programs, their entries) per wave
     for start in range(0, n, 2 * programs):
         waves += _deal_band(order[start : start + 2 * programs], flat, totals, programs)
     last = waves[-1][0]
-    lane = torch.empty(programs, dtype=torch.int64)
-    others = torch.ones(programs, dtype=torch.bool)
-    others[last] = False
-    lane[torch.cat([last, others.nonzero().flatten()])] = torch.arange(programs)
-    walk = torch.empty(n, dtype=torch.int64)
+    not_last = torch.ones(programs, dtype=torch.int64, device=device)
+    not_last[last] = 0
+    lane = torch.empty(programs, dtype=torch.int64, device=device)
+    lane[torch.argsort(not_last, stable=True)] = torch.arange(programs, device=device)
+    walk = torch.empty(n, dtype=torch.int64, device=device)
     for w, (owners, entries) in enumerate(waves):
         walk[w * programs + lane[owners]] = entries
-    return walk.to(device=lengths.device, dtype=torch.int32)
+    return walk.to(torch.int32)
 
 
 def _deal_band(band: torch.Tensor, flat: torch.Tensor, totals: torch.Tensor, programs: int):
