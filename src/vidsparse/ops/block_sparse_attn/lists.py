@@ -132,8 +132,9 @@ def banded_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
         band 0: 9 8 7 6 5 4 3 2   pairs 9+2 8+3 7+4 6+5       programs = 4
         band 1: 9 7 5 3 3 2 1 1   pairs 9+1 7+1 5+2 3+3  -> the largest sum to the lowest total
 
-    Built where ``lengths`` live, without reading them back to the host (so a CUDA graph can
-    capture it): a few small launches a band, which the callers pay once per lists."""
+    Built where ``lengths`` live, without reading them back to the host: ``derived_lists`` is
+    bypassed while a CUDA graph captures, so a captured backward builds its walk inside the
+    graph. A few small launches a band, which eager callers pay once per lists."""
     if lengths.is_meta:  # a launch built only to compile: shapes, no values
         return torch.empty(lengths.numel(), device=lengths.device, dtype=torch.int32)
     device = lengths.device
