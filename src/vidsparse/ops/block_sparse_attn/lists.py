@@ -147,8 +147,10 @@ def banded_order(lengths: torch.Tensor, programs: int) -> torch.Tensor:
     for start in range(0, n, 2 * programs):
         waves += _deal_band(order[start : start + 2 * programs], flat, totals, programs)
     last = waves[-1][0]
+    # a scatter of a tensor: setting a Python 0 by index copies it from the host, which a
+    # capture refuses
     not_last = torch.ones(programs, dtype=torch.int64, device=device)
-    not_last[last] = 0
+    not_last = not_last.scatter(0, last, torch.zeros_like(last))
     lane = torch.empty(programs, dtype=torch.int64, device=device)
     lane[torch.argsort(not_last, stable=True)] = torch.arange(programs, device=device)
     walk = torch.empty(n, dtype=torch.int64, device=device)
