@@ -31,7 +31,8 @@
 #   persistent_dkdv=True, persistent_dq=True));
 #   clocks: the engine's 1/8 fwd+bwd over do_bench windows of 10 ms to 3 s with the SM clock and
 #   power beside them (profile_clocks.py, clocks.json);
-#   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, finetune-dense, finetune-vsa):
+#   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, vsa0.875-warmup, finetune-dense,
+#   finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
 #   on a warm machine, so each plot holds the arms before it; TRAIN_SEED=N: another seed
 #   (init and data order), into out/train_vsa_compiled_seedN; longer arms: TRAIN_STEPS=N (into
@@ -162,7 +163,7 @@ for what in "$@"; do
     train-vsa-*-compiled)  # one arm a call: ~5 minutes each (fine-tunes: after dense, warm)
       arm=${what#train-vsa-}; arm=${arm%-compiled}
       case $arm in
-        dense|vsa0.875|vsa0.9|finetune-dense|finetune-vsa) ;;
+        dense|vsa0.875|vsa0.9|vsa0.875-warmup|finetune-dense|finetune-vsa) ;;
         *) echo "unknown train_vsa arm: $arm" >&2; exit 2 ;;
       esac
       seed=${TRAIN_SEED:-0}; long=${TRAIN_STEPS:+_steps$TRAIN_STEPS}

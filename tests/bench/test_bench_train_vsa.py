@@ -97,6 +97,16 @@ def test_finetune_vsa_starts_dense_from_the_dense_weights(dense, tmp_path):
     assert read(tmp_path, "finetune-vsa")["meta"]["init"]["step"] == 4
 
 
+def test_vsa_warmup_starts_from_scratch_dense_then_ramps_to_its_target(dense, tmp_path):
+    rows = run_arm(tmp_path, "vsa0.875-warmup")
+    # The dense arm's init and data, attended densely (zero gates at sparsity 0) at step 0.
+    assert rows[0]["sparsity"] == 0.0 and rows[0]["global_step"] == 0
+    assert rows[0]["eval_loss"] == pytest.approx(read(dense, "dense")["rows"][0]["eval_loss"],
+                                                 rel=1e-5)  # fmt: skip
+    assert [r["sparsity"] for r in rows] == [0.0, 0.4375, 0.875]  # warmup 1, ramp 2, 2 levels
+    assert read(tmp_path, "vsa0.875-warmup")["meta"]["init"] is None
+
+
 def test_the_ema_follows_the_weights_with_a_warmup_decay_and_swaps_back():
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
@@ -245,6 +255,14 @@ def bench(out, *args) -> list[str]:
         (["--steps", "0"], "--steps must be at least 1"),
         (["--ema-decay", "1"], r"--ema-decay must be in \[0, 1\), got 1.0"),
         (["--steps", "8", "--lr-decay-steps", "9"], "--lr-decay-steps must be above --lr-warmup"),
+        (
+            ["--arm", "vsa0.875-warmup", "--schedule-warmup", "2"],
+            r"never reaches sparsity 0.875: --schedule-warmup \(2\) \+ --schedule-ramp \(2\)",
+        ),
+        (
+            ["--arm", "vsa0.875", "--schedule-ramp", "2"],
+            "--schedule-ramp sets a sparsity schedule, which only vsa0.875-warmup and finetune-vsa",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, match, tmp_path, capsys):

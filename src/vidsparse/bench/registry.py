@@ -351,6 +351,8 @@ _OPS = (
             _P("vsa0.875", "apply_sparse_attention(model, 'vsa', sparsity=0.875, gate=True), "
                "from scratch", ("diffusers",)),
             _P("vsa0.9", "the same at sparsity 0.9", ("diffusers",)),
+            _P("vsa0.875-warmup", "VSA 0.875 from scratch after dense steps, SparsitySchedule "
+               "0 -> 0.875", ("diffusers",)),
             _P("finetune-dense", "the dense arm's weights trained on, dense", ("diffusers",)),
             _P("finetune-vsa", "the dense arm's weights trained on with VSA, SparsitySchedule "
                "0 -> 0.875", ("diffusers",)),

@@ -4,6 +4,7 @@
     python -m vidsparse.bench train_vsa --arm dense --out runs/train_vsa
     python -m vidsparse.bench train_vsa --arm vsa0.875 --out runs/train_vsa
     python -m vidsparse.bench train_vsa --arm vsa0.9 --out runs/train_vsa
+    python -m vidsparse.bench train_vsa --arm vsa0.875-warmup --out runs/train_vsa
     python -m vidsparse.bench train_vsa --arm finetune-dense --out runs/train_vsa  # from dense
     python -m vidsparse.bench train_vsa --arm finetune-vsa --out runs/train_vsa    # its end
     python -m vidsparse.bench train_vsa --arm vsa0.875 --out runs/train_vsa --resume
@@ -34,10 +35,13 @@ same order, and a resumed arm the samples of an uninterrupted one.
 
 Arms (``ARMS``): ``dense``; ``vsa0.875`` and ``vsa0.9`` from scratch
 (``apply_sparse_attention(model, "vsa", sparsity=s, gate=True)``, zero gates, the target from
-step 0); ``finetune-dense`` and ``finetune-vsa`` continue the dense arm's final weights
-(``--init``, default ``OUT/checkpoints/dense.pt``) with a fresh AdamW, the VSA one with
-``SparsitySchedule`` from dense to 0.875 (``--finetune-warmup``, ``--finetune-ramp``,
-``--finetune-levels``).
+step 0); ``vsa0.875-warmup`` from scratch too, through ``SparsitySchedule`` from dense to
+0.875 (dense for the first 100 steps, then 4 levels over 200); ``finetune-dense`` and
+``finetune-vsa`` continue the dense arm's final weights (``--init``, default
+``OUT/checkpoints/dense.pt``) with a fresh AdamW, the VSA one through ``SparsitySchedule``
+from dense to 0.875 (30 dense steps, 4 levels over 120). ``--schedule-warmup``,
+``--schedule-ramp`` and ``--schedule-levels`` set the scheduled arms' dense steps, ramp and
+levels.
 
 Measured every ``--eval-every`` steps (and at step 0): the held-out loss (per level and mean),
 also of an EMA of the weights (``--ema-decay``, 0.99; 0: none), which smooths out where the
@@ -88,6 +92,19 @@ import torch.nn.functional as F
 
 from vidsparse.bench import harness, registry
 from vidsparse.bench.harness import Column
+from vidsparse.bench.ops.train_vsa_args import (
+    ARMS,
+    AS_IF_SPARSITY,
+    FINETUNE_ARMS,
+    OP,
+    SCHEDULES,
+    SPARSITY,
+    TEXT_TOKENS,
+    TILE,
+    TrainVsaError,
+    check_data,
+    complete_args,
+)
 from vidsparse.bench.ops.train_vsa_data import (
     EVAL_LEVELS,
     load_frames,
@@ -102,35 +119,11 @@ from vidsparse.bench.ops.train_vsa_measure import (
     draw_samples,
     plot_curves,
 )
-from vidsparse.bench.runner import BenchUsageError
 from vidsparse.data import CLIP_ATTRIBUTION
 from vidsparse.nn import SparsitySchedule
 from vidsparse.utils.files import atomic_write
 
-OP = "train_vsa"
-ARMS = ("dense", "vsa0.875", "vsa0.9", "finetune-dense", "finetune-vsa")
 PROVIDERS = ARMS
-FINETUNE_ARMS = ("finetune-dense", "finetune-vsa")
-SPARSITY = {"vsa0.875": 0.875, "vsa0.9": 0.9, "finetune-vsa": 0.875}  # the VSA arms' targets
-AS_IF_SPARSITY = 0.875  # dense arms: the attention metrics of VSA 0.875 on their q/k/v
-TILE = (4, 4, 4)
-TEXT_TOKENS = 4
-WAN = {"patch_size": (1, 2, 2), "in_channels": 3, "out_channels": 3, "cross_attn_norm": True,
-       "qk_norm": "rms_norm_across_heads"}  # fmt: skip
-MODEL = {**WAN, "num_attention_heads": 6, "attention_head_dim": 128, "num_layers": 8,
-         "ffn_dim": 3072, "text_dim": 64, "freq_dim": 256, "rope_max_seq_len": 1024}  # fmt: skip
-TINY_MODEL = {**WAN, "num_attention_heads": 2, "attention_head_dim": 32, "num_layers": 2,
-              "ffn_dim": 128, "text_dim": 16, "freq_dim": 32, "rope_max_seq_len": 64}  # fmt: skip
-# Pixels (frames, height, width). Tiny: 4 x 10 x 12 tokens, tiles partial along the height.
-CROP, TINY_CROP = (16, 64, 128), (4, 20, 24)
-DEFAULTS = {
-    False: dict(steps=600, finetune_steps=300, eval_every=50, lr=3e-4, lr_warmup=50,
-                finetune_warmup=30, finetune_ramp=120, finetune_levels=4, eval_crops=8,
-                holdout_frames=16, samples=2, sample_steps=20, max_minutes=8.0),
-    True: dict(steps=4, finetune_steps=4, eval_every=2, lr=2e-3, lr_warmup=1,
-               finetune_warmup=1, finetune_ramp=2, finetune_levels=2, eval_crops=2,
-               holdout_frames=8, samples=1, sample_steps=2, max_minutes=10.0),
-}  # fmt: skip
 CHECKPOINT_FORMAT = 2  # 2: with the EMA of the weights
 CHECKPOINT_KEYS = ("identity", "step", "steps", "init_step", "model", "optimizer", "ema", "rows",
                    "pending", "totals", "calls")  # fmt: skip
@@ -151,10 +144,6 @@ COLUMNS = [
     Column("kept_mass_mean", "kept mass", ".3f"),
     Column("attn_rel_l2_mean", "attn rel L2", ".3f"),
 ]
-
-
-class TrainVsaError(BenchUsageError):
-    """Bad input found before training: one line, exit status 2 through the runner."""
 
 
 # ------------------------------------------------------------------------------ model, loss
@@ -207,9 +196,9 @@ def eager():
 
 
 def make_schedule(args) -> SparsitySchedule | None:
-    if args.arm == "finetune-vsa":
-        return SparsitySchedule(SPARSITY[args.arm], args.finetune_warmup, args.finetune_ramp,
-                                args.finetune_levels)  # fmt: skip
+    if args.arm in SCHEDULES[args.tiny]:
+        return SparsitySchedule(SPARSITY[args.arm], args.schedule_warmup, args.schedule_ramp,
+                                args.schedule_levels)  # fmt: skip
     return SparsitySchedule(SPARSITY[args.arm]) if args.arm in SPARSITY else None
 
 
@@ -682,9 +671,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--eval-crops", type=int, help="held-out crops (8)")
     add("--eval-batch", type=int, default=4, help="held-out crops a forward")
     add("--holdout-frames", type=int, help="last frames of the clip kept for eval (16)")
-    add("--finetune-warmup", type=int, help="finetune-vsa: dense steps first (30)")
-    add("--finetune-ramp", type=int, help="finetune-vsa: steps of the levels (120)")
-    add("--finetune-levels", type=int, help="finetune-vsa: sparsity levels (4)")
+    add("--schedule-warmup", type=int,
+        help="vsa0.875-warmup, finetune-vsa: dense steps first (100, 30)")  # fmt: skip
+    add("--schedule-ramp", type=int,
+        help="vsa0.875-warmup, finetune-vsa: steps of the levels (200, 120)")  # fmt: skip
+    add("--schedule-levels", type=int,
+        help="vsa0.875-warmup, finetune-vsa: sparsity levels (4)")  # fmt: skip
     add(
         "--init",
         help="fine-tunes: the dense checkpoint to start from (default "
@@ -703,57 +695,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-POSITIVE = ("steps", "batch_size", "eval_every", "eval_crops", "eval_batch", "samples",
-            "sample_steps", "finetune_levels")  # fmt: skip
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
-    if args.arm not in ARMS:
-        raise TrainVsaError(f"unknown arm {args.arm!r}; choose from {', '.join(ARMS)}")
-    for key, value in DEFAULTS[args.tiny].items():
-        if key != "finetune_steps" and getattr(args, key, None) is None:
-            setattr(args, key, value)
-    if args.steps is None:
-        args.steps = DEFAULTS[args.tiny][
-            "steps" if args.arm not in FINETUNE_ARMS else "finetune_steps"
-        ]
-    if args.lr_decay_steps is None:
-        args.lr_decay_steps = args.steps
-    elif not args.lr_warmup < args.lr_decay_steps <= args.steps:
-        raise TrainVsaError(
-            f"--lr-decay-steps must be above --lr-warmup ({args.lr_warmup}) and at most --steps "
-            f"({args.steps}), got {args.lr_decay_steps}"
-        )
-    if not 0 <= args.ema_decay < 1:
-        raise TrainVsaError(f"--ema-decay must be in [0, 1), got {args.ema_decay}")
-    bad = [k for k in POSITIVE if getattr(args, k) < 1]
-    bad += [k for k in ("lr_warmup", "finetune_warmup", "finetune_ramp") if getattr(args, k) < 0]
-    if bad:
-        raise TrainVsaError(
-            f"--{bad[0].replace('_', '-')} must be at least {int(bad[0] in POSITIVE)}"
-        )
-    args.model_config = TINY_MODEL if args.tiny else MODEL
-    args.crop = TINY_CROP if args.tiny else CROP
-    patch = args.model_config["patch_size"]
-    args.tokens = math.prod(c // p for c, p in zip(args.crop, patch))
-    out = Path(args.out) if args.out else harness.results_dir() / OP
-    args.out_dir, args.json_path = (
-        (out.parent, out) if out.suffix == ".json" else (out, out / f"{args.arm}.json")
-    )
-    return args
-
-
-def check_data(args, frames: torch.Tensor) -> None:
-    _, count, height, width = frames.shape
-    f, h, w = args.crop
-    if args.holdout_frames < f or count - args.holdout_frames < f:
-        raise TrainVsaError(
-            f"--holdout-frames {args.holdout_frames} must leave {f}-frame crops on both sides "
-            f"of the clip's {count} frames"
-        )
-    if h > height or w > width:
-        raise TrainVsaError(f"crops of {h}x{w} do not fit the clip's {height}x{width} frames")
+    return complete_args(build_parser().parse_args(argv))
 
 
 def prepare(args, device: torch.device) -> Run:
