@@ -10,6 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from helpers import make_lists
 from vidsparse.ops.block_sparse_attn.lists import (
@@ -89,6 +91,44 @@ def test_banded_order_balances_the_engines_ragged_key_blocks():
     mean = lengths.sum().item() / programs
     assert banded.max().item() / mean < 1.03
     assert (launch.max().item() / mean - 1) > 3 * (banded.max().item() / mean - 1)
+
+
+class _HostInputs(TorchDispatchMode):
+    """Records the ops that take a tensor which came from neither the inputs nor an earlier
+    op (a Python number or list made a tensor on the host: a copy to the device on a GPU) or
+    that read a value back to the host: what a CUDA graph capture refuses."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.made = list(inputs)  # kept alive, so their ids stay theirs
+        self.known = {id(t) for t in inputs}
+        self.found = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        taken = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.found.append(str(func))
+        self.found += [str(func) for t in taken if id(t) not in self.known]
+        out = func(*args, **(kwargs or {}))
+        made = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        self.made += made
+        self.known.update(id(t) for t in made)
+        return out
+
+
+def test_the_walks_take_nothing_from_the_host():
+    """Both walks are built from the lengths by tensor ops alone, so on a GPU they build
+    inside a CUDA graph capture (``derived_lists`` is bypassed there); the check itself
+    catches a Python 0 set by tensor index."""
+    lengths = torch.randint(0, 40, (3 * 200,), dtype=torch.int32)
+    for build in (banded_order, snake_order):
+        with _HostInputs([lengths]) as mode:
+            build(lengths, 132)
+        assert mode.found == [], build.__name__
+    flags, where = torch.ones(4, dtype=torch.int64), torch.arange(2)
+    with _HostInputs([flags, where]) as mode:
+        flags[where] = 0
+    assert mode.found == ["aten.lift_fresh.default"]
 
 
 @pytest.mark.gpu
