@@ -25,6 +25,8 @@
 #   against the two Gluon kernels (try_gluon_bwd.py --one-pass, try_one_pass_bwd.json);
 #   engine-one-pass: the engine's 128x128 table (ours, cuDNN, Flex) with the backward in one
 #   pass, ordered then unordered (configs.override(one_pass=...), bench_with_override.py);
+#   one-pass-tma: the one-pass backward's GPU tests (atomics, TMA reductions, ordered), then the
+#   one-pass A/B (try_one_pass_bwd.json); engine-one-pass-tma: the engine's table with it;
 #   persistent-bwd: the persistent dK/dV and dQ kernels' GPU tests, then their A/B against one
 #   block a program (try_gluon_bwd.py --persistent, try_persistent_bwd.json);
 #   engine-persistent-bwd: the engine's 128x128 table with both (configs.override(
@@ -100,6 +102,14 @@ for what in "$@"; do
         tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
       step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
         --one-pass --cases engine ;;
+    one-pass-tma) step one_pass_tma_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
+      step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
+        --one-pass --cases engine ;;
+    engine-one-pass-tma) step engine_one_pass_tma 200 python3 \
+      benchmarks/tuning/bench_with_override.py one_pass=tma -- block_sparse --shapes default \
+      --providers ours,cudnn,flex --block-sizes 128x128 \
+      --out "$OUT/block_sparse_one_pass_tma_h200.json" ;;
     engine-one-pass) for mode in ordered unordered; do
         step "engine_one_pass_$mode" 200 python3 benchmarks/tuning/bench_with_override.py \
           one_pass=$mode -- block_sparse --shapes default --providers ours,cudnn,flex \

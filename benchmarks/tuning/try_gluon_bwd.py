@@ -23,12 +23,12 @@ backward is held to. Writes ``$OUT/try_gluon_bwd.json`` if ``OUT`` is set; print
 table last.
 
 ``--one-pass`` (128x128 cases only) compares instead the one-pass backward
-(``bwd_sm90.dkdvdq_gluon``: dQ by atomics from the dK/dV walk, dq's zeroing and scaling
-included) and its ordered kernel (dQ's adds in key-block order, the same bits every run),
-each at 2 and 3 stages, with the two Gluon kernels back to back and with the library's
-backward whole, and fwd+bwd both ways (forward, preprocess, backward; the transposed lists
-cached as the library caches them); its dK, dV against the dK/dV kernel's bits and its dQ
-against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
+(``bwd_sm90.dkdvdq_gluon``: dQ by atomics from the dK/dV walk, dq's zeroing and scaling included),
+the same with dQ's adds by TMA reductions (``by_tma``) and its ordered kernel (dQ's adds in
+key-block order, the same bits every run), each at 2 and 3 stages, with the two Gluon kernels back
+to back and with the library's backward whole, and fwd+bwd both ways (forward, preprocess, backward;
+the transposed lists cached as the library caches them); its dK, dV against the dK/dV kernel's bits
+and its dQ against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
 
 ``--persistent`` (128x128 cases only) compares the persistent dK/dV and dQ kernels (one
 program per SM; ``configs.Overrides.persistent_dkdv`` / ``persistent_dq``) with one block a
@@ -44,6 +44,7 @@ GPU time, which tells host gaps in the eager time from the kernels' own
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 
@@ -236,11 +237,12 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
         dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale)
         return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale), dk, dv
 
-    def one_pass(stages, o=o, lse=lse):
+    def one_pass(stages, by_tma, o=o, lse=lse):
         delta, lse2 = prep(o, lse)
-        opts = replace(configs.GLUON_DKDVDQ[bs], STAGES=stages)
+        table = configs.GLUON_DKDVDQ_TMA if by_tma else configs.GLUON_DKDVDQ
+        opts = replace(table[bs], STAGES=stages)
         dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
-                                           options=opts)  # fmt: skip
+                                           options=opts, by_tma=by_tma)  # fmt: skip
         return dq, dk, dv
 
     def library():
@@ -251,16 +253,17 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
     row("fwd+two_kernels", _bench(lambda: two_kernels(*forward())))
     row("library_bwd", _bench(library))
     row("fwd+library_bwd", _bench(lambda: (forward(), library())))
-    for stages in (2, 3):
+    for by_tma, stages in itertools.product((True, False), (2, 3)):
         checks = {}
         for run in (1, 2):
-            dq, dk, dv = one_pass(stages)
+            dq, dk, dv = one_pass(stages, by_tma)
             checks[f"run{run}"] = {
                 "dk_equal": bool(torch.equal(dk, dk_2)), "dv_equal": bool(torch.equal(dv, dv_2)),
                 "err_dq_vs_dq_kernel": _rel_l2(dq, dq_2), "nan": bool(torch.isnan(dq).any()),
             }  # fmt: skip
-        row(f"one_pass_s{stages}", _bench(lambda s=stages: one_pass(s)), **checks)
-        row(f"fwd+one_pass_s{stages}", _bench(lambda s=stages: one_pass(s, *forward())))
+        name = f"one_pass{'_tma' if by_tma else ''}_s{stages}"
+        row(name, _bench(lambda s=stages, t=by_tma: one_pass(s, t)), **checks)
+        row(f"fwd+{name}", _bench(lambda s=stages, t=by_tma: one_pass(s, t, *forward())))
 
     def ordered(stages, o=o, lse=lse):  # last: a semaphore protocol that hangs ends the run
         delta, lse2 = prep(o, lse)

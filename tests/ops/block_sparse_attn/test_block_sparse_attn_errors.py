@@ -308,7 +308,7 @@ def test_lists_mutated_through_data_1000_runs_never_fault_on_gpu(dtype, block, w
 
 
 def test_an_unknown_one_pass_mode_is_refused_before_any_launch():
-    """``configs.override(one_pass=...)`` takes "ordered", "unordered" or None."""
+    """``configs.override(one_pass=...)`` takes "ordered", "unordered", "tma" or None."""
     from vidsparse.ops.block_sparse_attn import bwd, configs
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 

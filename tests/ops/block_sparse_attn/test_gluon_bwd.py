@@ -347,17 +347,19 @@ def _one_pass_case(dtype, padded, scale, seed):
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded, scale):
-    """``dkdvdq_gluon`` (dQ by atomics from the dK/dV walk): dK and dV the dK/dV kernel's bits;
-    dQ against fp64, the low-precision baseline and the dQ kernel, 0 on the empty query row;
-    partial key blocks with large finite padding (``padded``), input scales 1, 4 and 16."""
+@pytest.mark.parametrize("by_tma", [False, True])
+def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded, scale, by_tma):
+    """``dkdvdq_gluon`` (dQ from the dK/dV walk, added by the consumers' atomics or, ``by_tma``,
+    by TMA reductions): dK and dV the dK/dV kernel's bits; dQ against fp64, the low-precision
+    baseline and the dQ kernel, 0 on the empty query row; partial key blocks with large finite
+    padding (``padded``), input scales 1, 4 and 16."""
     problem, one_pass, (dk_2, dv_2, dq_2) = _one_pass_case(dtype, padded, scale, 11)
     q, k, v, do, idx, cnt, sizes = problem
-    dk, dv, dq = one_pass()
+    dk, dv, dq = one_pass(by_tma=by_tma)
     assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
     _check_dq(dq, q, k, v, do, idx, cnt, sizes, 128, dq_2, "the dQ kernel")
-    # atomics in any order: another run differs in the fp32 sum's last bits only
-    torch.testing.assert_close(one_pass()[2], dq, rtol=1e-2, atol=1e-3)
+    # adds in any order: another run differs in the fp32 sum's last bits only
+    torch.testing.assert_close(one_pass(by_tma=by_tma)[2], dq, rtol=1e-2, atol=1e-3)
 
 
 @pytest.mark.timeout(300, method="thread")  # a semaphore wait that never ends: fail, not hang
@@ -379,11 +381,12 @@ def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded):
 
 
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("mode", ["ordered", "unordered"])
+@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma"])
 def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, mode):
     """``configs.override(one_pass=mode)``: the engine's backward at 128x128 without an
-    epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists) and its gradients match
-    the two-kernel backward's (dK, dV to the bit); ordered, the same bits on a second run."""
+    epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions)
+    and its gradients match the two-kernel backward's (dK, dV to the bit); ordered, the same
+    bits on a second run."""
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
 
     q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, scale=4.0, seed=17)
@@ -391,7 +394,7 @@ def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, 
     real = bwd_sm90.dkdvdq_gluon
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("ordered_by") is not None)
+        calls.append((kwargs.get("ordered_by") is not None, kwargs.get("by_tma", False)))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bwd_sm90, "dkdvdq_gluon", spy)
@@ -399,7 +402,7 @@ def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, 
     with configs.override(one_pass=mode):
         first = _engine_grads(q, k, v, do, idx, cnt, 128)
         second = _engine_grads(q, k, v, do, idx, cnt, 128)
-    assert calls == [mode == "ordered"] * 2
+    assert calls == [(mode == "ordered", mode == "tma")] * 2
     dq, dk, dv = first
     assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
     torch.testing.assert_close(dq, dq_2, rtol=1e-2, atol=1e-3)

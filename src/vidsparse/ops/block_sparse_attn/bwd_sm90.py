@@ -261,45 +261,61 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
 def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_indices, block,
                        scale, kv_block_sizes=None,
                        options: configs.GluonBwdOptions | None = None,
-                       order=None):  # fmt: skip
+                       order=None, by_tma: bool = False):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of the one-pass backward (also used to compile for sm_90
     without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D].
     ``order``: None (unordered adds), or ``(kv_indices, kv_counts, semaphores, ticket)``,
     the forward lists (int32, unit last stride) and zeroed int32 ``[B*H*NQ*2]`` and ``[1]``:
-    the ordered kernel."""
+    the ordered kernel. ``by_tma``: the unordered kernel adding by TMA reductions."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     has_sizes = kv_block_sizes is not None
     sizes = kv_block_sizes if has_sizes else q_offsets  # dummy pointer when unused
     nk = Skv // block
     ordering, kernel, table = (), block_sparse_attn_bwd_dkdvdq_gluon_kernel, configs.GLUON_DKDVDQ
+    tma_kwargs = {"DQ_BY_TMA": by_tma}
+    dq_target = _dq_tiles(dq_acc) if by_tma else dq_acc
+    if by_tma:
+        table = configs.GLUON_DKDVDQ_TMA
     if order is not None:
         kv_indices, kv_counts, semaphores, ticket = order
         ordering = (kv_indices, kv_counts, kv_indices.shape[-1],
                     *broadcast_strides(kv_indices)[:3], *broadcast_strides(kv_counts),
                     semaphores, ticket)  # fmt: skip
         kernel = block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel
-        table = configs.GLUON_DKDVDQ_ORDERED
-    args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_acc, q_offsets, q_indices,
+        table, tma_kwargs = configs.GLUON_DKDVDQ_ORDERED, {}
+    args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_target, q_offsets, q_indices,
             sizes, *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
             *ordering, H, Sq, Skv, Sq // block - 1, nk, q_indices.shape[-1], scale * LOG2E,
             scale)  # fmt: skip
     opts = (options or table[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
-                  num_warps=4)  # fmt: skip
+                  **tma_kwargs, num_warps=4)  # fmt: skip
     return kernel, (nk, B * H), args, kwargs
+
+
+def _dq_tiles(dq_acc: torch.Tensor) -> TensorDescriptor:
+    """TMA descriptor of fp32 ``dq_acc`` [B, H, S, D] as [B*H*S, D] in [64, D / 2] tiles: a
+    consumer's columns of one query step, the unit of the one-pass kernel's reductions."""
+    D = dq_acc.shape[-1]
+    block = [STEP_M.value, D // 2]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
+    view = dq_acc.view(-1, D)
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
 def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
                  kv_block_sizes=None, options: configs.GluonBwdOptions | None = None,
-                 ordered_by=None):  # fmt: skip
+                 ordered_by=None, by_tma: bool = False):  # fmt: skip
     """``(dk, dv, dq)`` in one pass (Hopper, 128-row blocks, no epilogue): dK and dV the dK/dV
     kernel's bits, dQ added from every key block's step into an fp32 accumulator by atomics
     (``kernels/bwd_sm90_fused.py``). Unordered, dq's last bits vary from run to run;
     ``ordered_by=(kv_indices, kv_counts)``, the forward lists the transposed ones came from,
     adds each query step's in key-block order, so dq is the same bits on every run (they must
     be the lists ``q_offsets``, ``q_indices`` were transposed from: lists that disagree can
-    leave the kernel waiting forever). Inputs as ``dkdv_gluon``'s. The engine's backward takes
+    leave the kernel waiting forever). ``by_tma``: unordered, each step's dQ tiles added by TMA
+    bulk reductions from shared memory instead of the consumers' atomics. Inputs as
+    ``dkdv_gluon``'s. The engine's backward takes
     it only under ``configs.override(one_pass=...)``: both are slower than the two kernels
     (``benchmarks/NOTES.md``)."""
     _check_inputs("dkdvdq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
@@ -307,6 +323,8 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
         raise ValueError(f"dkdvdq_gluon: block {block} not supported; "
                          f"supported: {sorted(configs.GLUON_DKDVDQ)}")  # fmt: skip
     _check_transposed_lists("dkdvdq_gluon", q_offsets, q_indices, k, block)
+    if by_tma and ordered_by is not None:
+        raise ValueError("dkdvdq_gluon: by_tma adds dQ unordered; it takes no ordered_by")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -319,7 +337,8 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
         order = (kv_indices, kv_counts, semaphores[1:], semaphores[:1])  # one zeroing for both
     kernel, grid, args, kwargs = dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta,
                                                     q_offsets, q_indices, block, scale,
-                                                    kv_block_sizes, options, order)  # fmt: skip
+                                                    kv_block_sizes, options, order,
+                                                    by_tma)  # fmt: skip
     kernel[grid](*args, **kwargs)
     return dk, dv, dq_acc.to(q.dtype)
 

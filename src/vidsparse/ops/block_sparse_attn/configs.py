@@ -178,12 +178,16 @@ PERSISTENT_ORDERS = ("banded", "longest_first")
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB; 2 steps timed 2% slower).
 # Slower than the two kernels (4.96 against 4.28 ms at 1/8, H100): a tuning override only.
 GLUON_DKDVDQ = {128: GluonBwdOptions(STAGES=3)}
+# The same with dQ's adds by TMA reductions (``by_tma``): 32 KB more for the consumers' fp32 dQ
+# tiles (untimed).
+GLUON_DKDVDQ_TMA = {128: GluonBwdOptions(STAGES=3)}
 # The same with dQ's adds in key-block order (``ordered``): 32 KB more for the writer warp's
 # tiles; 2 steps take 198,128 bytes, 3 fit too (231,440 of 232,448; timed alike, 8.7 ms: one
 # writer warp cannot keep up). The loader and the writer warp share LOADER_REGS: the
 # consumers need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the
 # third warpgroup; the writer's scalars spill at that (352 bytes).
 GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
+ONE_PASS_MODES = ("ordered", "unordered", "tma")  # Overrides.one_pass
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with
@@ -388,9 +392,10 @@ class Overrides:
     # kept between the passes, for a gather of q, k, v in the backward (benchmarks/NOTES.md).
     regather: bool = False
     gluon: GluonOptions | None = None
-    # "ordered" / "unordered": the Hopper backward in one pass where it applies (128x128, no
-    # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or not.
-    # Both were slower than the two kernels on an H100 (benchmarks/NOTES.md).
+    # One of ONE_PASS_MODES: the Hopper backward in one pass where it applies (128x128, no
+    # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order, by the
+    # consumers' atomics, or by TMA reductions. The first two were slower than the two kernels
+    # on an H100; "tma" is untimed (benchmarks/NOTES.md).
     one_pass: str | None = None
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks walked as
     # PERSISTENT_ORDER says (``bwd_sm90.dkdv_gluon``; the same bits). Off: no faster on an H100

@@ -13,7 +13,11 @@ and consumer c forms columns ``64c .. 64c + 63`` of the step's dQ over all 128 k
     dQ[:, 64c:64c+64] = dS[64 q, 128 k] @ K[128 k, 64c:64c+64]    (dS^T from shared, transposed)
 
 and adds them to the fp32 accumulator ``dq_acc`` (``atom.global.add``; dK and dV are the dK/dV
-kernel's bits). Unordered, the sum's order, so dq's last bits, differ from run to run. The dS
+kernel's bits). Unordered, the sum's order, so dq's last bits, differ from run to run. With
+``DQ_BY == DQ_TMA`` each consumer instead stores its [64, 64] fp32 tile in shared memory and
+hands it to the TMA unit as one bulk reduction into ``dq_acc`` (``cp.reduce.async.bulk.tensor``,
+FlashAttention-3's way): the consumer issues one instruction where the atomics took 16 a
+thread, and waits only for the unit to have read the tile, one step later. The dS
 tiles are double-buffered by step parity: a consumer writing buffer ``j % 2`` at step j has
 waited on step j - 1's barrier, which the other consumer reaches only after its step j - 2
 (the last reader of that buffer) has retired every wgmma.
@@ -35,8 +39,10 @@ The caller zeroes ``dq_acc`` before and casts it to dq after (the adds are scale
 128x128 blocks, D = 128, 16-bit inputs, no dQ hook (the engine's identity epilogue).
 """
 
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -57,6 +63,26 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
 # A barrier over this partition's warps (Triton 3.8 renamed Gluon's ``thread_barrier``).
 partition_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
+# How the consumers' dQ tiles reach ``dq_acc``: their own atomics, a writer warp that orders
+# them (the ordered kernel), or TMA bulk reductions from shared memory.
+DQ_ATOMICS = gl.constexpr(0)
+DQ_WRITER = gl.constexpr(1)
+DQ_TMA = gl.constexpr(2)
+
+
+@builtin
+def _tma_reduce_add_36(tensor_desc, coord, src, _semantic=None):
+    """``dst[coord ...] += src`` by the TMA unit, from shared memory: Triton 3.6 builds the op
+    (``create_async_tma_reduce``) but its Gluon names it only from 3.8 on
+    (``tma.async_atomic_add``, the same op)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
+tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
+
 
 @gluon.jit
 def _add_dq(DQ_ACC, dq, q_row, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -74,12 +100,14 @@ def _fused_consumer(
     kv_bar, ready, empty, ds_ready, dq_smem, dq_full, dq_empty, idx_row, start, num_steps,
     KV_SIZES, kv_block, kv_row, q_row0, Q_LAST, valid, qk_scale, scale, K_INDEX: gl.constexpr,
     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr, HANDOFF: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, DQ_BY: gl.constexpr,
 ):  # fmt: skip
     """dK, dV of key rows ``k_smem[K_INDEX]`` over ``num_steps`` ring steps, stored if
-    ``valid``; each step's dQ columns ``64 K_INDEX ..`` added into ``DQ_ACC``, or with
-    ``HANDOFF`` put in ``dq_smem[K_INDEX]`` for the writer warp (``dq_full``: both halves are
-    there; ``dq_empty``: it has read them)."""
+    ``valid``; each step's dQ columns ``64 K_INDEX ..`` added into ``DQ_ACC`` (a pointer) by
+    ``DQ_ATOMICS``, put in ``dq_smem[K_INDEX]`` for the writer warp by ``DQ_WRITER``
+    (``dq_full``: both halves are there; ``dq_empty``: it has read them), or reduced into
+    ``DQ_ACC`` (a TMA descriptor of [64, 64] fp32 tiles) from ``dq_smem[K_INDEX]`` by
+    ``DQ_TMA``."""
     M: gl.constexpr = ROWS_PER_CONSUMER
     NSUB: gl.constexpr = BLOCK_M // STEP_M
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -146,7 +174,7 @@ def _fused_consumer(
         )
         mbarrier.arrive(empty.index(slot))
         dq = dq * scale  # here, in registers: the caller's only pass over dq_acc is the cast
-        if HANDOFF:  # to the writer warp, through shared memory
+        if DQ_BY == DQ_WRITER:  # to the writer warp, through shared memory
             mbarrier.wait(dq_empty, (j & 1) ^ 1)  # it has read the last step's (j = 0: passes)
             dq_smem.index(K_INDEX).store(dq)
             mbarrier.arrive(dq_full)
@@ -154,7 +182,16 @@ def _fused_consumer(
             q_block = gl.load(idx_row + start + j // NSUB)  # the loader's row, clamped alike
             q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
             q_row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
-            _add_dq(DQ_ACC, dq, q_row, K_INDEX * HALF, HEAD_DIM, dq_layout)
+            if DQ_BY == DQ_TMA:
+                tile = dq_smem.index(K_INDEX)
+                tma.store_wait(pendings=0)  # the last step's reduction has read the tile
+                tile.store(dq)
+                fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+                tma_reduce_add(DQ_ACC, [q_row, K_INDEX * HALF], tile)
+            else:
+                _add_dq(DQ_ACC, dq, q_row, K_INDEX * HALF, HEAD_DIM, dq_layout)
+    if DQ_BY == DQ_TMA:
+        tma.store_wait(pendings=0)  # the tile is read before the program's shared memory goes
 
     if valid:
         dk = dk * scale
@@ -246,17 +283,20 @@ def _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES: gl.constexpr, HEAD_DIM: 
 def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,  # TMA over [B*H*S, D], blocks [64, D]
     desc_lse2, desc_delta,  # TMA over fp32 [B*H*Sq], blocks [64]
-    DQ_ACC,  # fp32 [B*H*Sq, D], zeroed by the caller
+    DQ_ACC,  # fp32 [B*H*Sq, D], zeroed by the caller: a pointer, or (DQ_BY_TMA) a TMA
+    # descriptor of it in [64, D / 2] tiles
     Q_OFF, Q_IDX, KV_SIZES,  # the transposed lists; [NK] (HAS_KV_SIZES)
     stride_offb, stride_offh, stride_qib, stride_qih,
     H, Sq, Skv, Q_LAST, NK, WIDTH,
     qk_scale, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: a 128-row key block per program, its halves on the two consumers,
-    one list and one ring, as ``bwd_sm90.block_sparse_attn_bwd_dkdv_gluon_kernel``."""
+    one list and one ring, as ``bwd_sm90.block_sparse_attn_bwd_dkdv_gluon_kernel``. dQ's adds
+    by the consumers' atomics, or with ``DQ_BY_TMA`` by TMA reductions from a 16 KB tile of
+    each consumer's."""
     gl.static_assert(BLOCK_N == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
     pid_n = gl.program_id(0)
@@ -267,22 +307,29 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
 
     (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready,
      kv_bar) = _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES, HEAD_DIM)
+    if DQ_BY_TMA:
+        dq_by: gl.constexpr = DQ_TMA
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, STEP_M, HEAD_DIM // 2],
+                                            DQ_ACC.layout)  # fmt: skip
+    else:
+        dq_by: gl.constexpr = DQ_ATOMICS
+        dq_smem = ds_smem  # unread
 
     q_row0 = pid_bh * Sq
     gl.warp_specialize(
         [
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
-                               ds_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                               dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               gl.constexpr(False))),
+                               dq_by)),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
-                               ds_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                               dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               gl.constexpr(False))),
+                               dq_by)),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                           v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
                           idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
@@ -341,13 +388,13 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               gl.constexpr(True))),
+                               DQ_WRITER)),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               gl.constexpr(True))),
+                               DQ_WRITER)),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                           v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
                           idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
