@@ -26,7 +26,8 @@
 #   engine-one-pass: the engine's 128x128 table (ours, cuDNN, Flex) with the backward in one
 #   pass, ordered then unordered (configs.override(one_pass=...), bench_with_override.py);
 #   one-pass-tma: the one-pass backward's GPU tests (atomics, TMA reductions, ordered), then the
-#   one-pass A/B (try_one_pass_bwd.json); engine-one-pass-tma: the engine's table with it;
+#   one-pass A/B (try_one_pass_bwd.json); engine-one-pass-tma: the engine's table with it,
+#   unordered then ordered (one_pass=tma, ordered_tma);
 #   persistent-bwd: the persistent dK/dV and dQ kernels' GPU tests, then their A/B against one
 #   block a program (try_gluon_bwd.py --persistent, try_persistent_bwd.json);
 #   engine-persistent-bwd: the engine's 128x128 table with both (configs.override(
@@ -106,10 +107,11 @@ for what in "$@"; do
         tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
       step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
         --one-pass --cases engine ;;
-    engine-one-pass-tma) step engine_one_pass_tma 200 python3 \
-      benchmarks/tuning/bench_with_override.py one_pass=tma -- block_sparse --shapes default \
-      --providers ours,cudnn,flex --block-sizes 128x128 \
-      --out "$OUT/block_sparse_one_pass_tma_h200.json" ;;
+    engine-one-pass-tma) for mode in tma ordered_tma; do
+        step "engine_one_pass_$mode" 200 python3 benchmarks/tuning/bench_with_override.py \
+          one_pass=$mode -- block_sparse --shapes default --providers ours,cudnn,flex \
+          --block-sizes 128x128 --out "$OUT/block_sparse_one_pass_${mode}_h200.json"
+      done ;;
     engine-one-pass) for mode in ordered unordered; do
         step "engine_one_pass_$mode" 200 python3 benchmarks/tuning/bench_with_override.py \
           one_pass=$mode -- block_sparse --shapes default --providers ours,cudnn,flex \

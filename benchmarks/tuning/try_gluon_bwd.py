@@ -23,12 +23,13 @@ backward is held to. Writes ``$OUT/try_gluon_bwd.json`` if ``OUT`` is set; print
 table last.
 
 ``--one-pass`` (128x128 cases only) compares instead the one-pass backward
-(``bwd_sm90.dkdvdq_gluon``: dQ by atomics from the dK/dV walk, dq's zeroing and scaling included),
-the same with dQ's adds by TMA reductions (``by_tma``) and its ordered kernel (dQ's adds in
-key-block order, the same bits every run), each at 2 and 3 stages, with the two Gluon kernels back
-to back and with the library's backward whole, and fwd+bwd both ways (forward, preprocess, backward;
-the transposed lists cached as the library caches them); its dK, dV against the dK/dV kernel's bits
-and its dQ against the dQ kernel's (rel L2), twice (``$OUT/try_one_pass_bwd.json``).
+(``bwd_sm90.dkdvdq_gluon``: dQ by atomics from the dK/dV walk, dq's zeroing and scaling
+included) and its ordered kernel (dQ's adds in key-block order, the same bits every run), each
+by atomics and by TMA reductions (``by_tma``) and at 2 and 3 stages, with the two Gluon kernels
+back to back and with the library's backward whole, and fwd+bwd both ways (forward, preprocess,
+backward; the transposed lists cached as the library caches them); its dK, dV against the dK/dV
+kernel's bits and its dQ against the dQ kernel's (rel L2), twice
+(``$OUT/try_one_pass_bwd.json``).
 
 ``--persistent`` (128x128 cases only) compares the persistent dK/dV and dQ kernels (one
 program per SM; ``configs.Overrides.persistent_dkdv`` / ``persistent_dq``) with one block a
@@ -265,22 +266,24 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
         row(name, _bench(lambda s=stages, t=by_tma: one_pass(s, t)), **checks)
         row(f"fwd+{name}", _bench(lambda s=stages, t=by_tma: one_pass(s, t, *forward())))
 
-    def ordered(stages, o=o, lse=lse):  # last: a semaphore protocol that hangs ends the run
+    def ordered(stages, by_tma, o=o, lse=lse):  # last: a semaphore protocol that hangs ends it
         delta, lse2 = prep(o, lse)
         opts = replace(configs.GLUON_DKDVDQ_ORDERED[bs], STAGES=stages)
         dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
-                                           options=opts, ordered_by=(idx, cnt))  # fmt: skip
+                                           options=opts, ordered_by=(idx, cnt),
+                                           by_tma=by_tma)  # fmt: skip
         return dq, dk, dv
 
-    for stages in (2, 3):
-        dq_a, dk, dv = ordered(stages)
-        dq_b = ordered(stages)[0]
+    for by_tma, stages in itertools.product((True, False), (2, 3)):
+        dq_a, dk, dv = ordered(stages, by_tma)
+        dq_b = ordered(stages, by_tma)[0]
         checks = {"dk_equal": bool(torch.equal(dk, dk_2)),
                   "dv_equal": bool(torch.equal(dv, dv_2)),
                   "dq_same_bits_twice": bool(torch.equal(dq_a, dq_b)),
                   "err_dq_vs_dq_kernel": _rel_l2(dq_a, dq_2)}  # fmt: skip
-        row(f"one_pass_ordered_s{stages}", _bench(lambda s=stages: ordered(s)), **checks)
-        row(f"fwd+one_pass_ordered_s{stages}", _bench(lambda s=stages: ordered(s, *forward())))
+        name = f"one_pass_ordered{'_tma' if by_tma else ''}_s{stages}"
+        row(name, _bench(lambda s=stages, t=by_tma: ordered(s, t)), **checks)
+        row(f"fwd+{name}", _bench(lambda s=stages, t=by_tma: ordered(s, t, *forward())))
     return rows
 
 

@@ -52,7 +52,8 @@ ACCEPTED_SPILL_BYTES = {
 ACCEPTED_FUSED_SPILL_BYTES = {False: 80, True: 96}
 # Its ordered kernel (dQ's adds in key-block order by a writer warp): the writer warp's
 # scalars at the 32 registers a thread the consumers leave it (352 / 216 bytes on Triton 3.6 /
-# 3.8; with an empty writer 80). Listed until the writer is measured on a GPU.
+# 3.8; with an empty writer 80; by TMA reductions 408 on 3.6). Listed until the writer is
+# measured on a GPU.
 ACCEPTED_ORDERED_SPILL_BYTES = 448
 # The one-pass kernel with dQ's adds by TMA reductions (``by_tma``): the same scalars, and the
 # step's query row kept for the reduction's coordinate; 132 / 100 bytes on Triton 3.6 (without
@@ -95,9 +96,10 @@ for masked in (False, True):
     rep = compile_dkdvdq_sm90({{}}, masked=masked, by_tma=True)
     print(json.dumps(dict(kernel="dkdvdq", block=128, masked=masked, hook=False, by_tma=True,
                           dtype=str(torch.bfloat16), **rep)))
-rep = compile_dkdvdq_sm90({{}}, ordered=True)
-print(json.dumps(dict(kernel="dkdvdq", block=128, masked=False, hook=False, ordered=True,
-                      dtype=str(torch.bfloat16), **rep)))
+for by_tma in (False, True):
+    rep = compile_dkdvdq_sm90({{}}, ordered=True, by_tma=by_tma)
+    print(json.dumps(dict(kernel="dkdvdq", block=128, masked=False, hook=False, ordered=True,
+                          by_tma=by_tma, dtype=str(torch.bfloat16), **rep)))
 for masked in (False, True):
     rep = compile_dkdv_sm90({{}}, masked=masked, persistent=True)
     print(json.dumps(dict(kernel="persistent", block=128, masked=masked, hook=False,
@@ -196,9 +198,11 @@ def test_gluon_backward_compiles_for_sm90():
     fused = [r for r in reports if r.get("kernel") == "dkdvdq"]
     persistent = [r for r in reports if r.get("kernel") == "persistent"]
     reports = [r for r in reports if r.get("kernel") is None]
-    assert len(reports) == 10 and len(dq) == 8 and len(fused) == 5 and len(persistent) == 2
-    for r in reports + dq + fused + persistent:  # only by_tma asks the TMA unit to add
-        assert r["tma_reductions"] == (2 if r.get("by_tma") else 0), r  # one a consumer
+    assert len(reports) == 10 and len(dq) == 8 and len(fused) == 6 and len(persistent) == 2
+    for r in reports + dq + fused + persistent:  # only by_tma asks the TMA unit to add:
+        # a box a consumer, or the writer warp's four (two tiles of two 32-column boxes)
+        tma = 4 if r.get("ordered") else 2
+        assert r["tma_reductions"] == (tma if r.get("by_tma") else 0), r
     for r in dq:  # the dQ kernels (VSA's hook in too): no spill at all, no hazard, no warning
         print(json.dumps(r))
         assert r["sass_a_operand_hazards"] == 0 and r["shared"] <= 227 * 1024, r

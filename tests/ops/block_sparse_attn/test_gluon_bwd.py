@@ -364,14 +364,16 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
 
 @pytest.mark.timeout(300, method="thread")  # a semaphore wait that never ends: fail, not hang
 @pytest.mark.parametrize("padded", [False, True])
-def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded):
-    """``dkdvdq_gluon(ordered_by=...)``: dQ's adds in key-block order, so dq is the same bits
-    on every run (three; 2 * 3 heads of 9 key blocks, lists with an empty row), and equal in
-    value to the unordered kernel's; dK, dV the dK/dV kernel's bits."""
+@pytest.mark.parametrize("by_tma", [False, True])
+def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded, by_tma):
+    """``dkdvdq_gluon(ordered_by=...)``: dQ's adds in key-block order (by the writer warp's
+    atomics or, ``by_tma``, its TMA reductions), so dq is the same bits on every run (three;
+    2 * 3 heads of 9 key blocks, lists with an empty row), and equal in value to the unordered
+    kernel's; dK, dV the dK/dV kernel's bits."""
     problem, one_pass, (dk_2, dv_2, _) = _one_pass_case(torch.bfloat16, padded, 4.0, 13)
     idx, cnt = problem[4:6]
     dq_unordered = one_pass()[2]
-    runs = [one_pass(ordered_by=(idx, cnt)) for _ in range(3)]
+    runs = [one_pass(ordered_by=(idx, cnt), by_tma=by_tma) for _ in range(3)]
     dk, dv, dq = runs[0]
     assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
     assert not torch.isnan(dq).any()
@@ -381,12 +383,13 @@ def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded):
 
 
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma"])
+@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma", "ordered_tma"])
 def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, mode):
     """``configs.override(one_pass=mode)``: the engine's backward at 128x128 without an
     epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions)
     and its gradients match the two-kernel backward's (dK, dV to the bit); ordered, the same
     bits on a second run."""
+    ordered, by_tma = mode.startswith("ordered"), mode.endswith("tma")
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
 
     q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, scale=4.0, seed=17)
@@ -402,9 +405,9 @@ def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, 
     with configs.override(one_pass=mode):
         first = _engine_grads(q, k, v, do, idx, cnt, 128)
         second = _engine_grads(q, k, v, do, idx, cnt, 128)
-    assert calls == [(mode == "ordered", mode == "tma")] * 2
+    assert calls == [(ordered, by_tma)] * 2
     dq, dk, dv = first
     assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
     torch.testing.assert_close(dq, dq_2, rtol=1e-2, atol=1e-3)
-    if mode == "ordered":
+    if ordered:
         assert torch.equal(second[0], dq)

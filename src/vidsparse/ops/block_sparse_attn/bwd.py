@@ -181,7 +181,7 @@ def _dq_lists(kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq):
 
 
 def _one_pass_asked(both_gluon, block, epilogue, grad_rows) -> bool:
-    """Does ``configs.override(one_pass="ordered" | "unordered" | "tma")`` ask for the one-pass
+    """Does ``configs.override(one_pass=...)`` (``configs.ONE_PASS_MODES``) ask for the one-pass
     Hopper backward, and does it apply (both Gluon kernels chosen, 128-row blocks, no
     epilogue, the engine's row order)? Tuning only: off until timed on a GPU."""
     mode = configs.active_overrides().one_pass
@@ -196,13 +196,14 @@ def _one_pass_asked(both_gluon, block, epilogue, grad_rows) -> bool:
 def _one_pass(q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts, block,
               scale, kv_block_sizes):  # fmt: skip
     """``(dq, dk, dv)`` by ``bwd_sm90.dkdvdq_gluon``, dQ's adds in key-block order where the
-    override says "ordered", by TMA reductions where it says "tma"."""
+    override says "ordered" or "ordered_tma", by TMA reductions where it says "tma" or
+    "ordered_tma"."""
     mode = configs.active_overrides().one_pass
-    ordered = mode == "ordered"
+    ordered = mode.startswith("ordered")
     dk, dv, dq = gluon_launcher("bwd_sm90", "backward").dkdvdq_gluon(
         q, k, v, do, lse2, delta, q_offsets, q_indices, block, scale,
         kv_block_sizes=kv_block_sizes, ordered_by=(kv_indices, kv_counts) if ordered else None,
-        by_tma=mode == "tma",
+        by_tma=mode.endswith("tma"),
     )  # fmt: skip
     return dq, dk, dv
 

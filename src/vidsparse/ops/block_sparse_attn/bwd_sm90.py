@@ -266,7 +266,7 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
     without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D].
     ``order``: None (unordered adds), or ``(kv_indices, kv_counts, semaphores, ticket)``,
     the forward lists (int32, unit last stride) and zeroed int32 ``[B*H*NQ*2]`` and ``[1]``:
-    the ordered kernel. ``by_tma``: the unordered kernel adding by TMA reductions."""
+    the ordered kernel. ``by_tma``: either kernel adding by TMA reductions."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     has_sizes = kv_block_sizes is not None
@@ -283,7 +283,7 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
                     *broadcast_strides(kv_indices)[:3], *broadcast_strides(kv_counts),
                     semaphores, ticket)  # fmt: skip
         kernel = block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel
-        table, tma_kwargs = configs.GLUON_DKDVDQ_ORDERED, {}
+        table = configs.GLUON_DKDVDQ_ORDERED
     args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_target, q_offsets, q_indices,
             sizes, *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
             *ordering, H, Sq, Skv, Sq // block - 1, nk, q_indices.shape[-1], scale * LOG2E,
@@ -313,18 +313,17 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     ``ordered_by=(kv_indices, kv_counts)``, the forward lists the transposed ones came from,
     adds each query step's in key-block order, so dq is the same bits on every run (they must
     be the lists ``q_offsets``, ``q_indices`` were transposed from: lists that disagree can
-    leave the kernel waiting forever). ``by_tma``: unordered, each step's dQ tiles added by TMA
-    bulk reductions from shared memory instead of the consumers' atomics. Inputs as
-    ``dkdv_gluon``'s. The engine's backward takes
-    it only under ``configs.override(one_pass=...)``: both are slower than the two kernels
+    leave the kernel waiting forever). ``by_tma``: each step's dQ tiles added by TMA bulk
+    reductions from shared memory instead of atomics (ordered: by the writer warp, which waits
+    for them to land before it counts the step). Inputs as ``dkdv_gluon``'s. The engine's
+    backward takes it only under ``configs.override(one_pass=...)``: by atomics, ordered or
+    not, it is slower than the two kernels; by TMA reductions it is untimed
     (``benchmarks/NOTES.md``)."""
     _check_inputs("dkdvdq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     if block not in configs.GLUON_DKDVDQ:
         raise ValueError(f"dkdvdq_gluon: block {block} not supported; "
                          f"supported: {sorted(configs.GLUON_DKDVDQ)}")  # fmt: skip
     _check_transposed_lists("dkdvdq_gluon", q_offsets, q_indices, k, block)
-    if by_tma and ordered_by is not None:
-        raise ValueError("dkdvdq_gluon: by_tma adds dQ unordered; it takes no ordered_by")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     dk, dv = torch.empty_like(k), torch.empty_like(v)

@@ -187,7 +187,7 @@ GLUON_DKDVDQ_TMA = {128: GluonBwdOptions(STAGES=3)}
 # consumers need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the
 # third warpgroup; the writer's scalars spill at that (352 bytes).
 GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
-ONE_PASS_MODES = ("ordered", "unordered", "tma")  # Overrides.one_pass
+ONE_PASS_MODES = ("ordered", "unordered", "tma", "ordered_tma")  # Overrides.one_pass
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with
@@ -393,9 +393,10 @@ class Overrides:
     regather: bool = False
     gluon: GluonOptions | None = None
     # One of ONE_PASS_MODES: the Hopper backward in one pass where it applies (128x128, no
-    # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order, by the
-    # consumers' atomics, or by TMA reductions. The first two were slower than the two kernels
-    # on an H100; "tma" is untimed (benchmarks/NOTES.md).
+    # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or by
+    # the consumers' atomics, each by TMA reductions ("tma", "ordered_tma") or not. The two
+    # without were slower than the two kernels on an H100; the TMA ones are untimed
+    # (benchmarks/NOTES.md).
     one_pass: str | None = None
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks walked as
     # PERSISTENT_ORDER says (``bwd_sm90.dkdv_gluon``; the same bits). Off: no faster on an H100

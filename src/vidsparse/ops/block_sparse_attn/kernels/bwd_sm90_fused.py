@@ -35,6 +35,10 @@ transposed lists to be the forward lists' transpose (as the engine builds them):
 that disagree a count can fall short and the kernel wait forever, where the other kernels
 would only compute a wrong result.
 
+With ``DQ_BY_TMA`` the ordered kernel's writer warp adds each step's tile by two TMA reductions
+and waits for them to land in global memory (``cp.async.bulk.wait_group 0``) before it counts
+the step, so the order holds and the warp issues four instructions where it issued 64 atomics.
+
 The caller zeroes ``dq_acc`` before and casts it to dq after (the adds are scaled already).
 128x128 blocks, D = 128, 16-bit inputs, no dQ hook (the engine's identity epilogue).
 """
@@ -177,6 +181,7 @@ def _fused_consumer(
         if DQ_BY == DQ_WRITER:  # to the writer warp, through shared memory
             mbarrier.wait(dq_empty, (j & 1) ^ 1)  # it has read the last step's (j = 0: passes)
             dq_smem.index(K_INDEX).store(dq)
+            fence_async_shared()  # the writer may hand the tile to the TMA unit (async proxy)
             mbarrier.arrive(dq_full)
         else:
             q_block = gl.load(idx_row + start + j // NSUB)  # the loader's row, clamped alike
@@ -223,12 +228,26 @@ def _rank_in_list(idx_base, cnt_base, stride_iq, stride_cq, K, q_block, kv_block
 
 
 @gluon.jit
+def _bulk_reductions_done():
+    """Wait until this thread's TMA reductions have been made in global memory, not only read
+    from shared memory (``tma.store_wait``'s ``.read``): the ordered writer counts a step only
+    after its adds are in. One warp."""
+    lane: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    gl.inline_asm_elementwise(
+        "cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r,r",
+        [gl.zeros([32], gl.int32, layout=lane)], dtype=gl.int32, is_pure=False, pack=1,
+    )
+
+
+@gluon.jit
 def _dq_writer(DQ_ACC, dq_smem, dq_full, dq_empty, idx_row, start, num_steps, Q_LAST, q_row0,
                kv_block, idx_base, cnt_base, stride_iq, stride_cq, K, sem_row,
-               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr):  # fmt: skip
+               BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+               BY_TMA: gl.constexpr):  # fmt: skip
     """One warp: each step's dQ tile (``dq_smem``, the consumers' column halves) added into
     ``DQ_ACC`` after every lower listed key block's (the step's semaphore in ``sem_row``
-    counts them), then counted."""
+    counts them), then counted. ``BY_TMA``: ``DQ_ACC`` is a TMA descriptor in [64, 64] tiles
+    and the adds are two bulk reductions, waited for before the count; else its atomics."""
     NSUB: gl.constexpr = BLOCK_M // STEP_M
     HALF: gl.constexpr = HEAD_DIM // 2
     ROWS: gl.constexpr = 2  # rows of a tile added at once: 4 values a thread, few registers
@@ -244,11 +263,18 @@ def _dq_writer(DQ_ACC, dq_smem, dq_full, dq_empty, idx_row, start, num_steps, Q_
         while done < rank:
             done = gl.atomic_add(sem, 0, sem="acquire")
         mbarrier.wait(dq_full, j & 1)
-        rows = DQ_ACC + (q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M).to(gl.int64) * HEAD_DIM
-        for i in gl.static_range(0, STEP_M, ROWS):
+        q_row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+        if BY_TMA:
             for half in gl.static_range(2):
-                part = dq_smem.index(half).slice(i, ROWS, dim=0).load(layout)
-                gl.atomic_add(rows + (i + r) * HEAD_DIM + half * HALF + c, part, sem="relaxed")
+                tma_reduce_add(DQ_ACC, [q_row, half * HALF], dq_smem.index(half))
+            _bulk_reductions_done()
+        else:
+            rows = DQ_ACC + q_row.to(gl.int64) * HEAD_DIM
+            for i in gl.static_range(0, STEP_M, ROWS):
+                for half in gl.static_range(2):
+                    part = dq_smem.index(half).slice(i, ROWS, dim=0).load(layout)
+                    gl.atomic_add(rows + (i + r) * HEAD_DIM + half * HALF + c, part,
+                                  sem="relaxed")  # fmt: skip
         mbarrier.arrive(dq_empty)  # the consumers may write the next step's halves
         partition_barrier()  # every lane's adds issued before the count
         gl.atomic_add(sem, 1, sem="release")
@@ -351,7 +377,7 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
     H, Sq, Skv, Q_LAST, NK, WIDTH,
     qk_scale, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """``block_sparse_attn_bwd_dkdvdq_gluon_kernel`` with each query step's dQ adds in key-block
@@ -368,8 +394,12 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
     )
     (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready,
      kv_bar) = _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES, HEAD_DIM)
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, STEP_M, HEAD_DIM // 2],
-                                        gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    if DQ_BY_TMA:  # the tiles as the descriptor reads them
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, STEP_M, HEAD_DIM // 2],
+                                            DQ_ACC.layout)  # fmt: skip
+    else:
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, STEP_M, HEAD_DIM // 2],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     dq_full = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     dq_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
@@ -401,7 +431,7 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
                           gl.constexpr(2))),
             (_dq_writer, (DQ_ACC, dq_smem, dq_full, dq_empty, idx_row, start, num_steps, Q_LAST,
                           q_row0, pid_n, idx_base, cnt_base, stride_iq, stride_cq, K, sem_row,
-                          BLOCK_M, HEAD_DIM)),
+                          BLOCK_M, HEAD_DIM, DQ_BY_TMA)),
         ],
         [4, 1, 1],
         [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
