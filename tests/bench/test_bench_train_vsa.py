@@ -192,12 +192,14 @@ def test_a_cosine_arm_resumes_only_with_its_steps(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_compiled_blocks_train_as_the_eager_arm(tmp_path):
+@pytest.mark.parametrize("arm", ["vsa0.875", "vsa0.875-warmup"])
+def test_compiled_blocks_train_as_the_eager_arm(tmp_path, arm):
     """``--compile blocks``: the training steps run compiled blocks (checkpointed, through
-    VSA's gate), the evals eagerly; the losses and metrics are the eager arm's."""
-    eager = run_arm(tmp_path / "eager", "vsa0.875", "--no-plot")
-    compiled = run_arm(tmp_path / "compiled", "vsa0.875", "--no-plot", "--compile", "blocks")
-    assert read(tmp_path / "compiled", "vsa0.875")["meta"]["compile"] == "blocks"
+    VSA's gate; the scheduled arm through dense, then two sparsities), the evals eagerly; the
+    losses and metrics are the eager arm's."""
+    eager = run_arm(tmp_path / "eager", arm, "--no-plot")
+    compiled = run_arm(tmp_path / "compiled", arm, "--no-plot", "--compile", "blocks")
+    assert read(tmp_path / "compiled", arm)["meta"]["compile"] == "blocks"
     assert [r["step"] for r in compiled] == [r["step"] for r in eager] == [0, 2, 4]
     for ours, theirs in zip(compiled, eager):
         for key in ("train_loss", "eval_loss", "kept_mass_mean", "attn_rel_l2_mean"):
