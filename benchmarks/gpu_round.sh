@@ -25,6 +25,7 @@
 #   against the two Gluon kernels (try_gluon_bwd.py --one-pass, try_one_pass_bwd.json);
 #   engine-one-pass: the engine's 128x128 table (ours, cuDNN, Flex) with the backward in one
 #   pass, ordered then unordered (configs.override(one_pass=...), bench_with_override.py);
+#   lists-tests: the persistent walks' GPU tests (a CUDA graph captures the banded walk);
 #   one-pass-tma: the one-pass backward's GPU tests (atomics, TMA reductions, ordered), then the
 #   one-pass A/B (try_one_pass_bwd.json); engine-one-pass-tma: the engine's table with it,
 #   unordered then ordered (one_pass=tma, ordered_tma);
@@ -103,6 +104,8 @@ for what in "$@"; do
         tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
       step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
         --one-pass --cases engine ;;
+    lists-tests) step lists_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/ops/block_sparse_attn/test_lists.py ;;
     one-pass-tma) step one_pass_tma_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
       step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
