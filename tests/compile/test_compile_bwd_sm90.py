@@ -47,17 +47,17 @@ ACCEPTED_SPILL_BYTES = {
     (64, True, True): 64,
 }
 # The one-pass backward (dQ by atomics, kernels/bwd_sm90_fused.py; 128 rows, not yet taken by
-# the engine): 32-bit scalars as above, measured 24 / 16 bytes (Triton 3.6 / 3.8) without
-# key-block sizes, 88 / 40 with them.
+# the engine): 32-bit scalars as above, measured 40 / 40 bytes (Triton 3.6 / 3.8) without
+# key-block sizes, 88 / 40 with them (24 / 16 without before the walk's end barrier).
 ACCEPTED_FUSED_SPILL_BYTES = {False: 80, True: 96}
 # Its ordered kernel (dQ's adds in key-block order by a writer warp): the writer warp's
 # scalars at the 32 registers a thread the consumers leave it (352 / 216 bytes on Triton 3.6 /
-# 3.8; with an empty writer 80; by TMA reductions 408 on 3.6). Listed until the writer is
-# measured on a GPU.
+# 3.8; with an empty writer 80; 368 / 216 with the walk's end barrier; by TMA reductions 424 /
+# 268). Listed until the writer is measured on a GPU.
 ACCEPTED_ORDERED_SPILL_BYTES = 448
 # The one-pass kernel with dQ's adds by TMA reductions (``by_tma``): the same scalars, and the
-# step's query row kept for the reduction's coordinate; 132 / 100 bytes on Triton 3.6 (without
-# / with key-block sizes), 112 / 136 on 3.8. Listed until it is timed on a GPU.
+# step's query row kept for the reduction's coordinate; 148 / 100 bytes on Triton 3.6 (without
+# / with key-block sizes), 136 / 136 on 3.8. Listed until it is timed on a GPU.
 ACCEPTED_TMA_SPILL_BYTES = 160
 # The persistent dK/dV kernel (kernels/bwd_sm90_persistent.py; 128 rows, tuning override
 # only): the walk's scalars (its position in the order, the ring position, the list's span),

@@ -197,6 +197,10 @@ def _fused_consumer(
                 _add_dq(DQ_ACC, dq, q_row, K_INDEX * HALF, HEAD_DIM, dq_layout)
     if DQ_BY == DQ_TMA:
         tma.store_wait(pendings=0)  # the tile is read before the program's shared memory goes
+    # Both consumers' last dQ wgmmas read both K halves: neither half becomes dK's staging
+    # before both have retired them (the ring's third barrier, one arrival each, used once).
+    mbarrier.arrive(ds_ready.index(2))
+    mbarrier.wait(ds_ready.index(2), 0)
 
     if valid:
         dk = dk * scale
@@ -295,12 +299,13 @@ def _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES: gl.constexpr, HEAD_DIM: 
     )
     ds_smem = gl.allocate_shared_memory(desc_q.dtype, [4, ROWS_PER_CONSUMER, STEP_M], ds_layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [3, 1], bar_layout)  # 2: the walk's end
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     mbarrier.init(kv_bar, count=1)
     init_ring(ready, empty, STAGES, 2)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)  # one arrival per consumer
+    mbarrier.init(ds_ready.index(2), count=2)
     fence_async_shared()  # barrier inits visible to the async proxy before any TMA uses them
     return k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready, kv_bar
 
