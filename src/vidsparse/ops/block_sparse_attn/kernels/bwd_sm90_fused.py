@@ -16,8 +16,8 @@ and adds them to the fp32 accumulator ``dq_acc`` (``atom.global.add``; dK and dV
 kernel's bits). Unordered, the sum's order, so dq's last bits, differ from run to run. With
 ``DQ_BY == DQ_TMA`` each consumer instead stores its [64, 64] fp32 tile in shared memory and
 hands it to the TMA unit as one bulk reduction into ``dq_acc`` (``cp.reduce.async.bulk.tensor``,
-FlashAttention-3's way): the consumer issues one instruction where the atomics took 16 a
-thread, and waits only for the unit to have read the tile, one step later. The dS
+FlashAttention-3's way): two bulk instructions (32-column boxes) a consumer where the atomics
+took 16 a thread, and a wait, one step later, only for the unit to have read the tile. The dS
 tiles are double-buffered by step parity: a consumer writing buffer ``j % 2`` at step j has
 waited on step j - 1's barrier, which the other consumer reaches only after its step j - 2
 (the last reader of that buffer) has retired every wgmma.
@@ -198,7 +198,7 @@ def _fused_consumer(
     if DQ_BY == DQ_TMA:
         tma.store_wait(pendings=0)  # the tile is read before the program's shared memory goes
     # Both consumers' last dQ wgmmas read both K halves: neither half becomes dK's staging
-    # before both have retired them (the ring's third barrier, one arrival each, used once).
+    # before both have retired them (``ds_ready``'s third barrier, one arrival each, once).
     mbarrier.arrive(ds_ready.index(2))
     mbarrier.wait(ds_ready.index(2), 0)
 
