@@ -389,8 +389,9 @@ def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, 
     epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions)
     and its gradients match the two-kernel backward's (dK, dV to the bit); ordered, the same
     bits on a second run."""
-    ordered, by_tma = mode.startswith("ordered"), mode.endswith("tma")
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
+
+    ordered, by_tma = configs.ONE_PASS_MODES[mode]
 
     q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, scale=4.0, seed=17)
     calls = []

@@ -186,7 +186,7 @@ def _one_pass_asked(both_gluon, block, epilogue, grad_rows) -> bool:
     epilogue, the engine's row order)? Tuning only: off until timed on a GPU."""
     mode = configs.active_overrides().one_pass
     if mode not in (None, *configs.ONE_PASS_MODES):
-        raise ValueError(f"one_pass={mode!r}: one of {configs.ONE_PASS_MODES} or None")
+        raise ValueError(f"one_pass={mode!r}: one of {tuple(configs.ONE_PASS_MODES)} or None")
     fns = epilogue.fns()
     return (mode is not None and both_gluon and block == 128 and grad_rows is None
             and fns.dkdv.fn is no_epilogue.dkdv_identity
@@ -195,15 +195,13 @@ def _one_pass_asked(both_gluon, block, epilogue, grad_rows) -> bool:
 
 def _one_pass(q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts, block,
               scale, kv_block_sizes):  # fmt: skip
-    """``(dq, dk, dv)`` by ``bwd_sm90.dkdvdq_gluon``, dQ's adds in key-block order where the
-    override says "ordered" or "ordered_tma", by TMA reductions where it says "tma" or
-    "ordered_tma"."""
-    mode = configs.active_overrides().one_pass
-    ordered = mode.startswith("ordered")
+    """``(dq, dk, dv)`` by ``bwd_sm90.dkdvdq_gluon``, dQ's adds in key-block order and by TMA
+    reductions as the override's mode says (``configs.ONE_PASS_MODES``)."""
+    ordered, by_tma = configs.ONE_PASS_MODES[configs.active_overrides().one_pass]
     dk, dv, dq = gluon_launcher("bwd_sm90", "backward").dkdvdq_gluon(
         q, k, v, do, lse2, delta, q_offsets, q_indices, block, scale,
         kv_block_sizes=kv_block_sizes, ordered_by=(kv_indices, kv_counts) if ordered else None,
-        by_tma=mode.endswith("tma"),
+        by_tma=by_tma,
     )  # fmt: skip
     return dq, dk, dv
 

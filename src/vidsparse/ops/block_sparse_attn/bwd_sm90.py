@@ -33,7 +33,7 @@ from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int
 from vidsparse.ops.block_sparse_attn.lists import cached_dkdv_walk, cached_dq_walk
 from vidsparse.utils.device import num_sms
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
 def gluon_bwd_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
@@ -76,13 +76,14 @@ def dq_hook_fits(epilogue: Epilogue) -> bool:
     return epilogue.fns().dq_sm90 is not None
 
 
-def _tiles(*xs):
-    """TMA descriptors of [B, H, S, D] tensors as [B*H*S, D] views in 64-row tiles."""
+def _tiles(*xs, cols: int | None = None):
+    """TMA descriptors of [B, H, S, D] tensors as [B*H*S, D] views in 64-row tiles of ``cols``
+    columns (all D by default; the one-pass kernel's fp32 dQ reductions take D / 2)."""
     D = xs[0].shape[-1]
-    rows = ROWS_PER_CONSUMER.value
-    layout = gl.NVMMASharedLayout.get_default_for([rows, D], _GL_DTYPES[xs[0].dtype])
+    block = [ROWS_PER_CONSUMER.value, cols or D]
+    layout = gl.NVMMASharedLayout.get_default_for(block, _GL_DTYPES[xs[0].dtype])
     views = [x.view(-1, D) for x in xs]
-    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, D], layout)
+    return tuple(TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
                  for x in views)  # fmt: skip
 
 
@@ -272,11 +273,9 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
     has_sizes = kv_block_sizes is not None
     sizes = kv_block_sizes if has_sizes else q_offsets  # dummy pointer when unused
     nk = Skv // block
-    ordering, kernel, table = (), block_sparse_attn_bwd_dkdvdq_gluon_kernel, configs.GLUON_DKDVDQ
-    tma_kwargs = {"DQ_BY_TMA": by_tma}
-    dq_target = _dq_tiles(dq_acc) if by_tma else dq_acc
-    if by_tma:
-        table = configs.GLUON_DKDVDQ_TMA
+    ordering, kernel = (), block_sparse_attn_bwd_dkdvdq_gluon_kernel
+    table = configs.GLUON_DKDVDQ_TMA if by_tma else configs.GLUON_DKDVDQ
+    dq_target = _tiles(dq_acc, cols=D // 2)[0] if by_tma else dq_acc
     if order is not None:
         kv_indices, kv_counts, semaphores, ticket = order
         ordering = (kv_indices, kv_counts, kv_indices.shape[-1],
@@ -290,18 +289,8 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
             scale)  # fmt: skip
     opts = (options or table[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
-                  **tma_kwargs, num_warps=4)  # fmt: skip
+                  DQ_BY_TMA=by_tma, num_warps=4)  # fmt: skip
     return kernel, (nk, B * H), args, kwargs
-
-
-def _dq_tiles(dq_acc: torch.Tensor) -> TensorDescriptor:
-    """TMA descriptor of fp32 ``dq_acc`` [B, H, S, D] as [B*H*S, D] in [64, D / 2] tiles: a
-    consumer's columns of one query step, the unit of the one-pass kernel's reductions."""
-    D = dq_acc.shape[-1]
-    block = [STEP_M.value, D // 2]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
-    view = dq_acc.view(-1, D)
-    return TensorDescriptor(view, list(view.shape), list(view.stride()), block, layout)
 
 
 def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,

@@ -187,7 +187,13 @@ GLUON_DKDVDQ_TMA = {128: GluonBwdOptions(STAGES=3)}
 # consumers need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the
 # third warpgroup; the writer's scalars spill at that (352 bytes).
 GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
-ONE_PASS_MODES = ("ordered", "unordered", "tma", "ordered_tma")  # Overrides.one_pass
+# Overrides.one_pass's modes: (dQ's adds in key-block order, by TMA reductions)
+ONE_PASS_MODES = {
+    "unordered": (False, False),
+    "ordered": (True, False),
+    "tma": (False, True),
+    "ordered_tma": (True, True),
+}
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with
