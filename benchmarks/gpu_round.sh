@@ -29,6 +29,10 @@
 #   one-pass-tma: the one-pass backward's GPU tests (atomics, TMA reductions, ordered), then the
 #   one-pass A/B (try_one_pass_bwd.json); engine-one-pass-tma: the engine's table with it,
 #   unordered then ordered (one_pass=tma, ordered_tma);
+#   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
+#   (ours-nondet: the one-pass backward); nondet-tests: its GPU tests and the one pass's;
+#   schedule-steps: a scheduled VSA arm's step time at its target against the unscheduled
+#   arm's, and with dynamo's floats specialised (try_schedule_steps.py);
 #   persistent-bwd: the persistent dK/dV and dQ kernels' GPU tests, then their A/B against one
 #   block a program (try_gluon_bwd.py --persistent, try_persistent_bwd.json);
 #   engine-persistent-bwd: the engine's 128x128 table with both (configs.override(
@@ -82,8 +86,16 @@ for what in "$@"; do
       benchmarks/profile/profile_train_step.py --compile blocks --steps 10 ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
     engine) step engine 540 python3 -m vidsparse.bench block_sparse --shapes default \
-      --providers ours,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \
+      --providers ours,ours-nondet,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \
       --out "$OUT/block_sparse_h200.json" ;;
+    engine-nondet) step engine_nondet 300 python3 -m vidsparse.bench block_sparse \
+      --shapes default --providers ours,ours-nondet,cudnn,flex --block-sizes 128x128 \
+      --out "$OUT/block_sparse_nondet_h200.json" ;;
+    nondet-tests) step nondet_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/ops/block_sparse_attn/test_deterministic.py tests/ops/block_sparse_attn/test_gluon_bwd.py \
+      -k "deterministic or one_pass" ;;
+    schedule-steps) step try_schedule_steps 420 env OUT="$OUT" python3 \
+      benchmarks/tuning/try_schedule_steps.py ;;
     masked) step tune_masked 300 python3 benchmarks/tuning/tune_block_sparse.py --masked \
       --out "$OUT/tune_masked.json" ;;
     full-first) step tune_full_first 200 python3 benchmarks/tuning/tune_block_sparse.py --full-first \

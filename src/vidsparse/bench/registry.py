@@ -214,6 +214,7 @@ _OPS = (
         shapes=("synthetic-32k", "wan1.3b-480p", "wan14b-720p", "hunyuan-720p"),
         providers=(
             _P("ours", "vidsparse.block_sparse_attn (public API, validation included)"),
+            _P("ours-nondet", "the same with deterministic=False (the one-pass backward)"),
             _P("ours-op", "the registered custom op called directly (kernels alone)",
                default=False),
             _P("cudnn", "dense SDPA pinned to cuDNN, real tokens", ("cudnn",), reference=True),

@@ -263,12 +263,12 @@ def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkey
         assert torch.equal(a, c) and torch.equal(b, c)
 
 
-def _engine_grads(q, k, v, do, idx, cnt, bs):
-    """``(dq, dk, dv)`` of the public op's backward (autograd)."""
+def _engine_grads(q, k, v, do, idx, cnt, bs, **kw):
+    """``(dq, dk, dv)`` of the public op's backward (autograd); ``kw``: its other arguments."""
     import vidsparse
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o = vidsparse.block_sparse_attn(*leaves, idx, cnt, block_size=bs)
+    o = vidsparse.block_sparse_attn(*leaves, idx, cnt, block_size=bs, **kw)
     return torch.autograd.grad(o, leaves, do)
 
 
@@ -412,3 +412,45 @@ def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, 
     torch.testing.assert_close(dq, dq_2, rtol=1e-2, atol=1e-3)
     if ordered:
         assert torch.equal(second[0], dq)
+
+
+def _one_pass_spy(monkeypatch) -> list:
+    """``(ordered, by_tma)`` of each call of ``dkdvdq_gluon``, which still runs."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90
+
+    calls, real = [], bwd_sm90.dkdvdq_gluon
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("ordered_by") is not None, kwargs.get("by_tma", False)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_sm90, "dkdvdq_gluon", spy)
+    return calls
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_nondeterministic_engine_backward_is_the_one_pass_by_tma(monkeypatch, dtype, scale):
+    """``block_sparse_attn(..., deterministic=False)`` at 128x128: its backward is one pass
+    (``configs.NONDETERMINISTIC_ONE_PASS``: dQ by TMA reductions); dK, dV the default
+    backward's bits, dQ against fp64 as close as PyTorch in low precision and as the default's
+    dQ, at input scales 1, 4, 16. Where it does not apply (64x64 blocks; key-block sizes,
+    whose padding the public entry may not read by TMA) the same call runs the default
+    backward, to the bit. The kernel on partial key blocks: the tests above."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    calls = _one_pass_spy(monkeypatch)
+    q, k, v, do, idx, cnt, _ = _problem(128, dtype, False, scale=scale, seed=19)
+    exact = _engine_grads(q, k, v, do, idx, cnt, 128)
+    dq, dk, dv = _engine_grads(q, k, v, do, idx, cnt, 128, deterministic=False)
+    assert calls == [configs.ONE_PASS_MODES[configs.NONDETERMINISTIC_ONE_PASS]]
+    assert torch.equal(dk, exact[1]) and torch.equal(dv, exact[2])
+    _check_dq(dq, q, k, v, do, idx, cnt, None, 128, exact[0], "the default backward")
+    for bs, padded in ((64, False), (128, True)):
+        q, k, v, do, idx, cnt, sizes = _problem(bs, dtype, padded, scale=scale, seed=19)
+        kw = dict(kv_block_sizes=sizes)
+        fast = _engine_grads(q, k, v, do, idx, cnt, bs, deterministic=False, **kw)
+        assert all(torch.equal(a, b) for a, b in zip(fast, _engine_grads(q, k, v, do, idx, cnt,
+                                                                         bs, **kw)))  # fmt: skip
+    assert len(calls) == 1

@@ -1,7 +1,8 @@
 """Benchmark of ``vidsparse.block_sparse_attn`` against dense SDPA and FlexAttention.
 
 Every provider in fwd, bwd and fwd+bwd, at each density and block size: ``ours`` (the public
-API, validation included), ``ours-op`` (the custom op alone, not by default), ``cudnn`` /
+API, validation included), ``ours-nondet`` (the same with ``deterministic=False``: its backward
+in one pass where that applies), ``ours-op`` (the custom op alone, not by default), ``cudnn`` /
 ``flash`` (dense SDPA on the real tokens, the reference rows) and ``flex`` / ``flex64``
 (compiled FlexAttention with a ``BlockMask`` of the same lists at 128x128 / 64x64). Effective
 TFLOP/s count attended real pairs, so sparse and dense rows compare directly. Run on a GPU
@@ -33,10 +34,13 @@ from vidsparse.bench.sdpa import dense_sdpa
 from vidsparse.layout import VideoGrid
 
 DENSE_PROVIDERS = ("cudnn", "flash")
-SPARSE_PROVIDERS = ("ours", "ours-op", "flex", "flex64")
+OURS = ("ours", "ours-nondet", "ours-op")
+# ours-nondet runs only where deterministic=False changes the backward (the one pass: 128x128).
+NONDET_BLOCKS = ((128, 128),)
+SPARSE_PROVIDERS = (*OURS, "flex", "flex64")
 ALL_PROVIDERS = (*SPARSE_PROVIDERS, *DENSE_PROVIDERS)
 PROVIDERS = ALL_PROVIDERS
-DEFAULT_PROVIDERS = ("ours", "cudnn", "flash", "flex", "flex64")
+DEFAULT_PROVIDERS = ("ours", "ours-nondet", "cudnn", "flash", "flex", "flex64")
 # The block structure each FlexAttention provider is given (ours' lists at that block size).
 FLEX_BLOCKS = {"flex": (128, 128), "flex64": (64, 64)}
 # ours' rows are compared with the flex provider of the same block size.
@@ -294,7 +298,7 @@ def check_against_reference(name: str, out: torch.Tensor, q, k, v, lists: BlockL
     return err
 
 
-def _ours_forward(lists: BlockLists) -> Callable:
+def _ours_forward(lists: BlockLists, deterministic: bool = True) -> Callable:
     import vidsparse
 
     def forward(q, k, v):
@@ -306,6 +310,7 @@ def _ours_forward(lists: BlockLists) -> Callable:
             lists.kv_counts,
             block_size=lists.block,
             kv_block_sizes=lists.kv_block_sizes,
+            deterministic=deterministic,
         )
 
     return forward
@@ -377,8 +382,8 @@ def make_provider(name: str, settings: Settings) -> Provider:
             return harness.mode_callable(forward, (q, k, v), case.mode)
         lists = case.lists
         q, k, v = random_qkv(case.shape, case.shape.seq_len, _case_key(case), settings)
-        if name == "ours":
-            forward = _ours_forward(lists)
+        if name in ("ours", "ours-nondet"):
+            forward = _ours_forward(lists, deterministic=name == "ours")
         elif name == "ours-op":
             forward = _ours_op_forward(lists, settings.device, case.shape.head_dim)
         else:
@@ -422,10 +427,9 @@ def plan_cases(
         for density in densities:
             for block in needed:
                 for provider in providers:
-                    wants = (
-                        provider in ("ours", "ours-op") and block in blocks
-                    ) or FLEX_BLOCKS.get(provider) == block
-                    if wants:
+                    ours = provider in OURS and block in blocks
+                    ours &= provider != "ours-nondet" or block in NONDET_BLOCKS
+                    if ours or FLEX_BLOCKS.get(provider) == block:
                         cases += [Case(shape, provider, m, density, block) for m in modes]
     return cases
 
@@ -557,7 +561,7 @@ def add_ratios(rows: list[dict]) -> None:
         if full:
             row["time_vs_density1"] = row["ms"] / full["ms"]
         partner = FLEX_PARTNER.get(_parse_block(row["block"]))
-        if row["provider"] in ("ours", "ours-op") and partner:
+        if row["provider"] in OURS and partner:
             flex = _find(
                 rows, provider=partner, block=row["block"], density=row["density"], **common
             )

@@ -7,12 +7,15 @@ On Hopper, dK/dV and dQ each run in a Gluon kernel (``bwd_sm90.py``: FlashAttent
 structure) where its config says ``gluon`` and the inputs and epilogue fit it; the two are
 then separate launches. Two launches on a GPU run concurrently where both configs say
 ``overlap`` (dQ on a side stream, ``overlapped``). No kernel uses atomics: the gradients are
-the same bits on every run.
+the same bits on every run. Only where the caller gives that up (``deterministic=False``) does
+the Hopper backward run in one pass, dQ added by TMA reductions in whatever order the
+programs reach them (``configs.NONDETERMINISTIC_ONE_PASS``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import replace
 
 import torch
@@ -63,10 +66,12 @@ def block_sparse_attn_bwd(
     padding_finite: bool = False,
     epilogue: Epilogue = NO_EPILOGUE,
     grad_rows: GradRows | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` given the forward's stored output ``o`` and its ``lse``, on validated
     inputs; the epilogue's own gradients are left in ``epilogue`` (``gradients()``).
-    ``padding_finite`` as in the forward; ``grad_rows``: ``GradRows`` (``out``: o, do too)."""
+    ``padding_finite`` as in the forward; ``grad_rows``: ``GradRows`` (``out``: o, do too);
+    ``deterministic=False``: the one-pass Hopper backward where it applies (``_one_pass_mode``)."""
     B, H, Sq, D = q.shape
     num_kv_blocks = k.shape[2] // block_kv
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
@@ -87,9 +92,11 @@ def block_sparse_attn_bwd(
         kv_cfg, epilogue.quiet_rows(call), q, do, kv_indices, kv_counts, num_kv_blocks,
         block_q, gluon_dkdv, kv_tma,
     )  # fmt: skip
-    if _one_pass_asked(gluon_dkdv and gluon_dq, block_kv, epilogue, grad_rows):
-        return _one_pass(q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts,
-                         block_kv, scale, kv_block_sizes)  # fmt: skip
+    one_pass = _one_pass_mode(deterministic, gluon_dkdv and gluon_dq, block_kv, epilogue,
+                              grad_rows)  # fmt: skip
+    if one_pass is not None:
+        return _one_pass(one_pass, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices,
+                         kv_counts, block_kv, scale, kv_block_sizes)  # fmt: skip
     dq_lists, dq_counts, tails, checked, list_strides, ends_args = _dq_lists(
         kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq
     )
@@ -180,24 +187,46 @@ def _dq_lists(kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq):
     return dq_lists, dq_counts, tails, checked, list_strides, (ends, *list_end_strides(ends))
 
 
-def _one_pass_asked(both_gluon, block, epilogue, grad_rows) -> bool:
-    """Does ``configs.override(one_pass=...)`` (``configs.ONE_PASS_MODES``) ask for the one-pass
-    Hopper backward, and does it apply (both Gluon kernels chosen, 128-row blocks, no
-    epilogue, the engine's row order)? Tuning only: off until timed on a GPU."""
+_logger = logging.getLogger("vidsparse")
+_NOTED: set[str] = set()
+
+
+def _one_pass_mode(deterministic, both_gluon, block, epilogue, grad_rows) -> str | None:
+    """The one-pass Hopper backward's mode (``configs.ONE_PASS_MODES``) for this call, or None
+    for the deterministic kernels: ``configs.override(one_pass=...)``'s (tuning), else
+    ``configs.NONDETERMINISTIC_ONE_PASS`` where the caller allows it, where it applies (both
+    Gluon kernels chosen, 128-row blocks, no epilogue, the engine's row order). Where it was
+    allowed and does not apply, the log says why, once."""
     mode = configs.active_overrides().one_pass
     if mode not in (None, *configs.ONE_PASS_MODES):
         raise ValueError(f"one_pass={mode!r}: one of {tuple(configs.ONE_PASS_MODES)} or None")
+    if mode is None and not deterministic:
+        mode = configs.NONDETERMINISTIC_ONE_PASS
+    if mode is None:
+        return None
     fns = epilogue.fns()
-    return (mode is not None and both_gluon and block == 128 and grad_rows is None
-            and fns.dkdv.fn is no_epilogue.dkdv_identity
-            and fns.dq.fn is no_epilogue.dq_identity)  # fmt: skip
+    missing = [why for why, ok in (
+        ("the Hopper Gluon dK/dV and dQ kernels", both_gluon),
+        ("128-token blocks", block == 128),
+        ("no epilogue", fns.dkdv.fn is no_epilogue.dkdv_identity
+         and fns.dq.fn is no_epilogue.dq_identity),
+        ("the engine's row order", grad_rows is None),
+    ) if not ok]  # fmt: skip
+    if not missing:
+        return mode
+    reason = ", ".join(missing)
+    if reason not in _NOTED:
+        _NOTED.add(reason)
+        _logger.info("vidsparse: deterministic=False: the one-pass backward needs %s; the "
+                     "deterministic backward runs", reason)  # fmt: skip
+    return None
 
 
-def _one_pass(q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts, block,
-              scale, kv_block_sizes):  # fmt: skip
+def _one_pass(mode, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts,
+              block, scale, kv_block_sizes):  # fmt: skip
     """``(dq, dk, dv)`` by ``bwd_sm90.dkdvdq_gluon``, dQ's adds in key-block order and by TMA
-    reductions as the override's mode says (``configs.ONE_PASS_MODES``)."""
-    ordered, by_tma = configs.ONE_PASS_MODES[configs.active_overrides().one_pass]
+    reductions as ``mode`` says (``configs.ONE_PASS_MODES``)."""
+    ordered, by_tma = configs.ONE_PASS_MODES[mode]
     dk, dv, dq = gluon_launcher("bwd_sm90", "backward").dkdvdq_gluon(
         q, k, v, do, lse2, delta, q_offsets, q_indices, block, scale,
         kv_block_sizes=kv_block_sizes, ordered_by=(kv_indices, kv_counts) if ordered else None,

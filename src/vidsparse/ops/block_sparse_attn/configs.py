@@ -194,6 +194,11 @@ ONE_PASS_MODES = {
     "tma": (False, True),
     "ordered_tma": (True, True),
 }
+# The backward where the caller allows gradients in no fixed order (``deterministic=False``):
+# the one pass with dQ by TMA reductions. On an H100 at the engine's timed shape (1/8, S=32k)
+# it ran in 4.07 ms against the two kernels' 4.37; ordered by TMA (the same bits every run) it
+# took 7.9 (benchmarks/NOTES.md).
+NONDETERMINISTIC_ONE_PASS = "tma"
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with
@@ -400,9 +405,9 @@ class Overrides:
     gluon: GluonOptions | None = None
     # One of ONE_PASS_MODES: the Hopper backward in one pass where it applies (128x128, no
     # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or by
-    # the consumers' atomics, each by TMA reductions ("tma", "ordered_tma") or not. The two
-    # without were slower than the two kernels on an H100; the TMA ones are untimed
-    # (benchmarks/NOTES.md).
+    # the consumers' atomics, each by TMA reductions ("tma", "ordered_tma") or not, whatever
+    # the caller's ``deterministic``. On an H100 only "tma" beat the two kernels
+    # (NONDETERMINISTIC_ONE_PASS; benchmarks/NOTES.md).
     one_pass: str | None = None
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks walked as
     # PERSISTENT_ORDER says (``bwd_sm90.dkdv_gluon``; the same bits). Off: no faster on an H100

@@ -72,6 +72,7 @@ def block_sparse_attn(
     scale: float | None = None,
     return_lse: bool = False,
     validate: bool = False,
+    deterministic: bool = True,
 ):
     """Attention of each query block over its own list of key blocks.
 
@@ -97,6 +98,11 @@ def block_sparse_attn(
         scale: softmax scale, default ``1 / sqrt(D)``.
         return_lse: also return the fp32 natural-log log-sum-exp ``[B, H, Sq]``.
         validate: check the lists' values even if these tensors passed before unchanged.
+        deterministic: the backward gives the same bits every run (the default). ``False``
+            allows a faster backward whose dQ sums arrive in no fixed order: on Hopper at
+            128x128 blocks (bf16/fp16, D=128, no ``kv_block_sizes``) one pass computes dK, dV
+            and dQ, adding dQ by TMA reductions (dK, dV are the same bits either way).
+            Elsewhere the deterministic backward runs (the log says why, once).
 
     Returns ``o`` (q's dtype), or ``(o, lse)``. Differentiable in q, k, v. Empty problems
     (``B``, ``H`` or ``Sq`` of 0) give empty results; ``Skv = 0`` needs every count 0 (o = 0,
@@ -118,12 +124,13 @@ def block_sparse_attn(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, force=validate
     )
     check_bool("return_lse", return_lse)
+    check_bool("deterministic", deterministic)
     scale = softmax_scale(scale, q.shape[-1])
     if resolve_backend(device) == "triton":
         check_triton_supported(q)
     o, lse = block_sparse_attn_unchecked(
         q, k, v, kv_indices, kv_counts, block_q=block_q, block_kv=block_kv,
-        kv_block_sizes=kv_block_sizes, scale=scale,
+        kv_block_sizes=kv_block_sizes, scale=scale, deterministic=deterministic,
     )  # fmt: skip
     return (o, lse) if return_lse else o
 
@@ -142,6 +149,7 @@ def block_sparse_attn_unchecked(
     padding_finite: bool = False,
     epilogue: Epilogue = NO_EPILOGUE,
     grads_to: GradTargets | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's internal entry, for callers inside vidsparse that built the lists
     themselves (top-k selections, stripes, windows): ``(o, lse)``, differentiable in
@@ -156,7 +164,8 @@ def block_sparse_attn_unchecked(
     (``lse`` stays the engine's own). ``grads_to``: q, k, v are copies of other tensors in
     another row order (``GradTargets``); the gradients go to those, written in their order by
     the backward's kernels, and q, k, v get none; with ``grads_to.output`` o comes in q's
-    order and layout too (the kernels store it there)."""
+    order and layout too (the kernels store it there). ``deterministic`` as in
+    ``block_sparse_attn``."""
     backend = resolve_backend(q.device)
     cap = kernel_block_max(target_of(q.device), q.dtype)
     if backend == "triton" and max(block_q, block_kv) > cap:
@@ -173,6 +182,7 @@ def block_sparse_attn_unchecked(
     o, lse, _ = torch.ops.vidsparse.block_sparse_attn_fwd(
         q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
         padding_finite, epilogue.call_name, *padded_tensors(epilogue), *targets,
+        deterministic=deterministic,
     )  # fmt: skip
     return o, lse
 
@@ -353,11 +363,12 @@ def _block_sparse_attn_fwd_op(
     kv_rows: torch.Tensor | None = None,
     out_rows: bool = False,
     regather: bool = False,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(o, lse, the epilogue's saved tensor)``. ``gq`` .. ``kv_rows``: ``GradTargets``
     (read by the backward only); ``out_rows``: o in gq's order and layout
     (``GradTargets.output``); ``regather``: the backward keeps gq, gk, gv instead of q, k, v
-    (``GradTargets.regather``)."""
+    (``GradTargets.regather``); ``deterministic``: read by the backward only."""
     ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6))
     saved = _forward_saved(ep, q)
     out_to = _output_rows(gq, gk, q_rows, kv_rows, out_rows)
@@ -400,7 +411,7 @@ def _target_layout(gq, gk) -> list[int]:
 @_block_sparse_attn_fwd_op.register_fake
 def _(q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
       padding_finite, epilogue, e0, e1, e2, e3, e4, e5, e6, gq=None, gk=None, gv=None,
-      q_rows=None, kv_rows=None, out_rows=False, regather=False):  # fmt: skip
+      q_rows=None, kv_rows=None, out_rows=False, regather=False, deterministic=True):  # fmt: skip
     B, H, Sq, _ = q.shape
     saved = _forward_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6)), q)
     o = empty_output(q, _output_rows(gq, gk, q_rows, kv_rows, out_rows))
@@ -435,11 +446,13 @@ def _block_sparse_attn_bwd_op(
     q_rows: torch.Tensor | None = None,
     kv_rows: torch.Tensor | None = None,
     grad_layout: list[int] | None = None,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``(dq, dk, dv, [gradient of e0, e1, ...])``; an empty tensor where there is none.
     With ``q_rows``, ``kv_rows`` the gradients come in the caller's row order (``GradRows``;
     ``grad_layout``: q_len, kv_len, q_bshd, kv_bshd and, optionally, out: o and do are in
-    the q side's order too)."""
+    the q side's order too). ``deterministic``: as ``block_sparse_attn``'s (the reference
+    path is)."""
     ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6)), saved)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     if _nothing_to_attend(q, k, block_kv, epilogue):
@@ -450,6 +463,7 @@ def _block_sparse_attn_bwd_op(
         dq, dk, dv = block_sparse_attn_bwd(
             do, q, k, v, o, lse, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
             scale, padding_finite=padding_finite, epilogue=ep, grad_rows=grad_rows,
+            deterministic=deterministic,
         )  # fmt: skip
     else:
         if grad_rows is not None and grad_rows.out:  # o and do to the engine's rows
@@ -495,7 +509,7 @@ def _slots(grads, like: torch.Tensor) -> list[torch.Tensor]:
 @_block_sparse_attn_bwd_op.register_fake
 def _(do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
       scale, backend, padding_finite, epilogue, e0, e1, e2, e3, e4, e5, e6, q_rows=None,
-      kv_rows=None, grad_layout=None):  # fmt: skip
+      kv_rows=None, grad_layout=None, deterministic=True):  # fmt: skip
     ep = epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6))
     grads = _slots(ep.fake_gradients(), do)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
@@ -505,7 +519,7 @@ def _(do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv, scale, backend,
-     finite, epilogue, *rest) = inputs  # fmt: skip
+     finite, epilogue, *rest, deterministic) = inputs  # fmt: skip
     tensors, targets = rest[:MAX_TENSORS], _targets(rest[MAX_TENSORS:])
     gq, gk, gv, q_rows, kv_rows, out_rows, regather = targets
     o, lse, saved = output
@@ -517,6 +531,7 @@ def _setup_context(ctx, inputs, output):
     # more is kept alive for the backward.
     ctx.grad_layout = None if gq is None else [*_target_layout(gq, gk), int(out_rows)]
     ctx.meta = (block_q, block_kv, scale, backend, finite, epilogue)
+    ctx.deterministic = deterministic
     ctx.mark_non_differentiable(lse, saved)
 
 
@@ -544,6 +559,7 @@ def _backward(ctx, do, _dlse, _dsaved):
     dq, dk, dv, grads = torch.ops.vidsparse.block_sparse_attn_bwd(
         do, q, k, v, o, lse, saved, kv_indices, kv_counts, kv_block_sizes, block_q, block_kv,
         scale, backend, padding_finite, epilogue, *tensors, *maps,
+        deterministic=ctx.deterministic,
     )  # fmt: skip
     # Only tensors that took part get a gradient (an empty slot means none).
     tensor_grads = [
@@ -551,8 +567,9 @@ def _backward(ctx, do, _dlse, _dsaved):
     ]
     if mapped:  # the gradients are the targets': q, k, v get none
         flags = [None] * _TARGET_FLAGS
-        return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None, *flags)
-    return (dq, dk, dv, *([None] * 9), *tensor_grads, *([None] * _TARGET_ARGS))
+        return (None, None, None, *([None] * 9), *tensor_grads, dq, dk, dv, None, None, *flags,
+                None)  # fmt: skip
+    return (dq, dk, dv, *([None] * 9), *tensor_grads, *([None] * _TARGET_ARGS), None)
 
 
 _block_sparse_attn_fwd_op.register_autograd(_backward, setup_context=_setup_context)
