@@ -125,6 +125,18 @@ def test_bench_block_sparse_cpu_skips_what_cannot_run_there(tmp_path):
     assert by_key[("flex", "128x128", "fwd")]["padding_masked"] is False
 
 
+def test_the_nondeterministic_provider_runs_only_where_it_changes_the_backward():
+    """``ours-nondet`` is planned at 128x128 only (``NONDET_BLOCKS``: the one-pass backward's
+    blocks); ``ours`` at every block size asked for."""
+    from vidsparse.bench.ops import block_sparse as bench
+
+    (shape,) = bench.build_shapes("default", True)
+    blocks = [(128, 64), (128, 128), (64, 64)]
+    cases = bench.plan_cases([shape], ["ours", "ours-nondet"], ["fwd+bwd"], [0.5], blocks)
+    planned = {(c.provider, c.block) for c in cases}
+    assert planned == {("ours", b) for b in blocks} | {("ours-nondet", (128, 128))}
+
+
 def test_dense_rows_count_real_tokens():
     """Dense rows (a GPU's cuDNN and flash) run on the real tokens: 300 of the padded shape."""
     from vidsparse.bench.ops import block_sparse as bench

@@ -97,8 +97,8 @@ def ulysses_block_sparse_attn(
             ``[B or 1, H, S // block_q, K]`` and ``[B or 1, H, S // block_q]``; each rank uses
             its ``H/P`` heads (the batch dim is kept).
         engine_kwargs: ``block_size``, ``kv_block_sizes`` (full sequence), ``scale``,
-            ``return_lse``, ``validate`` as for the engine; ``lse`` comes back ``[B, S/P, H]``
-            (bshd) or ``[B, H, S/P]`` (bhsd).
+            ``return_lse``, ``validate``, ``deterministic`` as for the engine; ``lse`` comes
+            back ``[B, S/P, H]`` (bshd) or ``[B, H, S/P]`` (bhsd).
         head_chunks: pipelined exchange for inference (see :func:`ulysses_attention`).
         pad_heads: pad ``H`` with zero heads to a multiple of the world size (see
             :func:`ulysses_attention`); their lists are empty rows.

@@ -308,9 +308,11 @@ def test_lists_mutated_through_data_1000_runs_never_fault_on_gpu(dtype, block, w
 
 
 def test_an_unknown_one_pass_mode_is_refused_before_any_launch():
-    """``configs.override(one_pass=...)`` takes "ordered", "unordered", "tma" or None."""
+    """``configs.override(one_pass=...)`` takes a mode of ``configs.ONE_PASS_MODES`` or None,
+    whatever the caller's ``deterministic``."""
     from vidsparse.ops.block_sparse_attn import bwd, configs
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 
-    with configs.override(one_pass="sorted"), pytest.raises(ValueError, match="one_pass"):
-        bwd._one_pass_asked(True, 128, NO_EPILOGUE, None)
+    for deterministic in (True, False):
+        with configs.override(one_pass="sorted"), pytest.raises(ValueError, match="one_pass"):
+            bwd._one_pass_mode(deterministic, True, 128, NO_EPILOGUE, None)

@@ -68,10 +68,9 @@ def block_sparse_attn_bwd(
     grad_rows: GradRows | None = None,
     deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` given the forward's stored output ``o`` and its ``lse``, on validated
-    inputs; the epilogue's own gradients are left in ``epilogue`` (``gradients()``).
-    ``padding_finite`` as in the forward; ``grad_rows``: ``GradRows`` (``out``: o, do too);
-    ``deterministic=False``: the one-pass Hopper backward where it applies (``_one_pass_mode``)."""
+    """``(dq, dk, dv)`` given the forward's stored ``o`` and ``lse``, on validated inputs; the
+    epilogue's own gradients are left in ``epilogue``. ``padding_finite`` as in the forward;
+    ``grad_rows``: ``GradRows`` (``out``: o, do too); ``deterministic``: ``_one_pass_mode``."""
     B, H, Sq, D = q.shape
     num_kv_blocks = k.shape[2] // block_kv
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
@@ -87,19 +86,16 @@ def block_sparse_attn_bwd(
                                           q, k, v, do, block_q, block_kv, epilogue)  # fmt: skip
     kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
                                  q_tma and not gluon_dq)  # fmt: skip
-
     q_offsets, q_indices, query_in, query_walks = _transposed_lists(
         kv_cfg, epilogue.quiet_rows(call), q, do, kv_indices, kv_counts, num_kv_blocks,
         block_q, gluon_dkdv, kv_tma,
     )  # fmt: skip
-    one_pass = _one_pass_mode(deterministic, gluon_dkdv and gluon_dq, block_kv, epilogue,
-                              grad_rows)  # fmt: skip
-    if one_pass is not None:
-        return _one_pass(one_pass, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices,
+    mode = _one_pass_mode(deterministic, gluon_dkdv and gluon_dq, block_kv, epilogue, grad_rows)
+    if mode is not None:
+        return _one_pass(mode, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices,
                          kv_counts, block_kv, scale, kv_block_sizes)  # fmt: skip
     dq_lists, dq_counts, tails, checked, list_strides, ends_args = _dq_lists(
-        kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq
-    )
+        kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq)  # fmt: skip
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
     transposed_strides = (*broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2])
     common = dict(BLOCK_M=block_q, BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
