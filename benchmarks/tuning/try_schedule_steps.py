@@ -13,13 +13,15 @@ over:
   graph per level, each with the sparsity a constant).
 
 Each prints its rows; the step ms of the last interval (steps 40-60, all at 0.875) is the
-comparison. Writes ``$OUT/try_schedule_steps.json`` if ``OUT`` is set::
+comparison. Writes ``$OUT/try_schedule_steps.json`` if ``OUT`` is set. ``--tiny``: the same
+three arms at ``train_vsa --tiny`` size, eager, on the CPU (a smoke run of this script)::
 
     PYTHONPATH=src python benchmarks/tuning/try_schedule_steps.py
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -29,11 +31,19 @@ import tempfile
 SHORT = ["--steps", "60", "--eval-every", "20", "--eval-crops", "2", "--samples", "1",
          "--sample-steps", "2", "--compile", "blocks", "--no-plot"]  # fmt: skip
 SCHEDULE = ["--schedule-warmup", "4", "--schedule-ramp", "8", "--schedule-levels", "4"]
-VARIANTS = {
-    "plain": (["--arm", "vsa0.875"], False),
-    "scheduled": (["--arm", "vsa0.875-warmup", *SCHEDULE], False),
-    "scheduled-specialized": (["--arm", "vsa0.875-warmup", *SCHEDULE], True),
-}
+TINY = ["--tiny", "--device", "cpu", "--steps", "4", "--eval-every", "2", "--no-plot"]
+TINY_SCHEDULE = ["--schedule-warmup", "1", "--schedule-ramp", "2", "--schedule-levels", "2"]
+
+
+def variants(schedule: list[str]) -> dict:
+    """``{name: (train_vsa arguments, specialise floats)}``."""
+    return {
+        "plain": (["--arm", "vsa0.875"], False),
+        "scheduled": (["--arm", "vsa0.875-warmup", *schedule], False),
+        "scheduled-specialized": (["--arm", "vsa0.875-warmup", *schedule], True),
+    }
+
+
 CHILD = """
 import json, sys, torch
 from vidsparse.bench.ops import train_vsa
@@ -45,8 +55,8 @@ print("ROWS " + json.dumps([{k: r.get(k) for k in ("step", "sparsity", "step_ms"
 """
 
 
-def run(name: str, argv: list[str], specialize: bool, out_dir: str) -> list[dict]:
-    cmd = [sys.executable, "-c", CHILD, str(int(specialize)), *argv, *SHORT,
+def run(name: str, argv: list[str], specialize: bool, out_dir: str, size: list[str]) -> list[dict]:
+    cmd = [sys.executable, "-c", CHILD, str(int(specialize)), *argv, *size,
            "--out", os.path.join(out_dir, name)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
     print(f"== {name} (exit {proc.returncode})\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}",
@@ -55,11 +65,21 @@ def run(name: str, argv: list[str], specialize: bool, out_dir: str) -> list[dict
     return json.loads(lines[-1][5:]) if lines else []
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny, eager, on the CPU")
+    parser.add_argument("--variants", default=",".join(variants([])),
+                        help="comma-separated, of %(default)s")  # fmt: skip
+    args = parser.parse_args(argv)
+    size, schedule = (TINY, TINY_SCHEDULE) if args.tiny else (SHORT, SCHEDULE)
+    table = variants(schedule)
+    unknown = set(args.variants.split(",")) - set(table)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}: of {list(table)}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (argv, specialize) in VARIANTS.items():
-            results[name] = run(name, argv, specialize, tmp)
+        for name in args.variants.split(","):
+            results[name] = run(name, *table[name], tmp, size)
     for name, rows in results.items():
         print(name, [(r["step"], r["sparsity"], r["step_ms"]) for r in rows])
     if os.environ.get("OUT"):
