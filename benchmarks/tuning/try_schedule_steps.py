@@ -1,11 +1,9 @@
-"""Why does a scheduled VSA arm step slower at its target than the unscheduled arm?
+"""Does a scheduled VSA arm step slower at its target than the unscheduled arm?
 
-On an H100 (fd3c121, seed 2, 1,200 steps, compiled blocks) ``train_vsa --arm vsa0.875-warmup``
-stepped at 157-173 ms once at sparsity 0.875, where ``--arm vsa0.875`` had stepped at 116 ms.
 The scheduled arm compiles one graph per sparsity level, and from the second level dynamo
-traces the sparsity as a symbolic float. This runs short arms back to back (full size,
-compiled blocks, the same seed), each in its own process so that no compiled graph carries
-over:
+traces the sparsity as a symbolic float (the question and its answer: docs/training.md). This
+runs short arms back to back (full size, compiled blocks, the same seed), each in its own
+process so that no compiled graph carries over:
 
 - ``plain``: ``--arm vsa0.875``;
 - ``scheduled``: ``--arm vsa0.875-warmup``, a short schedule (4 dense steps, 4 levels over 8);
@@ -58,7 +56,7 @@ print("ROWS " + json.dumps([{k: r.get(k) for k in ("step", "sparsity", "step_ms"
 def run(name: str, argv: list[str], specialize: bool, out_dir: str, size: list[str]) -> list[dict]:
     cmd = [sys.executable, "-c", CHILD, str(int(specialize)), *argv, *size,
            "--out", os.path.join(out_dir, name)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ})
+    proc = subprocess.run(cmd, capture_output=True, text=True)
     print(f"== {name} (exit {proc.returncode})\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}",
           flush=True)  # fmt: skip
     lines = [x for x in proc.stdout.splitlines() if x.startswith("ROWS ")]

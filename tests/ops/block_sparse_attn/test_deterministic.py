@@ -48,11 +48,11 @@ def test_torch_backend_gives_the_same_bits_either_way(torch_backend):
 
 
 def test_triton_backend_without_the_one_pass_runs_the_deterministic_backward_and_says_so(
-    triton_backend, device, caplog, monkeypatch
+    triton_backend, device, caplog
 ):
     """Off Hopper's Gluon kernels (the interpreter; 16-token blocks) ``deterministic=False``
     takes the deterministic backward: the same bits as the default, the reason logged once."""
-    monkeypatch.setattr(bwd, "_NOTED", set())
+    bwd._note_deterministic_backward.cache_clear()
     problem = _problem(torch.float32, device)
     exact = _grads(*problem)
     with caplog.at_level(logging.INFO, logger="vidsparse"):
@@ -79,3 +79,18 @@ def test_the_one_pass_mode_follows_deterministic_and_the_override():
         assert mode(True) == mode(False) == "ordered_tma"
     assert bwd._one_pass_mode(False, False, 128, NO_EPILOGUE, None) is None
     assert bwd._one_pass_mode(False, True, 64, NO_EPILOGUE, None) is None
+
+
+def test_an_override_that_does_not_apply_is_not_noted_as_the_callers_choice(caplog):
+    """The note speaks of ``deterministic=False``: a tuning override's mode that does not
+    apply (here: no Gluon kernels) falls back silently for a deterministic caller."""
+    from vidsparse.ops.block_sparse_attn import configs
+    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
+
+    bwd._note_deterministic_backward.cache_clear()
+    with caplog.at_level(logging.INFO, logger="vidsparse"), configs.override(one_pass="tma"):
+        assert bwd._one_pass_mode(True, False, 128, NO_EPILOGUE, None) is None
+        assert not [r for r in caplog.records if "deterministic=False" in r.getMessage()]
+        assert bwd._one_pass_mode(False, False, 128, NO_EPILOGUE, None) is None
+    notes = [r for r in caplog.records if "deterministic=False" in r.getMessage()]
+    assert len(notes) == 1 and "Gluon" in notes[0].getMessage()

@@ -382,38 +382,6 @@ def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded, by_t
     torch.testing.assert_close(dq, dq_unordered, rtol=1e-2, atol=1e-3)
 
 
-@pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma", "ordered_tma"])
-def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, mode):
-    """``configs.override(one_pass=mode)``: the engine's backward at 128x128 without an
-    epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions)
-    and its gradients match the two-kernel backward's (dK, dV to the bit); ordered, the same
-    bits on a second run."""
-    from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
-
-    ordered, by_tma = configs.ONE_PASS_MODES[mode]
-
-    q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, scale=4.0, seed=17)
-    calls = []
-    real = bwd_sm90.dkdvdq_gluon
-
-    def spy(*args, **kwargs):
-        calls.append((kwargs.get("ordered_by") is not None, kwargs.get("by_tma", False)))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bwd_sm90, "dkdvdq_gluon", spy)
-    dq_2, dk_2, dv_2 = _engine_grads(q, k, v, do, idx, cnt, 128)
-    with configs.override(one_pass=mode):
-        first = _engine_grads(q, k, v, do, idx, cnt, 128)
-        second = _engine_grads(q, k, v, do, idx, cnt, 128)
-    assert calls == [(ordered, by_tma)] * 2
-    dq, dk, dv = first
-    assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
-    torch.testing.assert_close(dq, dq_2, rtol=1e-2, atol=1e-3)
-    if ordered:
-        assert torch.equal(second[0], dq)
-
-
 def _one_pass_spy(monkeypatch) -> list:
     """``(ordered, by_tma)`` of each call of ``dkdvdq_gluon``, which still runs."""
     from vidsparse.ops.block_sparse_attn import bwd_sm90
@@ -426,6 +394,30 @@ def _one_pass_spy(monkeypatch) -> list:
 
     monkeypatch.setattr(bwd_sm90, "dkdvdq_gluon", spy)
     return calls
+
+
+@pytest.mark.timeout(300, method="thread")
+@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma", "ordered_tma"])
+def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, mode):
+    """``configs.override(one_pass=mode)``: the engine's backward at 128x128 without an
+    epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions)
+    and its gradients match the two-kernel backward's (dK, dV to the bit); ordered, the same
+    bits on a second run."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    ordered, by_tma = configs.ONE_PASS_MODES[mode]
+    q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, scale=4.0, seed=17)
+    calls = _one_pass_spy(monkeypatch)
+    dq_2, dk_2, dv_2 = _engine_grads(q, k, v, do, idx, cnt, 128)
+    with configs.override(one_pass=mode):
+        first = _engine_grads(q, k, v, do, idx, cnt, 128)
+        second = _engine_grads(q, k, v, do, idx, cnt, 128)
+    assert calls == [(ordered, by_tma)] * 2
+    dq, dk, dv = first
+    assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
+    torch.testing.assert_close(dq, dq_2, rtol=1e-2, atol=1e-3)
+    if ordered:
+        assert torch.equal(second[0], dq)
 
 
 @pytest.mark.timeout(300, method="thread")

@@ -15,6 +15,7 @@ programs reach them (``configs.NONDETERMINISTIC_ONE_PASS``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import replace
 
@@ -183,10 +184,6 @@ def _dq_lists(kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq):
     return dq_lists, dq_counts, tails, checked, list_strides, (ends, *list_end_strides(ends))
 
 
-_logger = logging.getLogger("vidsparse")
-_NOTED: set[str] = set()
-
-
 def _one_pass_mode(deterministic, both_gluon, block, epilogue, grad_rows) -> str | None:
     """The one-pass Hopper backward's mode (``configs.ONE_PASS_MODES``) for this call, or None
     for the deterministic kernels: ``configs.override(one_pass=...)``'s (tuning), else
@@ -208,14 +205,17 @@ def _one_pass_mode(deterministic, both_gluon, block, epilogue, grad_rows) -> str
          and fns.dq.fn is no_epilogue.dq_identity),
         ("the engine's row order", grad_rows is None),
     ) if not ok]  # fmt: skip
-    if not missing:
-        return mode
-    reason = ", ".join(missing)
-    if reason not in _NOTED:
-        _NOTED.add(reason)
-        _logger.info("vidsparse: deterministic=False: the one-pass backward needs %s; the "
-                     "deterministic backward runs", reason)  # fmt: skip
-    return None
+    if missing and not deterministic:  # an override's mode is tuning: no note
+        _note_deterministic_backward(", ".join(missing))
+    return None if missing else mode
+
+
+@functools.cache  # once per reason
+def _note_deterministic_backward(missing: str) -> None:
+    logging.getLogger("vidsparse").info(
+        "vidsparse: deterministic=False: the one-pass backward needs %s; the deterministic "
+        "backward runs", missing,
+    )  # fmt: skip
 
 
 def _one_pass(mode, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts,

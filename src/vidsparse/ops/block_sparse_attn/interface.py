@@ -452,7 +452,7 @@ def _block_sparse_attn_bwd_op(
     With ``q_rows``, ``kv_rows`` the gradients come in the caller's row order (``GradRows``;
     ``grad_layout``: q_len, kv_len, q_bshd, kv_bshd and, optionally, out: o and do are in
     the q side's order too). ``deterministic``: as ``block_sparse_attn``'s (the reference
-    path is)."""
+    path is deterministic either way)."""
     ep = _with_saved(epilogue_from(epilogue, (e0, e1, e2, e3, e4, e5, e6)), saved)
     grad_rows = _grad_rows(q_rows, kv_rows, grad_layout)
     if _nothing_to_attend(q, k, block_kv, epilogue):
