@@ -32,7 +32,8 @@
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
 #   (ours-nondet: the one-pass backward); nondet-tests: its GPU tests and the one pass's;
 #   schedule-steps: a scheduled VSA arm's step time at its target against the unscheduled
-#   arm's, and with dynamo's floats specialised (try_schedule_steps.py);
+#   arm's, and with dynamo's floats specialised (try_schedule_steps.py); step-times: the dense
+#   and the scheduled VSA arm's step times on one machine, twice in turn (the same script);
 #   persistent-bwd: the persistent dK/dV and dQ kernels' GPU tests, then their A/B against one
 #   block a program (try_gluon_bwd.py --persistent, try_persistent_bwd.json);
 #   engine-persistent-bwd: the engine's 128x128 table with both (configs.override(
@@ -96,6 +97,9 @@ for what in "$@"; do
       -k "deterministic or one_pass" ;;
     schedule-steps) step try_schedule_steps 420 env OUT="$OUT" python3 \
       benchmarks/tuning/try_schedule_steps.py ;;
+    step-times) step try_step_times 560 env OUT="$OUT" python3 \
+      benchmarks/tuning/try_schedule_steps.py --variants dense,scheduled --repeats 2 \
+      --json try_step_times.json ;;
     masked) step tune_masked 300 python3 benchmarks/tuning/tune_block_sparse.py --masked \
       --out "$OUT/tune_masked.json" ;;
     full-first) step tune_full_first 200 python3 benchmarks/tuning/tune_block_sparse.py --full-first \

@@ -1,18 +1,24 @@
-"""Does a scheduled VSA arm step slower at its target than the unscheduled arm?
+"""Step times of train_vsa's arms measured on one machine, in one call.
 
-The scheduled arm compiles one graph per sparsity level, and from the second level dynamo
-traces the sparsity as a symbolic float (the question and its answer: docs/training.md). This
-runs short arms back to back (full size, compiled blocks, the same seed), each in its own
-process so that no compiled graph carries over:
+Two questions (and their answers: docs/training.md). Does a scheduled VSA arm step slower at
+its target than the unscheduled arm? The scheduled arm compiles one graph per sparsity level,
+and from the second level dynamo traces the sparsity as a symbolic float. And what is VSA's
+step time against dense's on the same machine? The host-bound VSA step moves from machine to
+machine, so arms timed in different sessions do not give the ratio. This runs short arms back
+to back (full size, compiled blocks, the same seed), each in its own process so that no
+compiled graph carries over:
 
+- ``dense``: ``--arm dense``;
 - ``plain``: ``--arm vsa0.875``;
 - ``scheduled``: ``--arm vsa0.875-warmup``, a short schedule (4 dense steps, 4 levels over 8);
 - ``scheduled-specialized``: the same with ``torch._dynamo.config.specialize_float`` on (one
   graph per level, each with the sparsity a constant).
 
 Each prints its rows; the step ms of the last interval (steps 40-60, all at 0.875) is the
-comparison. Writes ``$OUT/try_schedule_steps.json`` if ``OUT`` is set. ``--tiny``: the same
-three arms at ``train_vsa --tiny`` size, eager, on the CPU (a smoke run of this script)::
+comparison. ``--repeats N`` runs the chosen variants N times in turn (``dense#1``,
+``scheduled#1``, ``dense#2``, ...), so that a drift of the machine shows. Writes
+``$OUT/try_schedule_steps.json`` (or ``--json``'s name) if ``OUT`` is set. ``--tiny``: the same
+arms at ``train_vsa --tiny`` size, eager, on the CPU (a smoke run of this script)::
 
     PYTHONPATH=src python benchmarks/tuning/try_schedule_steps.py
 """
@@ -36,6 +42,7 @@ TINY_SCHEDULE = ["--schedule-warmup", "1", "--schedule-ramp", "2", "--schedule-l
 def variants(schedule: list[str]) -> dict:
     """``{name: (train_vsa arguments, specialise floats)}``."""
     return {
+        "dense": (["--arm", "dense"], False),
         "plain": (["--arm", "vsa0.875"], False),
         "scheduled": (["--arm", "vsa0.875-warmup", *schedule], False),
         "scheduled-specialized": (["--arm", "vsa0.875-warmup", *schedule], True),
@@ -66,9 +73,14 @@ def run(name: str, argv: list[str], specialize: bool, out_dir: str, size: list[s
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="tiny, eager, on the CPU")
-    parser.add_argument("--variants", default=",".join(variants([])),
-                        help="comma-separated, of %(default)s")  # fmt: skip
+    every = ",".join(variants([]))
+    parser.add_argument("--variants", default="plain,scheduled,scheduled-specialized",
+                        help=f"comma-separated, of {every} (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=1, help="rounds over the variants")
+    parser.add_argument("--json", default="try_schedule_steps.json", help="file name under $OUT")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     size, schedule = (TINY, TINY_SCHEDULE) if args.tiny else (SHORT, SCHEDULE)
     table = variants(schedule)
     unknown = set(args.variants.split(",")) - set(table)
@@ -76,12 +88,14 @@ def main(argv=None) -> None:
         parser.error(f"unknown variants {sorted(unknown)}: of {list(table)}")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.variants.split(","):
-            results[name] = run(name, *table[name], tmp, size)
+        for round_ in range(1, args.repeats + 1):
+            for name in args.variants.split(","):
+                label = name if args.repeats == 1 else f"{name}#{round_}"
+                results[label] = run(label, *table[name], tmp, size)
     for name, rows in results.items():
         print(name, [(r["step"], r["sparsity"], r["step_ms"]) for r in rows])
     if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "try_schedule_steps.json")
+        path = os.path.join(os.environ["OUT"], args.json)
         with open(path, "w") as f:
             json.dump(results, f, indent=1)
 
