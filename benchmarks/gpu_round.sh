@@ -40,6 +40,9 @@
 #   persistent_dkdv=True, persistent_dq=True));
 #   clocks: the engine's 1/8 fwd+bwd over do_bench windows of 10 ms to 3 s with the SM clock and
 #   power beside them (profile_clocks.py, clocks.json);
+#   profile-nondet: the engine's 1/8 fwd+bwd at S=32k under torch.profiler, deterministic and
+#   not (the one pass's kernels: accumulator zeroing, one pass, conversion), then Nsight Compute
+#   on the one-pass kernel where ncu is installed and allowed (the adds' limit: L2 or waits?);
 #   train-vsa-<arm>-compiled (arm: dense, vsa0.875, vsa0.9, vsa0.875-warmup, finetune-dense,
 #   finetune-vsa):
 #   train_vsa's arms with compiled blocks, each in its own call, dense first; out/ is kept
@@ -69,6 +72,11 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 15 "$OUT/$name.log"
 }
 
+ENGINE_1_8="benchmarks/profile/profile_block_sparse.py --seq 32768 --density 0.125 --block 128x128"
+PROFILE_NONDET="python3 $ENGINE_1_8 && python3 $ENGINE_1_8 --nondet && if command -v ncu >/dev/null; \
+  then ncu --kernel-name regex:dkdvdq_gluon_kernel --launch-skip 2 --launch-count 1 \
+  --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+  --section SchedulerStats python3 $ENGINE_1_8 --nondet; else echo 'ncu: not on this machine'; fi"
 E2E_NEW="hunyuanvideo ltx ltx2 cosmos kandinsky5 skyreels-v2 wan-vace chronoedit wan-animate"
 E2E_SPARSE=(--methods dense,vsa,psa --psa-sparsities 0.6,0.75 --no-vsa-gate)
 E2E_DENSE_ONCE=(--methods dense --warmup 0 --reps 1 --share-reps 0)
@@ -145,6 +153,7 @@ for what in "$@"; do
       block_sparse \
       --shapes default --providers ours,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_persistent_bwd_h200.json" ;;
+    profile-nondet) step profile_nondet 300 bash -c "$PROFILE_NONDET" ;;
     clocks) step profile_clocks 200 python3 benchmarks/profile/profile_clocks.py --out "$OUT" ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;
     bwd-overlap) step try_bwd_overlap 300 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py ;;

@@ -305,8 +305,9 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     leave the kernel waiting forever). ``by_tma``: each step's dQ tiles added by TMA bulk
     reductions from shared memory instead of atomics (ordered: by the writer warp, which waits
     for them to land before it counts the step). Inputs as ``dkdv_gluon``'s. The engine's
-    backward takes it only under ``configs.override(one_pass=...)``: by atomics, ordered or
-    not, it is slower than the two kernels; by TMA reductions it is untimed
+    backward takes it, unordered and by TMA (``configs.NONDETERMINISTIC_ONE_PASS``), for
+    ``deterministic=False``, and any variant under ``configs.override(one_pass=...)``; by
+    atomics, and ordered either way, it is slower than the two kernels
     (``benchmarks/NOTES.md``)."""
     _check_inputs("dkdvdq_gluon", q, k, v, do, lse2, delta, kv_block_sizes, block)
     if block not in configs.GLUON_DKDVDQ:
