@@ -92,11 +92,14 @@ def main(argv=None) -> None:
             for name in args.variants.split(","):
                 label = name if args.repeats == 1 else f"{name}#{round_}"
                 results[label] = run(label, *table[name], tmp, size)
+                save(results, args.json)  # after each arm: a call cut short keeps those done
     for name, rows in results.items():
         print(name, [(r["step"], r["sparsity"], r["step_ms"]) for r in rows])
+
+
+def save(results: dict, name: str) -> None:
     if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], args.json)
-        with open(path, "w") as f:
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(results, f, indent=1)
 
 
