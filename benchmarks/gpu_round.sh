@@ -40,6 +40,8 @@
 #   persistent_dkdv=True, persistent_dq=True));
 #   clocks: the engine's 1/8 fwd+bwd over do_bench windows of 10 ms to 3 s with the SM clock and
 #   power beside them (profile_clocks.py, clocks.json);
+#   host-reads: which lines of a compiled train_vsa step (dense, VSA 0.875, full size) read
+#   tensors back to the host or sync (find_host_reads.py), and its GPU test (tiny model);
 #   profile-nondet: the engine's 1/8 fwd+bwd at S=32k under torch.profiler, deterministic and
 #   not (the one pass's kernels: accumulator zeroing, one pass, conversion), then Nsight Compute
 #   on the one-pass kernel where ncu is installed and allowed (the adds' limit: L2 or waits?);
@@ -153,6 +155,9 @@ for what in "$@"; do
       block_sparse \
       --shapes default --providers ours,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_persistent_bwd_h200.json" ;;
+    host-reads) step host_reads 360 bash -c "python3 benchmarks/profile/find_host_reads.py \
+      --compile blocks && python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/bench/test_profile_host_reads.py" ;;
     profile-nondet) step profile_nondet 300 bash -c "$PROFILE_NONDET" ;;
     clocks) step profile_clocks 200 python3 benchmarks/profile/profile_clocks.py --out "$OUT" ;;
     key-tails) step try_key_tails 300 env OUT="$OUT" python3 benchmarks/tuning/try_key_tails.py ;;

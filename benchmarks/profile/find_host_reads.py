@@ -1,0 +1,140 @@
+"""Where a ``train_vsa`` training step reads tensor values back to the host.
+
+On a GPU, such a read (``.item()``, ``bool(t)``, ``int(t)``, ``.tolist()``, ``.cpu()``, ...)
+waits for every kernel queued before it, so the host stops getting ahead of the GPU. Inside a
+training step that turns launch overhead into idle GPU time. This runs the warm-up steps (the
+compiles among them), then one step with the reading methods of ``torch.Tensor`` wrapped.
+It prints every site that read, as the innermost lines of vidsparse or diffusers on its
+stack, with the tensor's device and a count. On CUDA the step also runs under
+``torch.cuda.set_sync_debug_mode("warn")``, which also reports the syncs made inside
+operators (``nonzero``, boolean indexing, ...)::
+
+    PYTHONPATH=src python benchmarks/profile/find_host_reads.py --compile blocks
+    TRITON_INTERPRET=1 VIDSPARSE_BACKEND=triton PYTHONPATH=src \\
+        python benchmarks/profile/find_host_reads.py --tiny --device cpu --arms vsa0.875
+
+On the CPU every tensor is a host tensor, so every read is listed. The ones in library code
+would be syncs on a GPU. Reads of host tensors on a GPU run (AdamW's step counters) are not
+syncs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import tempfile
+import traceback
+import warnings
+
+import diffusers
+import torch
+
+import vidsparse
+from vidsparse.bench.ops import train_vsa
+
+READING_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu",
+                   "numpy", "nonzero")  # fmt: skip
+# Frames in the vidsparse and diffusers packages are "our code", named from the package down.
+PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep for m in (vidsparse, diffusers))
+
+
+def call_site(frames, depth: int = 4) -> str:
+    """The innermost ``depth`` frames of our code, innermost first, as ``package/path:line``."""
+    ours = [(short, f.lineno) for f in frames if (short := _in_package(f.filename))]
+    return " <- ".join(f"{path}:{line}" for path, line in ours[-depth:][::-1])
+
+
+def _in_package(filename: str) -> str | None:
+    for package in PACKAGES:
+        if filename.startswith(package):
+            return os.path.basename(package[:-1]) + "/" + filename[len(package) :]
+    return None
+
+
+@contextlib.contextmanager
+def host_reads():
+    """Counts ``{(method, device, site): calls}`` of ``torch.Tensor``'s reading methods made
+    while the block runs (not thread-safe: it swaps the methods on the class)."""
+    counts: collections.Counter = collections.Counter()
+    saved = {name: getattr(torch.Tensor, name) for name in READING_METHODS}
+
+    def counted(name, method):
+        def wrapper(self, *args, **kwargs):
+            site = call_site(traceback.extract_stack()[:-1])
+            counts[(name, self.device.type, site)] += 1
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, method in saved.items():
+        setattr(torch.Tensor, name, counted(name, method))
+    try:
+        yield counts
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)
+
+
+@contextlib.contextmanager
+def cuda_syncs(device: torch.device):
+    """The CUDA sync debug mode's warnings while the block runs, as ``(file:line, message)``."""
+    if device.type != "cuda":
+        yield []
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        found: list = []
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            found += [(f"{_in_package(w.filename) or w.filename}:{w.lineno}", str(w.message)[:80])
+                      for w in caught if "synchroniz" in str(w.message)]  # fmt: skip
+
+
+def library_reads(counts) -> dict:
+    """The reads whose innermost site is vidsparse's library code (not its benchmarks)."""
+    return {key: n for key, n in counts.items() if _in_library(key[2].split(" <- ")[0])}
+
+
+def _in_library(path: str) -> bool:
+    return path.startswith("vidsparse/") and not path.startswith("vidsparse/bench/")
+
+
+def step_reads(arm: str, args) -> tuple[collections.Counter, list]:
+    """Runs ``args.warmup`` steps of ``arm``, then one watched step."""
+    device = torch.device(args.device)
+    argv = ["--arm", arm, "--device", args.device, "--compile", args.compile]
+    with tempfile.TemporaryDirectory() as out:
+        run = train_vsa.prepare(train_vsa.parse_args([*argv, "--out", out, *args.size]), device)
+        for step in range(args.warmup):
+            train_vsa.train_step(run, step)
+        with host_reads() as counts, cuda_syncs(device) as syncs:
+            train_vsa.train_step(run, args.warmup)
+    return counts, syncs
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arms", default="dense,vsa0.875", help="train_vsa arms, comma-separated")
+    ap.add_argument("--warmup", type=int, default=2, help="steps before the watched one")
+    ap.add_argument("--tiny", action="store_true", help="train_vsa's tiny model")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--compile", choices=("none", "blocks"), default="none")
+    args = ap.parse_args(argv)
+    args.size = ["--tiny"] if args.tiny else []
+    for arm in args.arms.split(","):
+        counts, syncs = step_reads(arm, args)
+        print(f"{arm}: {sum(counts.values())} host reads in one step, "
+              f"{sum(library_reads(counts).values())} of them in library code")  # fmt: skip
+        for (name, device, site), n in counts.most_common():
+            print(f"  {n:5d}x {name:9s} {device:5s} {site}")
+        for site, message in syncs:
+            print(f"  sync: {site}: {message}")
+
+
+if __name__ == "__main__":
+    main()
