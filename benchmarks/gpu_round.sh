@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One round of GPU checks and benchmarks on an H200, each step under its own time limit:
-#   bash benchmarks/gpu_round.sh tests|short-walk-tests|demo|profile|profile-train|profile-train-compiled|engine|masked|full-first|key-tails|natural-boxes|bwd-overlap|overlap-tests|grad-rows|grad-rows-tests|out-rows|out-rows-tests|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|eviction|parallel [...]
+#   bash benchmarks/gpu_round.sh tests|short-walk-tests|demo|profile|profile-train|profile-train-compiled|profile-train-graphs|engine|masked|full-first|key-tails|natural-boxes|bwd-overlap|overlap-tests|grad-rows|grad-rows-tests|out-rows|out-rows-tests|vsa|vsa480|psa|sta|e2e|e2e-compiled|e2e-14b-compiled|e2e-hunyuan15|e2e-wan22-5b|coarse|eviction|parallel [...]
 #   e2e for the other diffusers families: e2e-hunyuanvideo|e2e-ltx|e2e-ltx2|e2e-cosmos|
 #   e2e-kandinsky5|e2e-skyreels-v2|e2e-wan-vace|e2e-chronoedit|e2e-wan-animate, compiled:
 #   e2e-skyreels-v2-compiled|e2e-wan-vace-compiled (JSON under $OUT, named as in
@@ -95,6 +95,8 @@ for what in "$@"; do
     profile-train) step profile_train 200 python3 benchmarks/profile/profile_train_step.py ;;
     profile-train-compiled) step profile_train_compiled 300 python3 \
       benchmarks/profile/profile_train_step.py --compile blocks --steps 10 ;;
+    profile-train-graphs) step profile_train_graphs 300 python3 \
+      benchmarks/profile/profile_train_step.py --compile blocks-graphs --steps 10 ;;
     demo) step demo 120 python3 -m vidsparse demo --out "$OUT/demo" ;;
     engine) step engine 540 python3 -m vidsparse.bench block_sparse --shapes default \
       --providers ours,ours-nondet,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \

@@ -6,7 +6,9 @@
 
 Per arm: the ``train_vsa`` model and data (``bench/ops/train_vsa.py``: 8 Wan blocks, 6 heads of
 128, 32,768 tokens, bf16 autocast, gradient checkpointing; ``--compile blocks`` as
-``train_vsa --compile blocks``), two warm-up steps (the compiles among them), then
+``train_vsa --compile blocks``; ``--compile blocks-graphs`` the same with inductor's CUDA graphs,
+an experiment: is the compiled VSA step's host time the launches?), two warm-up steps (the
+compiles among them), then
 
 - ``wall``: the median CUDA-synchronised step time of ``--steps`` unprofiled steps (what the
   benchmark's ``step ms`` reports);
@@ -26,14 +28,26 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from vidsparse.bench.ops import train_vsa
+from vidsparse.integrations.diffusers.compile import training_compile_options
 
 WARMUP_STEPS = 2
 
 
 def arm_run(arm: str, out: str, args) -> train_vsa.Run:
-    argv = ["--arm", arm, "--out", out, "--device", args.device, "--compile", args.compile]
+    compile_ = "none" if args.compile == "blocks-graphs" else args.compile
+    argv = ["--arm", arm, "--out", out, "--device", args.device, "--compile", compile_]
     argv += ["--tiny"] if args.tiny else []
-    return train_vsa.prepare(train_vsa.parse_args(argv), torch.device(args.device))
+    run = train_vsa.prepare(train_vsa.parse_args(argv), torch.device(args.device))
+    if args.compile == "blocks-graphs":  # as compile_for_training, replayed from CUDA graphs
+        options = {**training_compile_options(), "triton.cudagraphs": True}
+        run.model.compile_repeated_blocks(fullgraph=True, options=options)
+    return run
+
+
+def train_step(run: train_vsa.Run, step: int, graphs: bool) -> tuple[float, float]:
+    if graphs:  # a new iteration: the graphs' outputs of the last step may be overwritten
+        torch.compiler.cudagraph_mark_step_begin()
+    return train_vsa.train_step(run, step)
 
 
 def per_step(events, device_kind: str, steps: int, top: int) -> tuple[float, list[str]]:
@@ -50,19 +64,22 @@ def per_step(events, device_kind: str, steps: int, top: int) -> tuple[float, lis
 def profile_arm(arm: str, args) -> None:
     with tempfile.TemporaryDirectory() as out:
         run = arm_run(arm, out, args)
-        step = 0
+        graphs = args.compile == "blocks-graphs"
         for step in range(WARMUP_STEPS):  # compiles, autotuning, allocator warm-up
-            train_vsa.train_step(run, step)
-        walls = [train_vsa.train_step(run, WARMUP_STEPS + i)[1] for i in range(args.steps)]
+            train_step(run, step, graphs)
+        timed = [train_step(run, WARMUP_STEPS + i, graphs) for i in range(args.steps)]
+        walls = [ms for _, ms in timed]
         activities = [ProfilerActivity.CPU]
         if args.device == "cuda":
             activities.append(ProfilerActivity.CUDA)
         with profile(activities=activities) as prof:
             for i in range(args.steps):
-                train_vsa.train_step(run, WARMUP_STEPS + args.steps + i)
+                train_step(run, WARMUP_STEPS + args.steps + i, graphs)
     events = prof.key_averages()
     wall = statistics.median(walls)
     print(f"{arm}: wall {wall:.1f} ms a step (median of {args.steps})", flush=True)
+    losses = " ".join(f"{loss:.5f}" for loss, _ in timed)
+    print(f"  losses of the timed steps (a check across --compile modes): {losses}")
     if args.device == "cuda":
         kernels, lines = per_step(events, "CUDA", args.steps, args.top)
         print(f"  kernels {kernels:.1f} ms a step; wall - kernels {wall - kernels:.1f} ms")
@@ -78,8 +95,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15, help="lines of each top list")
     ap.add_argument("--tiny", action="store_true", help="train_vsa's tiny model (CPU smoke)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile", choices=("none", "blocks"), default="none",
-                    help="blocks: each block compiled, as train_vsa --compile")  # fmt: skip
+    ap.add_argument("--compile", choices=("none", "blocks", "blocks-graphs"), default="none",
+                    help="blocks: each block compiled, as train_vsa --compile; blocks-graphs: "
+                         "the same with inductor's CUDA graphs")  # fmt: skip
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("VIDSPARSE_BACKEND", "torch")  # as train_vsa on the CPU
