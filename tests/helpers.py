@@ -1,12 +1,30 @@
-"""Shared builders for the block-sparse attention tests."""
+"""Shared helpers of the tests: builders for the block-sparse attention tests, and a repository
+script (``benchmarks/``, ``examples/``) loaded as a module."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
+from pathlib import Path
 
 import torch
 
 from vidsparse.masks.block_sparse import dense_from_lists, random_block_lists
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(path: Path | str, name: str | None = None):
+    """The file at ``path`` (absolute, or relative to the repository) run as module ``name``
+    (its stem by default), registered in ``sys.modules`` (dataclasses look their module up
+    there)."""
+    path = REPO / path
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_qkv(B, H, Sq, Skv, D, *, dtype, device, scale=1.0, requires_grad=False):

@@ -2,19 +2,17 @@
 only the samples inside a timing window count, their medians are reported, and lines it cannot
 parse (a header, a driver message, "[N/A]") or a missing sample file give NaN, not a crash."""
 
-import importlib.util
 import math
 import time
 from pathlib import Path
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "profile" / "profile_clocks.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("profile_clocks", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _stamp(text: str) -> float:

@@ -5,23 +5,20 @@ the interpreter, so the launchers' host code is what is watched (the GPU test wa
 launchers the tiny model takes there)."""
 
 import argparse
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
 import vidsparse
+from helpers import load_script
 from vidsparse.masks.block_sparse import random_block_lists
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "profile" / "find_host_reads.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("find_host_reads", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _args(device: str) -> argparse.Namespace:

@@ -3,7 +3,6 @@ scheduled arm with dynamo's floats specialised runs in its own process and comes
 (the other variants differ only in their arguments, and each process costs a minute; the
 round-robin of `--repeats` is tested with the arm stubbed)."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "tuning" / "try_schedule_steps.py"
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -29,15 +30,8 @@ def test_the_specialised_scheduled_arm_runs_at_tiny_size(tmp_path):
     assert all(r["step_ms"] > 0 for r in rows[1:])
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("try_schedule_steps", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_repeats_run_the_variants_in_turn_under_numbered_labels(tmp_path, monkeypatch):
-    script = _load_script()
+    script = load_script(SCRIPT)
     calls = []
 
     def fake_run(label, argv, specialize, out_dir, size):
@@ -56,7 +50,7 @@ def test_repeats_run_the_variants_in_turn_under_numbered_labels(tmp_path, monkey
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--variants", "dense,bogus"]])
 def test_bad_arguments_stop_before_any_arm_runs(argv, monkeypatch):
-    script = _load_script()
+    script = load_script(SCRIPT)
     monkeypatch.setattr(script, "run", lambda *a: pytest.fail("an arm ran"))
     with pytest.raises(SystemExit) as stop:
         script.main(["--tiny", *argv])

@@ -10,7 +10,6 @@ most of it importing torch, Triton and diffusers).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import re
@@ -19,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 pytest.importorskip("diffusers", minversion="0.36")
 
@@ -37,10 +38,7 @@ VIDEO_LINE = re.compile(r"^video: 9 frames of 160x128 -> (.+)$", re.M)
 
 
 def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 @pytest.fixture

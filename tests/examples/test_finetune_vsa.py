@@ -9,7 +9,6 @@ waiting for each other): about 0.1 s a step. The ``slow`` test runs the script a
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from helpers import load_script
 
 pytest.importorskip("diffusers", minversion="0.36")
 pytest.importorskip("accelerate")
@@ -36,11 +37,7 @@ RAMP = ["--warmup-steps", "2", "--ramp-steps", "3", "--num-levels", "3"]
 
 
 def load_recipe():
-    spec = importlib.util.spec_from_file_location("finetune_vsa", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 recipe = load_recipe()

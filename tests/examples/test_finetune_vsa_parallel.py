@@ -16,10 +16,8 @@ run (``accelerate`` takes the gloo group they set up first, as it sets one up it
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
-import sys
 import traceback
 from pathlib import Path
 
@@ -27,6 +25,7 @@ import pytest
 import torch
 
 from gloo import spawn_gloo
+from helpers import load_script
 
 pytest.importorskip("diffusers", minversion="0.36")
 pytest.importorskip("accelerate")
@@ -57,11 +56,7 @@ def sgd_for_adamw(active: bool):
 
 
 def load_recipe():
-    spec = importlib.util.spec_from_file_location("finetune_vsa", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLE)
 
 
 def finetune(recipe, data: Path, output: Path, *args: str) -> int:
