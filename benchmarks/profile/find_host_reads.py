@@ -14,8 +14,8 @@ operators (``nonzero``, boolean indexing, ...)::
         python benchmarks/profile/find_host_reads.py --tiny --device cpu --arms vsa0.875
 
 On the CPU every tensor is a host tensor, so every read is listed. The ones in library code
-would be syncs on a GPU. Reads of host tensors on a GPU run (AdamW's step counters) are not
-syncs.
+would be syncs on a GPU. The harness's own reads there are AdamW's step counters (on a GPU
+the fused AdamW reads none back) and ``loss.item()`` at the step's end.
 """
 
 from __future__ import annotations
@@ -78,21 +78,16 @@ def host_reads():
 
 
 @contextlib.contextmanager
-def cuda_syncs(device: torch.device):
-    """The CUDA sync debug mode's warnings while the block runs, as ``(file:line, message)``."""
+def sync_debug_mode(device: torch.device):
+    """CUDA's sync debug mode at "warn" while the block runs (nothing off CUDA)."""
     if device.type != "cuda":
-        yield []
+        yield
         return
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        found: list = []
-        try:
-            yield found
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            found += [(f"{_in_package(w.filename) or w.filename}:{w.lineno}", str(w.message)[:80])
-                      for w in caught if "synchroniz" in str(w.message)]  # fmt: skip
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def library_reads(counts) -> dict:
@@ -112,8 +107,12 @@ def step_reads(arm: str, args) -> tuple[collections.Counter, list]:
         run = train_vsa.prepare(train_vsa.parse_args([*argv, "--out", out, *args.size]), device)
         for step in range(args.warmup):
             train_vsa.train_step(run, step)
-        with host_reads() as counts, cuda_syncs(device) as syncs:
-            train_vsa.train_step(run, args.warmup)
+        with warnings.catch_warnings(record=True) as caught, host_reads() as counts:
+            warnings.simplefilter("always")
+            with sync_debug_mode(device):
+                train_vsa.train_step(run, args.warmup)
+    syncs = [(f"{_in_package(w.filename) or w.filename}:{w.lineno}", str(w.message)[:80])
+             for w in caught if "synchroniz" in str(w.message)]  # fmt: skip
     return counts, syncs
 
 

@@ -46,10 +46,9 @@ def test_reads_from_the_benchmark_harness_are_not_library_reads():
 
 @pytest.mark.interpreter
 def test_a_vsa_training_step_reads_nothing_back_in_library_code(triton_backend):
-    counts, syncs = _module().step_reads("vsa0.875", _args("cpu"))
+    counts, _ = _module().step_reads("vsa0.875", _args("cpu"))
     assert sum(counts.values()) > 0  # the harness's own reads (loss.item()) were seen
     assert _module().library_reads(counts) == {}
-    assert syncs == []
 
 
 @pytest.mark.gpu
