@@ -53,3 +53,24 @@ def test_a_word_value_stays_a_word():
 
     parsed = bench_with_override.parse_overrides(["one_pass=ordered", "overlap=none"])
     assert parsed == {"one_pass": "ordered", "overlap": None}
+
+
+def test_the_command_runs_under_the_overrides(monkeypatch):
+    """The bench command sees the overrides as the active ones, and the defaults after."""
+    from helpers import load_script
+    from vidsparse.bench import runner
+    from vidsparse.ops.block_sparse_attn import configs
+
+    script = load_script(SCRIPT)
+    seen = []
+
+    def bench_main(argv):
+        seen.append((argv, configs.active_overrides()))
+        return 0
+
+    monkeypatch.setattr(runner, "main", bench_main)
+    assert script.main(["out_rows=false", "one_pass=tma", "--", "vsa", "--tiny"]) == 0
+    ((argv, active),) = seen
+    assert argv == ["vsa", "--tiny"]
+    assert (active.out_rows, active.one_pass) == (False, "tma")
+    assert configs.active_overrides() == configs.Overrides()

@@ -22,8 +22,13 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from helpers import flash_gradients_fp32, gradient_term_magnitudes, masked_dense_attention
 
-# Relative error allowed against the fp64 reference, per input dtype.
-TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# Relative error of o allowed against the fp64 reference, per input dtype: ~10x the largest
+# seen over the long profile on the CPU (fp32 with room for the GPU's tf32x3 dots). Dropping
+# one listed block of ten moves o by ~0.1-0.3, so each bound catches it.
+TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# lse is accumulated in fp32 from the inputs as given (the reference reads the same rounded
+# values), whatever their dtype: ~1.4e-5 worst seen, relative to max(1, |lse|).
+LSE_TOL = 1e-4
 
 
 PROFILES = {"ci": 1, "long": 40}
@@ -100,13 +105,11 @@ def check_against_dense(out, lse, q, k, v, idx, cnt, bq, bk, sizes, scale):
     assert out.dtype == q.dtype and out.shape == q.shape and lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     err = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
-    assert ref.norm() == 0 or err <= tol * 10, float(err)
+    assert ref.norm() == 0 or err <= tol, float(err)
     empty = torch.isneginf(ref_lse)
     assert torch.equal(torch.isneginf(lse), empty)  # rows that attend to nothing: -inf
     assert (out.double()[empty] == 0).all()  # ... and o = 0
-    lse_tol = max(tol, 2e-6)  # lse is fp32 whatever the inputs
-    torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], rtol=lse_tol,
-                               atol=lse_tol * 10)  # fmt: skip
+    torch.testing.assert_close(lse.double()[~empty], ref_lse[~empty], rtol=LSE_TOL, atol=LSE_TOL)
 
 
 def check_gradients(grads, q, k, v, idx, cnt, bq, bk, sizes, scale):

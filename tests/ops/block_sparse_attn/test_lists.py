@@ -93,20 +93,48 @@ def test_banded_order_balances_the_engines_ragged_key_blocks():
     assert (launch.max().item() / mean - 1) > 3 * (banded.max().item() / mean - 1)
 
 
+# Ops whose output's shape depends on the values: on a GPU each waits for the device.
+_DATA_SHAPED = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
+                "aten.repeat_interleave.Tensor", "aten.bincount")  # fmt: skip
+# Tensor methods that read values to the host without going through the dispatcher.
+_UNDISPATCHED_READS = ("tolist", "numpy")
+
+
 class _HostInputs(TorchDispatchMode):
     """Records the ops that take a tensor which came from neither the inputs nor an earlier
-    op (a Python number or list made a tensor on the host: a copy to the device on a GPU) or
-    that read a value back to the host: what a CUDA graph capture refuses."""
+    op (a Python number or list made a tensor on the host: a copy to the device on a GPU),
+    that read a value back to the host (``item``, ``bool``, ``tolist``, ``numpy``), or whose
+    output's shape depends on the values (``nonzero``, ...): what a CUDA graph capture
+    refuses."""
 
     def __init__(self, inputs):
         super().__init__()
         self.made = list(inputs)  # kept alive, so their ids stay theirs
         self.known = {id(t) for t in inputs}
         self.found = []
+        self.saved = {}
+
+    def __enter__(self):
+        for name in _UNDISPATCHED_READS:
+            self.saved[name] = method = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._recording(name, method))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self.saved.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
+
+    def _recording(self, name, method):
+        def read(tensor, *args, **kwargs):
+            self.found.append(f"Tensor.{name}")
+            return method(tensor, *args, **kwargs)
+
+        return read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         taken = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is torch.ops.aten._local_scalar_dense.default or str(func).startswith(_DATA_SHAPED):
             self.found.append(str(func))
         self.found += [str(func) for t in taken if id(t) not in self.known]
         out = func(*args, **(kwargs or {}))
@@ -119,16 +147,22 @@ class _HostInputs(TorchDispatchMode):
 def test_the_walks_take_nothing_from_the_host():
     """Both walks are built from the lengths by tensor ops alone, so on a GPU they build
     inside a CUDA graph capture (``derived_lists`` is bypassed there); the check itself
-    catches a Python 0 set by tensor index."""
+    catches a Python 0 set by tensor index, a read back and a value-shaped op."""
     lengths = torch.randint(0, 40, (3 * 200,), dtype=torch.int32)
     for build in (banded_order, snake_order):
         with _HostInputs([lengths]) as mode:
             build(lengths, 132)
         assert mode.found == [], build.__name__
     flags, where = torch.ones(4, dtype=torch.int64), torch.arange(2)
+    tolist = torch.Tensor.tolist
     with _HostInputs([flags, where]) as mode:
         flags[where] = 0
-    assert mode.found == ["aten.lift_fresh.default"]
+        flags.tolist()
+        bool(flags.any())
+        flags.nonzero()
+    assert mode.found == ["aten.lift_fresh.default", "Tensor.tolist",
+                          "aten._local_scalar_dense.default", "aten.nonzero.default"]  # fmt: skip
+    assert torch.Tensor.tolist is tolist  # restored
 
 
 @pytest.mark.gpu
@@ -228,8 +262,8 @@ def test_the_persistent_dkdv_launch_at_128_rows_only(monkeypatch):
 
 def test_the_persistent_dq_launch_walks_query_blocks_by_their_counts(monkeypatch):
     """``dq_kernel_args(..., persistent=True)`` at 128 rows: one program per SM (or per query
-    block), the query blocks in the snake order of their counts (clamped into the lists'
-    width, as the kernels read them); at 64 rows the tiles kernel."""
+    block), the query blocks in the banded order of their counts (the default walk; counts
+    clamped into the lists' width, as the kernels read them); at 64 rows the tiles kernel."""
     from vidsparse.ops.block_sparse_attn import bwd_sm90
 
     monkeypatch.setattr(bwd_sm90, "num_sms", lambda device: 4)

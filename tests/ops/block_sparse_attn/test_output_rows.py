@@ -84,9 +84,8 @@ def test_output_stored_through_the_q_map_equals_moving_it(backend, sizes, monkey
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_output_rows_op_and_its_fake_agree(backend, monkeypatch):
-    """The forward custom op with ``out_rows``: its fake gives the natural shape and strides
-    (``torch.library.opcheck`` on the torch backend), and the autograd path still hands the
-    gradients to the targets only."""
+    """The forward custom op with ``out_rows``: it and its fake give the natural shape and
+    strides (``torch.library.opcheck`` on the torch backend)."""
     monkeypatch.setenv("VIDSPARSE_BACKEND", backend)
     import vidsparse.ops.block_sparse_attn.interface  # noqa: F401 - registers the ops
     from vidsparse.ops.block_sparse_attn.epilogue import MAX_TENSORS
