@@ -62,6 +62,40 @@ def triton_backend(monkeypatch):
 
 
 @pytest.fixture
+def exact_bf16_interpreter(monkeypatch):
+    """bf16 in Triton's CPU interpreter as a GPU computes it: ``tl.dot`` on bf16 operands
+    multiplies their values (exact in fp32, fp32 accumulation), and fp32 -> bf16 casts round
+    to nearest even (torch's cast). No-op on a GPU."""
+    if HAS_GPU:
+        return
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot, cast = builder.create_dot, builder.cast_impl
+
+    def values(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = np.asarray(handle.data).astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, *args):
+        return dot(self, values(a), values(b), d, *args)
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
+            bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+            return interpreter.TensorHandle(bits, tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    monkeypatch.setattr(builder, "create_dot", create_dot)
+    monkeypatch.setattr(builder, "cast_impl", cast_impl)
+
+
+@pytest.fixture
 def device():
     """Where kernel tests run: the GPU if there is one, else the CPU interpreter."""
     return torch.device("cuda" if HAS_GPU else "cpu")

@@ -19,13 +19,13 @@ rounding reaches ``delta = rowsum(o_fine * do)``, and where the softmax is sharp
 inputs) ``dP - delta`` cancels, so that rounding dominated dq and dk: 2-70x the baseline's
 error in these cases before the residual.
 
-In the interpreter bf16 needs :func:`_exact_bf16_interpreter`: Triton 3.6's interpreter keeps
-bf16 as raw uint16, multiplies those bits in ``tl.dot`` and truncates fp32 -> bf16 casts.
+In the interpreter bf16 needs the ``exact_bf16_interpreter`` fixture (tests/conftest.py):
+Triton 3.6's interpreter keeps bf16 as raw uint16, multiplies those bits in ``tl.dot`` and
+truncates fp32 -> bf16 casts.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -40,39 +40,6 @@ GRADS = ("dq", "dk", "dv", "dgate")
 
 
 # ----------------------------------------------------------------------------- bf16 shim
-
-
-@pytest.fixture
-def exact_bf16_interpreter(monkeypatch):
-    """bf16 in Triton's CPU interpreter as a GPU computes it: ``tl.dot`` on bf16 operands
-    multiplies their values (exact in fp32, fp32 accumulation), and fp32 -> bf16 casts round
-    to nearest even (torch's cast). No-op on a GPU."""
-    if not ON_CPU:
-        return
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    dot, cast = builder.create_dot, builder.cast_impl
-
-    def values(handle):
-        if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        bits = np.asarray(handle.data).astype(np.uint32) << 16
-        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
-
-    def create_dot(self, a, b, d, *args):
-        return dot(self, values(a), values(b), d, *args)
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            x = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32))
-            bits = x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
-            return interpreter.TensorHandle(bits, tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    monkeypatch.setattr(builder, "create_dot", create_dot)
-    monkeypatch.setattr(builder, "cast_impl", cast_impl)
 
 
 @pytest.mark.interpreter

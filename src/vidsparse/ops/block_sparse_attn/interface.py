@@ -40,6 +40,7 @@ from vidsparse.ops.block_sparse_attn.grad_rows import (
     scatter_grads,
     scatter_rows,
 )
+from vidsparse.ops.block_sparse_attn.interpreter import interpreter_computes_bf16
 from vidsparse.ops.block_sparse_attn.reference import (
     block_sparse_attn_bwd_ref,
     block_sparse_attn_ref,
@@ -301,12 +302,11 @@ def check_triton_supported(q: torch.Tensor) -> None:
         )
     if q.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"the Triton kernels take fp16, bf16 or fp32 inputs, got {q.dtype}")
-    if q.dtype == torch.bfloat16 and q.device.type == "cpu":
-        # The interpreter keeps bf16 as its raw bits and its tl.dot multiplies those: results
-        # off by ~1e10, with no error of its own (Triton's interpreter has no bf16 support).
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and not interpreter_computes_bf16():
         raise TypeError(
             "the Triton interpreter (TRITON_INTERPRET=1, CPU tensors) does not compute "
-            "bfloat16: pass float16 or float32 on the CPU, or set VIDSPARSE_BACKEND=torch"
+            "bfloat16 (its tl.dot multiplies the raw bits): pass float16 or float32 on the CPU, "
+            "or set VIDSPARSE_BACKEND=torch"
         )
 
 
