@@ -17,7 +17,8 @@ compiled graph carries over:
 Each prints its rows; the step ms of the last interval (steps 40-60, all at 0.875) is the
 comparison. ``--repeats N`` runs the chosen variants N times in turn (``dense#1``,
 ``scheduled#1``, ``dense#2``, ...), so that a drift of the machine shows. Writes
-``$OUT/try_schedule_steps.json`` (or ``--json``'s name) if ``OUT`` is set. ``--tiny``: the same
+``$OUT/try_schedule_steps.json`` (or ``--json``'s name) if ``OUT`` is set: ``{"meta": GPU,
+versions, commit, command; "arms": {label: rows}}``. ``--tiny``: the same
 arms at ``train_vsa --tiny`` size, eager, on the CPU (a smoke run of this script)::
 
     PYTHONPATH=src python benchmarks/tuning/try_schedule_steps.py
@@ -87,20 +88,31 @@ def main(argv=None) -> None:
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)}: of {list(table)}")
     results = {}
+    meta = run_metadata(args.tiny)
     with tempfile.TemporaryDirectory() as tmp:
         for round_ in range(1, args.repeats + 1):
             for name in args.variants.split(","):
                 label = name if args.repeats == 1 else f"{name}#{round_}"
                 results[label] = run(label, *table[name], tmp, size)
-                save(results, args.json)  # after each arm: a call cut short keeps those done
+                save(meta, results, args.json)  # after each arm: a call cut short keeps those
     for name, rows in results.items():
         print(name, [(r["step"], r["sparsity"], r["step_ms"]) for r in rows])
 
 
-def save(results: dict, name: str) -> None:
+def run_metadata(tiny: bool) -> dict:
+    """Where the arms run (their processes share the machine): GPU, versions, commit."""
+    import torch
+
+    from vidsparse.bench.harness import collect_metadata
+
+    on_gpu = not tiny and torch.cuda.is_available()
+    return collect_metadata(torch.device("cuda" if on_gpu else "cpu"))
+
+
+def save(meta: dict, results: dict, name: str) -> None:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"meta": meta, "arms": results}, f, indent=1)
 
 
 if __name__ == "__main__":

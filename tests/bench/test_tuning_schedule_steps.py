@@ -23,7 +23,9 @@ def test_the_specialised_scheduled_arm_runs_at_tiny_size(tmp_path):
     cmd = [sys.executable, str(SCRIPT), "--tiny", "--variants", "scheduled-specialized"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads((tmp_path / "try_schedule_steps.json").read_text())
+    saved = json.loads((tmp_path / "try_schedule_steps.json").read_text())
+    results = saved["arms"]
+    assert saved["meta"]["device"] == "cpu" and "torch" in saved["meta"]
     (rows,) = results.values()
     assert list(results) == ["scheduled-specialized"]
     assert [(r["step"], r["sparsity"]) for r in rows] == [(0, 0.0), (2, 0.4375), (4, 0.875)]
@@ -43,7 +45,7 @@ def test_repeats_run_the_variants_in_turn_under_numbered_labels(tmp_path, monkey
     script.main(["--tiny", "--variants", "dense,scheduled", "--repeats", "2", "--json", "t.json"])
     assert calls == [("dense#1", "dense"), ("scheduled#1", "vsa0.875-warmup"),
                      ("dense#2", "dense"), ("scheduled#2", "vsa0.875-warmup")]  # fmt: skip
-    results = json.loads((tmp_path / "t.json").read_text())
+    results = json.loads((tmp_path / "t.json").read_text())["arms"]
     assert list(results) == ["dense#1", "scheduled#1", "dense#2", "scheduled#2"]
     assert [rows[0]["step_ms"] for rows in results.values()] == [1.0, 2.0, 3.0, 4.0]
 
