@@ -33,9 +33,8 @@ import torch
 
 import vidsparse
 from vidsparse.bench.ops import train_vsa
+from vidsparse.testing import reading_methods_watched
 
-READING_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu",
-                   "numpy", "nonzero")  # fmt: skip
 # Frames in the vidsparse and diffusers packages are "our code", named from the package down.
 PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep for m in (vidsparse, diffusers))
 
@@ -56,25 +55,16 @@ def _in_package(filename: str) -> str | None:
 @contextlib.contextmanager
 def host_reads():
     """Counts ``{(method, device, site): calls}`` of ``torch.Tensor``'s reading methods made
-    while the block runs (not thread-safe: it swaps the methods on the class)."""
+    while the block runs (``vidsparse.testing.reading_methods_watched``)."""
     counts: collections.Counter = collections.Counter()
-    saved = {name: getattr(torch.Tensor, name) for name in READING_METHODS}
 
-    def counted(name, method):
-        def wrapper(self, *args, **kwargs):
-            site = call_site(traceback.extract_stack()[:-1])
-            counts[(name, self.device.type, site)] += 1
-            return method(self, *args, **kwargs)
+    def count(name, tensor):
+        # [:-2]: without this function's frame and the watcher's wrapper
+        site = call_site(traceback.extract_stack()[:-2])
+        counts[(name, tensor.device.type, site)] += 1
 
-        return wrapper
-
-    for name, method in saved.items():
-        setattr(torch.Tensor, name, counted(name, method))
-    try:
+    with reading_methods_watched(count):
         yield counts
-    finally:
-        for name, method in saved.items():
-            setattr(torch.Tensor, name, method)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,14 @@ dtype, the problem size and the input scale, where a fixed ``atol`` does not.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
+
+# torch.Tensor's methods that read values back to the host (a sync on a GPU).
+READING_METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu",
+                   "numpy", "nonzero")  # fmt: skip
 
 
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
@@ -102,3 +109,28 @@ def add_tile_structure(x: torch.Tensor, grid, strength: float, *, tiled: bool) -
     extra = torch.zeros_like(x)
     extra[:, :, : video.shape[2]] = video
     return x + strength * extra
+
+
+@contextlib.contextmanager
+def reading_methods_watched(
+    on_read: Callable[[str, torch.Tensor], None], names: tuple[str, ...] = READING_METHODS
+) -> Iterator[None]:
+    """While the block runs, ``on_read(name, tensor)`` before each call of ``torch.Tensor``'s
+    methods ``names`` (default: every method that reads values back to the host). Not
+    thread-safe: it swaps the methods on the class, and restores them on exit."""
+    saved = {name: getattr(torch.Tensor, name) for name in names}
+
+    def watched(name, method):
+        def wrapper(self, *args, **kwargs):
+            on_read(name, self)
+            return method(self, *args, **kwargs)
+
+        return wrapper
+
+    for name, method in saved.items():
+        setattr(torch.Tensor, name, watched(name, method))
+    try:
+        yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)

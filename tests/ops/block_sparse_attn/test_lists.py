@@ -20,6 +20,7 @@ from vidsparse.ops.block_sparse_attn.lists import (
     cached_transpose,
     snake_order,
 )
+from vidsparse.testing import reading_methods_watched
 
 
 def _totals(lengths: torch.Tensor, order: torch.Tensor, programs: int) -> torch.Tensor:
@@ -96,7 +97,8 @@ def test_banded_order_balances_the_engines_ragged_key_blocks():
 # Ops whose output's shape depends on the values: on a GPU each waits for the device.
 _DATA_SHAPED = ("aten.nonzero", "aten.masked_select", "aten.unique", "aten._unique",
                 "aten.repeat_interleave.Tensor", "aten.bincount")  # fmt: skip
-# Tensor methods that read values to the host without going through the dispatcher.
+# Tensor methods that read values to the host without going through the dispatcher (item,
+# bool and int do: aten._local_scalar_dense).
 _UNDISPATCHED_READS = ("tolist", "numpy")
 
 
@@ -112,25 +114,17 @@ class _HostInputs(TorchDispatchMode):
         self.made = list(inputs)  # kept alive, so their ids stay theirs
         self.known = {id(t) for t in inputs}
         self.found = []
-        self.saved = {}
+        self.watched = reading_methods_watched(
+            lambda name, _: self.found.append(f"Tensor.{name}"), _UNDISPATCHED_READS
+        )
 
     def __enter__(self):
-        for name in _UNDISPATCHED_READS:
-            self.saved[name] = method = getattr(torch.Tensor, name)
-            setattr(torch.Tensor, name, self._recording(name, method))
+        self.watched.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        for name, method in self.saved.items():
-            setattr(torch.Tensor, name, method)
+        self.watched.__exit__(*exc)
         return super().__exit__(*exc)
-
-    def _recording(self, name, method):
-        def read(tensor, *args, **kwargs):
-            self.found.append(f"Tensor.{name}")
-            return method(tensor, *args, **kwargs)
-
-        return read
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         taken = [t for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, torch.Tensor)]
