@@ -42,6 +42,8 @@
 #   power beside them (profile_clocks.py, clocks.json);
 #   host-reads: which lines of a compiled train_vsa step (dense, VSA 0.875, full size) read
 #   tensors back to the host or sync (find_host_reads.py), and its GPU test (tiny model);
+#   one-pass-schedules: the one pass's GluonOnePassOptions schedules, their GPU tests then their
+#   A/B (try_gluon_bwd.py --schedules, try_one_pass_schedules.json);
 #   profile-nondet: the engine's 1/8 fwd+bwd at S=32k under torch.profiler, deterministic and
 #   not (the one pass's kernels: accumulator zeroing, one pass, conversion), then Nsight Compute
 #   on the one-pass kernel where ncu is installed and allowed (the adds' limit: L2 or waits?);
@@ -76,9 +78,9 @@ step() {  # step NAME SECONDS COMMAND...
 
 ENGINE_1_8="benchmarks/profile/profile_block_sparse.py --seq 32768 --density 0.125 --block 128x128"
 PROFILE_NONDET="python3 $ENGINE_1_8 && python3 $ENGINE_1_8 --nondet && if command -v ncu >/dev/null; \
-  then ncu --kernel-name regex:dkdvdq_gluon_kernel --launch-skip 2 --launch-count 1 \
+  then ncu --clock-control none --kernel-name regex:dkdvdq_gluon_kernel --launch-skip 2 --launch-count 1 \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
-  --section SchedulerStats python3 $ENGINE_1_8 --nondet; else echo 'ncu: not on this machine'; fi"
+  --section SchedulerStats --metrics lts__t_sectors_op_red.sum,lts__t_requests_op_red.sum,lts__t_sectors.sum,l1tex__m_xbar2l1tex_read_bytes.sum python3 $ENGINE_1_8 --nondet; else echo 'ncu: not on this machine'; fi"
 E2E_NEW="hunyuanvideo ltx ltx2 cosmos kandinsky5 skyreels-v2 wan-vace chronoedit wan-animate"
 E2E_SPARSE=(--methods dense,vsa,psa --psa-sparsities 0.6,0.75 --no-vsa-gate)
 E2E_DENSE_ONCE=(--methods dense --warmup 0 --reps 1 --share-reps 0)
@@ -157,6 +159,10 @@ for what in "$@"; do
       block_sparse \
       --shapes default --providers ours,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_persistent_bwd_h200.json" ;;
+    one-pass-schedules) step one_pass_schedule_tests 300 python3 -m pytest -q -m gpu \
+      -p no:cacheprovider tests/ops/block_sparse_attn/test_gluon_bwd.py -k schedules && \
+      step try_one_pass_schedules 400 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
+      --schedules --cases engine ;;
     host-reads) step host_reads 360 bash -c "python3 benchmarks/profile/find_host_reads.py \
       --compile blocks && python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/bench/test_profile_host_reads.py" ;;
