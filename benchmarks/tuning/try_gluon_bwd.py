@@ -32,8 +32,9 @@ kernel's bits and its dQ against the dQ kernel's (rel L2), twice
 (``$OUT/try_one_pass_bwd.json``).
 
 ``--schedules`` (128x128 cases only) compares the one pass by TMA reductions under each
-``configs.GluonOnePassOptions`` schedule (``ONE_PASS_SCHEDULES``: the ring slot freed before dQ's
-wgmmas retire, two dQ tiles a consumer, each consumer's keys' dQ reduced alone) with its default
+``configs.GluonOnePassOptions`` schedule (``ONE_PASS_SCHEDULES``: both consumers in worker warps,
+the ring slot freed before dQ's wgmmas retire, two dQ tiles a consumer, each consumer's keys' dQ
+reduced alone) with its default
 and with the two Gluon kernels, in three alternating rounds (medians), backward alone and after
 the forward; dK, dV against the dK/dV kernel's bits, dQ against the dQ kernel's
 (``$OUT/try_one_pass_schedules.json``).
@@ -298,11 +299,11 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
 ONE_PASS_SCHEDULES = {
     "default_s3": {},
     "default_s2": dict(STAGES=2),
-    "early_s3": dict(EARLY_RELEASE=True),
-    "two_tiles_s2": dict(STAGES=2, DQ_TILES=2),
-    "two_tiles_early_s2": dict(STAGES=2, DQ_TILES=2, EARLY_RELEASE=True),
-    "split_s2": dict(STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
-    "split_early_s2": dict(STAGES=2, DQ_TILES=2, DQ_SPLIT=True, EARLY_RELEASE=True),
+    "workers_s3": dict(CONSUMERS_AS_WORKERS=True),
+    "workers_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2),
+    "workers_early_s3": dict(CONSUMERS_AS_WORKERS=True, EARLY_RELEASE=True),
+    "workers_two_tiles_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2),
+    "workers_split_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
 }
 
 

@@ -361,11 +361,11 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
 
 
 ONE_PASS_SCHEDULES = {
+    "workers": dict(CONSUMERS_AS_WORKERS=True),
+    "workers_early_release": dict(CONSUMERS_AS_WORKERS=True, EARLY_RELEASE=True),
+    "workers_two_tiles": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2),
+    "workers_split": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
     "early_release": dict(EARLY_RELEASE=True),
-    "two_tiles": dict(STAGES=2, DQ_TILES=2),
-    "two_tiles_early": dict(STAGES=2, DQ_TILES=2, EARLY_RELEASE=True),
-    "split": dict(STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
-    "split_early": dict(STAGES=2, DQ_TILES=2, DQ_SPLIT=True, EARLY_RELEASE=True),
 }
 
 
@@ -373,9 +373,10 @@ ONE_PASS_SCHEDULES = {
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("schedule", sorted(ONE_PASS_SCHEDULES))
 def test_gpu_one_pass_schedules_match_reference_and_both_kernels(dtype, padded, schedule):
-    """Each ``configs.GluonOnePassOptions`` schedule of the one pass by TMA reductions (the
-    ring slot freed early, two dQ tiles a consumer used in turn, each consumer's keys' dQ
-    reduced alone): dK and dV the dK/dV kernel's bits, dQ as the default schedule's checks."""
+    """Each ``configs.GluonOnePassOptions`` schedule of the one pass by TMA reductions (both
+    consumers in worker warps, the ring slot freed early, two dQ tiles a consumer used in turn,
+    each consumer's keys' dQ reduced alone): dK and dV the dK/dV kernel's bits, dQ checked as
+    the default schedule's is."""
     from dataclasses import replace
 
     from vidsparse.ops.block_sparse_attn import configs

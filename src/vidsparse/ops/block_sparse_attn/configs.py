@@ -185,11 +185,15 @@ class GluonOnePassOptions(GluonBwdOptions):
     consumer (2: a step's tile is written while the last step's reduction reads the other;
     16 KB more each, so 2 ring stages at most); ``DQ_SPLIT``: each consumer reduces its own keys'
     share of all of dQ's columns, so the consumers never wait for each other at a step, at twice
-    the bytes reduced (with ``DQ_TILES=2``, a tile for each column half; 2 ring stages)."""
+    the bytes reduced (with ``DQ_TILES=2``, a tile for each column half; 2 ring stages);
+    ``CONSUMERS_AS_WORKERS``: the loader runs in the kernel's own (default) warps and both
+    consumers in worker warps, where ptxas spills fewer of the kernel's scalars inside their
+    loops (16 bytes against 148 by TMA on Triton 3.6); else consumer 0 is the default partition."""
 
     EARLY_RELEASE: bool = False
     DQ_TILES: int = 1
     DQ_SPLIT: bool = False
+    CONSUMERS_AS_WORKERS: bool = False
 
 
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the

@@ -392,6 +392,7 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
     HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     EARLY_RELEASE: gl.constexpr, DQ_TILES: gl.constexpr, DQ_SPLIT: gl.constexpr,
+    CONSUMERS_AS_WORKERS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: a 128-row key block per program, its halves on the two consumers,
     one list and one ring, as ``bwd_sm90.block_sparse_attn_bwd_dkdv_gluon_kernel``. dQ's adds
@@ -418,28 +419,52 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
         dq_smem = ds_smem  # unread
 
     q_row0 = pid_bh * Sq
-    gl.warp_specialize(
-        [
-            (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
-                               lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
-                               dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
-                               pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
-            (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
-                               lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
-                               dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
-                               pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
-            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
-                          v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
-                          idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
-                          gl.constexpr(2))),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, LOADER_REGS],
-    )  # fmt: skip
+    if CONSUMERS_AS_WORKERS:  # the loader in the kernel's own warps, both consumers alike
+        gl.warp_specialize(
+            [
+                (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
+                              v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
+                              idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
+                              gl.constexpr(2))),
+                (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
+                                   lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
+                                   dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                                   pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                                   gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
+                                   lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
+                                   dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                                   pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                                   gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+            ],
+            [4, 4],
+            [CONSUMER_REGS, CONSUMER_REGS],
+        )  # fmt: skip
+    else:  # consumer 0 in the kernel's own warps
+        gl.warp_specialize(
+            [
+                (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
+                                   lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
+                                   dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                                   pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                                   gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
+                                   lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
+                                   dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
+                                   pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
+                                   gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
+                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
+                              v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
+                              idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
+                              gl.constexpr(2))),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -456,6 +481,7 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
     HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
     EARLY_RELEASE: gl.constexpr, DQ_TILES: gl.constexpr, DQ_SPLIT: gl.constexpr,
+    CONSUMERS_AS_WORKERS: gl.constexpr,
 ):  # fmt: skip
     """``block_sparse_attn_bwd_dkdvdq_gluon_kernel`` with each query step's dQ adds in key-block
     order (module docstring): the consumers hand their dQ halves to a writer warp through
