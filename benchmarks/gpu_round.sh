@@ -160,7 +160,8 @@ for what in "$@"; do
       --shapes default --providers ours,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_persistent_bwd_h200.json" ;;
     one-pass-schedules) step one_pass_schedule_tests 300 python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/ops/block_sparse_attn/test_gluon_bwd.py -k schedules && \
+      -p no:cacheprovider tests/ops/block_sparse_attn/test_gluon_bwd.py \
+      -k "schedules or one_pass_backward_matches or nondeterministic_engine" && \
       step try_one_pass_schedules 400 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
       --schedules --cases engine ;;
     host-reads) step host_reads 360 bash -c "python3 benchmarks/profile/find_host_reads.py \

@@ -297,11 +297,11 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
 
 # --schedules' arms: GluonOnePassOptions fields over the library's GLUON_DKDVDQ_TMA
 ONE_PASS_SCHEDULES = {
-    "default_s3": {},
-    "default_s2": dict(STAGES=2),
-    "workers_s3": dict(CONSUMERS_AS_WORKERS=True),
+    "partition0_s3": dict(CONSUMERS_AS_WORKERS=False, STAGES=3),
+    "partition0_s2": dict(CONSUMERS_AS_WORKERS=False, STAGES=2),
+    "workers_s3": dict(CONSUMERS_AS_WORKERS=True, STAGES=3),
     "workers_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2),
-    "workers_early_s3": dict(CONSUMERS_AS_WORKERS=True, EARLY_RELEASE=True),
+    "workers_early_s3": dict(CONSUMERS_AS_WORKERS=True, STAGES=3, EARLY_RELEASE=True),
     "workers_two_tiles_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2),
     "workers_split_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
 }

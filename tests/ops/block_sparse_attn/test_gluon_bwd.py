@@ -361,11 +361,11 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
 
 
 ONE_PASS_SCHEDULES = {
-    "workers": dict(CONSUMERS_AS_WORKERS=True),
+    "partition0": dict(CONSUMERS_AS_WORKERS=False),
     "workers_early_release": dict(CONSUMERS_AS_WORKERS=True, EARLY_RELEASE=True),
     "workers_two_tiles": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2),
     "workers_split": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
-    "early_release": dict(EARLY_RELEASE=True),
+    "partition0_early_release": dict(CONSUMERS_AS_WORKERS=False, EARLY_RELEASE=True),
 }
 
 
