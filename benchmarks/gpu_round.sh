@@ -42,8 +42,6 @@
 #   power beside them (profile_clocks.py, clocks.json);
 #   host-reads: which lines of a compiled train_vsa step (dense, VSA 0.875, full size) read
 #   tensors back to the host or sync (find_host_reads.py), and its GPU test (tiny model);
-#   one-pass-schedules: the one pass's GluonOnePassOptions schedules, their GPU tests then their
-#   A/B (try_gluon_bwd.py --schedules, try_one_pass_schedules.json);
 #   profile-nondet: the engine's 1/8 fwd+bwd at S=32k under torch.profiler, deterministic and
 #   not (the one pass's kernels: accumulator zeroing, one pass, conversion), then Nsight Compute
 #   on the one-pass kernel where ncu is installed and allowed (the adds' limit: L2 or waits?);
@@ -159,11 +157,6 @@ for what in "$@"; do
       block_sparse \
       --shapes default --providers ours,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_persistent_bwd_h200.json" ;;
-    one-pass-schedules) step one_pass_schedule_tests 300 python3 -m pytest -q -m gpu \
-      -p no:cacheprovider tests/ops/block_sparse_attn/test_gluon_bwd.py \
-      -k "schedules or one_pass_backward_matches or nondeterministic_engine" && \
-      step try_one_pass_schedules 400 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
-      --schedules --cases engine ;;
     host-reads) step host_reads 360 bash -c "python3 benchmarks/profile/find_host_reads.py \
       --compile blocks && python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/bench/test_profile_host_reads.py" ;;

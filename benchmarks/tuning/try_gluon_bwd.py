@@ -31,14 +31,6 @@ backward; the transposed lists cached as the library caches them); its dK, dV ag
 kernel's bits and its dQ against the dQ kernel's (rel L2), twice
 (``$OUT/try_one_pass_bwd.json``).
 
-``--schedules`` (128x128 cases only) compares the one pass by TMA reductions under each
-``configs.GluonOnePassOptions`` schedule (``ONE_PASS_SCHEDULES``: both consumers in worker warps,
-the ring slot freed before dQ's wgmmas retire, two dQ tiles a consumer, each consumer's keys' dQ
-reduced alone) with its default
-and with the two Gluon kernels, in three alternating rounds (medians), backward alone and after
-the forward; dK, dV against the dK/dV kernel's bits, dQ against the dQ kernel's
-(``$OUT/try_one_pass_schedules.json``).
-
 ``--persistent`` (128x128 cases only) compares the persistent dK/dV and dQ kernels (one
 program per SM; ``configs.Overrides.persistent_dkdv`` / ``persistent_dq``) with one block a
 program: dK/dV at 2 and 3 stages, walked banded and longest first
@@ -295,69 +287,6 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
     return rows
 
 
-# --schedules' arms: GluonOnePassOptions fields over the library's GLUON_DKDVDQ_TMA
-ONE_PASS_SCHEDULES = {
-    "partition0_s3": dict(CONSUMERS_AS_WORKERS=False, STAGES=3),
-    "partition0_s2": dict(CONSUMERS_AS_WORKERS=False, STAGES=2),
-    "workers_s3": dict(CONSUMERS_AS_WORKERS=True, STAGES=3),
-    "workers_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2),
-    "workers_early_s3": dict(CONSUMERS_AS_WORKERS=True, STAGES=3, EARLY_RELEASE=True),
-    "workers_two_tiles_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2),
-    "workers_split_s2": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
-}
-
-
-def schedules_case(name: str, gen: torch.Generator) -> list[dict]:
-    """The one pass's schedules against its default and the two kernels (``--schedules``)."""
-    import statistics
-    from dataclasses import replace
-
-    from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, configs, fwd
-    from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
-    from vidsparse.ops.block_sparse_attn.lists import cached_transpose
-
-    q, k, v, do, idx, cnt, sizes, bs, density = _case(name, gen)
-    assert bs == 128, "the one-pass kernel takes 128-row blocks"
-    scale = D**-0.5
-    rows = []
-    row = _recorder(rows, name, density)
-    q_off, q_idx = cached_transpose(idx, cnt, q.shape[2] // bs)
-
-    def forward():
-        return fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale)
-
-    def backward(o, lse, schedule):  # (dq, dk, dv); schedule None: the two Gluon kernels
-        delta, lse2 = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())[:2]
-        if schedule is None:
-            dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale)
-            return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale), dk, dv
-        opts = replace(configs.GLUON_DKDVDQ_TMA[bs], **schedule)
-        dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
-                                           options=opts, by_tma=True)  # fmt: skip
-        return dq, dk, dv
-
-    o, lse = forward()
-    arms = {"two_kernels": None} | ONE_PASS_SCHEDULES
-    dq_2, dk_2, dv_2 = backward(o, lse, None)
-    checks = {}
-    for arm, schedule in arms.items():
-        dq, dk, dv = backward(o, lse, schedule)
-        checks[arm] = {"dk_equal": bool(torch.equal(dk, dk_2)),
-                       "dv_equal": bool(torch.equal(dv, dv_2)),
-                       "err_dq_vs_dq_kernel": _rel_l2(dq, dq_2)}  # fmt: skip
-    calls = {}
-    for arm, schedule in arms.items():
-        calls[arm] = lambda sc=schedule: backward(o, lse, sc)
-        calls[f"fwd+{arm}"] = lambda sc=schedule: backward(*forward(), sc)
-    times = {n: [] for n in calls}
-    for _ in range(3):  # alternating rounds: the machine's drift falls on every arm alike
-        for n, fn in calls.items():
-            times[n].append(_bench(fn))
-    for n in calls:
-        row(n, statistics.median(times[n]), rounds=times[n], **checks.get(n, {}))
-    return rows
-
-
 def persistent_case(name: str, gen: torch.Generator) -> list[dict]:
     """The persistent dK/dV and dQ kernels against one block a program (see the module's
     docstring)."""
@@ -444,7 +373,6 @@ def main() -> None:
     ap.add_argument("--cases", default="engine,vsa480")
     ap.add_argument("--one-pass", action="store_true", help="the one-pass backward's A/B")
     ap.add_argument("--persistent", action="store_true", help="the persistent dK/dV's A/B")
-    ap.add_argument("--schedules", action="store_true", help="the one pass's schedules' A/B")
     args = ap.parse_args()
     import triton
 
@@ -455,13 +383,12 @@ def main() -> None:
     gen.manual_seed(0)
     rows = []
     for name in args.cases.split(","):
-        study = (one_pass_case if args.one_pass else schedules_case if args.schedules
+        study = (one_pass_case if args.one_pass
                  else persistent_case if args.persistent else run_case)  # fmt: skip
         rows += study(name, gen)
     out_dir = os.environ.get("OUT")
     if out_dir:
         out_name = ("try_one_pass_bwd.json" if args.one_pass
-                    else "try_one_pass_schedules.json" if args.schedules
                     else "try_persistent_bwd.json" if args.persistent
                     else "try_gluon_bwd.json")  # fmt: skip
         with open(os.path.join(out_dir, out_name), "w") as f:

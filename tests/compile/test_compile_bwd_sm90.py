@@ -56,11 +56,10 @@ ACCEPTED_FUSED_SPILL_BYTES = {False: 48, True: 96}
 # 268). Listed until the writer is measured on a GPU.
 ACCEPTED_ORDERED_SPILL_BYTES = 448
 # The one-pass kernel with dQ's adds by TMA reductions (``by_tma``): the same scalars, and the
-# step's query row kept for the reduction's coordinate. With both consumers in worker warps
-# (its default, ``GluonOnePassOptions.CONSUMERS_AS_WORKERS``) 16 / 148 bytes on Triton 3.6
-# (without / with key-block sizes), 144 / 204 on 3.8; with consumer 0 in the default
-# partition 148 / 100 and 136 / 136, where 3.6 spills and reloads ~20 scalars a step inside
-# that consumer's loop (benchmarks/NOTES.md).
+# step's query row kept for the reduction's coordinate. Both consumers run in worker warps:
+# 16 / 148 bytes on Triton 3.6 (without / with key-block sizes), 144 / 204 on 3.8; with
+# consumer 0 in the default partition they were 148 / 100 and 136 / 136, 3.6 spilling and
+# reloading ~20 scalars a step inside that consumer's loop (benchmarks/NOTES.md).
 ACCEPTED_TMA_SPILL_BYTES = 208
 # The persistent dK/dV kernel (kernels/bwd_sm90_persistent.py; 128 rows, tuning override
 # only): the walk's scalars (its position in the order, the ring position, the list's span),

@@ -360,35 +360,6 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
     torch.testing.assert_close(one_pass(by_tma=by_tma)[2], dq, rtol=1e-2, atol=1e-3)
 
 
-ONE_PASS_SCHEDULES = {
-    "partition0": dict(CONSUMERS_AS_WORKERS=False),
-    "workers_early_release": dict(CONSUMERS_AS_WORKERS=True, EARLY_RELEASE=True),
-    "workers_two_tiles": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2),
-    "workers_split": dict(CONSUMERS_AS_WORKERS=True, STAGES=2, DQ_TILES=2, DQ_SPLIT=True),
-    "partition0_early_release": dict(CONSUMERS_AS_WORKERS=False, EARLY_RELEASE=True),
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("padded", [False, True])
-@pytest.mark.parametrize("schedule", sorted(ONE_PASS_SCHEDULES))
-def test_gpu_one_pass_schedules_match_reference_and_both_kernels(dtype, padded, schedule):
-    """Each ``configs.GluonOnePassOptions`` schedule of the one pass by TMA reductions (both
-    consumers in worker warps, the ring slot freed early, two dQ tiles a consumer used in turn,
-    each consumer's keys' dQ reduced alone): dK and dV the dK/dV kernel's bits, dQ checked as
-    the default schedule's is."""
-    from dataclasses import replace
-
-    from vidsparse.ops.block_sparse_attn import configs
-
-    problem, one_pass, (dk_2, dv_2, dq_2) = _one_pass_case(dtype, padded, 4.0, 17)
-    q, k, v, do, idx, cnt, sizes = problem
-    options = replace(configs.GLUON_DKDVDQ_TMA[128], **ONE_PASS_SCHEDULES[schedule])
-    dk, dv, dq = one_pass(by_tma=True, options=options)
-    assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
-    _check_dq(dq, q, k, v, do, idx, cnt, sizes, 128, dq_2, "the dQ kernel")
-
-
 @pytest.mark.timeout(300, method="thread")  # a semaphore wait that never ends: fail, not hang
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("by_tma", [False, True])

@@ -275,6 +275,7 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
     nk = Skv // block
     ordering, kernel = (), block_sparse_attn_bwd_dkdvdq_gluon_kernel
     table = configs.GLUON_DKDVDQ_TMA if by_tma else configs.GLUON_DKDVDQ
+    dq_target = _tiles(dq_acc, cols=D // 2)[0] if by_tma else dq_acc
     if order is not None:
         kv_indices, kv_counts, semaphores, ticket = order
         ordering = (kv_indices, kv_counts, kv_indices.shape[-1],
@@ -282,12 +283,11 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
                     semaphores, ticket)  # fmt: skip
         kernel = block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel
         table = configs.GLUON_DKDVDQ_ORDERED
-    opts = (options or table[block]).as_kwargs()
-    dq_target = _tiles(dq_acc, cols=D // 2)[0] if by_tma else dq_acc
     args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_target, q_offsets, q_indices,
             sizes, *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
             *ordering, H, Sq, Skv, Sq // block - 1, nk, q_indices.shape[-1], scale * LOG2E,
             scale)  # fmt: skip
+    opts = (options or table[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
                   DQ_BY_TMA=by_tma, num_warps=4)  # fmt: skip
     return kernel, (nk, B * H), args, kwargs

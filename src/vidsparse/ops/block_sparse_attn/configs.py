@@ -174,41 +174,20 @@ GLUON_DQ_PERSISTENT = {128: GluonBwdOptions(STAGES=4)}
 # program, banded 2%: benchmarks/NOTES.md).
 PERSISTENT_ORDER = "banded"
 PERSISTENT_ORDERS = ("banded", "longest_first")
-
-
-@dataclass(frozen=True)
-class GluonOnePassOptions(GluonBwdOptions):
-    """The one-pass backward's schedule (kernels/bwd_sm90_fused.py): the ring and registers as
-    ``GluonBwdOptions``, and how each step's dQ leaves the consumers (dQ by TMA reductions only):
-    ``EARLY_RELEASE`` waits for dV and dK's wgmmas alone before it frees the ring slot, and for
-    the last reduction's read of the tile while the dQ wgmmas run; ``DQ_TILES`` fp32 tiles a
-    consumer (2: a step's tile is written while the last step's reduction reads the other;
-    16 KB more each, so 2 ring stages at most); ``DQ_SPLIT``: each consumer reduces its own keys'
-    share of all of dQ's columns, so the consumers never wait for each other at a step, at twice
-    the bytes reduced (with ``DQ_TILES=2``, a tile for each column half; 2 ring stages);
-    ``CONSUMERS_AS_WORKERS``: the loader runs in the kernel's own (default) warps and both
-    consumers in worker warps, where ptxas spills fewer of the kernel's scalars inside their
-    loops (16 bytes against 148 by TMA on Triton 3.6); else consumer 0 is the default partition."""
-
-    EARLY_RELEASE: bool = False
-    DQ_TILES: int = 1
-    DQ_SPLIT: bool = False
-    CONSUMERS_AS_WORKERS: bool = False
-
-
 # dK, dV and dQ in one pass, dQ by fp32 atomics (kernels/bwd_sm90_fused.py; 128 rows): the
 # dK/dV kernel's ring plus 32 KB of dS^T tiles, so 3 steps (194 KB; 2 steps timed 2% slower).
 # Slower than the two kernels (4.96 against 4.28 ms at 1/8, H100): a tuning override only.
-GLUON_DKDVDQ = {128: GluonOnePassOptions(STAGES=3)}
+GLUON_DKDVDQ = {128: GluonBwdOptions(STAGES=3)}
 # The same with dQ's adds by TMA reductions (``by_tma``): 32 KB more for the consumers' fp32 dQ
-# tiles; both consumers in worker warps (fewer spills in their loops: 16 bytes against 148).
-GLUON_DKDVDQ_TMA = {128: GluonOnePassOptions(STAGES=3, CONSUMERS_AS_WORKERS=True)}
+# tiles. 2 and 3 steps time alike on an H100, and neither freeing a step's slot before dQ's
+# wgmmas retire nor two dQ tiles a consumer pays (benchmarks/NOTES.md).
+GLUON_DKDVDQ_TMA = {128: GluonBwdOptions(STAGES=3)}
 # The same with dQ's adds in key-block order (``ordered``): 32 KB more for the writer warp's
 # tiles; 2 steps take 198,128 bytes, 3 fit too (231,440 of 232,448; timed alike, 8.7 ms: one
 # writer warp cannot keep up). The loader and the writer warp share LOADER_REGS: the
 # consumers need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the
 # third warpgroup; the writer's scalars spill at that (352 bytes).
-GLUON_DKDVDQ_ORDERED = {128: GluonOnePassOptions(STAGES=2, LOADER_REGS=32)}
+GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
 # Overrides.one_pass's modes: (dQ's adds in key-block order, by TMA reductions)
 ONE_PASS_MODES = {
     "unordered": (False, False),

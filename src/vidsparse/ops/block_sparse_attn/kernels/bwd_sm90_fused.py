@@ -99,90 +99,19 @@ def _add_dq(DQ_ACC, dq, q_row, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
 
 
 @gluon.jit
-def _issue_dq(ds_smem, ds_ready, k, k_cols0, k_cols1, dq_zero, buf, j, K_INDEX: gl.constexpr,
-              HALF: gl.constexpr, DQ_SPLIT: gl.constexpr):  # fmt: skip
-    """``(own dS [64 q, 64 k], token)``: the step's dQ wgmmas issued, columns ``64 K_INDEX ..``
-    over all 128 keys once both consumers' dS^T halves are in (``ds_ready``), or with
-    ``DQ_SPLIT`` the first 64 columns over this consumer's keys alone, no waiting."""
-    own = ds_smem.index(2 * buf + K_INDEX).permute((1, 0))  # [64 q, 64 k]
-    if DQ_SPLIT:
-        dq_tok = warpgroup_mma(own, k.slice(0, HALF, dim=1), dq_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-    else:
-        mbarrier.arrive(ds_ready.index(buf))
-        mbarrier.wait(ds_ready.index(buf), (j // 2) & 1)
-        ds0 = ds_smem.index(2 * buf).permute((1, 0))  # keys 0-63
-        ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))  # keys 64-127
-        dq_tok = warpgroup_mma(ds0, k_cols0, dq_zero, use_acc=False, is_async=True)
-        dq_tok = warpgroup_mma(ds1, k_cols1, dq_tok, is_async=True)
-    return own, dq_tok
-
-
-@gluon.jit
-def _retire_step(dv_tok, dk_tok, p_op, ds_op, dq_tok, slot_empty, EARLY_RELEASE: gl.constexpr,
-                 DQ_GROUPS: gl.constexpr, DQ_TILES: gl.constexpr,
-                 BY_TMA: gl.constexpr):  # fmt: skip
-    """``(dv, dk, dq)`` once the step's wgmmas retire, the ring slot released. With
-    ``EARLY_RELEASE`` the slot goes as soon as dV and dK's retire (groups retire in order; dQ's
-    ``DQ_GROUPS`` are last), and by TMA the wait for the reduction that last read the next
-    tile runs while dQ's wgmmas do."""
-    if EARLY_RELEASE:
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(num_outstanding=DQ_GROUPS,
-                                                 deps=(dv_tok, dk_tok, p_op, ds_op))  # fmt: skip
-        mbarrier.arrive(slot_empty)
-        if BY_TMA:
-            tma.store_wait(pendings=DQ_TILES - 1)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,))
-    else:
-        dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(
-            num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok)
-        )
-        mbarrier.arrive(slot_empty)
-    return dv, dk, dq
-
-
-@gluon.jit
-def _reduce_dq(DQ_ACC, dq, tile, dq_smem, own, k, dq_zero, q_row, scale, K_INDEX: gl.constexpr,
-               HALF: gl.constexpr, DQ_TILES: gl.constexpr, DQ_SPLIT: gl.constexpr,
-               WAIT_TILE: gl.constexpr):  # fmt: skip
-    """The step's dQ tile into ``DQ_ACC`` by a TMA reduction from ``tile`` (``WAIT_TILE``: first
-    wait for the reduction that last read it). ``DQ_SPLIT``: ``dq`` is this consumer's keys'
-    share of the first 64 columns; the last 64 follow through its second tile."""
-    if WAIT_TILE:
-        tma.store_wait(pendings=DQ_TILES - 1)
-    tile.store(dq)
-    fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
-    tma_reduce_add(DQ_ACC, [q_row, 0 if DQ_SPLIT else K_INDEX * HALF], tile)
-    if DQ_SPLIT:
-        dq_tok = warpgroup_mma(own, k.slice(HALF, HALF, dim=1), dq_zero, use_acc=False,
-                               is_async=True)  # fmt: skip
-        tile = dq_smem.index(DQ_TILES * K_INDEX + 1)
-        tma.store_wait(pendings=1)  # the last step's reduction of this tile has read it
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq_tok,)) * scale
-        tile.store(dq)
-        fence_async_shared()
-        tma_reduce_add(DQ_ACC, [q_row, HALF], tile)
-
-
-@gluon.jit
 def _fused_consumer(
     desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem,
     kv_bar, ready, empty, ds_ready, dq_smem, dq_full, dq_empty, idx_row, start, num_steps,
     KV_SIZES, kv_block, kv_row, q_row0, Q_LAST, valid, qk_scale, scale, K_INDEX: gl.constexpr,
     BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr, DQ_BY: gl.constexpr, EARLY_RELEASE: gl.constexpr,
-    DQ_TILES: gl.constexpr, DQ_SPLIT: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, DQ_BY: gl.constexpr,
 ):  # fmt: skip
     """dK, dV of key rows ``k_smem[K_INDEX]`` over ``num_steps`` ring steps, stored if
     ``valid``; each step's dQ columns ``64 K_INDEX ..`` added into ``DQ_ACC`` (a pointer) by
     ``DQ_ATOMICS``, put in ``dq_smem[K_INDEX]`` for the writer warp by ``DQ_WRITER``
     (``dq_full``: both halves are there; ``dq_empty``: it has read them), or reduced into
     ``DQ_ACC`` (a TMA descriptor of [64, 64] fp32 tiles) from ``dq_smem[K_INDEX]`` by
-    ``DQ_TMA`` (``DQ_TILES`` tiles a consumer, used in turn). ``EARLY_RELEASE``: the ring slot
-    freed once dV and dK's wgmmas retire, with dQ's still running (``configs.GluonOnePassOptions``).
-    ``DQ_SPLIT`` (by TMA only): the consumer's own keys' share of all of dQ's columns,
-    ``dS[:, 64c:64c+64] @ K[64c:64c+64, :]``, reduced alone, so the consumers never wait for each
-    other (twice the bytes reduced)."""
+    ``DQ_TMA``."""
     M: gl.constexpr = ROWS_PER_CONSUMER
     NSUB: gl.constexpr = BLOCK_M // STEP_M
     HALF: gl.constexpr = HEAD_DIM // 2
@@ -234,24 +163,24 @@ def _fused_consumer(
         ds16 = ds.to(q.dtype)
         ds_op = gl.convert_layout(ds16, op_layout)
         dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+        # This consumer's dS^T half into the step's shared tile, then both halves' barrier.
         buf = j % 2
-        ds_smem.index(2 * buf + K_INDEX).store(ds16)  # this consumer's dS^T half
+        ds_smem.index(2 * buf + K_INDEX).store(ds16)
         fence_async_shared()
-        own, dq_tok = _issue_dq(ds_smem, ds_ready, k, k_cols0, k_cols1, dq_zero, buf, j, K_INDEX,
-                                HALF, DQ_SPLIT)  # fmt: skip
-        if DQ_SPLIT:  # the consumer's first tile for the first column half, its second after
-            tile = dq_smem.index(DQ_TILES * K_INDEX)
-        elif DQ_BY == DQ_TMA:  # the consumer's tiles in turn
-            tile = dq_smem.index(DQ_TILES * K_INDEX + j % DQ_TILES)
-        else:
-            tile = dq_smem.index(K_INDEX)  # the writer's half (unread by the atomics)
-        dv, dk, dq = _retire_step(dv_tok, dk_tok, p_op, ds_op, dq_tok, empty.index(slot),
-                                  EARLY_RELEASE, 1 if DQ_SPLIT else 2, DQ_TILES,
-                                  DQ_BY == DQ_TMA)  # fmt: skip
+        mbarrier.arrive(ds_ready.index(buf))
+        mbarrier.wait(ds_ready.index(buf), (j // 2) & 1)
+        ds0 = ds_smem.index(2 * buf).permute((1, 0))  # [64 q, 64 k], keys 0-63
+        ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))  # keys 64-127
+        dq_tok = warpgroup_mma(ds0, k_cols0, dq_zero, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(ds1, k_cols1, dq_tok, is_async=True)
+        dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(
+            num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok)
+        )
+        mbarrier.arrive(empty.index(slot))
         dq = dq * scale  # here, in registers: the caller's only pass over dq_acc is the cast
         if DQ_BY == DQ_WRITER:  # to the writer warp, through shared memory
             mbarrier.wait(dq_empty, (j & 1) ^ 1)  # it has read the last step's (j = 0: passes)
-            tile.store(dq)
+            dq_smem.index(K_INDEX).store(dq)
             fence_async_shared()  # the writer may hand the tile to the TMA unit (async proxy)
             mbarrier.arrive(dq_full)
         else:
@@ -259,8 +188,11 @@ def _fused_consumer(
             q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
             q_row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
             if DQ_BY == DQ_TMA:
-                _reduce_dq(DQ_ACC, dq, tile, dq_smem, own, k, dq_zero, q_row, scale, K_INDEX,
-                           HALF, DQ_TILES, DQ_SPLIT, not EARLY_RELEASE)  # fmt: skip
+                tile = dq_smem.index(K_INDEX)
+                tma.store_wait(pendings=0)  # the last step's reduction has read the tile
+                tile.store(dq)
+                fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
+                tma_reduce_add(DQ_ACC, [q_row, K_INDEX * HALF], tile)
             else:
                 _add_dq(DQ_ACC, dq, q_row, K_INDEX * HALF, HEAD_DIM, dq_layout)
     if DQ_BY == DQ_TMA:
@@ -391,15 +323,11 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    EARLY_RELEASE: gl.constexpr, DQ_TILES: gl.constexpr, DQ_SPLIT: gl.constexpr,
-    CONSUMERS_AS_WORKERS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: a 128-row key block per program, its halves on the two consumers,
     one list and one ring, as ``bwd_sm90.block_sparse_attn_bwd_dkdv_gluon_kernel``. dQ's adds
     by the consumers' atomics, or with ``DQ_BY_TMA`` by TMA reductions from a 16 KB tile of
-    each consumer's (``DQ_TILES`` of them)."""
-    gl.static_assert(DQ_BY_TMA or (DQ_TILES == 1 and not DQ_SPLIT), "TMA reductions only")
-    gl.static_assert(not DQ_SPLIT or DQ_TILES == 2, "split: a tile for each column half")
+    each consumer's."""
     gl.static_assert(BLOCK_N == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
     pid_n = gl.program_id(0)
@@ -412,14 +340,18 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
      kv_bar) = _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES, HEAD_DIM)
     if DQ_BY_TMA:
         dq_by: gl.constexpr = DQ_TMA
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_TILES, STEP_M, HEAD_DIM // 2],
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2, STEP_M, HEAD_DIM // 2],
                                             DQ_ACC.layout)  # fmt: skip
     else:
         dq_by: gl.constexpr = DQ_ATOMICS
         dq_smem = ds_smem  # unread
 
     q_row0 = pid_bh * Sq
-    if CONSUMERS_AS_WORKERS:  # the loader in the kernel's own warps, both consumers alike
+    if DQ_BY_TMA:
+        # The loader in the kernel's own (default) warps and both consumers in worker warps:
+        # with consumer 0 in the default partition, ptxas (Triton 3.6) spilled ~20 of the
+        # kernel's scalars a step inside its loop (148 bytes; 16 this way). By atomics the
+        # other way spills less (40 bytes against 32; 88 against 160 with key-block sizes).
         gl.warp_specialize(
             [
                 (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
@@ -431,18 +363,18 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
                                    dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                    pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                    gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                                   dq_by)),
                 (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                    lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                    dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                    pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                    gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                                   dq_by)),
             ],
             [4, 4],
-            [CONSUMER_REGS, CONSUMER_REGS],
+            [CONSUMER_REGS, CONSUMER_REGS],  # the loader keeps what they leave (24 a thread)
         )  # fmt: skip
-    else:  # consumer 0 in the kernel's own warps
+    else:
         gl.warp_specialize(
             [
                 (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
@@ -450,13 +382,13 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
                                    dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                    pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                    gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                                   dq_by)),
                 (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                    lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                    dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                    pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                    gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                                   dq_by, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                                   dq_by)),
                 (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                               v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
                               idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
@@ -480,15 +412,11 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-    EARLY_RELEASE: gl.constexpr, DQ_TILES: gl.constexpr, DQ_SPLIT: gl.constexpr,
-    CONSUMERS_AS_WORKERS: gl.constexpr,
 ):  # fmt: skip
     """``block_sparse_attn_bwd_dkdvdq_gluon_kernel`` with each query step's dQ adds in key-block
     order (module docstring): the consumers hand their dQ halves to a writer warp through
     shared memory (32 KB), which waits for the lower key blocks, adds and counts. A program
-    takes its (b, h, key block) from a ticket drawn when it starts. Its dQ tiles are the
-    writer's: ``DQ_TILES`` is 1 (``EARLY_RELEASE`` frees the ring slot before the hand-over)."""
-    gl.static_assert(DQ_TILES == 1 and not DQ_SPLIT, "the writer warp reads a tile pair a step")
+    takes its (b, h, key block) from a ticket drawn when it starts."""
     gl.static_assert(BLOCK_N == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
     ticket = gl.atomic_add(TICKET, 1)
@@ -523,13 +451,13 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               DQ_WRITER, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                               DQ_WRITER)),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               DQ_WRITER, EARLY_RELEASE, DQ_TILES, DQ_SPLIT)),
+                               DQ_WRITER)),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                           v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
                           idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
