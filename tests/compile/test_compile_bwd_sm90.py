@@ -46,10 +46,11 @@ ACCEPTED_SPILL_BYTES = {
     (64, False, True): 56,
     (64, True, True): 64,
 }
-# The one-pass backward (dQ by atomics, kernels/bwd_sm90_fused.py; 128 rows, not yet taken by
-# the engine): 32-bit scalars as above, measured 40 / 40 bytes (Triton 3.6 / 3.8) without
-# key-block sizes, 88 / 40 with them (24 / 16 without before the walk's end barrier).
-ACCEPTED_FUSED_SPILL_BYTES = {False: 48, True: 96}
+# The one-pass backward (dQ by atomics, kernels/bwd_sm90_fused.py; 128 rows, a tuning override
+# only): 32-bit scalars as above. With both consumers in worker warps (the TMA kernel's
+# arrangement, below) 32 / 108 bytes (Triton 3.6 / 3.8) without key-block sizes, 160 / 136
+# with them; with consumer 0 in the default partition it was 40 / 40 and 88 / 40.
+ACCEPTED_FUSED_SPILL_BYTES = {False: 112, True: 168}
 # Its ordered kernel (dQ's adds in key-block order by a writer warp): the writer warp's
 # scalars at the 32 registers a thread the consumers leave it (352 / 216 bytes on Triton 3.6 /
 # 3.8; with an empty writer 80; 368 / 216 with the walk's end barrier; by TMA reductions 424 /
