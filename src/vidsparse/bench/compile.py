@@ -239,6 +239,7 @@ def compile_launch_sm90(kernel, args, kwargs) -> dict:
         "num_warps": int(compiled.metadata.num_warps),
         "ptxas_warnings": re.findall(r"\(C7\d+\)[^\n]*", log),
         "sass_a_operand_hazards": len(a_operand_hazards(sass)),
+        "loop_spill_instructions": spills_in_mma_loops(sass),
         # bulk reductions by the TMA unit (the one-pass backward's dQ by_tma)
         "tma_reductions": compiled.asm["ptx"].count("cp.reduce.async.bulk.tensor"),
     }
@@ -304,6 +305,25 @@ def ptxas_log(backend, ptx: str, options: dict) -> str:
         knobs.nvidia.dump_ptxas_log = True  # make_cubin prints the log it read back
         backend.make_cubin(ptx, {}, opt, backend.target.arch)
     return out.getvalue()
+
+
+def spills_in_mma_loops(sass: str) -> int:
+    """Local-memory loads and stores (spills) inside the kernel's wgmma loops, in SASS: the
+    ranges from a predicated backward branch's target to the branch that hold an HGMMA (a
+    loop's back edge; the out-of-line mbarrier retries jump back unpredicated)."""
+    ins = [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)
+    ]
+    branch = re.compile(r"@!?P\d\s+BRA\s+(?:`\()?0x([0-9a-f]+)")
+    targets = [(m and int(m.group(1), 16), addr) for addr, text in ins if (m := branch.match(text))]
+    back_edges = [(lo, hi) for lo, hi in targets if lo < hi]
+    loops = [(lo, hi) for lo, hi in back_edges
+             if any(lo <= a <= hi and t.startswith("HGMMA") for a, t in ins)]  # fmt: skip
+    return sum(
+        1 for a, t in ins
+        if re.match(r"(?:@!?P\d\s+)?(?:STL|LDL)\b", t) and any(lo <= a <= hi for lo, hi in loops)
+    )  # fmt: skip
 
 
 def a_operand_hazards(sass: str) -> list[tuple[int, int, str]]:

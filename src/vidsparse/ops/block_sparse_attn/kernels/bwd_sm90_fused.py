@@ -347,15 +347,8 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
         dq_smem = ds_smem  # unread
 
     q_row0 = pid_bh * Sq
-    # The loader in the kernel's own (default) warps and both consumers in worker warps: with
-    # consumer 0 in the default partition, ptxas (Triton 3.6) spilled ~20 of the kernel's
-    # scalars a step inside its loop by TMA (148 bytes; 16 this way).
     gl.warp_specialize(
         [
-            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
-                          v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
-                          idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
-                          gl.constexpr(2))),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
@@ -368,9 +361,13 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
                                gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
                                dq_by)),
+            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
+                          v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
+                          idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
+                          gl.constexpr(2))),
         ],
-        [4, 4],
-        [CONSUMER_REGS, CONSUMER_REGS],  # the loader keeps what they leave (24 a thread)
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
     )  # fmt: skip
 
 
