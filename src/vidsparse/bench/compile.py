@@ -209,7 +209,7 @@ def _require_compiler(name: str) -> None:
 
 def compile_launch_sm90(kernel, args, kwargs) -> dict:
     """Compile the launch ``kernel[grid](*args, **kwargs)`` (a Gluon or a Triton kernel) for
-    cuda:90; ptxas's resource report and the SASS hazards."""
+    cuda:90; ptxas's resource report, the SASS hazards and the spills inside wgmma loops."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -307,23 +307,25 @@ def ptxas_log(backend, ptx: str, options: dict) -> str:
     return out.getvalue()
 
 
+def sass_instructions(sass: str) -> list[tuple[int, str]]:
+    """``[(address, instruction text)]`` of ``cuobjdump -sass`` output, in order."""
+    return [
+        (int(m.group(1), 16), m.group(2))
+        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)
+    ]
+
+
 def spills_in_mma_loops(sass: str) -> int:
     """Local-memory loads and stores (spills) inside the kernel's wgmma loops, in SASS: the
     ranges from a predicated backward branch's target to the branch that hold an HGMMA (a
     loop's back edge; the out-of-line mbarrier retries jump back unpredicated)."""
-    ins = [
-        (int(m.group(1), 16), m.group(2))
-        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)
-    ]
-    branch = re.compile(r"@!?P\d\s+BRA\s+(?:`\()?0x([0-9a-f]+)")
-    targets = [(m and int(m.group(1), 16), addr) for addr, text in ins if (m := branch.match(text))]
-    back_edges = [(lo, hi) for lo, hi in targets if lo < hi]
-    loops = [(lo, hi) for lo, hi in back_edges
-             if any(lo <= a <= hi and t.startswith("HGMMA") for a, t in ins)]  # fmt: skip
-    return sum(
-        1 for a, t in ins
-        if re.match(r"(?:@!?P\d\s+)?(?:STL|LDL)\b", t) and any(lo <= a <= hi for lo, hi in loops)
-    )  # fmt: skip
+    ins = sass_instructions(sass)
+    branch = re.compile(r"@!?P\d\s+BRA\s+0x([0-9a-f]+)")
+    targets = [(int(m.group(1), 16), addr) for addr, text in ins if (m := branch.match(text))]
+    mma = [a for a, t in ins if t.startswith("HGMMA")]
+    loops = [(lo, hi) for lo, hi in targets if lo < hi and any(lo <= a <= hi for a in mma)]
+    spill = re.compile(r"(?:@!?P\d\s+)?(?:STL|LDL)\b")
+    return sum(1 for a, t in ins if spill.match(t) and any(lo <= a <= hi for lo, hi in loops))
 
 
 def a_operand_hazards(sass: str) -> list[tuple[int, int, str]]:
@@ -334,10 +336,7 @@ def a_operand_hazards(sass: str) -> list[tuple[int, int, str]]:
     the number of groups committed since it); report every instruction on the way whose
     destination register is one the group reads as A. Returns ``[(group addr, write addr,
     instruction)]``."""
-    ins = [
-        (int(m.group(1), 16), m.group(2))
-        for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", sass)
-    ]
+    ins = sass_instructions(sass)
     at = {addr: i for i, (addr, _) in enumerate(ins)}
     hgmma_a = re.compile(r"HGMMA\.\S+ R\d+, R(\d+),")
 
