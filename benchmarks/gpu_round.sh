@@ -29,6 +29,8 @@
 #   one-pass-tma: the one-pass backward's GPU tests (atomics, TMA reductions, ordered), then the
 #   one-pass A/B (try_one_pass_bwd.json); engine-one-pass-tma: the engine's table with it,
 #   unordered then ordered (one_pass=tma, ordered_tma);
+#   engine-rounds: #19's bars (1/8, 128x128: ours, ours-nondet, cuDNN, Flex) over ROUNDS (5)
+#   rounds in turn, medians and every round's figures (block_sparse_rounds_h200.json);
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
 #   (ours-nondet: the one-pass backward); nondet-tests: its GPU tests and the one pass's;
 #   schedule-steps: a scheduled VSA arm's step time at its target against the unscheduled
@@ -101,6 +103,9 @@ for what in "$@"; do
     engine) step engine 540 python3 -m vidsparse.bench block_sparse --shapes default \
       --providers ours,ours-nondet,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \
       --out "$OUT/block_sparse_h200.json" ;;
+    engine-rounds) step engine_rounds 400 python3 -m vidsparse.bench block_sparse \
+      --densities 0.125 --block-sizes 128x128 --providers ours,ours-nondet,cudnn,flex \
+      --rounds "${ROUNDS:-5}" --no-plot --out "$OUT/block_sparse_rounds_h200.json" ;;
     engine-nondet) step engine_nondet 300 python3 -m vidsparse.bench block_sparse \
       --shapes default --providers ours,ours-nondet,cudnn,flex --block-sizes 128x128 \
       --out "$OUT/block_sparse_nondet_h200.json" ;;

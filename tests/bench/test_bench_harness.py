@@ -281,3 +281,68 @@ def test_alternating_ms_takes_the_arms_in_turn_each_round():
                                    device=torch.device("cpu"), rounds=2)  # fmt: skip
     assert order == ["a", "b", "a", "b"]
     assert set(times) == {"a", "b"} and all(len(t) == 2 for t in times.values())
+
+
+def test_rounds_merge_to_medians_with_ratios_taken_within_each_round():
+    """``--rounds``: each case's ms is the median over the rounds and each ratio the median of
+    the ratios taken inside each round (not a ratio of medians); every round's figures are
+    kept; a case that failed in any round reports that error, not a median of the rest."""
+    from vidsparse.bench.ops import block_sparse as bench
+
+    def rows(ours_ms, cudnn_ms, flex_ms, error=None):
+        base = {"shape": "s", "density": 0.125, "mode": "fwd", "flops": 1e12}
+        made = [
+            dict(base, provider="cudnn", block="dense", density=1.0, ms=cudnn_ms * 8),
+            dict(base, provider="ours", block="128x128", ms=ours_ms),
+            dict(base, provider="flex", block="128x128", ms=flex_ms),
+            dict(base, provider="ours-nondet", block="128x128", ms=1.0, error=error),
+        ]
+        for row in made:
+            row["tflops"] = harness.tflops(row["flops"], row["ms"])
+            if row["block"] == "dense":  # the dense row's FLOPs cover every pair
+                row["tflops"] *= 8
+        bench.add_ratios(made)
+        return made
+
+    merged = bench.merge_rounds(
+        [rows(1.0, 1.0, 1.5), rows(1.2, 1.3, 1.56), rows(1.1, 1.0, 1.32, error="Boom: once")]
+    )
+    cudnn, ours, flex, nondet = merged
+    assert ours["ms"] == pytest.approx(1.1) and ours["ms_rounds"] == [1.0, 1.2, 1.1]
+    assert ours["ms_spread"] == pytest.approx(0.2)
+    assert ours["tflops"] == pytest.approx(harness.tflops(1e12, 1.1))
+    assert ours["rounds"] == 3
+    # Within the rounds: flex/ours 1.5, 1.3, 1.2 (median 1.3); cuDNN/ours 1.0, 1.083, 0.909.
+    assert ours["ours_over_flex_rounds"] == pytest.approx([1.5, 1.3, 1.2])
+    assert ours["ours_over_flex"] == pytest.approx(1.3)
+    assert ours["vs_cudnn"] == pytest.approx(1.0)
+    # The ratio of the medians would be 1.5 / 1.1 = 1.364, not what the rounds say.
+    assert flex["ms"] / ours["ms"] != pytest.approx(ours["ours_over_flex"])
+    assert cudnn["ms_rounds"] == [8.0, pytest.approx(10.4), 8.0] and "vs_cudnn" not in cudnn
+    assert nondet["error"] == "Boom: once" and "ms_rounds" not in nondet
+
+
+@pytest.mark.slow
+def test_bench_block_sparse_rounds_on_the_cpu(tmp_path):
+    result = _run_bench(
+        tmp_path,
+        "--providers", "ours",
+        "--modes", "fwd",
+        "--densities", "1,0.5",
+        "--block-sizes", "128x128",
+        "--rounds", "2",
+        "--no-plot",
+    )  # fmt: skip
+    assert result["meta"]["rounds"] == 2 and result["meta"]["complete"] is True
+    rows = result["rows"]
+    assert [(r["density"], r["rounds"]) for r in rows] == [(1.0, 2), (0.5, 2)]
+    for r in rows:
+        assert len(r["ms_rounds"]) == 2 and r["ms"] == pytest.approx(sum(r["ms_rounds"]) / 2)
+        assert len(r["time_vs_density1_rounds"]) == 2
+
+
+def test_rounds_must_be_positive():
+    from vidsparse.bench.ops import block_sparse as bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--dry-run", "--rounds", "0"])

@@ -11,6 +11,11 @@ TFLOP/s count attended real pairs, so sparse and dense rows compare directly. Ru
     python -m vidsparse.bench block_sparse                  # default shape
     python -m vidsparse.bench block_sparse --shapes all --check
     python -m vidsparse.bench block_sparse --dry-run        # CPU, tiny sizes
+    python -m vidsparse.bench block_sparse --densities 0.125 --block-sizes 128x128 --rounds 5
+
+``--rounds N`` runs the whole case list N times in turn and reports each case's median (its
+ratios taken within each round, then the median of those), with every round's figure beside
+it: one run of a table moves a few percent, about the distance to a bar.
 
 ``benchmarks/README.md`` ("Block-sparse attention") describes the providers, the ``BlockMask``,
 padding, what is timed and the output columns.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -517,6 +523,62 @@ def run_all(cases: list[Case], settings: Settings, args, on_row: Callable[[list]
     return rows
 
 
+def run_rounds(
+    cases: list[Case], settings: Settings, args, on_row: Callable[[list], None]
+) -> list[dict]:
+    """``run_all`` ``args.rounds`` times over the same cases (the same lists and inputs: their
+    seeds depend on the case only), each round's rows with their ratios; merged into one row a
+    case by ``merge_rounds``. ``on_row`` sees every round's rows so far, tagged ``round``."""
+    if args.rounds == 1:
+        rows = run_all(cases, settings, args, on_row)
+        add_ratios(rows)
+        return rows
+    rounds: list[list[dict]] = []
+    for r in range(args.rounds):
+        print(f"round {r + 1} of {args.rounds}", flush=True)
+
+        def on_round_row(rows, r=r):
+            done = [dict(row, round=i) for i, rows_i in enumerate(rounds) for row in rows_i]
+            on_row(done + [dict(row, round=r) for row in rows])
+
+        rows = run_all(cases, settings, args, on_round_row)
+        add_ratios(rows)
+        rounds.append(rows)
+    return merge_rounds(rounds)
+
+
+RATIOS = ("vs_cudnn", "speedup_vs_cudnn", "ours_over_flex", "time_vs_density1")
+
+
+def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
+    """One row a case from rounds of the same case list: the median ms (TFLOP/s from it) and
+    each ratio's median over the rounds, each ratio taken within its own round, where both
+    sides ran minutes apart rather than a run apart; every round's values under ``*_rounds``,
+    and ``ms_spread`` (slowest over fastest round, less 1). A case that failed in any round
+    keeps that round's error."""
+    merged = []
+    for case_rows in zip(*rounds, strict=True):
+        failed = [row for row in case_rows if row.get("error") or row.get("ms") is None]
+        if failed:
+            merged.append(dict(failed[0], rounds=len(case_rows)))
+            continue
+        row = dict(case_rows[0], rounds=len(case_rows))
+        times = [r["ms"] for r in case_rows]
+        row.update(ms=statistics.median(times), ms_rounds=times)
+        row["ms_spread"] = max(times) / min(times) - 1
+        if row.get("flops"):
+            row["tflops"] = harness.tflops(row["flops"], row["ms"])
+        if row.get("peak_mem_gb") is not None:
+            row["peak_mem_gb"] = max(r["peak_mem_gb"] for r in case_rows)
+        for key in RATIOS:
+            values = [r[key] for r in case_rows if r.get(key) is not None]
+            row.pop(key, None)
+            if len(values) == len(case_rows):  # a ratio some round lacks is not reported
+                row.update({key: statistics.median(values), f"{key}_rounds": values})
+        merged.append(row)
+    return merged
+
+
 def _print_progress(i: int, n: int, row: dict) -> None:
     what = (
         f"[{i}/{n}] {row['shape']} {row['provider']} {row['block']} "
@@ -582,6 +644,7 @@ COLUMNS = [
     Column("speedup_vs_cudnn", "speedup vs cuDNN", ".2f"),
     Column("time_vs_density1", "t/t(d=1)", ".3f"),
 ]
+SPREAD = Column("ms_spread", "rounds' spread", ".1%")  # with --rounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -650,6 +713,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=harness.DO_BENCH_WARMUP_MS, help="ms")
     p.add_argument("--rep", type=int, default=harness.DO_BENCH_REP_MS, help="ms")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every case this many times in turn; report medians (ratios per round)",
+    )
     return p
 
 
@@ -665,6 +734,8 @@ def parse_args(argv: Sequence[str] | None):
     if args.device == "cpu" and not args.tiny:
         print("CPU run: switching to --tiny sizes (full sizes take hours on the CPU)", flush=True)
         args.tiny = True
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.providers = _parse_list(args.providers)
     bad = [p for p in args.providers if p not in ALL_PROVIDERS]
     if bad:
@@ -726,16 +797,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         check=args.check,
         flex_compile=flex_compile_description(device, args.flex_autotune),
         shapes=[vars(s) | {"real_len": s.real_len} for s in shapes],
+        rounds=args.rounds,
         complete=False,
     )
     print(f"{len(cases)} cases on {meta['gpu']} ({meta['timer']}); results -> {out}", flush=True)
     # Written after every case: a crash hours in must not lose what was measured.
-    rows = run_all(cases, settings, args, lambda rows: harness.write_results(out, meta, rows))
-    add_ratios(rows)
+    rows = run_rounds(cases, settings, args, lambda rows: harness.write_results(out, meta, rows))
     meta["complete"] = True
     harness.write_results(out, meta, rows)
     print()
-    harness.print_table(rows, COLUMNS)
+    harness.print_table(rows, COLUMNS + [SPREAD] if args.rounds > 1 else COLUMNS)
     print(f"\nwrote {out}", flush=True)
     if not args.no_plot:
         png = harness.plot(
