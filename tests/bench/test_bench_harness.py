@@ -304,9 +304,8 @@ def test_rounds_merge_to_medians_with_ratios_taken_within_each_round():
         bench.add_ratios(made)
         return made
 
-    merged = bench.merge_rounds(
-        [rows(1.0, 1.0, 1.5), rows(1.2, 1.3, 1.56), rows(1.1, 1.0, 1.32, error="Boom: once")]
-    )
+    rounds = [rows(1.0, 1.0, 1.5), rows(1.2, 1.3, 1.56), rows(1.1, 1.0, 1.32, error="Boom: once")]
+    merged = harness.merge_rounds(rounds, bench.RATIOS)
     cudnn, ours, flex, nondet = merged
     assert ours["ms"] == pytest.approx(1.1) and ours["ms_rounds"] == [1.0, 1.2, 1.1]
     assert ours["ms_spread"] == pytest.approx(0.2)

@@ -164,6 +164,35 @@ def alternating_ms(arms, enter, make_fn, *, device: torch.device, rounds: int = 
     return times
 
 
+def merge_rounds(rounds: list[list[dict]], ratios: Sequence[str]) -> list[dict]:
+    """One row a case from rounds of the same case list (rows in the same order): the median
+    ms (TFLOP/s from it) and the median over the rounds of each of ``ratios``, each taken
+    within its own round, where both sides ran minutes apart rather than a run apart; every
+    round's values under ``*_rounds``, and ``ms_spread`` (slowest over fastest round, less 1).
+    A case that failed in any round keeps that round's error."""
+    merged = []
+    for case_rows in zip(*rounds, strict=True):
+        failed = [row for row in case_rows if row.get("error") or row.get("ms") is None]
+        if failed:
+            merged.append(dict(failed[0], rounds=len(case_rows)))
+            continue
+        row = dict(case_rows[0], rounds=len(case_rows))
+        times = [r["ms"] for r in case_rows]
+        row.update(ms=statistics.median(times), ms_rounds=times)
+        row["ms_spread"] = max(times) / min(times) - 1
+        if row.get("flops"):
+            row["tflops"] = tflops(row["flops"], row["ms"])
+        if row.get("peak_mem_gb") is not None:
+            row["peak_mem_gb"] = max(r["peak_mem_gb"] for r in case_rows)
+        for key in ratios:
+            values = [r[key] for r in case_rows if r.get(key) is not None]
+            row.pop(key, None)
+            if len(values) == len(case_rows):  # a ratio some round lacks is not reported
+                row.update({key: statistics.median(values), f"{key}_rounds": values})
+        merged.append(row)
+    return merged
+
+
 def kernel_ms(fn: Callable[[], Any], contains: str, calls: int = 5) -> dict[str, float]:
     """GPU milliseconds a call of ``fn`` spends in each kernel whose name holds ``contains``
     (``cuda_profile`` over ``calls`` calls, averaged per call)."""

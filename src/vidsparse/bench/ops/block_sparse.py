@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -526,9 +525,9 @@ def run_all(cases: list[Case], settings: Settings, args, on_row: Callable[[list]
 def run_rounds(
     cases: list[Case], settings: Settings, args, on_row: Callable[[list], None]
 ) -> list[dict]:
-    """``run_all`` ``args.rounds`` times over the same cases (the same lists and inputs: their
-    seeds depend on the case only), each round's rows with their ratios; merged into one row a
-    case by ``merge_rounds``. ``on_row`` sees every round's rows so far, tagged ``round``."""
+    """``run_all`` ``args.rounds`` times over the same cases (their lists and inputs too: the
+    seeds depend on the case only), each round's rows with their ratios, merged into one row a
+    case (``harness.merge_rounds``); ``on_row`` sees all rounds' rows so far, tagged ``round``."""
     if args.rounds == 1:
         rows = run_all(cases, settings, args, on_row)
         add_ratios(rows)
@@ -544,39 +543,10 @@ def run_rounds(
         rows = run_all(cases, settings, args, on_round_row)
         add_ratios(rows)
         rounds.append(rows)
-    return merge_rounds(rounds)
+    return harness.merge_rounds(rounds, RATIOS)
 
 
 RATIOS = ("vs_cudnn", "speedup_vs_cudnn", "ours_over_flex", "time_vs_density1")
-
-
-def merge_rounds(rounds: list[list[dict]]) -> list[dict]:
-    """One row a case from rounds of the same case list: the median ms (TFLOP/s from it) and
-    each ratio's median over the rounds, each ratio taken within its own round, where both
-    sides ran minutes apart rather than a run apart; every round's values under ``*_rounds``,
-    and ``ms_spread`` (slowest over fastest round, less 1). A case that failed in any round
-    keeps that round's error."""
-    merged = []
-    for case_rows in zip(*rounds, strict=True):
-        failed = [row for row in case_rows if row.get("error") or row.get("ms") is None]
-        if failed:
-            merged.append(dict(failed[0], rounds=len(case_rows)))
-            continue
-        row = dict(case_rows[0], rounds=len(case_rows))
-        times = [r["ms"] for r in case_rows]
-        row.update(ms=statistics.median(times), ms_rounds=times)
-        row["ms_spread"] = max(times) / min(times) - 1
-        if row.get("flops"):
-            row["tflops"] = harness.tflops(row["flops"], row["ms"])
-        if row.get("peak_mem_gb") is not None:
-            row["peak_mem_gb"] = max(r["peak_mem_gb"] for r in case_rows)
-        for key in RATIOS:
-            values = [r[key] for r in case_rows if r.get(key) is not None]
-            row.pop(key, None)
-            if len(values) == len(case_rows):  # a ratio some round lacks is not reported
-                row.update({key: statistics.median(values), f"{key}_rounds": values})
-        merged.append(row)
-    return merged
 
 
 def _print_progress(i: int, n: int, row: dict) -> None:
