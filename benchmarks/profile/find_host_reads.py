@@ -32,16 +32,24 @@ import diffusers
 import torch
 
 import vidsparse
+import vidsparse.testing
 from vidsparse.bench.ops import train_vsa
 from vidsparse.testing import reading_methods_watched
 
 # Frames in the vidsparse and diffusers packages are "our code", named from the package down.
 PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep for m in (vidsparse, diffusers))
+# The watcher's own wrapper frames: where a read goes through it, its caller is the site.
+WATCHER = vidsparse.testing.__file__
 
 
 def call_site(frames, depth: int = 4) -> str:
-    """The innermost ``depth`` frames of our code, innermost first, as ``package/path:line``."""
-    ours = [(short, f.lineno) for f in frames if (short := _in_package(f.filename))]
+    """The innermost ``depth`` frames of our code, innermost first, as ``package/path:line``
+    (the watcher's wrapper left out)."""
+    ours = [
+        (short, f.lineno)
+        for f in frames
+        if f.filename != WATCHER and (short := _in_package(f.filename))
+    ]
     return " <- ".join(f"{path}:{line}" for path, line in ours[-depth:][::-1])
 
 
@@ -80,9 +88,33 @@ def sync_debug_mode(device: torch.device):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@contextlib.contextmanager
+def sync_warnings():
+    """``[(site, message)]`` of the synchronisation warnings raised while the block runs, each
+    placed by ``call_site`` from the stack it was raised on. A warning's own file and line
+    would name the innermost Python frame, which for ``loss.item()`` under ``host_reads`` is
+    the watcher's wrapper, not the line that read."""
+    syncs: list[tuple[str, str]] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            site = call_site(traceback.extract_stack()[:-1]) or f"{filename}:{lineno}"
+            syncs.append((site, str(message)[:80]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record  # restored by catch_warnings on exit
+        yield syncs
+
+
 def library_reads(counts) -> dict:
     """The reads whose innermost site is vidsparse's library code (not its benchmarks)."""
     return {key: n for key, n in counts.items() if _in_library(key[2].split(" <- ")[0])}
+
+
+def library_syncs(syncs) -> list:
+    """The syncs whose innermost site is vidsparse's library code."""
+    return [(site, message) for site, message in syncs if _in_library(site.split(" <- ")[0])]
 
 
 def _in_library(path: str) -> bool:
@@ -97,12 +129,8 @@ def step_reads(arm: str, args) -> tuple[collections.Counter, list]:
         run = train_vsa.prepare(train_vsa.parse_args([*argv, "--out", out, *args.size]), device)
         for step in range(args.warmup):
             train_vsa.train_step(run, step)
-        with warnings.catch_warnings(record=True) as caught, host_reads() as counts:
-            warnings.simplefilter("always")
-            with sync_debug_mode(device):
-                train_vsa.train_step(run, args.warmup)
-    syncs = [(f"{_in_package(w.filename) or w.filename}:{w.lineno}", str(w.message)[:80])
-             for w in caught if "synchroniz" in str(w.message)]  # fmt: skip
+        with sync_warnings() as syncs, host_reads() as counts, sync_debug_mode(device):
+            train_vsa.train_step(run, args.warmup)
     return counts, syncs
 
 
@@ -118,7 +146,8 @@ def main(argv=None) -> None:
     for arm in args.arms.split(","):
         counts, syncs = step_reads(arm, args)
         print(f"{arm}: {sum(counts.values())} host reads in one step, "
-              f"{sum(library_reads(counts).values())} of them in library code")  # fmt: skip
+              f"{sum(library_reads(counts).values())} of them in library code; "
+              f"{len(syncs)} syncs, {len(library_syncs(syncs))} in library code")  # fmt: skip
         for (name, device, site), n in counts.most_common():
             print(f"  {n:5d}x {name:9s} {device:5s} {site}")
         for site, message in syncs:
