@@ -31,6 +31,8 @@
 #   unordered then ordered (one_pass=tma, ordered_tma);
 #   engine-rounds: #19's bars (1/8, 128x128: ours, ours-nondet, cuDNN, Flex) over ROUNDS (5)
 #   rounds in turn, medians and every round's figures (block_sparse_rounds_h200.json);
+#   vsa480-rounds: #19's 480p VSA bars (0.875; ours, ours-natural, cuDNN) over ROUNDS (5)
+#   rounds in turn (vsa480_rounds_h200.json);
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
 #   (ours-nondet: the one-pass backward); nondet-tests: its GPU tests and the one pass's;
 #   schedule-steps: a scheduled VSA arm's step time at its target against the unscheduled
@@ -187,6 +189,9 @@ for what in "$@"; do
     vsa480) step vsa480 200 python3 -m vidsparse.bench vsa --shapes wan1.3b-480p \
       --sparsities 0.875 --out "$OUT/vsa480_h200.json" ;;
     vsa) step vsa 540 python3 -m vidsparse.bench vsa --out "$OUT/vsa_h200.json" ;;
+    vsa480-rounds) step vsa480_rounds 400 python3 -m vidsparse.bench vsa --shapes wan1.3b-480p \
+      --sparsities 0.875 --providers ours,ours-natural,cudnn --rounds "${ROUNDS:-5}" \
+      --out "$OUT/vsa480_rounds_h200.json" ;;
     psa) step psa 540 python3 -m vidsparse.bench psa --out "$OUT/psa_h200.json" ;;
     sta) step sta 540 python3 -m vidsparse.bench sta --check --out "$OUT/sta_h200.json" ;;
     e2e) step e2e 200 python3 -m vidsparse.bench e2e --out "$OUT/e2e_h200.json" ;;

@@ -16,12 +16,12 @@ MODES = ("fwd", "fwd+bwd")
 SPARSITIES = (0.875, 0.9)
 
 
-def run_tiny(out: Path) -> dict:
+def run_tiny(out: Path, *args: str) -> dict:
     env = dict(os.environ, VIDSPARSE_BACKEND="torch", CUDA_VISIBLE_DEVICES="")
     env.pop("TRITON_INTERPRET", None)  # the torch backend needs no interpreter
     done = subprocess.run(
         [sys.executable, "-m", "vidsparse.bench", "vsa"]
-        + ["--device", "cpu", "--tiny", "--out", str(out)],
+        + ["--device", "cpu", "--tiny", "--out", str(out), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -73,3 +73,21 @@ def test_bench_vsa_split_on_ours_fwd(data):
         assert row["split_timer"] == "eager"  # CUDA graphs on the GPU only
     others = [r for r in rows if r not in split]
     assert all("coarse_ms" not in r for r in others)
+
+
+@pytest.mark.slow
+def test_bench_vsa_rounds_merge_each_case(tmp_path):
+    """``--rounds 2``: one row a case, its ms the median of both rounds' (kept beside it); the
+    coarse/fine split from the first round only; no speedup where no cuDNN ran."""
+    result = run_tiny(
+        tmp_path / "vsa.json", "--rounds", "2", "--sparsities", "0.875", "--modes", "fwd"
+    )
+    assert result["meta"]["rounds"] == 2
+    rows = result["rows"]
+    assert len({r["provider"] for r in rows}) == len(rows)  # one row a provider
+    for row in rows:
+        assert row["rounds"] == 2 and len(row["ms_rounds"]) == 2, row
+        assert row["ms"] == pytest.approx(sum(row["ms_rounds"]) / 2)
+        assert row["speedup"] is None and "speedup_rounds" not in row
+    (ours,) = [r for r in rows if r["provider"] == "ours"]
+    assert len(ours["coarse_ms_all"]) == 3  # one split, not one a round

@@ -186,11 +186,18 @@ def merge_rounds(rounds: list[list[dict]], ratios: Sequence[str]) -> list[dict]:
             row["peak_mem_gb"] = max(r["peak_mem_gb"] for r in case_rows)
         for key in ratios:
             values = [r[key] for r in case_rows if r.get(key) is not None]
-            row.pop(key, None)
-            if len(values) == len(case_rows):  # a ratio some round lacks is not reported
+            if len(values) == len(case_rows):
                 row.update({key: statistics.median(values), f"{key}_rounds": values})
+            elif key in row:  # a ratio some round lacks is not reported
+                row[key] = None
         merged.append(row)
     return merged
+
+
+def with_spread(columns: list, rounds: int) -> list:
+    """``columns`` with the rounds' spread (``merge_rounds``' ``ms_spread``) where there were
+    several rounds."""
+    return [*columns, Column("ms_spread", "rounds' spread", ".1%")] if rounds > 1 else columns
 
 
 def kernel_ms(fn: Callable[[], Any], contains: str, calls: int = 5) -> dict[str, float]:

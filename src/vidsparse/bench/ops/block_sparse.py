@@ -614,7 +614,6 @@ COLUMNS = [
     Column("speedup_vs_cudnn", "speedup vs cuDNN", ".2f"),
     Column("time_vs_density1", "t/t(d=1)", ".3f"),
 ]
-SPREAD = Column("ms_spread", "rounds' spread", ".1%")  # with --rounds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -776,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     meta["complete"] = True
     harness.write_results(out, meta, rows)
     print()
-    harness.print_table(rows, COLUMNS + [SPREAD] if args.rounds > 1 else COLUMNS)
+    harness.print_table(rows, harness.with_spread(COLUMNS, args.rounds))
     print(f"\nwrote {out}", flush=True)
     if not args.no_plot:
         png = harness.plot(

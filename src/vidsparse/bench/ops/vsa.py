@@ -8,6 +8,7 @@ speedup) and ``fastvideo`` (fastvideo-kernel 0.3.5, its Triton path). Run on a G
 
     python -m vidsparse.bench vsa                         # both shapes, H200
     python -m vidsparse.bench vsa --shapes wan1.3b-480p --modes fwd
+    python -m vidsparse.bench vsa --shapes wan1.3b-480p --sparsities 0.875 --rounds 5
     VIDSPARSE_BACKEND=torch python -m vidsparse.bench vsa --device cpu --tiny   # CPU smoke run
 
 ``benchmarks/README.md`` ("VSA: vsa") describes the providers, the split and the FLOP count,
@@ -285,8 +286,9 @@ def run_one(provider: Provider, case: Case, device: torch.device) -> dict:
     return harness.run_case(provider, case, device=device, flops=flops, row=row)
 
 
-def bench_shape(name, grid_shape, heads, args, device, dtype) -> list[dict]:
-    """All rows of one shape: cuDNN per mode, then each sparsity x sparse provider x mode."""
+def bench_shape(name, grid_shape, heads, args, device, dtype, split: bool) -> list[dict]:
+    """All rows of one shape: cuDNN per mode, then each sparsity x sparse provider x mode
+    (``split``: ours' fwd rows carry the coarse/fine split)."""
     head_dim = TINY_HEAD_DIM if args.tiny else HEAD_DIM
     dense_case = Case(name, grid_shape, heads, head_dim, None, args.modes[0])
     x = make_inputs(dense_case, device, dtype, args.seed)
@@ -307,7 +309,7 @@ def bench_shape(name, grid_shape, heads, args, device, dtype) -> list[dict]:
             for pname in [p for p in SPARSE_PROVIDERS if p in args.providers]:
                 row = run_one(providers[pname], case, device)
                 row["speedup"] = speedup(cudnn_ms.get(mode), row.get("ms"))
-                if pname == "ours" and mode == "fwd" and args.split:
+                if pname == "ours" and mode == "fwd" and split:
                     row.update(split_fields(case, x, device, row.get("ms")))
                 rows.append(row)
                 report(row)
@@ -358,7 +360,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default results/vsa_<gpu>.json)")
     ap.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG beside the JSON")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every case this many times in turn; report medians (speedups per round)",
+    )
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     choices = functools.partial(harness.split_choices, allow_empty=True)
     args.modes = choices(args.modes, harness.MODES, "mode")
     args.providers = choices(args.providers, ALL_PROVIDERS, "provider")
@@ -377,17 +387,31 @@ def main(argv=None) -> list[dict]:
     # bf16 is the benchmark's dtype; the CPU smoke run uses fp32 (CPU bf16 matmuls are slow).
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args.providers = registry.runnable_providers("vsa", args.providers, device)
-    rows: list[dict] = []
-    for name, (grid_shape, heads) in args.shape_table.items():
-        rows.extend(bench_shape(name, grid_shape, heads, args, device, dtype))
+    rows = run_rounds(args, device, dtype)
     meta = collect_meta(args, device, dtype)
     out = args.out or harness.results_dir() / f"vsa_{harness.slug(meta['gpu'])}.json"
-    harness.report_results(out, meta, rows, COLUMNS)
+    harness.report_results(out, meta, rows, harness.with_spread(COLUMNS, args.rounds))
     if args.plot:
         png = draw(rows, Path(out).with_suffix(".png"), harness.device_name(device))
         if png:
             print(f"wrote {png}", flush=True)
     return rows
+
+
+def run_rounds(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Every shape's rows, ``args.rounds`` times in turn, merged into one row a case
+    (``harness.merge_rounds``: median ms, each speedup taken within its round); the coarse/fine
+    split is timed in the first round only."""
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        rows = []
+        for name, (grid_shape, heads) in args.shape_table.items():
+            split = args.split and r == 0
+            rows.extend(bench_shape(name, grid_shape, heads, args, device, dtype, split))
+        rounds.append(rows)
+    return rounds[0] if args.rounds == 1 else harness.merge_rounds(rounds, ("speedup",))
 
 
 def draw(rows: list[dict], path: Path, gpu: str):
@@ -438,6 +462,7 @@ def collect_meta(args, device, dtype) -> dict:
             "coarse_ms / ours fwd ms"
         ),
         sparse_pairs="nominal: dense real pairs * topk / num_tiles",
+        rounds=args.rounds,
         fastvideo=fastvideo,
     )
 
