@@ -67,8 +67,7 @@ def host_reads():
     counts: collections.Counter = collections.Counter()
 
     def count(name, tensor):
-        # [:-2]: without this function's frame and the watcher's wrapper
-        site = call_site(traceback.extract_stack()[:-2])
+        site = call_site(traceback.extract_stack())
         counts[(name, tensor.device.type, site)] += 1
 
     with reading_methods_watched(count):
@@ -98,7 +97,7 @@ def sync_warnings():
 
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" in str(message):
-            site = call_site(traceback.extract_stack()[:-1]) or f"{filename}:{lineno}"
+            site = call_site(traceback.extract_stack()) or f"{filename}:{lineno}"
             syncs.append((site, str(message)[:80]))
 
     with warnings.catch_warnings():

@@ -164,6 +164,20 @@ def alternating_ms(arms, enter, make_fn, *, device: torch.device, rounds: int = 
     return times
 
 
+def in_rounds(
+    rounds: int, run_round: Callable[[int], list[dict]], ratios: Sequence[str]
+) -> list[dict]:
+    """``run_round(r)`` (one round's rows, each ratio taken within it) for ``r`` in
+    ``range(rounds)``, in turn, merged by ``merge_rounds``; one round's rows as they are."""
+    if rounds == 1:
+        return run_round(0)
+    done = []
+    for r in range(rounds):
+        print(f"round {r + 1} of {rounds}", flush=True)
+        done.append(run_round(r))
+    return merge_rounds(done, ratios)
+
+
 def merge_rounds(rounds: list[list[dict]], ratios: Sequence[str]) -> list[dict]:
     """One row a case from rounds of the same case list (rows in the same order): the median
     ms (TFLOP/s from it) and the median over the rounds of each of ``ratios``, each taken

@@ -527,26 +527,20 @@ def run_rounds(
 ) -> list[dict]:
     """``run_all`` ``args.rounds`` times over the same cases (their lists and inputs too: the
     seeds depend on the case only), each round's rows with their ratios, merged into one row a
-    case (``harness.merge_rounds``); ``on_row`` sees all rounds' rows so far, tagged ``round``."""
-    if args.rounds == 1:
-        rows = run_all(cases, settings, args, on_row)
+    case (``harness.in_rounds``); with several rounds ``on_row`` sees all rounds' rows so far,
+    tagged ``round``."""
+    finished: list[dict] = []
+
+    def run_round(r: int) -> list[dict]:
+        def on_round_row(rows):
+            on_row(finished + [dict(row, round=r) for row in rows])
+
+        rows = run_all(cases, settings, args, on_row if args.rounds == 1 else on_round_row)
         add_ratios(rows)
+        finished.extend(dict(row, round=r) for row in rows)
         return rows
-    rounds: list[list[dict]] = []
-    for r in range(args.rounds):
-        print(f"round {r + 1} of {args.rounds}", flush=True)
 
-        def on_round_row(rows, r=r):
-            done = [dict(row, round=i) for i, rows_i in enumerate(rounds) for row in rows_i]
-            on_row(done + [dict(row, round=r) for row in rows])
-
-        rows = run_all(cases, settings, args, on_round_row)
-        add_ratios(rows)
-        rounds.append(rows)
-    return harness.merge_rounds(rounds, RATIOS)
-
-
-RATIOS = ("vs_cudnn", "speedup_vs_cudnn", "ours_over_flex", "time_vs_density1")
+    return harness.in_rounds(args.rounds, run_round, RATIOS)
 
 
 def _print_progress(i: int, n: int, row: dict) -> None:
@@ -570,6 +564,10 @@ def _find(rows, **match):
         ):
             return row
     return None
+
+
+# The ratios add_ratios sets, merged over --rounds.
+RATIOS = ("vs_cudnn", "speedup_vs_cudnn", "ours_over_flex", "time_vs_density1")
 
 
 def add_ratios(rows: list[dict]) -> None:

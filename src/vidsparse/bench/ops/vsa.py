@@ -400,18 +400,18 @@ def main(argv=None) -> list[dict]:
 
 def run_rounds(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Every shape's rows, ``args.rounds`` times in turn, merged into one row a case
-    (``harness.merge_rounds``: median ms, each speedup taken within its round); the coarse/fine
+    (``harness.in_rounds``: median ms, each speedup taken within its round); the coarse/fine
     split is timed in the first round only."""
-    rounds = []
-    for r in range(args.rounds):
-        if args.rounds > 1:
-            print(f"round {r + 1} of {args.rounds}", flush=True)
-        rows = []
-        for name, (grid_shape, heads) in args.shape_table.items():
-            split = args.split and r == 0
-            rows.extend(bench_shape(name, grid_shape, heads, args, device, dtype, split))
-        rounds.append(rows)
-    return rounds[0] if args.rounds == 1 else harness.merge_rounds(rounds, ("speedup",))
+
+    def run_round(r: int) -> list[dict]:
+        split = args.split and r == 0
+        return [
+            row
+            for name, (grid_shape, heads) in args.shape_table.items()
+            for row in bench_shape(name, grid_shape, heads, args, device, dtype, split)
+        ]
+
+    return harness.in_rounds(args.rounds, run_round, ("speedup",))
 
 
 def draw(rows: list[dict], path: Path, gpu: str):
