@@ -9,7 +9,11 @@ dv and d gate untiled by ``index_select``'s backward); the engine case does not 
 and dO read through it by the preprocess (``configs.override(out_rows=True)``) against the
 untiling of a tile-order o (and the tiling of dO by its backward); the forward is timed too
 (inference gains as well), and each arm's peak memory over one forward and backward (the tiled
-o the untiling keeps for the backward is what it would save).
+o the untiling keeps for the backward is what it would save). ``tile-pool``: VSA in natural
+order with q, k, v tiled in the coarse stage's pooling read (``configs.override(tile_pool=True)``,
+one pass over them) against a tiling pass, then the pooling of the copies; forward, memory
+and backward timed as for ``out-rows`` (the two pooling kernels may add a tile's rows in
+another order, so the arms need not be the same bits).
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
@@ -20,7 +24,7 @@ checked here on the timed inputs.
 
 Run on a GPU from the repository root::
 
-    PYTHONPATH=src python benchmarks/tuning/try_bwd_overlap.py [--study overlap|grad-rows|out-rows]
+    PYTHONPATH=src python benchmarks/tuning/try_bwd_overlap.py [--study STUDY]
         [--cases engine,vsa480,vsa720]
 
 Cases (bf16, D=128, fresh random inputs): ``engine`` (the engine at 128x128, density 1/8,
@@ -28,8 +32,8 @@ B=1, H=12, S=32,768, random per-head lists: the README's engine table), ``vsa480
 ``vsa720`` (VSA natural order with the gate at sparsity 0.875 on Wan 480p / 720p). Per case
 and mode (bwd, fwd+bwd): alternating ``do_bench`` medians of three rounds per arm, the
 backward's kernels from the profiler, and the bit-identity of the gradients. Writes
-``$OUT/try_bwd_overlap.json`` (``try_grad_rows.json``, ``try_out_rows.json`` for those
-studies) if ``OUT`` is set;
+``$OUT/try_bwd_overlap.json`` (``try_grad_rows.json``, ``try_out_rows.json``,
+``try_tile_pool.json`` for those studies) if ``OUT`` is set;
 prints a table last.
 """
 
@@ -55,11 +59,12 @@ STUDIES = {
     "overlap": {"one": dict(overlap=False), "two": dict(overlap=True)},
     "grad-rows": {"copies": dict(grad_rows=False), "mapped": dict(grad_rows=True)},
     "out-rows": {"untiled": dict(out_rows=False), "stored": dict(out_rows=True)},
+    "tile-pool": {"separate": dict(tile_pool=False), "fused": dict(tile_pool=True)},
 }
 OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json",
-          "out-rows": "try_out_rows.json"}  # fmt: skip
+          "out-rows": "try_out_rows.json", "tile-pool": "try_tile_pool.json"}  # fmt: skip
 # studies that time the forward alone too, and record each arm's peak memory
-FORWARD_STUDIES = ("out-rows",)
+FORWARD_STUDIES = ("out-rows", "tile-pool")
 D = 128
 
 
@@ -161,7 +166,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--study", choices=list(STUDIES), default="overlap")
     ap.add_argument("--cases", help="comma-separated, of " + ",".join(CASES) + " (default: "
-                    "all; grad-rows, out-rows: the VSA cases)")  # fmt: skip
+                    "all; the other studies: the VSA cases)")  # fmt: skip
     args = ap.parse_args(argv)
     cases = args.cases or ",".join(c for c in CASES if args.study == "overlap" or c != "engine")
     rows = []

@@ -39,6 +39,7 @@ from vidsparse.layout.sizes import padded_len_of
 from vidsparse.utils import ceil_div
 
 __all__ = [
+    "tile_slot_tokens",
     "copy_rows",
     "copy_rows_supports",
     "tile_rows",
@@ -64,6 +65,42 @@ def block_rows(head_dim: int, element_size: int, kernel: str = "tile") -> int:
 
 
 @triton.jit
+def tile_slot_tokens(
+    slot, GRID_T, GRID_H, GRID_W, TILES_H, TILES_W,
+    TILE_T: tl.constexpr, TILE_H: tl.constexpr, TILE_W: tl.constexpr,
+):  # fmt: skip
+    """``(token, real)`` of each tile-order slot: the natural index ``t*H*W + h*W + w`` of the
+    token it holds (int32), and whether it holds one (False on padding slots and past the last
+    tile). The map of the module docstring, a few integer divisions per slot."""
+    VOLUME: tl.constexpr = TILE_T * TILE_H * TILE_W
+    tile = slot // VOLUME  # constexpr divisor: shifts for power-of-two tiles
+    j = slot - tile * VOLUME  # position inside the tile
+
+    # Tile coordinates (t', h', w') and the first token of its box along each axis.
+    tw = tile % TILES_W
+    th = (tile // TILES_W) % TILES_H
+    tt = tile // (TILES_W * TILES_H)
+    t0 = tt * TILE_T
+    h0 = th * TILE_H
+    w0 = tw * TILE_W
+    # Box extents: TILE_* inside the grid, less on its far edges. box_h, box_w >= 1 for every
+    # slot (th < TILES_H, tw < TILES_W); box_t <= 0 only past the last tile.
+    box_t = tl.minimum(GRID_T - t0, TILE_T)
+    box_h = tl.minimum(GRID_H - h0, TILE_H)
+    box_w = tl.minimum(GRID_W - w0, TILE_W)
+    box_hw = box_h * box_w
+    real = j < box_t * box_hw
+
+    # Raster position inside the box -> natural token index.
+    lt = j // box_hw
+    rest = j - lt * box_hw
+    lh = rest // box_w
+    lw = rest - lh * box_w
+    token = ((t0 + lt) * GRID_H + (h0 + lh)) * GRID_W + (w0 + lw)
+    return token, real
+
+
+@triton.jit
 def _tile_rows_kernel(
     X, OUT,  # x [B, H, S, D] (any strides), out [B, H, P, D] contiguous
     stride_xb, stride_xh, stride_xs, stride_xd,
@@ -83,32 +120,9 @@ def _tile_rows_kernel(
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
 
-    VOLUME: tl.constexpr = TILE_T * TILE_H * TILE_W
     slot = blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] int32 tile-order slot
-    tile = slot // VOLUME  # constexpr divisor: shifts for power-of-two tiles
-    j = slot - tile * VOLUME  # [BLOCK_S] position inside the tile
-
-    # Tile coordinates (t', h', w') and the first token of its box along each axis.
-    tw = tile % TILES_W
-    th = (tile // TILES_W) % TILES_H
-    tt = tile // (TILES_W * TILES_H)
-    t0 = tt * TILE_T
-    h0 = th * TILE_H
-    w0 = tw * TILE_W
-    # Box extents: TILE_* inside the grid, less on its far edges. box_h, box_w >= 1 for every
-    # slot (th < TILES_H, tw < TILES_W); box_t <= 0 only past the last tile (slot >= P).
-    box_t = tl.minimum(GRID_T - t0, TILE_T)
-    box_h = tl.minimum(GRID_H - h0, TILE_H)
-    box_w = tl.minimum(GRID_W - w0, TILE_W)
-    box_hw = box_h * box_w
-    real = j < box_t * box_hw  # [BLOCK_S]: slot holds a token (False past P as well)
-
-    # Raster position inside the box -> natural token index n = t*H*W + h*W + w.
-    lt = j // box_hw
-    rest = j - lt * box_hw
-    lh = rest // box_w
-    lw = rest - lh * box_w
-    token = ((t0 + lt) * GRID_H + (h0 + lh)) * GRID_W + (w0 + lw)  # [BLOCK_S] int32
+    token, real = tile_slot_tokens(slot, GRID_T, GRID_H, GRID_W, TILES_H, TILES_W,
+                                   TILE_T, TILE_H, TILE_W)  # fmt: skip
     token = tl.where(real, token, 0)  # padding slots: any in-range row (their load is masked)
 
     offs_d = tl.arange(0, HEAD_DIM)  # [D]

@@ -319,3 +319,75 @@ def test_vsa_gpu_output_stored_in_natural_order_equals_untiling(dtype, preproces
     grid = vidsparse.VideoGrid((9, 14, 22))
     arms = _out_rows_arms("cuda", dtype, grid, 128, 9, monkeypatch)
     _check_out_rows(arms, grads_rounded=preprocess_warps == "library")
+
+
+def _tile_pool_arms(device, dtype, grid, D, topk, monkeypatch):
+    """Public VSA on natural ``[B, S, H, D]`` inputs with a gate, the tile copies made by the
+    coarse stage's pooling read (``configs.override(tile_pool=True)``, the library's choice)
+    and by a tiling pass before the pooling: ``(o, dq, dk, dv, dgate)`` of each. Checks that
+    only the first arm takes the fused read, and that it runs no tiling pass of its own."""
+    from vidsparse.ops.block_sparse_attn import configs
+    from vidsparse.ops.video_sparse_attn import coarse
+
+    fused, original = [], coarse.tile_pool_fwd
+    monkeypatch.setattr(coarse, "tile_pool_fwd", lambda *a: fused.append(1) or original(*a))
+    torch.manual_seed(0)
+    B, H, S = 2, 2, grid.num_tokens
+    xs = [torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2) for _ in range(5)]
+    do = xs.pop()
+    arms = []
+    for tile_pool in (True, False):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        with configs.override(tile_pool=tile_pool):
+            o = vidsparse.video_sparse_attn(*leaves[:3], grid, topk=topk, gate=leaves[3])
+            arms.append((o, *torch.autograd.grad(o, leaves, do)))
+        assert len(fused) == 1, "the fused read ran in the wrong arm"
+    return arms
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+def test_vsa_copies_from_the_pooling_read_equal_a_tiling_pass(triton_backend, monkeypatch):
+    """Natural order: tiling q, k, v in the pooling's read gives the same bits as tiling them,
+    then pooling the copies, on a grid with partial tiles along every axis."""
+    arms = _tile_pool_arms("cpu", torch.float32, vidsparse.VideoGrid((5, 6, 7)), 16, 3,
+                           monkeypatch)  # fmt: skip
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), *arms):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_vsa_gpu_copies_from_the_pooling_read_equal_a_tiling_pass(dtype, monkeypatch):
+    """The same at D=128 compiled. The two pooling kernels may add a tile's rows in another
+    order (fp32 means a few units of the last place apart), so o and the gradients are
+    compared within their dtype's rounding, not to the bit."""
+    arms = _tile_pool_arms("cuda", dtype, vidsparse.VideoGrid((9, 14, 22)), 128, 9, monkeypatch)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), *arms):
+        assert_rel_l2(name, a.float(), b.float(), 1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+def test_vsa_natural_order_under_torch_compile(triton_backend):
+    """The fused tiling and coarse stage is one opaque op to Dynamo (its fake gives the
+    shapes): a fullgraph compile of natural-order VSA with a gate, forward and backward,
+    gives eager's bits."""
+    torch.manual_seed(0)
+    grid = vidsparse.VideoGrid((5, 6, 7))
+    xs = [torch.randn(1, grid.num_tokens, 2, 16).transpose(1, 2) for _ in range(5)]
+    do = xs.pop()
+
+    def f(q, k, v, gate):
+        return vidsparse.video_sparse_attn(q, k, v, grid, topk=3, gate=gate)
+
+    torch._dynamo.reset()
+    arms = []
+    for fn in (f, torch.compile(f, fullgraph=True, backend="aot_eager")):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        o = fn(*leaves)
+        arms.append((o, *torch.autograd.grad(o, leaves, do)))
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), *arms):
+        assert torch.equal(a, b), name

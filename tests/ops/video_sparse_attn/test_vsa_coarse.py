@@ -116,6 +116,64 @@ def test_pooling_ignores_padding_and_matches_tile_means(grid_name, D, dtype):
         torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6, msg=f"{name}c")
 
 
+def _natural_qkv(grid, B, H, D, dtype, device):
+    """q, k, v in natural order as diffusers' processors pass them: ``[B, S, H, D]`` storage
+    seen as ``[B, H, S, D]``."""
+    return [torch.randn(B, grid.num_tokens, H, D, device=device).to(dtype).transpose(1, 2)
+            for _ in range(3)]  # fmt: skip
+
+
+def _tiled_by_index(x, grid):
+    """``grid.tile`` by the grid's gather index (the PyTorch path, not the kernels')."""
+    index = grid.index_tensors(x.device)
+    tiled = x.index_select(2, index.gather_index)
+    return tiled.masked_fill(~index.valid.view(1, 1, -1, 1), 0)
+
+
+@pytest.mark.slow
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("tiles_per_program", [1, 2])
+@pytest.mark.parametrize(
+    "grid_name, D, dtype",
+    [("8_tiles", 16, torch.float32), ("36_tiles", 32, torch.float16),
+     ("12_tiles_of_32", 16, torch.bfloat16)],
+)  # fmt: skip
+def test_tile_pool_copies_are_the_tiling_and_means_the_tile_means(grid_name, D, dtype,
+                                                                   tiles_per_program):  # fmt: skip
+    from vidsparse.ops.video_sparse_attn.coarse import tile_pool_fwd
+    from vidsparse.ops.video_sparse_attn.configs import PoolConfig
+
+    grid = GRIDS[grid_name]
+    xs = _natural_qkv(grid, 2, 3, D, dtype, "cpu")
+    config = PoolConfig(tiles_per_program=tiles_per_program)
+    *copies, pooled = tile_pool_fwd(*xs, grid.shape, grid.tile_shape, config)
+    assert pooled.dtype == torch.float32 and pooled.shape == (3, 2, 3, grid.num_tiles, D)
+    for name, copy, x, got in zip("qkv", copies, xs, pooled):
+        assert copy.is_contiguous() and torch.equal(copy, _tiled_by_index(x, grid)), name
+        ref = tile_means(_tiled_by_index(x, grid).double(), grid)
+        torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6, msg=f"{name}c")
+
+
+@pytest.mark.slow
+@interpreter
+@pytest.mark.interpreter
+def test_coarse_stage_natural_equals_the_stage_on_tiled_copies(triton_backend):
+    from vidsparse.ops.video_sparse_attn.coarse import vsa_coarse_stage_natural
+
+    grid = GRIDS["36_tiles"]
+    xs = _natural_qkv(grid, 1, 2, 16, torch.float32, "cpu")
+    q_t, k_t, v_t, *stage = vsa_coarse_stage_natural(*xs, grid, 5, 0.25)
+    copies = [_tiled_by_index(x, grid) for x in xs]
+    for name, a, b in zip("qkv", (q_t, k_t, v_t), copies):
+        assert torch.equal(a, b), name
+    ref = vsa_coarse_stage(*copies, grid, 5, 0.25, return_pooled=True)
+    for name, a, b in zip(("oc", "kv_indices", "kv_counts", "pooled"), stage, ref):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="needing no gradient"):
+        vsa_coarse_stage_natural(xs[0].requires_grad_(), *xs[1:], grid, 5, 0.25)
+
+
 @pytest.mark.slow
 @interpreter
 @pytest.mark.interpreter
@@ -419,6 +477,10 @@ def _record_launches(coarse, target, head_dim):
         coarse.coarse_attn_topk_fwd(pooled[0], pooled[1], pooled[2], topk, head_dim**-0.5,
                                     config=few)  # fmt: skip
         coarse.tile_mean_pool_bwd(pooled, sizes, num_tiles * volume, torch.bfloat16)
+        # natural order, q as diffusers' processors pass it ([B, S, H, D] seen as [B, H, S, D])
+        natural = torch.empty(B, 32760, H, head_dim, dtype=torch.bfloat16,
+                              device=meta).transpose(1, 2)  # fmt: skip
+        coarse.tile_pool_fwd(natural, natural, natural, (21, 30, 52), (4, 4, 4))
     finally:
         for attr, value in saved.items():
             setattr(coarse, attr, value)
@@ -454,7 +516,7 @@ def test_kernels_compile_spill_free(compiled, target):
         pytest.skip(f"{target}: {skipped[0]}")
     kernels = {r["kernel"] for r in reports}
     assert kernels == {"tile_mean_pool_fwd_kernel", "coarse_attn_topk_fwd_kernel",
-                       "tile_mean_pool_bwd_kernel"}, kernels  # fmt: skip
+                       "tile_mean_pool_bwd_kernel", "tile_pool_fwd_kernel"}, kernels  # fmt: skip
     failed = [f"{r['kernel']}: {r['error']}" for r in reports if not r["ok"]]
     assert not failed, "\n\n".join(failed)
     sys.path.insert(0, str(ROOT / "tests" / "compile"))
@@ -525,6 +587,21 @@ def test_gpu_wan480p_bf16_matches_reference(input_scale):
         assert g.dtype == torch.bfloat16 and not torch.isnan(g).any()
         assert (g[:, :, pad] == 0).all()
         assert_rel_l2(f"{name} (bf16 output)", g, r, 1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_wan480p_tile_pool_copies_and_means():
+    """The fused tiling and pooling read at Wan 480p, bf16, from ``[B, S, H, D]`` storage: the
+    copies are ``grid.tile``'s bits, the means the fp64 tile means within fp32 sums."""
+    from vidsparse.ops.video_sparse_attn.coarse import tile_pool_fwd
+
+    grid = WAN_480P
+    xs = _natural_qkv(grid, 1, 12, 128, torch.bfloat16, "cuda")
+    *copies, pooled = tile_pool_fwd(*xs, grid.shape, grid.tile_shape)
+    for name, copy, x, got in zip("qkv", copies, xs, pooled):
+        tiled = grid.tile(x, dim=-2)
+        assert torch.equal(copy, tiled), name
+        assert_rel_l2(f"{name}c", got, tile_means(tiled.double(), grid), 1e-6)
 
 
 @pytest.mark.gpu

@@ -403,6 +403,9 @@ class Overrides:
     # and gathers the copies again (``GradTargets.regather``): the copies' padding rows are not
     # kept between the passes, for a gather of q, k, v in the backward (benchmarks/NOTES.md).
     regather: bool = False
+    # True (with grad_rows): such callers may make their tile-order copies in a read of their
+    # own that does more with the rows (a client's pooling) instead of in a tiling pass.
+    tile_pool: bool = True
     gluon: GluonOptions | None = None
     # One of ONE_PASS_MODES: the Hopper backward in one pass where it applies (128x128, no
     # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or by

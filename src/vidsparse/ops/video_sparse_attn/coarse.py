@@ -6,6 +6,9 @@ tensor anywhere::
     q, k, v --kernels/pool.py--------> pooled fp32 [3, B, H, Nt, D] = (qc, kc, vc)
     pooled  --kernels/coarse_topk.py--> oc [B, H, Nt, D], kv_indices [B, H, Nt, topk], kv_counts
 
+Natural-order inputs whose tile copies the fine stage reads (and whose gradients it writes
+itself) take :func:`vsa_coarse_stage_natural`: the copies are made by the pooling's read.
+
 The backward runs the coarse attention's gradient in PyTorch (:func:`coarse_attn_bwd`), then
 one launch of the pooling backward; selection is not differentiated. On the torch backend the
 op composes the reference's functions (``reference.py``). :func:`vsa_coarse_stage` is the
@@ -19,7 +22,9 @@ from statistics import NormalDist
 import torch
 import triton
 
-from vidsparse.layout.grid import VideoGrid
+from vidsparse.layout import permute_ops
+from vidsparse.layout.grid import VideoGrid, grid_key
+from vidsparse.layout.sizes import padded_len_of
 from vidsparse.ops.block_sparse_attn.interface import check_triton_supported
 from vidsparse.ops.video_sparse_attn.configs import (
     BWD_CHUNK_ELEMENTS,
@@ -30,11 +35,13 @@ from vidsparse.ops.video_sparse_attn.configs import (
     fill_sms,
     pool_config,
     pow2_at_least,
+    tile_pool_config,
 )
 from vidsparse.ops.video_sparse_attn.kernels.coarse_topk import coarse_attn_topk_fwd_kernel
 from vidsparse.ops.video_sparse_attn.kernels.pool import (
     tile_mean_pool_bwd_kernel,
     tile_mean_pool_fwd_kernel,
+    tile_pool_fwd_kernel,
 )
 from vidsparse.ops.video_sparse_attn.reference import (
     coarse_attention,
@@ -49,6 +56,9 @@ from vidsparse.utils.device import num_sms, target_of
 
 __all__ = [
     "vsa_coarse_stage",
+    "vsa_coarse_stage_natural",
+    "tile_pool_supports",
+    "tile_pool_fwd",
     "tile_mean_pool_fwd",
     "tile_mean_pool_bwd",
     "coarse_attn_topk_fwd",
@@ -138,6 +148,39 @@ def tile_mean_pool_fwd_separate(
     _launch_pool(q_t, k_t, v_t, pooled, (0, *pooled.stride()), q_sizes, k_sizes, tile_volume,
                  cfg, separate_kv=True)  # fmt: skip
     return pooled
+
+
+def tile_pool_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shape,
+    tile,
+    config: PoolConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``grid.tile`` of natural-order ``q, k, v`` ``[B, H, S, D]`` (any strides; the grid
+    given by ``shape`` and ``tile``) and :func:`tile_mean_pool_fwd` of the copies, with one
+    read of each input and one launch. Returns ``(q_t, k_t, v_t, pooled)``: contiguous
+    ``[B, H, P, D]`` copies (padding slots zero) and fp32 ``[3, B, H, Nt, D]`` means."""
+    B, H, _, D = q.shape
+    T, Hh, W = shape
+    tT, tH, tW = tile
+    tiles_h, tiles_w = -(-Hh // tH), -(-W // tW)
+    num_tiles = -(-T // tT) * tiles_h * tiles_w
+    P = padded_len_of(shape, tile)
+    copies = [torch.empty((B, H, P, D), device=q.device, dtype=q.dtype) for _ in range(3)]
+    pooled = torch.empty((3, B, H, num_tiles, D), device=q.device, dtype=torch.float32)
+    cfg = config or tile_pool_config(target_of(q.device), D)
+    grid = (triton.cdiv(num_tiles, cfg.tiles_per_program), B * H, 3)
+    tile_pool_fwd_kernel[grid](
+        q, k, v, *copies, pooled,
+        *q.stride(), *k.stride(), *v.stride(), *pooled.stride(),
+        H, num_tiles, P,
+        T, Hh, W, tiles_h, tiles_w,
+        TILE_T=tT, TILE_H=tH, TILE_W=tW, HEAD_DIM=D, TILES_PER_PROGRAM=cfg.tiles_per_program,
+        **cfg.launch_kwargs(),
+    )  # fmt: skip
+    return copies[0], copies[1], copies[2], pooled
 
 
 def tile_mean_pool_bwd(
@@ -394,6 +437,37 @@ def _backward(ctx, doc, _dindices, _dcounts, _dpooled):
 _vsa_coarse_stage_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("vidsparse::vsa_coarse_stage_natural", mutates_args=())
+def _vsa_coarse_stage_natural_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    shape: list[int],
+    tile: list[int],
+    topk: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+           torch.Tensor]:  # fmt: skip
+    q_t, k_t, v_t, pooled = tile_pool_fwd(q, k, v, shape, tile)
+    oc, kv_indices, kv_counts = coarse_attn_topk_fwd(pooled[0], pooled[1], pooled[2], topk, scale)
+    return q_t, k_t, v_t, oc, kv_indices, kv_counts, pooled
+
+
+@_vsa_coarse_stage_natural_op.register_fake
+def _(q, k, v, shape, tile, topk, scale):
+    B, H, _, D = q.shape
+    P = padded_len_of(shape, tile)
+    num_tiles = P // (tile[0] * tile[1] * tile[2])
+    copies = tuple(q.new_empty((B, H, P, D)) for _ in range(3))
+    return (
+        *copies,
+        q.new_empty((B, H, num_tiles, D), dtype=torch.float32),
+        q.new_empty((B, H, num_tiles, topk), dtype=torch.int32),
+        q.new_empty((B, H, num_tiles), dtype=torch.int32),
+        q.new_empty((3, B, H, num_tiles, D), dtype=torch.float32),
+    )
+
+
 # ============================================================================ entry point
 
 
@@ -446,6 +520,38 @@ def vsa_coarse_stage(
     if return_pooled:
         return oc, kv_indices, kv_counts, pooled
     return oc, kv_indices, kv_counts
+
+
+def tile_pool_supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: VideoGrid) -> bool:
+    """Whether :func:`vsa_coarse_stage_natural` takes these inputs: what ``grid.tile``'s
+    kernel takes (``permute_ops.kernel_supports``), q, k and v of one shape and dtype, and
+    none of them needing a gradient (the caller's fine stage writes those)."""
+    return (
+        q.shape == k.shape == v.shape
+        and q.dtype == k.dtype == v.dtype
+        and not (q.requires_grad or k.requires_grad or v.requires_grad)
+        and permute_ops.kernel_supports(q, 2, grid.padded_len)
+    )
+
+
+def vsa_coarse_stage_natural(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grid: VideoGrid, topk: int, scale: float
+) -> tuple[torch.Tensor, ...]:
+    """:func:`vsa_coarse_stage` of ``grid.tile(q)``, ``grid.tile(k)``, ``grid.tile(v)`` with
+    ``return_pooled=True``, for natural-order ``[B, H, grid.num_tokens, D]`` inputs that
+    :func:`tile_pool_supports` takes: the tile copies are made in the pooling's read, one pass
+    over q, k and v instead of two. Returns ``(q_t, k_t, v_t, oc, kv_indices, kv_counts,
+    pooled)``, none differentiable: the caller (VSA's fine stage) runs this stage's backward
+    from ``pooled`` and writes the gradients of q, k and v itself."""
+    if not tile_pool_supports(q, k, v, grid):
+        raise ValueError(
+            "vsa_coarse_stage_natural takes q, k, v of one shape and dtype, needing no"
+            " gradient, that grid.tile's kernel takes"
+        )
+    topk = min(int(topk), grid.num_tiles)
+    shape, tile = (list(part) for part in grid_key(grid))
+    outputs = torch.ops.vidsparse.vsa_coarse_stage_natural(q, k, v, shape, tile, topk, float(scale))
+    return tuple(outputs)
 
 
 def _validate(q_t, k_t, v_t, grid, topk, scale) -> None:

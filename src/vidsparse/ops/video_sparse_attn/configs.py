@@ -31,6 +31,7 @@ __all__ = [
     "PoolConfig",
     "CoarseAttnConfig",
     "pool_config",
+    "tile_pool_config",
     "coarse_attn_config",
     "fill_sms",
     "pow2_at_least",
@@ -99,6 +100,9 @@ def _amd(**extra) -> tuple[tuple[str, int], ...]:
 HOPPER = {
     # One tile per program on 2 warps: the pooling reads at the memory limit this way.
     ("pool", "*"): PoolConfig(tiles_per_program=1, num_warps=2),
+    # Natural-order tiling with the pooling (16 KB read and written a program at D=128 bf16,
+    # as the layout's tile kernel moves).
+    ("tile_pool", "*"): PoolConfig(tiles_per_program=1, num_warps=4),
     # 4 warps spill 40 B at D=128 (qc and the oc accumulator are fp32 [32, D] in registers), yet
     # were measured faster than 8 spill-free warps, with the same selections.
     ("attn_topk", "*"): CoarseAttnConfig(block_m=32, block_n=64, num_pivots=8,
@@ -145,6 +149,7 @@ AMD_CDNA4 = {
 # The CPU interpreter: small blocks and scratch keep the tests' grids quick; exact dots.
 INTERPRETER = {
     ("pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
+    ("tile_pool", "*"): PoolConfig(tiles_per_program=2, num_warps=4),
     ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=32, num_pivots=8,
                                          bracket_capacity=32, input_precision="ieee",
                                          num_warps=4, num_stages=1),
@@ -179,6 +184,12 @@ def pool_config(target: Target, head_dim: int) -> PoolConfig:
     this GPU (``vidsparse tune``) replaces the table's."""
     default = _lookup(target, "pool", head_dim, PoolConfig())
     return tuning_file.tuned_config(target, tuning_file.vsa_key("pool", head_dim), default)
+
+
+def tile_pool_config(target: Target, head_dim: int) -> PoolConfig:
+    """Config of the natural-order tiling-and-pooling kernel (``kernels/pool.py``'s
+    ``tile_pool_fwd_kernel``): one tile a program on 4 warps where the table has no row."""
+    return _lookup(target, "tile_pool", head_dim, PoolConfig(tiles_per_program=1, num_warps=4))
 
 
 def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseAttnConfig:

@@ -326,8 +326,7 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
     """Triton path: the fused coarse stage (pooling, coarse attention, top-k lists) and the
     fine stage on the engine, combined with the gate; with text tokens, the text key blocks
     join every video row's list and the text queries run as a second, dense launch."""
-    from vidsparse.ops.video_sparse_attn.coarse import vsa_coarse_stage  # imports Triton
-    from vidsparse.ops.video_sparse_attn.fine import vsa_fine_combined
+    from vidsparse.ops.video_sparse_attn.fine import vsa_fine_combined  # imports Triton
 
     B, H, _, D = q.shape
     Nt, V = grid.num_tiles, grid.tile_volume
@@ -343,10 +342,9 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         grads_to = GradTargets(q, k, v, rows, rows, output=overrides.out_rows,
                                regather=overrides.regather)  # fmt: skip
         q, k, v = q.detach(), k.detach(), v.detach()
-    q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))  # [B, H, P, D]
-    o_coarse, kv_indices, kv_counts, pooled = vsa_coarse_stage(
-        q_t, k_t, v_t, grid, topk, scale, return_pooled=True
-    )
+    q_t, k_t, v_t, o_coarse, kv_indices, kv_counts, pooled = _tiles_and_coarse_stage(
+        q, k, v, grid, topk, scale, tiled, video_len, natural=rows is not None
+    )  # q_t, k_t, v_t [B, H, P, D]
     fine_only = is_fine_only(gate)
     if rows is None:  # the gate is tiled: formed here (a projection is read through rows only)
         gate = materialized(gate, H, D)
@@ -395,6 +393,21 @@ def _video_sparse_attn_composed(q, k, v, grid, topk, gate, tiled, scale, text_to
         video_len=video_len, text_tokens=text_tokens, volume=V, scale=scale,
     )  # fmt: skip
     return torch.cat([o, o_text], dim=-2)
+
+
+def _tiles_and_coarse_stage(q, k, v, grid: VideoGrid, topk, scale, tiled: bool, video_len: int,
+                            natural: bool):  # fmt: skip
+    """``(q_t, k_t, v_t, oc, kv_indices, kv_counts, pooled)``: the video part of q, k, v in
+    tile order and the coarse stage over it. ``natural``: q, k, v are natural-order video
+    whose gradients the fine stage writes (no autograd through the copies), so where the
+    kernel takes them the copies come out of the pooling's read (one pass over q, k, v)."""
+    from vidsparse.ops.video_sparse_attn import coarse  # imports Triton
+
+    if natural and active_overrides().tile_pool and coarse.tile_pool_supports(q, k, v, grid):
+        return coarse.vsa_coarse_stage_natural(q, k, v, grid, topk, scale)
+    q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))
+    stage = coarse.vsa_coarse_stage(q_t, k_t, v_t, grid, topk, scale, return_pooled=True)
+    return (q_t, k_t, v_t, *stage)
 
 
 def _fine_gate(gate, fine_only: bool, rows, grid: VideoGrid, tiled: bool, video_len: int):
