@@ -35,7 +35,8 @@
 #   rounds in turn (vsa480_rounds_h200.json);
 #   tile-pool: VSA natural order with q, k, v tiled in the coarse stage's pooling read against
 #   a tiling pass before the pooling (try_bwd_overlap.py --study tile-pool; GRAD_ROWS_CASES
-#   picks the cases, e.g. vsa480); tile-pool-tests: its GPU tests, VSA's and the tile kernels';
+#   picks the cases, e.g. vsa480); tile-pool-tests: its GPU tests, VSA's, the tile kernels' and
+#   the compiled training step's;
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
 #   (ours-nondet: the one-pass backward); nondet-tests: its GPU tests and the one pass's;
 #   schedule-steps: a scheduled VSA arm's step time at its target against the unscheduled
@@ -184,7 +185,7 @@ for what in "$@"; do
       --study tile-pool ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
     tile-pool-tests) step tile_pool_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/video_sparse_attn/test_vsa_coarse.py tests/ops/video_sparse_attn/test_vsa.py \
-      tests/layout/test_layout_permute.py ;;
+      tests/layout/test_layout_permute.py tests/integrations/test_diffusers_compile_training.py ;;
     out-rows-tests) step out_rows_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/block_sparse_attn/test_output_rows.py tests/ops/video_sparse_attn/test_vsa.py \
       -k "output_stored or natural_order" ;;
