@@ -79,6 +79,8 @@ def test_gpu_compiled_training_gradients_are_eager(method):
                 out = model(x, torch.tensor([500.0 + step], device="cuda"), text,
                             return_dict=False)[0]  # fmt: skip
             torch.nn.functional.mse_loss(out.float(), target).backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None]
+        assert not missing, f"no gradient ({'compiled' if compiled else 'eager'}): {missing}"
         grads.append({n: p.grad.float().clone() for n, p in model.named_parameters()})
         if method == "vsa":
             remove_sparse_attention(model)
