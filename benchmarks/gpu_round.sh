@@ -37,6 +37,8 @@
 #   a tiling pass before the pooling (try_bwd_overlap.py --study tile-pool; GRAD_ROWS_CASES
 #   picks the cases, e.g. vsa480); tile-pool-tests: its GPU tests, VSA's, the tile kernels' and
 #   the compiled training step's;
+#   compile-training-order: the compiled-training GPU test after the host-reads one, with
+#   tile_pool on and off, then alone (it lost a parameter's gradient once in that order);
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
 #   (ours-nondet: the one-pass backward); nondet-tests: its GPU tests and the one pass's;
 #   schedule-steps: a scheduled VSA arm's step time at its target against the unscheduled
@@ -183,6 +185,14 @@ for what in "$@"; do
       --study out-rows ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
     tile-pool) step try_tile_pool 540 env OUT="$OUT" python3 benchmarks/tuning/try_bwd_overlap.py \
       --study tile-pool ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
+    compile-training-order)  # the compiled-training test after the host-reads one (their order
+      # in the GPU suite's last part, where it failed once at 20a1759), with the fused tiling
+      # and pooling on, then off, then the compiled-training test alone
+      ORDER=(tests/bench/test_profile_host_reads.py tests/integrations/test_diffusers_compile_training.py)
+      step order_tile_pool_on 300 python3 -m pytest -q -m gpu -p no:cacheprovider "${ORDER[@]}"
+      step order_tile_pool_off 300 python3 benchmarks/tuning/bench_with_override.py tile_pool=false \
+        -- pytest -q -m gpu -p no:cacheprovider "${ORDER[@]}"
+      step compile_training_alone 200 python3 -m pytest -q -m gpu -p no:cacheprovider "${ORDER[1]}" ;;
     tile-pool-tests) step tile_pool_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/video_sparse_attn/test_vsa_coarse.py tests/ops/video_sparse_attn/test_vsa.py \
       tests/layout/test_layout_permute.py tests/integrations/test_diffusers_compile_training.py ;;

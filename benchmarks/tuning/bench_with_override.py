@@ -10,6 +10,8 @@ integers, or ``none``), or ``gluon.NAME=value`` a field of the Hopper forward's
 ``configs.GluonOptions`` (the library's ``configs.GLUON`` with those fields replaced, e.g.
 ``gluon.PERSISTENT=true``); what follows ``--`` is the bench command line. The JSON the command
 writes (its ``--out``) gets the overrides in its ``meta``, so the file says what it measured.
+A command that starts with ``pytest`` runs those tests under the overrides instead (e.g. a GPU
+test with a new default switched off: ``tile_pool=false -- pytest -m gpu tests/...``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     from vidsparse.ops.block_sparse_attn import configs
 
     print(f"configs.override({overrides})", flush=True)
+    if command[:1] == ["pytest"]:
+        import pytest
+
+        with configs.override(**as_override_kwargs(overrides)):
+            return int(pytest.main(command[1:]))
     with configs.override(**as_override_kwargs(overrides)):
         code = bench_main(command)
     record_in_meta(command, "overrides", overrides)

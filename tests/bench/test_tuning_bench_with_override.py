@@ -74,3 +74,24 @@ def test_the_command_runs_under_the_overrides(monkeypatch):
     assert argv == ["vsa", "--tiny"]
     assert (active.out_rows, active.one_pass) == (False, "tma")
     assert configs.active_overrides() == configs.Overrides()
+
+
+def test_a_pytest_command_runs_its_tests_under_the_overrides(monkeypatch):
+    """``... -- pytest ARGS``: pytest's exit code, with the overrides active while it runs."""
+    import pytest
+
+    from helpers import load_script
+    from vidsparse.ops.block_sparse_attn import configs
+
+    script = load_script(SCRIPT)
+    seen = []
+
+    def pytest_main(args):
+        seen.append((args, configs.active_overrides()))
+        return 5
+
+    monkeypatch.setattr(pytest, "main", pytest_main)
+    assert script.main(["tile_pool=false", "--", "pytest", "-q", "tests/x.py"]) == 5
+    ((args, active),) = seen
+    assert args == ["-q", "tests/x.py"] and active.tile_pool is False
+    assert configs.active_overrides() == configs.Overrides()
