@@ -50,6 +50,7 @@ from vidsparse.ops.video_sparse_attn.reference import (
     tile_means_of_sizes,
 )
 from vidsparse.ops.video_sparse_attn.topk import selected_quantile_z
+from vidsparse.utils import ceil_div
 from vidsparse.utils.backend import resolve_backend
 from vidsparse.utils.checks import check_same_device, check_tensor
 from vidsparse.utils.device import num_sms, target_of
@@ -165,8 +166,8 @@ def tile_pool_fwd(
     B, H, _, D = q.shape
     T, Hh, W = shape
     tT, tH, tW = tile
-    tiles_h, tiles_w = -(-Hh // tH), -(-W // tW)
-    num_tiles = -(-T // tT) * tiles_h * tiles_w
+    tiles_h, tiles_w = ceil_div(Hh, tH), ceil_div(W, tW)
+    num_tiles = ceil_div(T, tT) * tiles_h * tiles_w
     P = padded_len_of(shape, tile)
     copies = [torch.empty((B, H, P, D), device=q.device, dtype=q.dtype) for _ in range(3)]
     pooled = torch.empty((3, B, H, num_tiles, D), device=q.device, dtype=torch.float32)
