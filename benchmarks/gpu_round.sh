@@ -37,6 +37,8 @@
 #   a tiling pass before the pooling (try_bwd_overlap.py --study tile-pool; GRAD_ROWS_CASES
 #   picks the cases, e.g. vsa480); tile-pool-tests: its GPU tests, VSA's, the tile kernels' and
 #   the compiled training step's;
+#   preprocess-warps: the natural-order backward's preprocess on 4, 8 and 16 warps
+#   (try_bwd_overlap.py --study preprocess-warps; GRAD_ROWS_CASES as above);
 #   compile-training-order: the compiled-training GPU test after the host-reads one, with
 #   tile_pool on and off, then alone (it lost a parameter's gradient once in that order);
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
@@ -193,6 +195,9 @@ for what in "$@"; do
       step order_tile_pool_off 300 python3 benchmarks/tuning/bench_with_override.py tile_pool=false \
         -- pytest -q -m gpu -p no:cacheprovider "${ORDER[@]}"
       step compile_training_alone 200 python3 -m pytest -q -m gpu -p no:cacheprovider "${ORDER[1]}" ;;
+    preprocess-warps) step try_preprocess_warps 540 env OUT="$OUT" python3 \
+      benchmarks/tuning/try_bwd_overlap.py --study preprocess-warps \
+      ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
     tile-pool-tests) step tile_pool_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/video_sparse_attn/test_vsa_coarse.py tests/ops/video_sparse_attn/test_vsa.py \
       tests/layout/test_layout_permute.py tests/integrations/test_diffusers_compile_training.py ;;

@@ -13,7 +13,10 @@ o the untiling keeps for the backward is what it would save). ``tile-pool``: VSA
 order with q, k, v tiled in the coarse stage's pooling read (``configs.override(tile_pool=True)``,
 one pass over them) against a tiling pass, then the pooling of the copies; forward, memory
 and backward timed as for ``out-rows`` (the two pooling kernels may add a tile's rows in
-another order, so the arms need not be the same bits).
+another order, so the arms need not be the same bits). ``preprocess-warps``: VSA in natural
+order with the backward's preprocess (o and dO read through the token map, VSA's prologue) on
+4, 8 (``configs.PREPROCESS_MAPPED_WARPS``) and 16 warps (``configs.override(preprocess_warps=N)``;
+its row sums may add in another order, so the gradients may differ in their last bits).
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
@@ -33,7 +36,7 @@ B=1, H=12, S=32,768, random per-head lists: the README's engine table), ``vsa480
 and mode (bwd, fwd+bwd): alternating ``do_bench`` medians of three rounds per arm, the
 backward's kernels from the profiler, and the bit-identity of the gradients. Writes
 ``$OUT/try_bwd_overlap.json`` (``try_grad_rows.json``, ``try_out_rows.json``,
-``try_tile_pool.json`` for those studies) if ``OUT`` is set;
+``try_tile_pool.json``, ``try_preprocess_warps.json`` for those studies) if ``OUT`` is set;
 prints a table last.
 """
 
@@ -60,9 +63,11 @@ STUDIES = {
     "grad-rows": {"copies": dict(grad_rows=False), "mapped": dict(grad_rows=True)},
     "out-rows": {"untiled": dict(out_rows=False), "stored": dict(out_rows=True)},
     "tile-pool": {"separate": dict(tile_pool=False), "fused": dict(tile_pool=True)},
+    "preprocess-warps": {f"warps{n}": dict(preprocess_warps=n) for n in (4, 8, 16)},
 }
 OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json",
-          "out-rows": "try_out_rows.json", "tile-pool": "try_tile_pool.json"}  # fmt: skip
+          "out-rows": "try_out_rows.json", "tile-pool": "try_tile_pool.json",
+          "preprocess-warps": "try_preprocess_warps.json"}  # fmt: skip
 # studies that time the forward alone too, and record each arm's peak memory
 FORWARD_STUDIES = ("out-rows", "tile-pool")
 D = 128
@@ -134,8 +139,8 @@ def run_case(name: str, arms: dict[str, dict], study: str) -> list[dict]:
     enter = _entering(arms)
     forward, inputs = _engine_problem() if name == "engine" else _vsa_problem(name)
     do = torch.randn_like(inputs[0])
-    first, second = (_grads(forward, inputs, do, enter, arm) for arm in arms)
-    identical = all(torch.equal(a, b) for a, b in zip(first, second))
+    first, *others = (_grads(forward, inputs, do, enter, arm) for arm in arms)
+    identical = all(torch.equal(a, b) for other in others for a, b in zip(first, other))
     print(f"{name}: output and gradients bit-identical across arms: {identical}", flush=True)
 
     rows = []

@@ -391,3 +391,33 @@ def test_vsa_natural_order_under_torch_compile(triton_backend):
         arms.append((o, *torch.autograd.grad(o, leaves, do)))
     for name, a, b in zip(("o", "dq", "dk", "dv", "dgate"), *arms):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+@pytest.mark.interpreter
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
+def test_the_mapped_preprocess_launches_with_the_overridden_warps(triton_backend, monkeypatch):
+    """``configs.override(preprocess_warps=N)`` (tuning) reaches the launch of the preprocess
+    that reads o and dO through the token map; without it the launch takes
+    ``PREPROCESS_MAPPED_WARPS``."""
+    from vidsparse.ops.block_sparse_attn import bwd, configs
+
+    launches, real = [], bwd.block_sparse_attn_bwd_preprocess_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(kwargs.get("num_warps"))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(bwd, "block_sparse_attn_bwd_preprocess_kernel", Recorder())
+    grid = vidsparse.VideoGrid((5, 6, 7))
+    xs = [torch.randn(1, grid.num_tokens, 2, 16).transpose(1, 2) for _ in range(4)]
+    for warps in (None, 2):
+        leaves = [x.clone().requires_grad_() for x in xs]
+        with configs.override(preprocess_warps=warps):
+            o = vidsparse.video_sparse_attn(*leaves[:3], grid, topk=3, gate=leaves[3])
+            o.sum().backward()
+    assert launches == [configs.PREPROCESS_MAPPED_WARPS, 2]

@@ -346,8 +346,8 @@ def _preprocess(do, o, lse, block_q, fns, prologue_args, grad_rows: GradRows | N
     mapped = {}
     if grad_rows is not None and grad_rows.out:
         do_t = do.new_empty((B, H, Sq, D))
-        mapped = dict(IN_ROWS=grad_rows.q_rows, DO_T=do_t, IN_MAPPED=True,
-                      num_warps=configs.PREPROCESS_MAPPED_WARPS)  # fmt: skip
+        warps = configs.active_overrides().preprocess_warps or configs.PREPROCESS_MAPPED_WARPS
+        mapped = dict(IN_ROWS=grad_rows.q_rows, DO_T=do_t, IN_MAPPED=True, num_warps=warps)
     block_sparse_attn_bwd_preprocess_kernel[(Sq // block_q, B * H)](
         o, do, lse, delta, lse2, *o.stride(), *do.stride(),
         fns.prologue.fn, prologue_args, H, Sq,

@@ -406,6 +406,9 @@ class Overrides:
     # True (with grad_rows): such callers may make their tile-order copies in a read of their
     # own that does more with the rows (a client's pooling) instead of in a tiling pass.
     tile_pool: bool = True
+    # The warps of the preprocess that reads o and dO through a row map (None:
+    # PREPROCESS_MAPPED_WARPS).
+    preprocess_warps: int | None = None
     gluon: GluonOptions | None = None
     # One of ONE_PASS_MODES: the Hopper backward in one pass where it applies (128x128, no
     # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or by
