@@ -340,8 +340,12 @@ def test_bench_block_sparse_rounds_on_the_cpu(tmp_path):
         assert len(r["time_vs_density1_rounds"]) == 2
 
 
-def test_rounds_must_be_positive():
-    from vidsparse.bench.ops import block_sparse as bench
+def test_rounds_must_be_positive(capsys):
+    from vidsparse.bench.ops import block_sparse, vsa
 
-    with pytest.raises(SystemExit):
-        bench.parse_args(["--dry-run", "--rounds", "0"])
+    for parse in (lambda: block_sparse.parse_args(["--dry-run", "--rounds", "0"]),
+                  lambda: vsa.parse_args(["--rounds", "0"])):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse()
+        assert "--rounds: must be at least 1, got 0" in capsys.readouterr().err
+    assert vsa.parse_args(["--rounds", "3"]).rounds == 3

@@ -20,6 +20,7 @@ exercises the code paths, its numbers mean nothing.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import gc
 import json
@@ -206,6 +207,24 @@ def merge_rounds(rounds: list[list[dict]], ratios: Sequence[str]) -> list[dict]:
                 row[key] = None
         merged.append(row)
     return merged
+
+
+def add_rounds_argument(parser, ratios: str) -> None:
+    """``--rounds N`` (default 1, at least 1) for a benchmark that runs through ``in_rounds``;
+    ``ratios`` names, in the help, what is taken within each round."""
+
+    def at_least_one(text: str) -> int:
+        n = int(text)
+        if n < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+        return n
+
+    parser.add_argument(
+        "--rounds",
+        type=at_least_one,
+        default=1,
+        help=f"run every case this many times in turn; report medians ({ratios} per round)",
+    )
 
 
 def with_spread(columns: list, rounds: int) -> list:

@@ -680,12 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=harness.DO_BENCH_WARMUP_MS, help="ms")
     p.add_argument("--rep", type=int, default=harness.DO_BENCH_REP_MS, help="ms")
-    p.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run every case this many times in turn; report medians (ratios per round)",
-    )
+    harness.add_rounds_argument(p, "ratios")
     return p
 
 
@@ -701,8 +696,6 @@ def parse_args(argv: Sequence[str] | None):
     if args.device == "cpu" and not args.tiny:
         print("CPU run: switching to --tiny sizes (full sizes take hours on the CPU)", flush=True)
         args.tiny = True
-    if args.rounds < 1:
-        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     args.providers = _parse_list(args.providers)
     bad = [p for p in args.providers if p not in ALL_PROVIDERS]
     if bad:

@@ -360,15 +360,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="JSON path (default results/vsa_<gpu>.json)")
     ap.add_argument("--no-plot", dest="plot", action="store_false", help="no PNG beside the JSON")
-    ap.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="run every case this many times in turn; report medians (speedups per round)",
-    )
+    harness.add_rounds_argument(ap, "speedups")
     args = ap.parse_args(argv)
-    if args.rounds < 1:
-        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     choices = functools.partial(harness.split_choices, allow_empty=True)
     args.modes = choices(args.modes, harness.MODES, "mode")
     args.providers = choices(args.providers, ALL_PROVIDERS, "provider")
