@@ -208,29 +208,40 @@ def test_vsa_gpu_bf16_matches_reference(scale, tiled):
     )
 
 
-def _out_rows_arms(device, dtype, grid, D, topk, monkeypatch):
-    """Public VSA on natural ``[B, S, H, D]`` inputs with a gate, o stored by the engine
-    through the q map (``configs.override(out_rows=True)``) and o untiled after it:
-    ``(o, dq, dk, dv, dgate)`` of each, from the same inputs and output gradient. Checks
-    that only the second arm untiles."""
-    import vidsparse.ops.video_sparse_attn.interface as vsa_interface
+def _natural_arms(switch, device, dtype, grid, D, topk, after_arm):
+    """Public VSA on natural ``[B, S, H, D]`` inputs with a gate, under
+    ``configs.override(switch=True)`` then ``switch=False``: ``(o, dq, dk, dv, dgate)`` of
+    each, from the same inputs and output gradient; ``after_arm(value)`` runs after each arm
+    (the callers check which arm took which path)."""
     from vidsparse.ops.block_sparse_attn import configs
 
-    untiled, original = [], vsa_interface.untile_output
-    monkeypatch.setattr(vsa_interface, "untile_output",
-                        lambda *a: untiled.append(1) or original(*a))  # fmt: skip
     torch.manual_seed(0)
     B, H, S = 2, 2, grid.num_tokens
     xs = [torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2) for _ in range(5)]
     do = xs.pop()
     arms = []
-    for out_rows in (True, False):
+    for value in (True, False):
         leaves = [x.clone().requires_grad_() for x in xs]
-        with configs.override(out_rows=out_rows):
+        with configs.override(**{switch: value}):
             o = vidsparse.video_sparse_attn(*leaves[:3], grid, topk=topk, gate=leaves[3])
             arms.append((o, *torch.autograd.grad(o, leaves, do)))
-        assert len(untiled) == (0 if out_rows else 1)
+        after_arm(value)
     return arms
+
+
+def _out_rows_arms(device, dtype, grid, D, topk, monkeypatch):
+    """``_natural_arms`` of ``out_rows``: o stored by the engine through the q map, and o
+    untiled after it. Checks that only the second arm untiles."""
+    import vidsparse.ops.video_sparse_attn.interface as vsa_interface
+
+    untiled, original = [], vsa_interface.untile_output
+    monkeypatch.setattr(vsa_interface, "untile_output",
+                        lambda *a: untiled.append(1) or original(*a))  # fmt: skip
+
+    def check(out_rows):
+        assert len(untiled) == (0 if out_rows else 1)
+
+    return _natural_arms("out_rows", device, dtype, grid, D, topk, check)
 
 
 def _check_out_rows(arms, grads_rounded=False):
@@ -322,27 +333,18 @@ def test_vsa_gpu_output_stored_in_natural_order_equals_untiling(dtype, preproces
 
 
 def _tile_pool_arms(device, dtype, grid, D, topk, monkeypatch):
-    """Public VSA on natural ``[B, S, H, D]`` inputs with a gate, the tile copies made by the
-    coarse stage's pooling read (``configs.override(tile_pool=True)``, the library's choice)
-    and by a tiling pass before the pooling: ``(o, dq, dk, dv, dgate)`` of each. Checks that
-    only the first arm takes the fused read, and that it runs no tiling pass of its own."""
-    from vidsparse.ops.block_sparse_attn import configs
+    """``_natural_arms`` of ``tile_pool``: the tile copies made by the coarse stage's pooling
+    read (the library's choice), and by a tiling pass before the pooling. Checks that only the
+    first arm takes the fused read."""
     from vidsparse.ops.video_sparse_attn import coarse
 
     fused, original = [], coarse.tile_pool_fwd
     monkeypatch.setattr(coarse, "tile_pool_fwd", lambda *a: fused.append(1) or original(*a))
-    torch.manual_seed(0)
-    B, H, S = 2, 2, grid.num_tokens
-    xs = [torch.randn(B, S, H, D, device=device, dtype=dtype).transpose(1, 2) for _ in range(5)]
-    do = xs.pop()
-    arms = []
-    for tile_pool in (True, False):
-        leaves = [x.clone().requires_grad_() for x in xs]
-        with configs.override(tile_pool=tile_pool):
-            o = vidsparse.video_sparse_attn(*leaves[:3], grid, topk=topk, gate=leaves[3])
-            arms.append((o, *torch.autograd.grad(o, leaves, do)))
+
+    def check(tile_pool):
         assert len(fused) == 1, "the fused read ran in the wrong arm"
-    return arms
+
+    return _natural_arms("tile_pool", device, dtype, grid, D, topk, check)
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ from vidsparse.utils.device import num_sms, target_of
 __all__ = [
     "vsa_coarse_stage",
     "vsa_coarse_stage_natural",
+    "vsa_coarse_stage_natural_unchecked",
     "tile_pool_supports",
     "tile_pool_fwd",
     "tile_mean_pool_fwd",
@@ -166,9 +167,8 @@ def tile_pool_fwd(
     B, H, _, D = q.shape
     T, Hh, W = shape
     tT, tH, tW = tile
-    tiles_h, tiles_w = ceil_div(Hh, tH), ceil_div(W, tW)
-    num_tiles = ceil_div(T, tT) * tiles_h * tiles_w
     P = padded_len_of(shape, tile)
+    num_tiles = P // (tT * tH * tW)
     copies = [torch.empty((B, H, P, D), device=q.device, dtype=q.dtype) for _ in range(3)]
     pooled = torch.empty((3, B, H, num_tiles, D), device=q.device, dtype=torch.float32)
     cfg = config or tile_pool_config(target_of(q.device), D)
@@ -177,7 +177,7 @@ def tile_pool_fwd(
         q, k, v, *copies, pooled,
         *q.stride(), *k.stride(), *v.stride(), *pooled.stride(),
         H, num_tiles, P,
-        T, Hh, W, tiles_h, tiles_w,
+        T, Hh, W, ceil_div(Hh, tH), ceil_div(W, tW),
         TILE_T=tT, TILE_H=tH, TILE_W=tW, HEAD_DIM=D, TILES_PER_PROGRAM=cfg.tiles_per_program,
         **cfg.launch_kwargs(),
     )  # fmt: skip
@@ -549,6 +549,12 @@ def vsa_coarse_stage_natural(
             "vsa_coarse_stage_natural takes q, k, v of one shape and dtype, needing no"
             " gradient, that grid.tile's kernel takes"
         )
+    return vsa_coarse_stage_natural_unchecked(q, k, v, grid, topk, scale)
+
+
+def vsa_coarse_stage_natural_unchecked(q, k, v, grid: VideoGrid, topk: int, scale: float):
+    """:func:`vsa_coarse_stage_natural` for a caller that has asked
+    :func:`tile_pool_supports` already (VSA's entry, once a call)."""
     topk = min(int(topk), grid.num_tiles)
     shape, tile = (list(part) for part in grid_key(grid))
     outputs = torch.ops.vidsparse.vsa_coarse_stage_natural(q, k, v, shape, tile, topk, float(scale))

@@ -404,7 +404,7 @@ def _tiles_and_coarse_stage(q, k, v, grid: VideoGrid, topk, scale, tiled: bool, 
     from vidsparse.ops.video_sparse_attn import coarse  # imports Triton
 
     if natural and active_overrides().tile_pool and coarse.tile_pool_supports(q, k, v, grid):
-        return coarse.vsa_coarse_stage_natural(q, k, v, grid, topk, scale)
+        return coarse.vsa_coarse_stage_natural_unchecked(q, k, v, grid, topk, scale)
     q_t, k_t, v_t = (video_tiles(x, grid, tiled, video_len) for x in (q, k, v))
     stage = coarse.vsa_coarse_stage(q_t, k_t, v_t, grid, topk, scale, return_pooled=True)
     return (q_t, k_t, v_t, *stage)
