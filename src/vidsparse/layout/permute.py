@@ -101,6 +101,16 @@ def tile_slot_tokens(
 
 
 @triton.jit
+def _program_rows(num_blocks, heads):
+    """``(bh, blk, b, h)`` of this program of a flat grid of ``B * heads * num_blocks``: its
+    (batch, head) pair, its row block in it, and the batch and head (int64, for offsets)."""
+    pid = tl.program_id(0)
+    bh = pid // num_blocks
+    blk = pid - bh * num_blocks
+    return bh, blk, (bh // heads).to(tl.int64), (bh % heads).to(tl.int64)
+
+
+@triton.jit
 def _tile_rows_kernel(
     X, OUT,  # x [B, H, S, D] (any strides), out [B, H, P, D] contiguous
     stride_xb, stride_xh, stride_xs, stride_xd,
@@ -114,11 +124,7 @@ def _tile_rows_kernel(
 ):  # fmt: skip
     # One program: BLOCK_S consecutive tile-order slots of one (batch, head). The row block is
     # the fast index of the flat grid, so neighbouring programs read neighbouring tiles.
-    pid = tl.program_id(0)
-    bh = pid // num_blocks
-    blk = pid - bh * num_blocks
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    bh, blk, b, h = _program_rows(num_blocks, heads)
 
     slot = blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] int32 tile-order slot
     token, real = tile_slot_tokens(slot, GRID_T, GRID_H, GRID_W, TILES_H, TILES_W,
@@ -158,11 +164,7 @@ def _untile_rows_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     # One program: BLOCK_S consecutive natural tokens of one (batch, head).
-    pid = tl.program_id(0)
-    bh = pid // num_blocks
-    blk = pid - bh * num_blocks
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
+    bh, blk, b, h = _program_rows(num_blocks, heads)
 
     VOLUME: tl.constexpr = TILE_T * TILE_H * TILE_W
     n = blk * BLOCK_S + tl.arange(0, BLOCK_S)  # [BLOCK_S] int32 natural token index
