@@ -29,6 +29,9 @@
 #   one-pass-tma: the one-pass backward's GPU tests (atomics, TMA reductions, ordered), then the
 #   one-pass A/B (try_one_pass_bwd.json); engine-one-pass-tma: the engine's table with it,
 #   unordered then ordered (one_pass=tma, ordered_tma);
+#   fixed-point: the one pass with dQ in int32 fixed point (the deterministic default at
+#   128x128): its CPU-and-GPU tests, the Gluon backward's GPU tests, then the one-pass A/B
+#   (try_gluon_bwd.py --one-pass: fixed, tma, atomics, ordered against the two kernels);
 #   engine-rounds: #19's bars (1/8, 128x128: ours, ours-nondet, cuDNN, Flex) over ROUNDS (5)
 #   rounds in turn, medians and every round's figures (block_sparse_rounds_h200.json);
 #   vsa480-rounds: #19's 480p VSA bars (0.875; ours, ours-natural, cuDNN) over ROUNDS (5)
@@ -151,6 +154,11 @@ for what in "$@"; do
         tests/ops/block_sparse_attn/test_lists.py ;;
     one-pass-tma) step one_pass_tma_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/ops/block_sparse_attn/test_gluon_bwd.py -k one_pass
+      step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
+        --one-pass --cases engine ;;
+    fixed-point) step fixed_point_tests 360 python3 -m pytest -q -p no:cacheprovider \
+        tests/ops/block_sparse_attn/test_fixed_point_dq.py tests/ops/block_sparse_attn/test_gluon_bwd.py \
+        tests/ops/block_sparse_attn/test_deterministic.py
       step try_one_pass_bwd 300 env OUT="$OUT" python3 benchmarks/tuning/try_gluon_bwd.py \
         --one-pass --cases engine ;;
     engine-one-pass-tma) for mode in tma ordered_tma; do

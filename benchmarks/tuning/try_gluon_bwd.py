@@ -126,7 +126,7 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
     scale = D**-0.5
     pf = sizes is not None  # VSA's padding keys are finite (zeros of the tiling)
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale, padding_finite=pf)
-    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    delta, lse2, _, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
     q_off, q_idx = cached_transpose(idx, cnt, S // bs)
 
     def triton_bwd(fused=None):
@@ -230,20 +230,24 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
     o, lse = forward()
     q_off, q_idx = cached_transpose(idx, cnt, S // bs)
 
-    def prep(o, lse):
-        return bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())[:2]
+    def prep(o, lse, fixed=False):
+        of = (k, v, scale, sizes, bs) if fixed else None
+        delta, lse2, _, dq_fix = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), (),
+                                                 dq_fixed_of=of)  # fmt: skip
+        return (delta, lse2, dq_fix) if fixed else (delta, lse2)
 
     def two_kernels(o=o, lse=lse):
         delta, lse2 = prep(o, lse)
         dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale)
         return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale), dk, dv
 
-    def one_pass(stages, by_tma, o=o, lse=lse):
-        delta, lse2 = prep(o, lse)
-        table = configs.GLUON_DKDVDQ_TMA if by_tma else configs.GLUON_DKDVDQ
+    def one_pass(stages, how, o=o, lse=lse):  # how: "atomics", "tma" or "fixed"
+        delta, lse2, *fix = prep(o, lse, fixed=how == "fixed")
+        table = configs.GLUON_DKDVDQ if how == "atomics" else configs.GLUON_DKDVDQ_TMA
         opts = replace(table[bs], STAGES=stages)
         dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
-                                           options=opts, by_tma=by_tma)  # fmt: skip
+                                           options=opts, by_tma=how != "atomics",
+                                           dq_fix=fix[0] if fix else None)  # fmt: skip
         return dq, dk, dv
 
     def library():
@@ -254,17 +258,19 @@ def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
     row("fwd+two_kernels", _bench(lambda: two_kernels(*forward())))
     row("library_bwd", _bench(library))
     row("fwd+library_bwd", _bench(lambda: (forward(), library())))
-    for by_tma, stages in itertools.product((True, False), (2, 3)):
-        checks = {}
+    for how, stages in itertools.product(("fixed", "tma", "atomics"), (2, 3)):
+        checks, dqs = {}, []
         for run in (1, 2):
-            dq, dk, dv = one_pass(stages, by_tma)
+            dq, dk, dv = one_pass(stages, how)
+            dqs.append(dq)
             checks[f"run{run}"] = {
                 "dk_equal": bool(torch.equal(dk, dk_2)), "dv_equal": bool(torch.equal(dv, dv_2)),
                 "err_dq_vs_dq_kernel": _rel_l2(dq, dq_2), "nan": bool(torch.isnan(dq).any()),
             }  # fmt: skip
-        name = f"one_pass{'_tma' if by_tma else ''}_s{stages}"
-        row(name, _bench(lambda s=stages, t=by_tma: one_pass(s, t)), **checks)
-        row(f"fwd+{name}", _bench(lambda s=stages, t=by_tma: one_pass(s, t, *forward())))
+        checks["dq_same_bits_twice"] = bool(torch.equal(*dqs))
+        name = f"one_pass{'' if how == 'atomics' else '_' + how}_s{stages}"
+        row(name, _bench(lambda s=stages, t=how: one_pass(s, t)), **checks)
+        row(f"fwd+{name}", _bench(lambda s=stages, t=how: one_pass(s, t, *forward())))
 
     def ordered(stages, by_tma, o=o, lse=lse):  # last: a semaphore protocol that hangs ends it
         delta, lse2 = prep(o, lse)

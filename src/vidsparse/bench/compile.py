@@ -155,12 +155,13 @@ def compile_dq_sm90(
 
 
 def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bfloat16,
-                        ordered: bool = False, by_tma: bool = False) -> dict:  # fmt: skip
+                        ordered: bool = False, by_tma: bool = False,
+                        fixed: bool = False) -> dict:  # fmt: skip
     """Compile the one-pass backward (``ops/block_sparse_attn/kernels/bwd_sm90_fused.py``,
     128-row blocks) for cuda:90 on meta tensors; returns the report of ``compile_sm90``.
     ``options``: fields of ``configs.GluonBwdOptions`` overriding the library's;
     ``ordered``: the kernel that adds dQ in key-block order; ``by_tma``: the one that adds by
-    TMA reductions."""
+    TMA reductions; ``fixed`` (with ``by_tma``): in int32 fixed point."""
     _require_compiler("compile_dkdvdq_sm90")
     from dataclasses import replace
 
@@ -168,7 +169,7 @@ def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bflo
 
     q, lse2, offsets, indices, sizes = _dkdv_meta(dtype, BLOCK, masked)
     meta, nk = q.device, S // BLOCK
-    dq_acc = torch.empty(B, H, S, D, dtype=torch.float32, device=meta)
+    dq_acc = torch.empty(B, H, S, D, dtype=torch.int32 if fixed else torch.float32, device=meta)
     table = (configs.GLUON_DKDVDQ_ORDERED if ordered
              else configs.GLUON_DKDVDQ_TMA if by_tma else configs.GLUON_DKDVDQ)  # fmt: skip
     schedule = replace(table[BLOCK], **options) if options else None
@@ -180,7 +181,7 @@ def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bflo
         order = (idx, cnt, sems[1:], sems[:1])
     kernel, _, args, kwargs = bwd_sm90.dkdvdq_kernel_args(
         q, q, q, q, q, q, dq_acc, lse2, lse2, offsets, indices, BLOCK, D**-0.5, sizes,
-        options=schedule, order=order, by_tma=by_tma,
+        options=schedule, order=order, by_tma=by_tma, dq_fix=lse2 if fixed else None,
     )  # fmt: skip
     return compile_launch_sm90(kernel, args, kwargs)
 

@@ -57,7 +57,7 @@ def _gluon_and_triton(q, k, v, do, idx, cnt, sizes, bs):
     scale = D**-0.5
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, scale,
                                        padding_finite=True)  # fmt: skip
-    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    delta, lse2, _, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
     q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
 
     def gluon(**kwargs):
@@ -142,7 +142,7 @@ def test_gpu_gluon_dq_matches_reference_and_triton(dtype, padded, bs, scale):
     q, k, v, do, idx, cnt, sizes = _problem(bs, dtype, padded, scale=scale, seed=5)
     sc = D**-0.5
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
-    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    delta, lse2, _, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
     dq_t, _, _ = bwd.block_sparse_attn_bwd(do, q, k, v, o, lse, idx, cnt, sizes, bs, bs, sc,
                                            padding_finite=True)  # fmt: skip
     torch.full_like(q, float("nan"))  # freed: the launcher's torch.empty_like may reuse it
@@ -225,7 +225,7 @@ def test_gpu_persistent_dq_gives_the_one_block_kernels_bits(monkeypatch, padded,
     scale = D**-0.5
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, 128, 128, scale,
                                        padding_finite=True)  # fmt: skip
-    delta, lse2, _ = bwd._preprocess(do, o, lse, 128, NO_EPILOGUE.fns(), ())
+    delta, lse2, _, _ = bwd._preprocess(do, o, lse, 128, NO_EPILOGUE.fns(), ())
 
     def dq(persistent):
         return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, 128, scale,
@@ -240,8 +240,8 @@ def test_gpu_persistent_dq_gives_the_one_block_kernels_bits(monkeypatch, padded,
 
 def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkeypatch):
     """``configs.override(persistent_dkdv=True)`` (and ``persistent_dq``): the engine's
-    backward at 128x128 orders its key blocks (query blocks) for the persistent kernels, and
-    its gradients are the default's bits."""
+    two-kernel backward at 128x128 orders its key blocks (query blocks) for the persistent
+    kernels, and its gradients are the one-block kernels' bits."""
     from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
 
     q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, nq=16, nk=16, seed=22)
@@ -250,11 +250,13 @@ def test_gpu_engine_backward_takes_the_persistent_dkdv_kernel_where_asked(monkey
         real = getattr(bwd_sm90, name)
         monkeypatch.setattr(bwd_sm90, name,
                             lambda *a, n=name, f=real: orders.append(n) or f(*a))  # fmt: skip
-    default = _engine_grads(q, k, v, do, idx, cnt, 128)
+    off = configs.ONE_PASS_OFF  # the two kernels, which these replace
+    with configs.override(one_pass=off):
+        default = _engine_grads(q, k, v, do, idx, cnt, 128)
     assert not orders
-    with configs.override(persistent_dkdv=True):
+    with configs.override(persistent_dkdv=True, one_pass=off):
         asked = _engine_grads(q, k, v, do, idx, cnt, 128)
-    with configs.override(persistent_dkdv=True, persistent_dq=True):
+    with configs.override(persistent_dkdv=True, persistent_dq=True, one_pass=off):
         both = _engine_grads(q, k, v, do, idx, cnt, 128)
     assert orders == ["cached_dkdv_walk", "cached_dkdv_walk", "cached_dq_walk"], orders
     for a, b, c in zip(asked, both, default):
@@ -282,20 +284,33 @@ def gluon_calls(monkeypatch):
 
     for name in ("dkdv_gluon", "dq_gluon"):
         monkeypatch.setattr(bwd_sm90, name, counted(name, getattr(bwd_sm90, name)))
+    one_pass = bwd_sm90.dkdvdq_gluon
+
+    def counted_one_pass(*args, **kwargs):
+        calls.append("dkdvdq_gluon" + (":fixed" if kwargs.get("dq_fix") is not None else ""))
+        return one_pass(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_sm90, "dkdvdq_gluon", counted_one_pass)
     return calls
 
 
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_engine_backward_takes_gluon_kernels_and_matches_reference(gluon_calls, dtype,
-                                                                        scale):  # fmt: skip
-    """The public op at 128x128, D=128: its backward runs dK/dV and dQ in the Gluon kernels,
-    and dq, dk, dv are within the error of PyTorch in the same low precision (fp64
-    reference)."""
+@pytest.mark.parametrize("one_pass", [None, "off"])
+def test_gpu_engine_backward_takes_gluon_kernels_and_matches_reference(
+    gluon_calls, dtype, scale, one_pass
+):
+    """The public op at 128x128, D=128: its backward runs in the Gluon kernels, by default
+    the one pass with dQ in fixed point, with ``one_pass="off"`` dK/dV and dQ apart, and dq,
+    dk, dv are within the error of PyTorch in the same low precision (fp64 reference)."""
+    from vidsparse.ops.block_sparse_attn import configs
+
     bs = 128
     q, k, v, do, idx, cnt, _ = _problem(bs, dtype, False, scale=scale, seed=3)
-    got = _engine_grads(q, k, v, do, idx, cnt, bs)
-    assert gluon_calls == ["dkdv_gluon", "dq_gluon"], gluon_calls
+    with configs.override(one_pass=one_pass):
+        got = _engine_grads(q, k, v, do, idx, cnt, bs)
+    expected = ["dkdv_gluon", "dq_gluon"] if one_pass else ["dkdvdq_gluon:fixed"]
+    assert gluon_calls == expected, gluon_calls
     exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
     o_ref, _ = masked_dense_attention(*exact, idx, cnt, bs, bs)
     ref = torch.autograd.grad(o_ref, exact, do.double())
@@ -306,14 +321,20 @@ def test_gpu_engine_backward_takes_gluon_kernels_and_matches_reference(gluon_cal
         assert_error_relative(name, g, r, b, atol=2e-3)
 
 
-def test_gpu_engine_backward_is_bit_identical_across_runs(gluon_calls):
-    """Deterministic by construction (no atomics in either kernel): two backward passes of the
-    same inputs give the same bits, at the engine's timed block size."""
+@pytest.mark.parametrize("one_pass", [None, "off"])
+def test_gpu_engine_backward_is_bit_identical_across_runs(gluon_calls, one_pass):
+    """Deterministic by construction (the one pass's dQ adds integers; the two kernels use no
+    atomics): two backward passes of the same inputs give the same bits, at the engine's timed
+    block size."""
+    from vidsparse.ops.block_sparse_attn import configs
+
     bs = 128
     q, k, v, do, idx, cnt, _ = _problem(bs, torch.bfloat16, False, nq=16, nk=16, seed=4)
-    first = _engine_grads(q, k, v, do, idx, cnt, bs)
-    second = _engine_grads(q, k, v, do, idx, cnt, bs)
-    assert gluon_calls == ["dkdv_gluon", "dq_gluon"] * 2
+    with configs.override(one_pass=one_pass):
+        first = _engine_grads(q, k, v, do, idx, cnt, bs)
+        second = _engine_grads(q, k, v, do, idx, cnt, bs)
+    expected = ["dkdv_gluon", "dq_gluon"] if one_pass else ["dkdvdq_gluon:fixed"]
+    assert gluon_calls == expected * 2
     for a, b in zip(first, second):
         assert torch.equal(a, b)
 
@@ -330,12 +351,14 @@ def _one_pass_case(dtype, padded, scale, seed):
     problem = _problem(bs, dtype, padded, scale=scale, seed=seed)
     q, k, v, do, idx, cnt, sizes = problem
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
-    delta, lse2, _ = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), ())
+    delta, lse2, _, dq_fix = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), (),
+                                             dq_fixed_of=(k, v, sc, sizes, bs))  # fmt: skip
     q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
     lists = (lse2, delta, q_offsets, q_indices, bs, sc)
 
-    def one_pass(**kw):
-        return bwd_sm90.dkdvdq_gluon(q, k, v, do, *lists, kv_block_sizes=sizes, **kw)
+    def one_pass(fixed=False, **kw):  # fixed: in int32 fixed point, by TMA
+        fix = dict(dq_fix=dq_fix, by_tma=True) if fixed else {}
+        return bwd_sm90.dkdvdq_gluon(q, k, v, do, *lists, kv_block_sizes=sizes, **kw, **fix)
 
     dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, *lists, kv_block_sizes=sizes)
     dq = bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, sc, kv_block_sizes=sizes)
@@ -360,6 +383,25 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
     torch.testing.assert_close(one_pass(by_tma=by_tma)[2], dq, rtol=1e-2, atol=1e-3)
 
 
+@pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_fixed_point_one_pass_is_bit_identical_and_as_accurate(dtype, padded, scale):
+    """``dkdvdq_gluon(dq_fix=...)`` (dQ's adds as int32 fixed point, by TMA in any order): dq
+    the same bits on three runs; against fp64 as close as PyTorch in low precision and as the
+    dQ kernel, 0 on the empty query row; within 1e-3 of the fp32 adds' dq; dK, dV the dK/dV
+    kernel's bits; partial key blocks with large finite padding (left out of the bounds),
+    input scales 1, 4 and 16."""
+    problem, one_pass, (dk_2, dv_2, dq_2) = _one_pass_case(dtype, padded, scale, 23)
+    q, k, v, do, idx, cnt, sizes = problem
+    runs = [one_pass(fixed=True) for _ in range(3)]
+    dk, dv, dq = runs[0]
+    assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
+    assert all(torch.equal(again[2], dq) for again in runs[1:])
+    _check_dq(dq, q, k, v, do, idx, cnt, sizes, 128, dq_2, "the dQ kernel")
+    torch.testing.assert_close(dq, one_pass(by_tma=True)[2], rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.timeout(300, method="thread")  # a semaphore wait that never ends: fail, not hang
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("by_tma", [False, True])
@@ -381,13 +423,15 @@ def test_gpu_ordered_one_pass_backward_is_bit_identical_across_runs(padded, by_t
 
 
 def _one_pass_spy(monkeypatch) -> list:
-    """``(ordered, by_tma)`` of each call of ``dkdvdq_gluon``, which still runs."""
-    from vidsparse.ops.block_sparse_attn import bwd_sm90
+    """``configs.OnePassMode`` of each call of ``dkdvdq_gluon``, which still runs."""
+    from vidsparse.ops.block_sparse_attn import bwd_sm90, configs
 
     calls, real = [], bwd_sm90.dkdvdq_gluon
 
     def spy(*args, **kwargs):
-        calls.append((kwargs.get("ordered_by") is not None, kwargs.get("by_tma", False)))
+        calls.append(configs.OnePassMode(kwargs.get("ordered_by") is not None,
+                                         kwargs.get("by_tma", False),
+                                         kwargs.get("dq_fix") is not None))  # fmt: skip
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bwd_sm90, "dkdvdq_gluon", spy)
@@ -395,26 +439,27 @@ def _one_pass_spy(monkeypatch) -> list:
 
 
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma", "ordered_tma"])
+@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma", "ordered_tma", "fixed"])
 def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, mode):
     """``configs.override(one_pass=mode)``: the engine's backward at 128x128 without an
-    epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions)
-    and its gradients match the two-kernel backward's (dK, dV to the bit); ordered, the same
-    bits on a second run."""
+    epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions;
+    fixed: in fixed point, with the preprocess's multipliers) and its gradients match the
+    two-kernel backward's (dK, dV to the bit); ordered or fixed, the same bits on a second
+    run."""
     from vidsparse.ops.block_sparse_attn import configs
 
-    ordered, by_tma = configs.ONE_PASS_MODES[mode]
+    how = configs.ONE_PASS_MODES[mode]
     q, k, v, do, idx, cnt, _ = _problem(128, torch.bfloat16, False, scale=4.0, seed=17)
     calls = _one_pass_spy(monkeypatch)
     dq_2, dk_2, dv_2 = _engine_grads(q, k, v, do, idx, cnt, 128)
     with configs.override(one_pass=mode):
         first = _engine_grads(q, k, v, do, idx, cnt, 128)
         second = _engine_grads(q, k, v, do, idx, cnt, 128)
-    assert calls == [(ordered, by_tma)] * 2
+    assert calls == [how] * 2
     dq, dk, dv = first
     assert torch.equal(dk, dk_2) and torch.equal(dv, dv_2)
     torch.testing.assert_close(dq, dq_2, rtol=1e-2, atol=1e-3)
-    if ordered:
+    if how.ordered or how.fixed:
         assert torch.equal(second[0], dq)
 
 
@@ -430,9 +475,9 @@ def test_gpu_nondeterministic_engine_backward_is_the_one_pass_by_tma(monkeypatch
     backward, to the bit. The kernel on partial key blocks: the tests above."""
     from vidsparse.ops.block_sparse_attn import configs
 
-    calls = _one_pass_spy(monkeypatch)
     q, k, v, do, idx, cnt, _ = _problem(128, dtype, False, scale=scale, seed=19)
     exact = _engine_grads(q, k, v, do, idx, cnt, 128)
+    calls = _one_pass_spy(monkeypatch)
     dq, dk, dv = _engine_grads(q, k, v, do, idx, cnt, 128, deterministic=False)
     assert calls == [configs.ONE_PASS_MODES[configs.NONDETERMINISTIC_ONE_PASS]]
     assert torch.equal(dk, exact[1]) and torch.equal(dv, exact[2])

@@ -30,6 +30,7 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd import (
     block_sparse_attn_bwd_dkdv_kernel,
     block_sparse_attn_bwd_dq_kernel,
     block_sparse_attn_bwd_fused_kernel,
+    block_sparse_attn_bwd_kv_bounds_kernel,
     block_sparse_attn_bwd_preprocess_kernel,
 )
 from vidsparse.ops.block_sparse_attn.launch import (
@@ -76,25 +77,25 @@ def block_sparse_attn_bwd(
     num_kv_blocks = k.shape[2] // block_kv
     call = EngineCall(block_q, block_kv, kv_block_sizes, scale, q.dtype)
     fns = epilogue.fns()
-    delta, lse2, do = _preprocess(do, o, lse, block_q, fns, epilogue.prologue_args(call, do),
-                                  grad_rows)  # fmt: skip
-    grad_hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
-
     has_sizes, mapped = kv_block_sizes is not None, grad_rows is not None
-    kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
-                                            padding_finite, mapped)  # fmt: skip
-    gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma, q_cfg.gluon and q_tma,
-                                          q, k, v, do, block_q, block_kv, epilogue)  # fmt: skip
+    choose = functools.partial(_kernels_and_mode, q, k, v, kv_block_sizes, block_q, block_kv,
+                               padding_finite, epilogue, grad_rows, deterministic)  # fmt: skip
+    chosen = None if mapped and grad_rows.out else choose(do)  # do as the kernels read it
+    fixed = chosen is not None and configs.ONE_PASS_MODES.get(chosen[-1], NOT_FIXED).fixed
+    delta, lse2, do, dq_fix = _preprocess(
+        do, o, lse, block_q, fns, epilogue.prologue_args(call, do), grad_rows,
+        dq_fixed_of=(k, v, scale, kv_block_sizes, block_kv) if fixed else None)  # fmt: skip
+    kv_cfg, kv_tma, q_cfg, q_tma, gluon_dkdv, gluon_dq, mode = chosen or choose(do)
+    grad_hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
     kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
                                  q_tma and not gluon_dq)  # fmt: skip
     q_offsets, q_indices, query_in, query_walks = _transposed_lists(
         kv_cfg, epilogue.quiet_rows(call), q, do, kv_indices, kv_counts, num_kv_blocks,
         block_q, gluon_dkdv, kv_tma,
     )  # fmt: skip
-    mode = _one_pass_mode(deterministic, gluon_dkdv and gluon_dq, block_kv, epilogue, grad_rows)
     if mode is not None:
         return _one_pass(mode, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices,
-                         kv_counts, block_kv, scale, kv_block_sizes)  # fmt: skip
+                         kv_counts, block_kv, scale, kv_block_sizes, dq_fix)  # fmt: skip
     dq_lists, dq_counts, tails, checked, list_strides, ends_args = _dq_lists(
         kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq)  # fmt: skip
     sizes = kv_block_sizes if has_sizes else dq_counts  # dummy pointer when unused
@@ -172,6 +173,20 @@ def block_sparse_attn_bwd(
     return dq, dk, dv
 
 
+def _kernels_and_mode(q, k, v, kv_block_sizes, block_q, block_kv, padding_finite, epilogue,
+                      grad_rows, deterministic, do):  # fmt: skip
+    """``(kv_cfg, kv_tma, q_cfg, q_tma, gluon_dkdv, gluon_dq, one-pass mode)`` for ``do`` as
+    the gradient kernels will read it (``_configs``, ``_gluon_kernels``, ``_one_pass_mode``).
+    Chosen before the preprocess where it hands do back as it is: the fixed-point one pass
+    needs the preprocess's row multipliers."""
+    kv_cfg, kv_tma, q_cfg, q_tma = _configs(q, k, v, do, kv_block_sizes, block_q, block_kv,
+                                            padding_finite, grad_rows is not None)  # fmt: skip
+    gluon_dkdv, gluon_dq = _gluon_kernels(kv_cfg.gluon and kv_tma, q_cfg.gluon and q_tma,
+                                          q, k, v, do, block_q, block_kv, epilogue)  # fmt: skip
+    mode = _one_pass_mode(deterministic, gluon_dkdv and gluon_dq, block_kv, epilogue, grad_rows)
+    return kv_cfg, kv_tma, q_cfg, q_tma, gluon_dkdv, gluon_dq, mode
+
+
 def _dq_lists(kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq):
     """``(lists, counts, tails, checked, their strides, (ends, its strides))`` the dQ kernels
     walk (``lists_by_size``), int32 for the Gluon kernel: converted here, not on dQ's side
@@ -186,15 +201,20 @@ def _dq_lists(kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq):
 
 def _one_pass_mode(deterministic, both_gluon, block, epilogue, grad_rows) -> str | None:
     """The one-pass Hopper backward's mode (``configs.ONE_PASS_MODES``) for this call, or None
-    for the deterministic kernels: ``configs.override(one_pass=...)``'s (tuning), else
-    ``configs.NONDETERMINISTIC_ONE_PASS`` where the caller allows it, where it applies (both
-    Gluon kernels chosen, 128-row blocks, no epilogue, the engine's row order). Where it was
-    allowed and does not apply, the log says why, once."""
+    for the two kernels: ``configs.override(one_pass=...)``'s (tuning; ``ONE_PASS_OFF``: None),
+    else ``configs.DETERMINISTIC_ONE_PASS`` (the same bits every run) or, where the caller
+    allows any order, ``configs.NONDETERMINISTIC_ONE_PASS``, where it applies (both Gluon
+    kernels chosen, 128-row blocks, no epilogue, the engine's row order). Where the caller
+    gave up determinism and it does not apply, the log says why, once."""
     mode = configs.active_overrides().one_pass
-    if mode not in (None, *configs.ONE_PASS_MODES):
-        raise ValueError(f"one_pass={mode!r}: one of {tuple(configs.ONE_PASS_MODES)} or None")
-    if mode is None and not deterministic:
-        mode = configs.NONDETERMINISTIC_ONE_PASS
+    if mode not in (None, configs.ONE_PASS_OFF, *configs.ONE_PASS_MODES):
+        raise ValueError(f"one_pass={mode!r}: one of {tuple(configs.ONE_PASS_MODES)}, "
+                         f"{configs.ONE_PASS_OFF!r} or None")  # fmt: skip
+    if mode == configs.ONE_PASS_OFF:
+        return None
+    if mode is None:
+        mode = (configs.DETERMINISTIC_ONE_PASS if deterministic
+                else configs.NONDETERMINISTIC_ONE_PASS)  # fmt: skip
     if mode is None:
         return None
     fns = epilogue.fns()
@@ -219,14 +239,16 @@ def _note_deterministic_backward(missing: str) -> None:
 
 
 def _one_pass(mode, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, kv_counts,
-              block, scale, kv_block_sizes):  # fmt: skip
-    """``(dq, dk, dv)`` by ``bwd_sm90.dkdvdq_gluon``, dQ's adds in key-block order and by TMA
-    reductions as ``mode`` says (``configs.ONE_PASS_MODES``)."""
-    ordered, by_tma = configs.ONE_PASS_MODES[mode]
+              block, scale, kv_block_sizes, dq_fix):  # fmt: skip
+    """``(dq, dk, dv)`` by ``bwd_sm90.dkdvdq_gluon``, dQ's adds in key-block order, by TMA
+    reductions and in fixed point (with the preprocess's ``dq_fix``) as ``mode`` says
+    (``configs.ONE_PASS_MODES``)."""
+    how = configs.ONE_PASS_MODES[mode]
     dk, dv, dq = gluon_launcher("bwd_sm90", "backward").dkdvdq_gluon(
         q, k, v, do, lse2, delta, q_offsets, q_indices, block, scale,
-        kv_block_sizes=kv_block_sizes, ordered_by=(kv_indices, kv_counts) if ordered else None,
-        by_tma=by_tma,
+        kv_block_sizes=kv_block_sizes,
+        ordered_by=(kv_indices, kv_counts) if how.ordered else None, by_tma=how.by_tma,
+        dq_fix=dq_fix if how.fixed else None,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -238,6 +260,8 @@ def _row_maps(grad_rows: GradRows | None, dummy: torch.Tensor):
         return (dummy, dummy), None, None
     return (grad_rows.q_rows, grad_rows.kv_rows), *grad_rows.layouts()
 
+
+NOT_FIXED = configs.OnePassMode(False, False)  # where no one pass runs (mode None)
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -334,26 +358,47 @@ def _query_walks(cfg: KernelConfig, quiet_rows, num_q_blocks: int, block_q: int,
     return (quiet_rows, tails) if tails[0] else off
 
 
-def _preprocess(do, o, lse, block_q, fns, prologue_args, grad_rows: GradRows | None = None):
-    """``(delta, lse2, do)``: the preprocess kernel, with the epilogue's prologue. Where
-    ``grad_rows`` says o and do are in the q side's order (``GradRows.out``) they are read
-    through its q map and the do returned is the engine-order copy the kernel writes (zeros on
-    unmapped rows); else do itself."""
+def _preprocess(do, o, lse, block_q, fns, prologue_args, grad_rows: GradRows | None = None,
+                dq_fixed_of=None):  # fmt: skip
+    """``(delta, lse2, do, dq_fix)``: the preprocess kernel, with the epilogue's prologue.
+    Where ``grad_rows`` says o and do are in the q side's order (``GradRows.out``) they are
+    read through its q map and the do returned is the engine-order copy the kernel writes
+    (zeros on unmapped rows); else do itself. ``dq_fixed_of``: ``(k, v, scale,
+    kv_block_sizes, block_kv)`` of the call, for each query row's fixed-point multiplier of
+    the one pass's dQ (``dq_fix``, fp32 [B, H, Sq]; else None)."""
     B, H, Sq = lse.shape
     D = o.shape[-1]
     delta = torch.empty((B, H, Sq), device=o.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
-    mapped = {}
+    mapped, fixed = {}, {}
     if grad_rows is not None and grad_rows.out:
         do_t = do.new_empty((B, H, Sq, D))
         warps = configs.active_overrides().preprocess_warps or configs.PREPROCESS_MAPPED_WARPS
         mapped = dict(IN_ROWS=grad_rows.q_rows, DO_T=do_t, IN_MAPPED=True, num_warps=warps)
+    if dq_fixed_of is not None:
+        k, v, scale, kv_block_sizes, block_kv = dq_fixed_of
+        fixed = dict(DQ_FIX=torch.empty_like(delta), scale=scale, DQ_FIXED=True,
+                     KV_BOUNDS=kv_bounds(k, v, kv_block_sizes, block_kv))  # fmt: skip
     block_sparse_attn_bwd_preprocess_kernel[(Sq // block_q, B * H)](
         o, do, lse, delta, lse2, *o.stride(), *do.stride(),
         fns.prologue.fn, prologue_args, H, Sq,
-        BLOCK_M=block_q, HEAD_DIM=D, **mapped,
+        BLOCK_M=block_q, HEAD_DIM=D, **mapped, **fixed,
     )  # fmt: skip
-    return delta, lse2, mapped.get("DO_T", do)
+    return delta, lse2, mapped.get("DO_T", do), fixed.get("DQ_FIX")
+
+
+def kv_bounds(k, v, kv_block_sizes, block_kv) -> torch.Tensor:
+    """fp32 ``[B*H, 2]``: each head's largest ``|k|`` and largest row norm of v over its key
+    rows (padding rows that ``kv_block_sizes`` masks left out; infinite where k or v is not
+    finite), for the fixed-point dQ's row bounds (``kernels/bwd.py``, ``dq_row_bound``)."""
+    B, H, Skv, D = k.shape
+    bounds = torch.zeros((B * H, 2), device=k.device, dtype=torch.float32)
+    has_sizes = kv_block_sizes is not None
+    block_sparse_attn_bwd_kv_bounds_kernel[(Skv // block_kv, B * H)](
+        k, v, kv_block_sizes if has_sizes else bounds, bounds, *k.stride(), *v.stride(), H,
+        BLOCK_N=block_kv, HEAD_DIM=D, HAS_KV_SIZES=has_sizes,
+    )  # fmt: skip
+    return bounds
 
 
 def _configs(q, k, v, do, kv_block_sizes, block_q, block_kv, padding_finite, mapped=False):

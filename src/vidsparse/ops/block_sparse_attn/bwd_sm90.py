@@ -6,6 +6,7 @@ options. The engine's backward (``bwd.py``) takes each where its config asks for
 from __future__ import annotations
 
 import torch
+import triton
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -13,6 +14,7 @@ from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE, EngineCall, Epilogue
 from vidsparse.ops.block_sparse_attn.fwd_sm90 import gluon_fits
 from vidsparse.ops.block_sparse_attn.kernels import no_epilogue
+from vidsparse.ops.block_sparse_attn.kernels.bwd import block_sparse_attn_bwd_dq_from_fixed_kernel
 from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     ROWS_PER_CONSUMER,
     STEP_M,
@@ -33,7 +35,8 @@ from vidsparse.ops.block_sparse_attn.launch import LOG2E, broadcast_strides, int
 from vidsparse.ops.block_sparse_attn.lists import cached_dkdv_walk, cached_dq_walk
 from vidsparse.utils.device import num_sms
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32,
+              torch.int32: gl.int32}  # fmt: skip
 
 
 def gluon_bwd_fits(q, k, v, do, block_q: int, block_kv: int) -> bool:
@@ -262,12 +265,14 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
 def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_indices, block,
                        scale, kv_block_sizes=None,
                        options: configs.GluonBwdOptions | None = None,
-                       order=None, by_tma: bool = False):  # fmt: skip
+                       order=None, by_tma: bool = False, dq_fix=None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of the one-pass backward (also used to compile for sm_90
-    without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D].
-    ``order``: None (unordered adds), or ``(kv_indices, kv_counts, semaphores, ticket)``,
-    the forward lists (int32, unit last stride) and zeroed int32 ``[B*H*NQ*2]`` and ``[1]``:
-    the ordered kernel. ``by_tma``: either kernel adding by TMA reductions."""
+    without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D] (int32
+    with ``dq_fix``). ``order``: None (unordered adds), or ``(kv_indices, kv_counts,
+    semaphores, ticket)``, the forward lists (int32, unit last stride) and zeroed int32
+    ``[B*H*NQ*2]`` and ``[1]``: the ordered kernel. ``by_tma``: either kernel adding by TMA
+    reductions; ``dq_fix`` (by TMA, unordered): the rows' fixed-point multipliers, fp32
+    [B, H, Sq]."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     has_sizes = kv_block_sizes is not None
@@ -283,19 +288,21 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
                     semaphores, ticket)  # fmt: skip
         kernel = block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel
         table = configs.GLUON_DKDVDQ_ORDERED
-    args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_target, q_offsets, q_indices,
-            sizes, *broadcast_strides(q_offsets)[:2], *broadcast_strides(q_indices)[:2],
-            *ordering, H, Sq, Skv, Sq // block - 1, nk, q_indices.shape[-1], scale * LOG2E,
-            scale)  # fmt: skip
+    fixed = dict(DQ_FIXED=dq_fix is not None) if order is None else {}
+    fix_arg = (dq_fix if dq_fix is not None else dq_acc,) if order is None else ()
+    args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_target, *fix_arg, q_offsets,
+            q_indices, sizes, *broadcast_strides(q_offsets)[:2],
+            *broadcast_strides(q_indices)[:2], *ordering, H, Sq, Skv, Sq // block - 1, nk,
+            q_indices.shape[-1], scale * LOG2E, scale)  # fmt: skip
     opts = (options or table[block]).as_kwargs()
     kwargs = dict(BLOCK_M=block, BLOCK_N=block, HEAD_DIM=D, HAS_KV_SIZES=has_sizes, **opts,
-                  DQ_BY_TMA=by_tma, num_warps=4)  # fmt: skip
+                  DQ_BY_TMA=by_tma, **fixed, num_warps=4)  # fmt: skip
     return kernel, (nk, B * H), args, kwargs
 
 
 def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
                  kv_block_sizes=None, options: configs.GluonBwdOptions | None = None,
-                 ordered_by=None, by_tma: bool = False):  # fmt: skip
+                 ordered_by=None, by_tma: bool = False, dq_fix=None):  # fmt: skip
     """``(dk, dv, dq)`` in one pass (Hopper, 128-row blocks, no epilogue): dK and dV the dK/dV
     kernel's bits, dQ added from every key block's step into an fp32 accumulator by atomics
     (``kernels/bwd_sm90_fused.py``). Unordered, dq's last bits vary from run to run;
@@ -304,8 +311,11 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     be the lists ``q_offsets``, ``q_indices`` were transposed from: lists that disagree can
     leave the kernel waiting forever). ``by_tma``: each step's dQ tiles added by TMA bulk
     reductions from shared memory instead of atomics (ordered: by the writer warp, which waits
-    for them to land before it counts the step). Inputs as ``dkdv_gluon``'s. The engine's
-    backward takes it, unordered and by TMA (``configs.NONDETERMINISTIC_ONE_PASS``), for
+    for them to land before it counts the step). ``dq_fix`` (by TMA, unordered): dQ summed as
+    int32 fixed point, each query row scaled by its multiplier (fp32 [B, H, Sq], the
+    preprocess's ``dq_fix`` for this call's k, v and scale), so dq is the same bits on every
+    run at the unordered kernel's traffic. Inputs as ``dkdv_gluon``'s. The engine's backward
+    takes it, unordered and by TMA (``configs.NONDETERMINISTIC_ONE_PASS``), for
     ``deterministic=False``, and any variant under ``configs.override(one_pass=...)``; by
     atomics, and ordered either way, it is slower than the two kernels
     (``benchmarks/NOTES.md``)."""
@@ -314,10 +324,12 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
         raise ValueError(f"dkdvdq_gluon: block {block} not supported; "
                          f"supported: {sorted(configs.GLUON_DKDVDQ)}")  # fmt: skip
     _check_transposed_lists("dkdvdq_gluon", q_offsets, q_indices, k, block)
+    _check_fixed_point(dq_fix, q, ordered_by, by_tma)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc_dtype = torch.float32 if dq_fix is None else torch.int32
+    dq_acc = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     order = None
     if ordered_by is not None:
         kv_indices, kv_counts = (int32_contiguous(x) for x in ordered_by)
@@ -327,9 +339,34 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     kernel, grid, args, kwargs = dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta,
                                                     q_offsets, q_indices, block, scale,
                                                     kv_block_sizes, options, order,
-                                                    by_tma)  # fmt: skip
+                                                    by_tma, dq_fix)  # fmt: skip
     kernel[grid](*args, **kwargs)
-    return dk, dv, dq_acc.to(q.dtype)
+    if dq_fix is None:
+        return dk, dv, dq_acc.to(q.dtype)
+    return dk, dv, dq_from_fixed_point(dq_acc, dq_fix, q.dtype)
+
+
+def dq_from_fixed_point(acc: torch.Tensor, dq_fix: torch.Tensor, dtype) -> torch.Tensor:
+    """dq in ``dtype`` from the one pass's int32 sums ``acc`` [B, H, Sq, D] and the rows'
+    multipliers ``dq_fix`` [B, H, Sq] (``kernels/bwd.py``)."""
+    dq = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    rows, D = acc.numel() // acc.shape[-1], acc.shape[-1]
+    block = configs.DQ_FROM_FIXED_ROWS
+    block_sparse_attn_bwd_dq_from_fixed_kernel[(triton.cdiv(rows, block),)](
+        acc, dq_fix, dq, rows, BLOCK_M=block, HEAD_DIM=D,
+    )  # fmt: skip
+    return dq
+
+
+def _check_fixed_point(dq_fix, q, ordered_by, by_tma) -> None:
+    """What ``dkdvdq_gluon``'s fixed point needs: TMA reductions in any order, and one fp32
+    multiplier a query row."""
+    if dq_fix is None:
+        return
+    if ordered_by is not None or not by_tma:
+        raise ValueError("dkdvdq_gluon: dq_fix (fixed point) needs by_tma=True and no ordered_by")
+    if dq_fix.dtype != torch.float32 or dq_fix.shape != q.shape[:3] or not dq_fix.is_contiguous():
+        raise ValueError("dkdvdq_gluon: dq_fix must be contiguous fp32 [B, H, Sq]")
 
 
 def _check_transposed_lists(launcher, q_offsets, q_indices, k, block) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
@@ -188,13 +189,33 @@ GLUON_DKDVDQ_TMA = {128: GluonBwdOptions(STAGES=3)}
 # consumers need their 240 (at 232 they spill ~500 bytes), which leaves 32 a thread to the
 # third warpgroup; the writer's scalars spill at that (352 bytes).
 GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
-# Overrides.one_pass's modes: (dQ's adds in key-block order, by TMA reductions)
+
+
+class OnePassMode(NamedTuple):
+    """How the one-pass backward adds dQ: in key-block order (a writer warp waits its turn),
+    by TMA reductions, and as int32 fixed point (by TMA, in any order: integer adds give the
+    same bits whatever the order)."""
+
+    ordered: bool
+    by_tma: bool
+    fixed: bool = False
+
+
+# Overrides.one_pass's modes
 ONE_PASS_MODES = {
-    "unordered": (False, False),
-    "ordered": (True, False),
-    "tma": (False, True),
-    "ordered_tma": (True, True),
+    "unordered": OnePassMode(False, False),
+    "ordered": OnePassMode(True, False),
+    "tma": OnePassMode(False, True),
+    "ordered_tma": OnePassMode(True, True),
+    "fixed": OnePassMode(False, True, fixed=True),
 }
+# Rows a program of the fixed-point dQ's conversion (kernels/bwd.py) takes: a memory-bound pass.
+DQ_FROM_FIXED_ROWS = 32
+# The backward where the caller asks for the same bits on every run (the default): the one
+# pass with dQ in fixed point (benchmarks/NOTES.md); None would be the two kernels.
+DETERMINISTIC_ONE_PASS = "fixed"
+# Overrides.one_pass's value for the two kernels (dK/dV, then dQ) whatever the caller asks.
+ONE_PASS_OFF = "off"
 # The backward where the caller allows gradients in no fixed order (``deterministic=False``):
 # the one pass with dQ by TMA reductions. On an H100 at the engine's timed shape (1/8, S=32k)
 # it ran in 4.07 ms against the two kernels' 4.37; ordered by TMA (the same bits every run) it
@@ -412,9 +433,9 @@ class Overrides:
     gluon: GluonOptions | None = None
     # One of ONE_PASS_MODES: the Hopper backward in one pass where it applies (128x128, no
     # epilogue, engine order; ``bwd_sm90.dkdvdq_gluon``), dQ's adds in key-block order or by
-    # the consumers' atomics, each by TMA reductions ("tma", "ordered_tma") or not, whatever
-    # the caller's ``deterministic``. On an H100 only "tma" beat the two kernels
-    # (NONDETERMINISTIC_ONE_PASS; benchmarks/NOTES.md).
+    # the consumers' atomics, each by TMA reductions ("tma", "ordered_tma") or not, or in
+    # fixed point ("fixed"), whatever the caller's ``deterministic``; ONE_PASS_OFF: the two
+    # kernels. None: DETERMINISTIC_ONE_PASS / NONDETERMINISTIC_ONE_PASS (benchmarks/NOTES.md).
     one_pass: str | None = None
     # True: the Hopper dK/dV kernel at 128x128 as a persistent kernel, key blocks walked as
     # PERSISTENT_ORDER says (``bwd_sm90.dkdv_gluon``; the same bits). Off: no faster on an H100

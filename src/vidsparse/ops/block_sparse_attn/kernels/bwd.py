@@ -48,6 +48,10 @@ def block_sparse_attn_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     IN_ROWS=None, DO_T=None,  # IN_MAPPED: int32 [Sq] o's row per query row; do's tile copy
     IN_MAPPED: tl.constexpr = False,
+    # DQ_FIXED: fp32 [B, H, Sq] out; fp32 [B*H, 2] (block_sparse_attn_bwd_kv_bounds_kernel's
+    # max |k| and max row norm of v); the softmax scale
+    DQ_FIX=None, KV_BOUNDS=None, scale=1.0,
+    DQ_FIXED: tl.constexpr = False,
 ):  # fmt: skip
     """``delta = rowsum(o * do)`` and the base-2 lse, with ``-inf`` (rows that attended to
     nothing) turned into ``+inf`` so that their probabilities recompute to 0.
@@ -59,7 +63,10 @@ def block_sparse_attn_bwd_preprocess_kernel(
     ``IN_MAPPED``: o and do are in the caller's row order (the forward stored o there,
     ``GradTargets.output``): query row r's are read at row ``IN_ROWS[r]`` (-1: zeros), and do
     is written in the engine's order to ``DO_T`` (contiguous ``[B, H, Sq, D]``, do's dtype)
-    for the gradient kernels, which read it by TMA."""
+    for the gradient kernels, which read it by TMA.
+
+    ``DQ_FIXED``: each row's fixed-point multiplier for the one-pass backward's dQ
+    (``dq_fixed_point_multiplier``) into ``DQ_FIX``."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -90,6 +97,85 @@ def block_sparse_attn_bwd_preprocess_kernel(
     delta = tl.sum(o * do, axis=1)  # [BM]
     tl.store(DELTA + row, delta)
     tl.store(LSE2 + row, lse2)
+    if DQ_FIXED:
+        k_abs, v_norm = tl.load(KV_BOUNDS + 2 * pid_bh), tl.load(KV_BOUNDS + 2 * pid_bh + 1)
+        bound = dq_row_bound(do, delta, k_abs, v_norm, scale)
+        tl.store(DQ_FIX + row, dq_fixed_point_multiplier(bound))
+
+
+@triton.jit
+def block_sparse_attn_bwd_kv_bounds_kernel(
+    K, V, KV_SIZES, BOUNDS,  # k, v [B, H, Skv, D]; int32 [NK] (HAS_KV_SIZES); fp32 [B*H, 2]
+    stride_kb, stride_kh, stride_ks, stride_kd,
+    stride_vb, stride_vh, stride_vs, stride_vd,
+    H,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_KV_SIZES: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(NK, B * H)``: ``BOUNDS[b*H + h] = (max |k|, max_j |v_j|)`` over the key rows
+    (the padding rows that ``KV_SIZES`` masks left out: their content is any finite value),
+    by atomic maxima into a zeroed buffer (order-free: the same bits on every run). A NaN or
+    infinity in a block makes its bounds infinite, so that the rows' multipliers are NaN and
+    dq says so."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, HEAD_DIM)
+    real = tl.full([BLOCK_N], 1, tl.int1)
+    if HAS_KV_SIZES:
+        real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)
+    k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + cols[None, :] * stride_kd,
+                mask=real[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + cols[None, :] * stride_vd,
+                mask=real[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    k_abs = tl.max(tl.max(tl.abs(k), axis=1), axis=0)
+    v_norm = tl.max(tl.sqrt(tl.sum(v * v, axis=1)), axis=0)
+    finite = tl.sum(tl.sum(k * 0.0, axis=1) + tl.sum(v * 0.0, axis=1), axis=0) == 0.0
+    tl.atomic_max(BOUNDS + 2 * pid_bh, tl.where(finite, k_abs, float("inf")))
+    tl.atomic_max(BOUNDS + 2 * pid_bh + 1, tl.where(finite, v_norm, float("inf")))
+
+
+@triton.jit
+def dq_row_bound(do, delta, k_abs, v_norm, scale):
+    """A bound on ``|scale * sum_j dS[i, j] K[j, d]|`` over any subset of the keys, each d,
+    for the rows of ``do`` (fp32 [BM, D]): ``dS = P (dP - delta)`` with ``sum_j P <= 1``,
+    ``|dP| <= |do| * max_j |v_j|`` and ``|K| <= k_abs``."""
+    do_norm = tl.sqrt(tl.sum(do * do, axis=1))
+    return scale * (do_norm * v_norm + tl.abs(delta)) * k_abs
+
+
+@triton.jit
+def dq_fixed_point_multiplier(bound):
+    """``2**e`` with ``2**28 <= bound * 2**e < 2**29`` (``e <= 126``; NaN where the bound is
+    not finite): a row's partial sums of dQ times it stay under ``2**30`` with the rounding of
+    every term and the bound's own, so int32 holds their sum with room to spare. From the
+    float's exponent bits: exact, and the same on every backend."""
+    biased = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    e = tl.minimum(155 - biased, 126)
+    multiplier = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(biased == 255, float("nan"), multiplier)
+
+
+@triton.jit
+def block_sparse_attn_bwd_dq_from_fixed_kernel(
+    ACC, FIX, DQ,  # int32 [R, D] sums, fp32 [R] multipliers, dq [R, D] out (R = B*H*Sq)
+    ROWS,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """``dq = acc / multiplier`` row by row in dq's dtype: a power-of-two division (exact; NaN
+    rows stay NaN), the one-pass backward's fixed-point dQ made a gradient."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_DIM)
+    inside = rows < ROWS
+    offsets = rows[:, None] * HEAD_DIM + cols[None, :]
+    acc = tl.load(ACC + offsets, mask=inside[:, None], other=0)
+    fix = tl.load(FIX + rows, mask=inside, other=1.0)
+    # 1 / 2**e by the exponent bits (2**-e is normal for e <= 126)
+    inverse = ((254 << 23) - fix.to(tl.int32, bitcast=True)).to(tl.float32, bitcast=True)
+    inverse = tl.where(fix == fix, inverse, float("nan"))
+    dq = acc.to(tl.float32) * inverse[:, None]
+    tl.store(DQ + offsets, dq.to(DQ.dtype.element_ty), mask=inside[:, None])
 
 
 @triton.jit

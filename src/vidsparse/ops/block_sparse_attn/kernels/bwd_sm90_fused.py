@@ -39,7 +39,15 @@ With ``DQ_BY_TMA`` the ordered kernel's writer warp adds each step's tile by two
 and waits for them to land in global memory (``cp.async.bulk.wait_group 0``) before it counts
 the step, so the order holds and the warp issues four instructions where it issued 64 atomics.
 
-The caller zeroes ``dq_acc`` before and casts it to dq after (the adds are scaled already).
+With ``DQ_FIXED`` (by TMA, unordered) the accumulator is int32 fixed point: each step's tile
+is scaled by its rows' power-of-two multipliers (``DQ_FIX``, from the preprocess: a bound on
+every partial sum of the row times ``2**e`` stays under ``2**29``), rounded to integers and
+reduced by the TMA unit as integer adds. Integer addition is associative, so the sum, and dq,
+is the same bits whatever order the programs' adds land in: determinism without an order, at
+the unordered kernel's traffic (int32 tiles are the fp32 tiles' size).
+
+The caller zeroes ``dq_acc`` before and casts it to dq after (the adds are scaled already;
+fixed point: divided by the rows' multipliers).
 128x128 blocks, D = 128, 16-bit inputs, no dQ hook (the engine's identity epilogue).
 """
 
@@ -99,21 +107,38 @@ def _add_dq(DQ_ACC, dq, q_row, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
 
 
 @gluon.jit
+def _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M: gl.constexpr):
+    """Step ``j``'s first query row in the ``[B*H*Sq]`` rows: its query block from the
+    transposed list (the loader's row, clamped alike) and its 64-row step in the block."""
+    NSUB: gl.constexpr = BLOCK_M // STEP_M
+    q_block = gl.load(idx_row + start + j // NSUB)
+    q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
+    return q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+
+
+@gluon.jit
+def _to_fixed_point(x):
+    """``x`` rounded to the nearest int32 (ties to even; the caller keeps it in range)."""
+    return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+
+
+@gluon.jit
 def _fused_consumer(
     desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem,
     kv_bar, ready, empty, ds_ready, dq_smem, dq_full, dq_empty, idx_row, start, num_steps,
-    KV_SIZES, kv_block, kv_row, q_row0, Q_LAST, valid, qk_scale, scale, K_INDEX: gl.constexpr,
-    BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr, DQ_BY: gl.constexpr,
+    KV_SIZES, kv_block, kv_row, q_row0, Q_LAST, valid, qk_scale, scale, DQ_FIX,
+    K_INDEX: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, DQ_BY: gl.constexpr, DQ_FIXED: gl.constexpr,
 ):  # fmt: skip
     """dK, dV of key rows ``k_smem[K_INDEX]`` over ``num_steps`` ring steps, stored if
     ``valid``; each step's dQ columns ``64 K_INDEX ..`` added into ``DQ_ACC`` (a pointer) by
     ``DQ_ATOMICS``, put in ``dq_smem[K_INDEX]`` for the writer warp by ``DQ_WRITER``
     (``dq_full``: both halves are there; ``dq_empty``: it has read them), or reduced into
     ``DQ_ACC`` (a TMA descriptor of [64, 64] fp32 tiles) from ``dq_smem[K_INDEX]`` by
-    ``DQ_TMA``."""
+    ``DQ_TMA``; ``DQ_FIXED`` (with ``DQ_TMA``): as int32 fixed point, each row times its
+    multiplier in ``DQ_FIX`` (fp32, one a query row)."""
     M: gl.constexpr = ROWS_PER_CONSUMER
-    NSUB: gl.constexpr = BLOCK_M // STEP_M
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, STEP_M, 16]
@@ -173,6 +198,10 @@ def _fused_consumer(
         ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))  # keys 64-127
         dq_tok = warpgroup_mma(ds0, k_cols0, dq_zero, use_acc=False, is_async=True)
         dq_tok = warpgroup_mma(ds1, k_cols1, dq_tok, is_async=True)
+        if DQ_FIXED:  # the step's multipliers, their latency under the GEMMs in flight
+            q_row = _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M)
+            fix_rows = q_row + gl.arange(0, STEP_M, layout=gl.SliceLayout(1, dq_layout))
+            fix = gl.expand_dims(gl.load(DQ_FIX + fix_rows), 1)
         dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(
             num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok)
         )
@@ -184,13 +213,15 @@ def _fused_consumer(
             fence_async_shared()  # the writer may hand the tile to the TMA unit (async proxy)
             mbarrier.arrive(dq_full)
         else:
-            q_block = gl.load(idx_row + start + j // NSUB)  # the loader's row, clamped alike
-            q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
-            q_row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+            if not DQ_FIXED:
+                q_row = _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M)
             if DQ_BY == DQ_TMA:
                 tile = dq_smem.index(K_INDEX)
                 tma.store_wait(pendings=0)  # the last step's reduction has read the tile
-                tile.store(dq)
+                if DQ_FIXED:
+                    tile.store(_to_fixed_point(dq * fix))
+                else:
+                    tile.store(dq)
                 fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
                 tma_reduce_add(DQ_ACC, [q_row, K_INDEX * HALF], tile)
             else:
@@ -315,19 +346,20 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
     desc_q, desc_k, desc_v, desc_do, desc_dk, desc_dv,  # TMA over [B*H*S, D], blocks [64, D]
     desc_lse2, desc_delta,  # TMA over fp32 [B*H*Sq], blocks [64]
     DQ_ACC,  # fp32 [B*H*Sq, D], zeroed by the caller: a pointer, or (DQ_BY_TMA) a TMA
-    # descriptor of it in [64, D / 2] tiles
+    # descriptor of it in [64, D / 2] tiles; int32 with DQ_FIXED
+    DQ_FIX,  # DQ_FIXED: fp32 [B*H*Sq], each query row's power-of-two multiplier
     Q_OFF, Q_IDX, KV_SIZES,  # the transposed lists; [NK] (HAS_KV_SIZES)
     stride_offb, stride_offh, stride_qib, stride_qih,
     H, Sq, Skv, Q_LAST, NK, WIDTH,
     qk_scale, scale,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-    HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr,
+    HAS_KV_SIZES: gl.constexpr, DQ_BY_TMA: gl.constexpr, DQ_FIXED: gl.constexpr,
     STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
 ):  # fmt: skip
     """Grid ``(NK, B * H)``: a 128-row key block per program, its halves on the two consumers,
     one list and one ring, as ``bwd_sm90.block_sparse_attn_bwd_dkdv_gluon_kernel``. dQ's adds
     by the consumers' atomics, or with ``DQ_BY_TMA`` by TMA reductions from a 16 KB tile of
-    each consumer's."""
+    each consumer's, fp32 or (``DQ_FIXED``) int32 fixed point."""
     gl.static_assert(BLOCK_N == 2 * ROWS_PER_CONSUMER, "two consumer warpgroups of 64 rows")
     gl.static_assert(BLOCK_M % STEP_M == 0, "query blocks are whole steps")
     pid_n = gl.program_id(0)
@@ -338,9 +370,10 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
 
     (k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ready, empty, ds_smem, ds_ready,
      kv_bar) = _buffers(desc_q, desc_k, desc_v, desc_lse2, STAGES, HEAD_DIM)
+    gl.static_assert(DQ_BY_TMA or not DQ_FIXED, "fixed point is added by TMA reductions")
     if DQ_BY_TMA:
         dq_by: gl.constexpr = DQ_TMA
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2, STEP_M, HEAD_DIM // 2],
+        dq_smem = gl.allocate_shared_memory(DQ_ACC.dtype, [2, STEP_M, HEAD_DIM // 2],
                                             DQ_ACC.layout)  # fmt: skip
     else:
         dq_by: gl.constexpr = DQ_ATOMICS
@@ -353,14 +386,14 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               dq_by)),
+                               DQ_FIX, gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES,
+                               HAS_KV_SIZES, dq_by, DQ_FIXED)),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               dq_by)),
+                               DQ_FIX, gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES,
+                               HAS_KV_SIZES, dq_by, DQ_FIXED)),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                           v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
                           idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
@@ -422,14 +455,14 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               DQ_WRITER)),
+                               DQ_ACC, gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES,
+                               HAS_KV_SIZES, DQ_WRITER, False)),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES, HAS_KV_SIZES,
-                               DQ_WRITER)),
+                               DQ_ACC, gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES,
+                               HAS_KV_SIZES, DQ_WRITER, False)),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                           v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
                           idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
