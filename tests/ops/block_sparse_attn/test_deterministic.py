@@ -66,8 +66,9 @@ def test_triton_backend_without_the_one_pass_runs_the_deterministic_backward_and
 
 def test_the_one_pass_mode_follows_deterministic_and_the_override():
     """``_one_pass_mode`` on a call where the one pass applies: the configured deterministic
-    mode by default (fixed point: the same bits every run), the configured mode with
-    ``deterministic=False``, the override's mode either way (``ONE_PASS_OFF``: none)."""
+    mode by default (None, the two kernels, or an order-free one: fixed point), the configured
+    mode with ``deterministic=False``, the override's mode either way (``ONE_PASS_OFF``:
+    none)."""
     from vidsparse.ops.block_sparse_attn import configs
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
 
@@ -75,7 +76,9 @@ def test_the_one_pass_mode_follows_deterministic_and_the_override():
         return bwd._one_pass_mode(deterministic, True, 128, NO_EPILOGUE, None)
 
     assert mode(True) == configs.DETERMINISTIC_ONE_PASS
-    assert configs.ONE_PASS_MODES[mode(True)].fixed  # order-free: deterministic
+    assert mode(True) is None or configs.ONE_PASS_MODES[mode(True)].fixed  # the same bits
+    with configs.override(one_pass="fixed"):
+        assert mode(True) == mode(False) == "fixed"
     assert mode(False) == configs.NONDETERMINISTIC_ONE_PASS
     with configs.override(one_pass="ordered_tma"):
         assert mode(True) == mode(False) == "ordered_tma"

@@ -162,28 +162,29 @@ def test_hopper_configs_are_untouched_by_the_other_gpus_rows(monkeypatch):
 @pytest.mark.parametrize("block", [64, 128])
 def test_hopper_takes_the_gluon_forward_and_tma(monkeypatch, fake_gpu, block):
     """The control: on sm_90 the same calls reach the Gluon forward and the TMA backward: at
-    128x128 the one pass with dQ in fixed point (k, v's bounds first, the preprocess forming
-    the rows' multipliers), or with ``one_pass="off"`` dK/dV and dQ in the Gluon kernels; at
-    64x64 both Triton kernels (where the Gluon dK/dV kernel was slower, and there is no 64-row
-    Gluon dQ kernel)."""
+    128x128 its dK/dV and dQ in the Gluon kernels (the default, and ``one_pass="off"``), or
+    with ``one_pass="fixed"`` the one pass with dQ in fixed point (k, v's bounds first, the
+    preprocess forming the rows' multipliers); at 64x64 both Triton kernels (where the Gluon
+    dK/dV kernel was slower, and there is no 64-row Gluon dQ kernel), whatever is asked."""
     from vidsparse.ops.block_sparse_attn import configs
 
     fake_gpu(9, 0)
     names = [name for name, _ in _launches(monkeypatch, block)]
     assert names.count("gluon_fwd_sm90") == 1 and "block_sparse_attn_fwd_kernel" not in names
-    launches = _launches(monkeypatch, block)
+    triton = ["block_sparse_attn_bwd_dkdv_kernel", "block_sparse_attn_bwd_dq_kernel"]
+    two = ["gluon_dkdv_sm90", "gluon_dq_sm90"] if block == 128 else triton
+    for mode in (None, configs.ONE_PASS_OFF):
+        with configs.override(one_pass=mode):
+            assert _backward_names(_launches(monkeypatch, block)) == two
+    with configs.override(one_pass="fixed"):
+        launches = _launches(monkeypatch, block)
     preprocess = [kw for name, kw in launches if "preprocess" in name]
     if block == 128:
         assert _backward_names(launches) == ["block_sparse_attn_bwd_kv_bounds_kernel",
                                              "gluon_dkdvdq_sm90"]  # fmt: skip
         assert preprocess[0]["DQ_FIXED"] and launches[-1][1]["dq_fix"] is preprocess[0]["DQ_FIX"]
-        with configs.override(one_pass=configs.ONE_PASS_OFF):
-            two = _backward_names(_launches(monkeypatch, block))
-        assert two == ["gluon_dkdv_sm90", "gluon_dq_sm90"]
     else:
-        assert "DQ_FIXED" not in preprocess[0]
-        assert _backward_names(launches) == ["block_sparse_attn_bwd_dkdv_kernel",
-                                             "block_sparse_attn_bwd_dq_kernel"]  # fmt: skip
+        assert "DQ_FIXED" not in preprocess[0] and _backward_names(launches) == two
 
 
 def test_hopper_backward_leaves_the_gluon_kernels_where_they_do_not_fit(monkeypatch, fake_gpu):

@@ -320,13 +320,15 @@ def test_vsa_gpu_output_stored_in_natural_order_equals_untiling(dtype, preproces
                                                                  monkeypatch):  # fmt: skip
     """The same on the GPU at D=128 (the Gluon forward's mapped store, the int8 residual).
     The preprocess reading o and dO through the map launches with
-    ``configs.PREPROCESS_MAPPED_WARPS`` (8) where the engine-order one takes 4: its row sums
-    of o * dO then add in another order, so the gradients may differ in their last bits
-    ("library"). Launched with 4 ("plain") the two arms give the same bits."""
+    ``configs.preprocess_mapped_warps`` (4 on Hopper, else 8) where the engine-order one takes
+    4: with other warps its row sums of o * dO add in another order, so the gradients may
+    differ in their last bits ("library"). Launched with 4 ("plain") the two arms give the
+    same bits."""
     from vidsparse.ops.block_sparse_attn import configs
 
     if preprocess_warps == "plain":
         monkeypatch.setattr(configs, "PREPROCESS_MAPPED_WARPS", 4)
+        monkeypatch.setattr(configs, "PREPROCESS_MAPPED_WARPS_HOPPER", 4)
     grid = vidsparse.VideoGrid((9, 14, 22))
     arms = _out_rows_arms("cuda", dtype, grid, 128, 9, monkeypatch)
     _check_out_rows(arms, grads_rounded=preprocess_warps == "library")

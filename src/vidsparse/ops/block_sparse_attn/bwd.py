@@ -373,7 +373,8 @@ def _preprocess(do, o, lse, block_q, fns, prologue_args, grad_rows: GradRows | N
     mapped, fixed = {}, {}
     if grad_rows is not None and grad_rows.out:
         do_t = do.new_empty((B, H, Sq, D))
-        warps = configs.active_overrides().preprocess_warps or configs.PREPROCESS_MAPPED_WARPS
+        warps = (configs.active_overrides().preprocess_warps
+                 or configs.preprocess_mapped_warps(target_of(o.device)))  # fmt: skip
         mapped = dict(IN_ROWS=grad_rows.q_rows, DO_T=do_t, IN_MAPPED=True, num_warps=warps)
     if dq_fixed_of is not None:
         k, v, scale, kv_block_sizes, block_kv = dq_fixed_of

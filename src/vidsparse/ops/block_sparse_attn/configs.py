@@ -211,9 +211,11 @@ ONE_PASS_MODES = {
 }
 # Rows a program of the fixed-point dQ's conversion (kernels/bwd.py) takes: a memory-bound pass.
 DQ_FROM_FIXED_ROWS = 32
-# The backward where the caller asks for the same bits on every run (the default): the one
-# pass with dQ in fixed point (benchmarks/NOTES.md); None would be the two kernels.
-DETERMINISTIC_ONE_PASS = "fixed"
+# The backward where the caller asks for the same bits on every run (the default): None, the
+# two kernels. The one pass with dQ in fixed point ("fixed") gives the same bits on every run
+# too, but took 4.52 ms against the two kernels' 4.30 and "tma"'s 4.03 on an H200
+# (benchmarks/NOTES.md).
+DETERMINISTIC_ONE_PASS = None
 # Overrides.one_pass's value for the two kernels (dK/dV, then dQ) whatever the caller asks.
 ONE_PASS_OFF = "off"
 # The backward where the caller allows gradients in no fixed order (``deterministic=False``):
@@ -223,11 +225,20 @@ ONE_PASS_OFF = "off"
 NONDETERMINISTIC_ONE_PASS = "tma"
 
 
-# The backward's preprocess reading o and dO through a row map (``GradRows.out``) launches with
-# 8 warps: with the heaviest epilogue prologue at D=128 the default 4 hold 252 registers a thread
-# already, and the mapped reads pushed cuda:100 (Triton 3.8) into a 24-byte spill. The
-# preprocess in the engine's own order keeps the default launch it was timed with.
+# The backward's preprocess reading o and dO through a row map (``GradRows.out``): on Hopper 4
+# warps, the engine-order preprocess's (Wan 480p VSA on an H200: 0.207 ms against 8 warps'
+# 0.308, fwd+bwd 9.25 against 9.39; benchmarks/NOTES.md); elsewhere 8: with the heaviest
+# epilogue prologue at D=128 the default 4 hold 252 registers a thread already, and the mapped
+# reads pushed cuda:100 (Triton 3.8) into a 24-byte spill. The preprocess in the engine's own
+# order keeps the default launch it was timed with.
 PREPROCESS_MAPPED_WARPS = 8
+PREPROCESS_MAPPED_WARPS_HOPPER = 4
+
+
+def preprocess_mapped_warps(target: Target) -> int:
+    """The mapped preprocess's warps on ``target`` (``Overrides.preprocess_warps`` aside)."""
+    return PREPROCESS_MAPPED_WARPS_HOPPER if target.is_hopper else PREPROCESS_MAPPED_WARPS
+
 
 # Where the Gluon forward applies: 128-row blocks (two consumer halves) or 64-row blocks (two
 # blocks a program, 4x4x4 video tiles); the one head_dim measured; 16-bit inputs (wgmma, TMA).
