@@ -32,7 +32,8 @@
 #   fixed-point: the one pass with dQ in int32 fixed point (the deterministic default at
 #   128x128): its CPU-and-GPU tests, the Gluon backward's GPU tests, then the one-pass A/B
 #   (try_gluon_bwd.py --one-pass: fixed, tma, atomics, ordered against the two kernels);
-#   engine-rounds: #19's bars (1/8, 128x128: ours, ours-nondet, cuDNN, Flex) over ROUNDS (5)
+#   engine-rounds: #19's bars (1/8, 128x128: ours, ours-nondet, cuDNN, Flex; ENGINE_PROVIDERS picks
+#   others, e.g. ours-fixed) over ROUNDS (5)
 #   rounds in turn, medians and every round's figures (block_sparse_rounds_h200.json);
 #   vsa480-rounds: #19's 480p VSA bars (0.875; ours, ours-natural, cuDNN) over ROUNDS (5)
 #   rounds in turn (vsa480_rounds_h200.json);
@@ -117,7 +118,7 @@ for what in "$@"; do
       --providers ours,ours-nondet,cudnn,flash,flex,flex64 --block-sizes 128x128,128x64,64x64 \
       --out "$OUT/block_sparse_h200.json" ;;
     engine-rounds) step engine_rounds 400 python3 -m vidsparse.bench block_sparse \
-      --densities 0.125 --block-sizes 128x128 --providers ours,ours-nondet,cudnn,flex \
+      --densities 0.125 --block-sizes 128x128 --providers ${ENGINE_PROVIDERS:-ours,ours-nondet,cudnn,flex} \
       --rounds "${ROUNDS:-5}" --no-plot --out "$OUT/block_sparse_rounds_h200.json" ;;
     engine-nondet) step engine_nondet 300 python3 -m vidsparse.bench block_sparse \
       --shapes default --providers ours,ours-nondet,cudnn,flex --block-sizes 128x128 \

@@ -126,15 +126,29 @@ def test_bench_block_sparse_cpu_skips_what_cannot_run_there(tmp_path):
 
 
 def test_the_nondeterministic_provider_runs_only_where_it_changes_the_backward():
-    """``ours-nondet`` is planned at 128x128 only (``NONDET_BLOCKS``: the one-pass backward's
-    blocks); ``ours`` at every block size asked for."""
+    """``ours-nondet`` and ``ours-fixed`` are planned at 128x128 only (``NONDET_BLOCKS``: the
+    one-pass backward's blocks); ``ours`` at every block size asked for."""
     from vidsparse.bench.ops import block_sparse as bench
 
     (shape,) = bench.build_shapes("default", True)
     blocks = [(128, 64), (128, 128), (64, 64)]
-    cases = bench.plan_cases([shape], ["ours", "ours-nondet"], ["fwd+bwd"], [0.5], blocks)
+    arms = ["ours", "ours-nondet", "ours-fixed"]
+    cases = bench.plan_cases([shape], arms, ["fwd+bwd"], [0.5], blocks)
     planned = {(c.provider, c.block) for c in cases}
-    assert planned == {("ours", b) for b in blocks} | {("ours-nondet", (128, 128))}
+    one_pass = {("ours-nondet", (128, 128)), ("ours-fixed", (128, 128))}
+    assert planned == {("ours", b) for b in blocks} | one_pass
+
+
+def test_the_fixed_point_arm_times_its_calls_under_the_override(monkeypatch):
+    """``ours-fixed`` runs each timed call inside ``configs.override(one_pass="fixed")``, and
+    only there."""
+    from vidsparse.bench.ops import block_sparse as bench
+    from vidsparse.ops.block_sparse_attn import configs
+
+    seen = []
+    run = bench._with_one_pass("fixed", lambda: seen.append(configs.active_overrides().one_pass))
+    run()
+    assert seen == ["fixed"] and configs.active_overrides().one_pass is None
 
 
 def test_dense_rows_count_real_tokens():

@@ -215,6 +215,8 @@ _OPS = (
         providers=(
             _P("ours", "vidsparse.block_sparse_attn (public API, validation included)"),
             _P("ours-nondet", "the same with deterministic=False (the one-pass backward)"),
+            _P("ours-fixed", "the default with the one pass's dQ in fixed point (override)",
+               default=False),
             _P("ours-op", "the registered custom op called directly (kernels alone)",
                default=False),
             _P("cudnn", "dense SDPA pinned to cuDNN, real tokens", ("cudnn",), reference=True),

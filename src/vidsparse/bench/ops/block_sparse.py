@@ -2,7 +2,9 @@
 
 Every provider in fwd, bwd and fwd+bwd, at each density and block size: ``ours`` (the public
 API, validation included), ``ours-nondet`` (the same with ``deterministic=False``: its backward
-in one pass where that applies), ``ours-op`` (the custom op alone, not by default), ``cudnn`` /
+in one pass where that applies), ``ours-fixed`` (the default with the one pass's dQ in fixed
+point, ``configs.override(one_pass="fixed")``: a tuning arm, not by default), ``ours-op`` (the
+custom op alone, not by default), ``cudnn`` /
 ``flash`` (dense SDPA on the real tokens, the reference rows) and ``flex`` / ``flex64``
 (compiled FlexAttention with a ``BlockMask`` of the same lists at 128x128 / 64x64). Effective
 TFLOP/s count attended real pairs, so sparse and dense rows compare directly. Run on a GPU
@@ -39,9 +41,11 @@ from vidsparse.bench.sdpa import dense_sdpa
 from vidsparse.layout import VideoGrid
 
 DENSE_PROVIDERS = ("cudnn", "flash")
-OURS = ("ours", "ours-nondet", "ours-op")
-# ours-nondet runs only where deterministic=False changes the backward (the one pass: 128x128).
+OURS = ("ours", "ours-nondet", "ours-fixed", "ours-op")
+# ours-nondet (ours-fixed) runs only where deterministic=False (the override) changes the
+# backward (the one pass: 128x128).
 NONDET_BLOCKS = ((128, 128),)
+ONE_PASS_ARMS = ("ours-nondet", "ours-fixed")
 SPARSE_PROVIDERS = (*OURS, "flex", "flex64")
 ALL_PROVIDERS = (*SPARSE_PROVIDERS, *DENSE_PROVIDERS)
 PROVIDERS = ALL_PROVIDERS
@@ -321,6 +325,18 @@ def _ours_forward(lists: BlockLists, deterministic: bool = True) -> Callable:
     return forward
 
 
+def _with_one_pass(mode: str, call: Callable) -> Callable:
+    """``call`` (a ``harness.mode_callable``) with ``configs.override(one_pass=mode)`` around
+    each run, so that the backward it times takes that one-pass mode."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    def run():
+        with configs.override(one_pass=mode):
+            return call()
+
+    return run
+
+
 def _ours_op_forward(lists: BlockLists, device: torch.device, head_dim: int) -> Callable:
     # Importing the interface registers torch.ops.vidsparse.*; resolve the backend once, as
     # block_sparse_attn would on every call.
@@ -387,6 +403,9 @@ def make_provider(name: str, settings: Settings) -> Provider:
             return harness.mode_callable(forward, (q, k, v), case.mode)
         lists = case.lists
         q, k, v = random_qkv(case.shape, case.shape.seq_len, _case_key(case), settings)
+        if name == "ours-fixed":
+            call = harness.mode_callable(_ours_forward(lists), (q, k, v), case.mode)
+            return _with_one_pass("fixed", call)
         if name in ("ours", "ours-nondet"):
             forward = _ours_forward(lists, deterministic=name == "ours")
         elif name == "ours-op":
@@ -433,7 +452,7 @@ def plan_cases(
             for block in needed:
                 for provider in providers:
                     ours = provider in OURS and block in blocks
-                    ours &= provider != "ours-nondet" or block in NONDET_BLOCKS
+                    ours &= provider not in ONE_PASS_ARMS or block in NONDET_BLOCKS
                     if ours or FLEX_BLOCKS.get(provider) == block:
                         cases += [Case(shape, provider, m, density, block) for m in modes]
     return cases

@@ -289,7 +289,7 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
         kernel = block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel
         table = configs.GLUON_DKDVDQ_ORDERED
     fixed = dict(DQ_FIXED=dq_fix is not None) if order is None else {}
-    fix_arg = (dq_fix if dq_fix is not None else dq_acc,) if order is None else ()
+    fix_arg = (_steps(dq_fix)[0] if dq_fix is not None else dq_acc,) if order is None else ()
     args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_target, *fix_arg, q_offsets,
             q_indices, sizes, *broadcast_strides(q_offsets)[:2],
             *broadcast_strides(q_indices)[:2], *ordering, H, Sq, Skv, Sq // block - 1, nk,

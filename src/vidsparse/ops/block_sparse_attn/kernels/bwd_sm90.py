@@ -99,7 +99,8 @@ def load_step(
     entries, j, r, Q_LAST, q_row0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
 ):  # fmt: skip
     """Q, dO, lse2 and delta of step ``j`` of the list at ``entries`` into the ring's position
-    ``r`` (slot ``r % STAGES``; one block a program: r = j)."""
+    ``r`` (slot ``r % STAGES``; one block a program: r = j). Returns the step's first query
+    row in the ``[B*H*Sq]`` rows, for a caller that loads more of it."""
     NSUB: gl.constexpr = BLOCK_M // STEP_M
     STEP_BYTES: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                                  + desc_lse2.block_type.nbytes
@@ -120,6 +121,7 @@ def load_step(
     tma.async_copy_global_to_shared(desc_do, [row, 0], bar, do_smem.index(slot))
     tma.async_copy_global_to_shared(desc_lse2, [row], bar, lse_smem.index(slot))
     tma.async_copy_global_to_shared(desc_delta, [row], bar, dl_smem.index(slot))
+    return row
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     STEP_M,
     init_ring,
     key_block,
+    load_kv,
+    load_step,
     load_steps,
     step_ring,
 )
@@ -127,7 +129,7 @@ def _to_fixed_point(x):
 def _fused_consumer(
     desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem, lse_smem, dl_smem, ds_smem,
     kv_bar, ready, empty, ds_ready, dq_smem, dq_full, dq_empty, idx_row, start, num_steps,
-    KV_SIZES, kv_block, kv_row, q_row0, Q_LAST, valid, qk_scale, scale, DQ_FIX,
+    KV_SIZES, kv_block, kv_row, q_row0, Q_LAST, valid, qk_scale, scale, fix_smem, fix_ready,
     K_INDEX: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
     HAS_KV_SIZES: gl.constexpr, DQ_BY: gl.constexpr, DQ_FIXED: gl.constexpr,
 ):  # fmt: skip
@@ -137,7 +139,7 @@ def _fused_consumer(
     (``dq_full``: both halves are there; ``dq_empty``: it has read them), or reduced into
     ``DQ_ACC`` (a TMA descriptor of [64, 64] fp32 tiles) from ``dq_smem[K_INDEX]`` by
     ``DQ_TMA``; ``DQ_FIXED`` (with ``DQ_TMA``): as int32 fixed point, each row times its
-    multiplier in ``DQ_FIX`` (fp32, one a query row)."""
+    multiplier, which the loader puts in ``fix_smem`` beside the step (``fix_ready``)."""
     M: gl.constexpr = ROWS_PER_CONSUMER
     HALF: gl.constexpr = HEAD_DIM // 2
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -169,6 +171,8 @@ def _fused_consumer(
     for j in range(num_steps):
         slot = j % STAGES
         mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+        if DQ_FIXED:  # loaded with the step: waited for here, where few registers are live
+            mbarrier.wait(fix_ready.index(slot), (j // STAGES) & 1)
         q = q_smem.index(slot)
         do = do_smem.index(slot)
         s_tok = warpgroup_mma(k, q.permute((1, 0)), s_zero, use_acc=False, is_async=True)
@@ -198,13 +202,11 @@ def _fused_consumer(
         ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))  # keys 64-127
         dq_tok = warpgroup_mma(ds0, k_cols0, dq_zero, use_acc=False, is_async=True)
         dq_tok = warpgroup_mma(ds1, k_cols1, dq_tok, is_async=True)
-        if DQ_FIXED:  # the step's multipliers, their latency under the GEMMs in flight
-            q_row = _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M)
-            fix_rows = q_row + gl.arange(0, STEP_M, layout=gl.SliceLayout(1, dq_layout))
-            fix = gl.expand_dims(gl.load(DQ_FIX + fix_rows), 1)
         dv, dk, p_op, ds_op, dq = warpgroup_mma_wait(
             num_outstanding=0, deps=(dv_tok, dk_tok, p_op, ds_op, dq_tok)
         )
+        if DQ_FIXED:  # the step's multipliers, from the ring before the slot is released
+            fix = gl.expand_dims(fix_smem.index(slot).load(gl.SliceLayout(1, dq_layout)), 1)
         mbarrier.arrive(empty.index(slot))
         dq = dq * scale  # here, in registers: the caller's only pass over dq_acc is the cast
         if DQ_BY == DQ_WRITER:  # to the writer warp, through shared memory
@@ -213,8 +215,7 @@ def _fused_consumer(
             fence_async_shared()  # the writer may hand the tile to the TMA unit (async proxy)
             mbarrier.arrive(dq_full)
         else:
-            if not DQ_FIXED:
-                q_row = _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M)
+            q_row = _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M)
             if DQ_BY == DQ_TMA:
                 tile = dq_smem.index(K_INDEX)
                 tma.store_wait(pendings=0)  # the last step's reduction has read the tile
@@ -243,6 +244,28 @@ def _fused_consumer(
         fence_async_shared()
         tma.async_copy_shared_to_global(desc_dv, [row, 0], v)
         tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _load_steps_and_multipliers(
+    desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, desc_fix, k_smem, v_smem, q_smem,
+    do_smem, lse_smem, dl_smem, fix_smem, kv_bar, ready, fix_ready, empty, idx_row, start, end,
+    Q_LAST, q_row0, kv_row, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+    DQ_FIXED: gl.constexpr,
+):  # fmt: skip
+    """``bwd_sm90.load_steps``, and with ``DQ_FIXED`` each step's fixed-point multipliers (64
+    fp32, by TMA) into ``fix_smem[slot]`` on a barrier of their own (``fix_ready``), the slot's
+    release shared."""
+    load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, 2)
+    entries = idx_row + start
+    for j in range((end - start) * (BLOCK_M // STEP_M)):
+        row = load_step(desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse_smem,
+                        dl_smem, ready, empty, entries, j, j, Q_LAST, q_row0, BLOCK_M,
+                        STAGES)  # fmt: skip
+        if DQ_FIXED:
+            bar = fix_ready.index(j % STAGES)
+            mbarrier.expect(bar, desc_fix.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_fix, [row], bar, fix_smem.index(j % STAGES))
 
 
 @gluon.jit
@@ -347,7 +370,7 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
     desc_lse2, desc_delta,  # TMA over fp32 [B*H*Sq], blocks [64]
     DQ_ACC,  # fp32 [B*H*Sq, D], zeroed by the caller: a pointer, or (DQ_BY_TMA) a TMA
     # descriptor of it in [64, D / 2] tiles; int32 with DQ_FIXED
-    DQ_FIX,  # DQ_FIXED: fp32 [B*H*Sq], each query row's power-of-two multiplier
+    DESC_FIX,  # DQ_FIXED: TMA over fp32 [B*H*Sq] in 64-row steps, each row's multiplier
     Q_OFF, Q_IDX, KV_SIZES,  # the transposed lists; [NK] (HAS_KV_SIZES)
     stride_offb, stride_offh, stride_qib, stride_qih,
     H, Sq, Skv, Q_LAST, NK, WIDTH,
@@ -378,6 +401,13 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
     else:
         dq_by: gl.constexpr = DQ_ATOMICS
         dq_smem = ds_smem  # unread
+    fix_smem, fix_ready = lse_smem, ready  # unread unless DQ_FIXED
+    if DQ_FIXED:  # the multipliers' ring: STAGES x 256 bytes, a barrier a slot
+        fix_smem = gl.allocate_shared_memory(gl.float32, [STAGES, STEP_M], DESC_FIX.layout)
+        fix_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(fix_ready.index(i), count=1)
+        fence_async_shared()
 
     q_row0 = pid_bh * Sq
     gl.warp_specialize(
@@ -386,18 +416,19 @@ def block_sparse_attn_bwd_dkdvdq_gluon_kernel(
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               DQ_FIX, gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES,
-                               HAS_KV_SIZES, dq_by, DQ_FIXED)),
+                               fix_smem, fix_ready, gl.constexpr(0), BLOCK_M, HEAD_DIM,
+                               STAGES, HAS_KV_SIZES, dq_by, DQ_FIXED)),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, kv_bar, kv_bar, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               DQ_FIX, gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES,
-                               HAS_KV_SIZES, dq_by, DQ_FIXED)),
-            (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
-                          v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
-                          idx_row, start, end, Q_LAST, q_row0, kv_row, BLOCK_M, STAGES,
-                          gl.constexpr(2))),
+                               fix_smem, fix_ready, gl.constexpr(1), BLOCK_M, HEAD_DIM,
+                               STAGES, HAS_KV_SIZES, dq_by, DQ_FIXED)),
+            (_load_steps_and_multipliers, (desc_q, desc_do, desc_k, desc_v, desc_lse2,
+                                           desc_delta, DESC_FIX, k_smem, v_smem, q_smem,
+                                           do_smem, lse_smem, dl_smem, fix_smem, kv_bar, ready,
+                                           fix_ready, empty, idx_row, start, end, Q_LAST,
+                                           q_row0, kv_row, BLOCK_M, STAGES, DQ_FIXED)),
         ],
         [4, 1],
         [CONSUMER_REGS, LOADER_REGS],
@@ -455,13 +486,13 @@ def block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel(
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               DQ_ACC, gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES,
+                               lse_smem, ready, gl.constexpr(0), BLOCK_M, HEAD_DIM, STAGES,
                                HAS_KV_SIZES, DQ_WRITER, False)),
             (_fused_consumer, (desc_dk, desc_dv, DQ_ACC, k_smem, v_smem, q_smem, do_smem,
                                lse_smem, dl_smem, ds_smem, kv_bar, ready, empty, ds_ready,
                                dq_smem, dq_full, dq_empty, idx_row, start, num_steps, KV_SIZES,
                                pid_n, kv_row, q_row0, Q_LAST, valid, qk_scale, scale,
-                               DQ_ACC, gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES,
+                               lse_smem, ready, gl.constexpr(1), BLOCK_M, HEAD_DIM, STAGES,
                                HAS_KV_SIZES, DQ_WRITER, False)),
             (load_steps, (desc_q, desc_do, desc_k, desc_v, desc_lse2, desc_delta, k_smem,
                           v_smem, q_smem, do_smem, lse_smem, dl_smem, kv_bar, ready, empty,
