@@ -140,13 +140,14 @@ def test_the_nondeterministic_provider_runs_only_where_it_changes_the_backward()
 
 
 def test_the_fixed_point_arm_times_its_calls_under_the_override(monkeypatch):
-    """``ours-fixed`` runs each timed call inside ``configs.override(one_pass="fixed")``, and
-    only there."""
-    from vidsparse.bench.ops import block_sparse as bench
+    """``ours-fixed``'s wrapper (``harness.under_overrides``) runs each timed call inside
+    ``configs.override(one_pass="fixed")``, and only there."""
+    from vidsparse.bench import harness
     from vidsparse.ops.block_sparse_attn import configs
 
     seen = []
-    run = bench._with_one_pass("fixed", lambda: seen.append(configs.active_overrides().one_pass))
+    run = harness.under_overrides(lambda: seen.append(configs.active_overrides().one_pass),
+                                  one_pass="fixed")  # fmt: skip
     run()
     assert seen == ["fixed"] and configs.active_overrides().one_pass is None
 

@@ -75,6 +75,18 @@ class Provider:
     description: str = ""
 
 
+def under_overrides(call: Callable[[], Any], **overrides) -> Callable[[], Any]:
+    """``call`` (a ``mode_callable``) with the engine's ``configs.override(**overrides)`` around
+    each run, so that the backward it times, too, runs under them (a tuning arm)."""
+    from vidsparse.ops.block_sparse_attn import configs
+
+    def run():
+        with configs.override(**overrides):
+            return call()
+
+    return run
+
+
 def mode_callable(
     forward: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor], mode: str
 ) -> Callable[[], Any]:

@@ -325,18 +325,6 @@ def _ours_forward(lists: BlockLists, deterministic: bool = True) -> Callable:
     return forward
 
 
-def _with_one_pass(mode: str, call: Callable) -> Callable:
-    """``call`` (a ``harness.mode_callable``) with ``configs.override(one_pass=mode)`` around
-    each run, so that the backward it times takes that one-pass mode."""
-    from vidsparse.ops.block_sparse_attn import configs
-
-    def run():
-        with configs.override(one_pass=mode):
-            return call()
-
-    return run
-
-
 def _ours_op_forward(lists: BlockLists, device: torch.device, head_dim: int) -> Callable:
     # Importing the interface registers torch.ops.vidsparse.*; resolve the backend once, as
     # block_sparse_attn would on every call.
@@ -405,7 +393,7 @@ def make_provider(name: str, settings: Settings) -> Provider:
         q, k, v = random_qkv(case.shape, case.shape.seq_len, _case_key(case), settings)
         if name == "ours-fixed":
             call = harness.mode_callable(_ours_forward(lists), (q, k, v), case.mode)
-            return _with_one_pass("fixed", call)
+            return harness.under_overrides(call, one_pass="fixed")
         if name in ("ours", "ours-nondet"):
             forward = _ours_forward(lists, deterministic=name == "ours")
         elif name == "ours-op":

@@ -226,11 +226,11 @@ NONDETERMINISTIC_ONE_PASS = "tma"
 
 
 # The backward's preprocess reading o and dO through a row map (``GradRows.out``): on Hopper 4
-# warps, the engine-order preprocess's (Wan 480p VSA on an H200: 0.207 ms against 8 warps'
-# 0.308, fwd+bwd 9.25 against 9.39; benchmarks/NOTES.md); elsewhere 8: with the heaviest
-# epilogue prologue at D=128 the default 4 hold 252 registers a thread already, and the mapped
-# reads pushed cuda:100 (Triton 3.8) into a 24-byte spill. The preprocess in the engine's own
-# order keeps the default launch it was timed with.
+# warps, as the engine-order preprocess (a Wan 480p client in natural order on an H200: 0.207
+# ms against 8 warps' 0.308, fwd+bwd 9.25 against 9.39 ms; benchmarks/NOTES.md); elsewhere 8:
+# with the heaviest epilogue prologue at D=128 the default 4 hold 252 registers a thread
+# already, and the mapped reads pushed cuda:100 (Triton 3.8) into a 24-byte spill. The
+# preprocess in the engine's own order keeps the default launch it was timed with.
 PREPROCESS_MAPPED_WARPS = 8
 PREPROCESS_MAPPED_WARPS_HOPPER = 4
 
