@@ -213,8 +213,8 @@ ONE_PASS_MODES = {
 DQ_FROM_FIXED_ROWS = 32
 # The backward where the caller asks for the same bits on every run (the default): None, the
 # two kernels. The one pass with dQ in fixed point ("fixed") gives the same bits on every run
-# too, but took 4.52 ms against the two kernels' 4.30 and "tma"'s 4.03 on an H200
-# (benchmarks/NOTES.md).
+# too, but took 4.52 ms against the two kernels' 4.30 and "tma"'s 4.03 on an H200, and 4.51
+# against 4.20 and 3.96 on an H100 with its multipliers through the ring (benchmarks/NOTES.md).
 DETERMINISTIC_ONE_PASS = None
 # Overrides.one_pass's value for the two kernels (dK/dV, then dQ) whatever the caller asks.
 ONE_PASS_OFF = "off"
