@@ -55,43 +55,41 @@ def test_a_word_value_stays_a_word():
     assert parsed == {"one_pass": "ordered", "overlap": None}
 
 
-def test_the_command_runs_under_the_overrides(monkeypatch):
-    """The bench command sees the overrides as the active ones, and the defaults after."""
+def _run_recorded(monkeypatch, module, name: str, argv: list[str], rc: int):
+    """``(rc, args, overrides)``: the script's exit code on ``argv`` with ``module.name`` (the
+    command it hands over to) replaced by a recorder that returns ``rc``, the arguments that
+    command got and the overrides active while it ran; the defaults are active again after."""
     from helpers import load_script
-    from vidsparse.bench import runner
     from vidsparse.ops.block_sparse_attn import configs
 
     script = load_script(SCRIPT)
     seen = []
 
-    def bench_main(argv):
-        seen.append((argv, configs.active_overrides()))
-        return 0
+    def command(args):
+        seen.append((args, configs.active_overrides()))
+        return rc
 
-    monkeypatch.setattr(runner, "main", bench_main)
-    assert script.main(["out_rows=false", "one_pass=tma", "--", "vsa", "--tiny"]) == 0
-    ((argv, active),) = seen
-    assert argv == ["vsa", "--tiny"]
-    assert (active.out_rows, active.one_pass) == (False, "tma")
+    monkeypatch.setattr(module, name, command)
+    code = script.main(argv)
     assert configs.active_overrides() == configs.Overrides()
+    ((args, active),) = seen
+    return code, args, active
+
+
+def test_the_command_runs_under_the_overrides(monkeypatch):
+    """The bench command sees the overrides as the active ones, and the defaults after."""
+    from vidsparse.bench import runner
+
+    argv = ["out_rows=false", "one_pass=tma", "--", "vsa", "--tiny"]
+    code, args, active = _run_recorded(monkeypatch, runner, "main", argv, 0)
+    assert code == 0 and args == ["vsa", "--tiny"]
+    assert (active.out_rows, active.one_pass) == (False, "tma")
 
 
 def test_a_pytest_command_runs_its_tests_under_the_overrides(monkeypatch):
     """``... -- pytest ARGS``: pytest's exit code, with the overrides active while it runs."""
     import pytest
 
-    from helpers import load_script
-    from vidsparse.ops.block_sparse_attn import configs
-
-    script = load_script(SCRIPT)
-    seen = []
-
-    def pytest_main(args):
-        seen.append((args, configs.active_overrides()))
-        return 5
-
-    monkeypatch.setattr(pytest, "main", pytest_main)
-    assert script.main(["tile_pool=false", "--", "pytest", "-q", "tests/x.py"]) == 5
-    ((args, active),) = seen
-    assert args == ["-q", "tests/x.py"] and active.tile_pool is False
-    assert configs.active_overrides() == configs.Overrides()
+    argv = ["tile_pool=false", "--", "pytest", "-q", "tests/x.py"]
+    code, args, active = _run_recorded(monkeypatch, pytest, "main", argv, 5)
+    assert code == 5 and args == ["-q", "tests/x.py"] and active.tile_pool is False

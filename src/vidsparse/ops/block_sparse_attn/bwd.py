@@ -81,7 +81,7 @@ def block_sparse_attn_bwd(
     choose = functools.partial(_kernels_and_mode, q, k, v, kv_block_sizes, block_q, block_kv,
                                padding_finite, epilogue, grad_rows, deterministic)  # fmt: skip
     chosen = None if mapped and grad_rows.out else choose(do)  # do as the kernels read it
-    fixed = chosen is not None and configs.ONE_PASS_MODES.get(chosen[-1], NOT_FIXED).fixed
+    fixed = chosen is not None and configs.one_pass_is_fixed(chosen[-1])
     delta, lse2, do, dq_fix = _preprocess(
         do, o, lse, block_q, fns, epilogue.prologue_args(call, do), grad_rows,
         dq_fixed_of=(k, v, scale, kv_block_sizes, block_kv) if fixed else None)  # fmt: skip
@@ -260,8 +260,6 @@ def _row_maps(grad_rows: GradRows | None, dummy: torch.Tensor):
         return (dummy, dummy), None, None
     return (grad_rows.q_rows, grad_rows.kv_rows), *grad_rows.layouts()
 
-
-NOT_FIXED = configs.OnePassMode(False, False)  # where no one pass runs (mode None)
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 

@@ -209,6 +209,14 @@ ONE_PASS_MODES = {
     "ordered_tma": OnePassMode(True, True),
     "fixed": OnePassMode(False, True, fixed=True),
 }
+
+
+def one_pass_is_fixed(mode: str | None) -> bool:
+    """Does one-pass ``mode`` (None: no one pass) sum dQ in fixed point (the preprocess then
+    forms the rows' multipliers)?"""
+    return mode is not None and ONE_PASS_MODES[mode].fixed
+
+
 # Rows a program of the fixed-point dQ's conversion (kernels/bwd.py) takes: a memory-bound pass.
 DQ_FROM_FIXED_ROWS = 32
 # The backward where the caller asks for the same bits on every run (the default): None, the

@@ -120,15 +120,14 @@ def block_sparse_attn_bwd_kv_bounds_kernel(
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    rows = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols = tl.arange(0, HEAD_DIM)
     real = tl.full([BLOCK_N], 1, tl.int1)
     if HAS_KV_SIZES:
         real = tl.arange(0, BLOCK_N) < tl.load(KV_SIZES + pid_n)
-    k = tl.load(K + b * stride_kb + h * stride_kh + rows[:, None] * stride_ks + cols[None, :] * stride_kd,
-                mask=real[:, None], other=0.0).to(tl.float32)  # fmt: skip
-    v = tl.load(V + b * stride_vb + h * stride_vh + rows[:, None] * stride_vs + cols[None, :] * stride_vd,
-                mask=real[:, None], other=0.0).to(tl.float32)  # fmt: skip
+    k, v = _key_block(K, V, b, h, pid_n, real, tl.arange(0, HEAD_DIM),
+                      stride_kb, stride_kh, stride_ks, stride_kd,
+                      stride_vb, stride_vh, stride_vs, stride_vd,
+                      BLOCK_N, BLOCK_N, HEAD_DIM, HAS_KV_SIZES, False, "")  # fmt: skip
+    k, v = k.to(tl.float32), v.to(tl.float32)
     k_abs = tl.max(tl.max(tl.abs(k), axis=1), axis=0)
     v_norm = tl.max(tl.sqrt(tl.sum(v * v, axis=1)), axis=0)
     finite = tl.sum(tl.sum(k * 0.0, axis=1) + tl.sum(v * 0.0, axis=1), axis=0) == 0.0

@@ -94,6 +94,17 @@ def load_kv(desc_k, desc_v, k_smem, v_smem, kv_bar, kv_row, KV_TILES: gl.constex
 
 
 @gluon.jit
+def step_query_row(entries, j, Q_LAST, q_row0, BLOCK_M: gl.constexpr):
+    """Step ``j``'s first query row in the ``[B*H*Sq]`` rows: its query block from the list
+    at ``entries`` (clamped to ``[0, Q_LAST]``: never another head's rows) and its 64-row step
+    in the block. The loader and any partition that needs the step's row compute it alike."""
+    NSUB: gl.constexpr = BLOCK_M // STEP_M
+    q_block = gl.load(entries + j // NSUB)  # scalar int32 query-block index
+    q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
+    return q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+
+
+@gluon.jit
 def load_step(
     desc_q, desc_do, desc_lse2, desc_delta, q_smem, do_smem, lse_smem, dl_smem, ready, empty,
     entries, j, r, Q_LAST, q_row0, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
@@ -101,7 +112,6 @@ def load_step(
     """Q, dO, lse2 and delta of step ``j`` of the list at ``entries`` into the ring's position
     ``r`` (slot ``r % STAGES``; one block a program: r = j). Returns the step's first query
     row in the ``[B*H*Sq]`` rows, for a caller that loads more of it."""
-    NSUB: gl.constexpr = BLOCK_M // STEP_M
     STEP_BYTES: gl.constexpr = (desc_q.block_type.nbytes + desc_do.block_type.nbytes
                                  + desc_lse2.block_type.nbytes
                                  + desc_delta.block_type.nbytes)  # fmt: skip
@@ -109,9 +119,7 @@ def load_step(
     # Use u = r // STAGES of a slot waits for the release of use u - 1 (parity (u - 1) & 1);
     # for u = 0, parity 1 names the phase before the first and passes at once.
     empty_parity = ((r // STAGES) & 1) ^ 1
-    q_block = gl.load(entries + j // NSUB)  # scalar int32 query-block index
-    q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)  # never another head's rows
-    row = q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
+    row = step_query_row(entries, j, Q_LAST, q_row0, BLOCK_M)
     mbarrier.wait(empty.index(slot), empty_parity)
     # One barrier for all four: every GEMM of the step needs Q or dO, and the softmax rows are
     # tiny (256 bytes each).

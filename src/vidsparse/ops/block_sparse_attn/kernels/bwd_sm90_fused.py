@@ -71,6 +71,7 @@ from vidsparse.ops.block_sparse_attn.kernels.bwd_sm90 import (
     load_kv,
     load_step,
     load_steps,
+    step_query_row,
     step_ring,
 )
 
@@ -106,16 +107,6 @@ def _add_dq(DQ_ACC, dq, q_row, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
     cols = COL0 + gl.arange(0, HEAD_DIM // 2, layout=gl.SliceLayout(0, layout))
     offsets = gl.expand_dims(rows.to(gl.int64) * HEAD_DIM, 1) + gl.expand_dims(cols, 0)
     gl.atomic_add(DQ_ACC + offsets, dq, sem="relaxed")
-
-
-@gluon.jit
-def _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M: gl.constexpr):
-    """Step ``j``'s first query row in the ``[B*H*Sq]`` rows: its query block from the
-    transposed list (the loader's row, clamped alike) and its 64-row step in the block."""
-    NSUB: gl.constexpr = BLOCK_M // STEP_M
-    q_block = gl.load(idx_row + start + j // NSUB)
-    q_block = gl.minimum(gl.maximum(q_block, 0), Q_LAST)
-    return q_row0 + q_block * BLOCK_M + (j % NSUB) * STEP_M
 
 
 @gluon.jit
@@ -215,7 +206,7 @@ def _fused_consumer(
             fence_async_shared()  # the writer may hand the tile to the TMA unit (async proxy)
             mbarrier.arrive(dq_full)
         else:
-            q_row = _step_row(idx_row, start, j, Q_LAST, q_row0, BLOCK_M)
+            q_row = step_query_row(idx_row + start, j, Q_LAST, q_row0, BLOCK_M)  # the loader's
             if DQ_BY == DQ_TMA:
                 tile = dq_smem.index(K_INDEX)
                 tma.store_wait(pendings=0)  # the last step's reduction has read the tile
