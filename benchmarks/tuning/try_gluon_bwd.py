@@ -25,12 +25,11 @@ table last.
 ``--one-pass`` (128x128 cases only) compares instead the one-pass backward
 (``bwd_sm90.dkdvdq_gluon``: dQ by atomics from the dK/dV walk, dq's zeroing and scaling
 included) and its ordered kernel (dQ's adds in key-block order, the same bits every run), each
-by atomics, by TMA reductions (``by_tma``) and in fixed point (``fixed``: 28 bits, rounded by a
-conversion; ``fixed20``: by an fp32 add), at 2 and 3 stages, with the two Gluon kernels
+by atomics and by TMA reductions (``by_tma``) and at 2 and 3 stages, with the two Gluon kernels
 back to back and with the library's backward whole, and fwd+bwd both ways (forward, preprocess,
 backward; the transposed lists cached as the library caches them); its dK, dV against the dK/dV
 kernel's bits and its dQ against the dQ kernel's (rel L2), twice
-(``$OUT/try_one_pass_bwd.json``). ``--one-pass-arms`` picks the arms (default all).
+(``$OUT/try_one_pass_bwd.json``).
 
 ``--persistent`` (128x128 cases only) compares the persistent dK/dV and dQ kernels (one
 program per SM; ``configs.Overrides.persistent_dkdv`` / ``persistent_dq``) with one block a
@@ -210,10 +209,7 @@ def run_case(name: str, gen: torch.Generator) -> list[dict]:
     return rows
 
 
-ONE_PASS_ARMS = ("fixed", "fixed20", "tma", "atomics", "ordered")
-
-
-def one_pass_case(name: str, gen: torch.Generator, arms=ONE_PASS_ARMS) -> list[dict]:
+def one_pass_case(name: str, gen: torch.Generator) -> list[dict]:
     """The one-pass backward against the two Gluon kernels and the library's (``--one-pass``)."""
     from dataclasses import replace
 
@@ -234,26 +230,24 @@ def one_pass_case(name: str, gen: torch.Generator, arms=ONE_PASS_ARMS) -> list[d
     o, lse = forward()
     q_off, q_idx = cached_transpose(idx, cnt, S // bs)
 
-    def prep(o, lse, bits=0):  # bits: the fixed point's (0: none)
-        of = (k, v, scale, sizes, bs, bits) if bits else None
+    def prep(o, lse, fixed=False):
+        of = (k, v, scale, sizes, bs) if fixed else None
         delta, lse2, _, dq_fix = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), (),
                                                  dq_fixed_of=of)  # fmt: skip
-        return (delta, lse2, dq_fix) if bits else (delta, lse2)
+        return (delta, lse2, dq_fix) if fixed else (delta, lse2)
 
     def two_kernels(o=o, lse=lse):
         delta, lse2 = prep(o, lse)
         dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale)
         return bwd_sm90.dq_gluon(q, k, v, do, lse2, delta, idx, cnt, bs, scale), dk, dv
 
-    def one_pass(stages, how, o=o, lse=lse):  # how: "atomics", "tma", "fixed" or "fixed20"
-        bits = configs.ONE_PASS_MODES[how].fixed if how.startswith("fixed") else 0
-        delta, lse2, *fix = prep(o, lse, bits)
+    def one_pass(stages, how, o=o, lse=lse):  # how: "atomics", "tma" or "fixed"
+        delta, lse2, *fix = prep(o, lse, fixed=how == "fixed")
         table = configs.GLUON_DKDVDQ if how == "atomics" else configs.GLUON_DKDVDQ_TMA
         opts = replace(table[bs], STAGES=stages)
-        fixed = dict(dq_fix=fix[0], fixed_bits=bits) if fix else {}
         dk, dv, dq = bwd_sm90.dkdvdq_gluon(q, k, v, do, lse2, delta, q_off, q_idx, bs, scale,
                                            options=opts, by_tma=how != "atomics",
-                                           **fixed)  # fmt: skip
+                                           dq_fix=fix[0] if fix else None)  # fmt: skip
         return dq, dk, dv
 
     def library():
@@ -264,8 +258,7 @@ def one_pass_case(name: str, gen: torch.Generator, arms=ONE_PASS_ARMS) -> list[d
     row("fwd+two_kernels", _bench(lambda: two_kernels(*forward())))
     row("library_bwd", _bench(library))
     row("fwd+library_bwd", _bench(lambda: (forward(), library())))
-    singles = [how for how in arms if how != "ordered"]
-    for how, stages in itertools.product(singles, (2, 3)):
+    for how, stages in itertools.product(("fixed", "tma", "atomics"), (2, 3)):
         checks, dqs = {}, []
         for run in (1, 2):
             dq, dk, dv = one_pass(stages, how)
@@ -287,7 +280,7 @@ def one_pass_case(name: str, gen: torch.Generator, arms=ONE_PASS_ARMS) -> list[d
                                            by_tma=by_tma)  # fmt: skip
         return dq, dk, dv
 
-    for by_tma, stages in itertools.product((True, False) if "ordered" in arms else (), (2, 3)):
+    for by_tma, stages in itertools.product((True, False), (2, 3)):
         dq_a, dk, dv = ordered(stages, by_tma)
         dq_b = ordered(stages, by_tma)[0]
         checks = {"dk_equal": bool(torch.equal(dk, dk_2)),
@@ -385,8 +378,6 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default="engine,vsa480")
     ap.add_argument("--one-pass", action="store_true", help="the one-pass backward's A/B")
-    ap.add_argument("--one-pass-arms", default=",".join(ONE_PASS_ARMS),
-                    help=f"--one-pass's arms, of {ONE_PASS_ARMS}")  # fmt: skip
     ap.add_argument("--persistent", action="store_true", help="the persistent dK/dV's A/B")
     args = ap.parse_args()
     import triton
@@ -398,10 +389,9 @@ def main() -> None:
     gen.manual_seed(0)
     rows = []
     for name in args.cases.split(","):
-        if args.one_pass:
-            rows += one_pass_case(name, gen, tuple(args.one_pass_arms.split(",")))
-        else:
-            rows += (persistent_case if args.persistent else run_case)(name, gen)
+        study = (one_pass_case if args.one_pass
+                 else persistent_case if args.persistent else run_case)  # fmt: skip
+        rows += study(name, gen)
     out_dir = os.environ.get("OUT")
     if out_dir:
         out_name = ("try_one_pass_bwd.json" if args.one_pass

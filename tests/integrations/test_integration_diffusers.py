@@ -423,6 +423,37 @@ def test_regional_compile_shares_graphs_across_psa_layers():
     assert len(graphs) == 1
 
 
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+def test_compiled_blocks_follow_patching_across_models():
+    """Regional compilation shares one Dynamo cache between every block of a class, in every
+    model, and Dynamo does not guard on module hooks: a block graph traced for a model that is
+    not patched (while another patched model keeps the shim installed) was reused for a patched
+    model, whose attention then stayed dense (its gate got no gradient). Each compiled model
+    here computes what it computes eagerly: unpatched beside patched ones, patched after an
+    unpatched one compiled, and again unpatched after ``remove_sparse_attention``."""
+    torch._dynamo.reset()
+    holder = tiny_wan()
+    apply_sparse_attention(holder, "vsa", sparsity=0.5)  # alive: the shim stays installed
+    dense_expected = run(tiny_wan(), wan_inputs())
+
+    def compiled(model):
+        model.compile_repeated_blocks(fullgraph=True, backend="eager")
+        return run(model, wan_inputs())
+
+    torch.testing.assert_close(compiled(tiny_wan()), dense_expected, atol=ATOL, rtol=0)
+    sparse = tiny_wan()
+    apply_sparse_attention(sparse, "vsa", sparsity=0.5)
+    sparse_expected = run(sparse, wan_inputs())
+    assert (sparse_expected - dense_expected).abs().max() > 1e-3  # VSA changes the output
+    torch.testing.assert_close(compiled(sparse), sparse_expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(compiled(tiny_wan()), dense_expected, atol=ATOL, rtol=0)
+    remove_sparse_attention(sparse)
+    torch.testing.assert_close(run(sparse, wan_inputs()), dense_expected, atol=ATOL, rtol=0)
+    apply_sparse_attention(sparse, "vsa", sparsity=0.5)
+    torch.testing.assert_close(run(sparse, wan_inputs()), sparse_expected, atol=ATOL, rtol=0)
+    remove_sparse_attention(holder)
+
+
 def test_psa_lists_path_equals_specs_path(wan, patched, monkeypatch):
     # The buffers hold exactly what stripe_attn builds from the specs.
     model = patched("psa", specs=[same_place(), spatial_band(2)])

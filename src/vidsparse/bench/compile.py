@@ -156,13 +156,12 @@ def compile_dq_sm90(
 
 def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bfloat16,
                         ordered: bool = False, by_tma: bool = False,
-                        fixed: int = 0) -> dict:  # fmt: skip
+                        fixed: bool = False) -> dict:  # fmt: skip
     """Compile the one-pass backward (``ops/block_sparse_attn/kernels/bwd_sm90_fused.py``,
     128-row blocks) for cuda:90 on meta tensors; returns the report of ``compile_sm90``.
     ``options``: fields of ``configs.GluonBwdOptions`` overriding the library's;
     ``ordered``: the kernel that adds dQ in key-block order; ``by_tma``: the one that adds by
-    TMA reductions; ``fixed`` (with ``by_tma``): in int32 fixed point of that many bits
-    (``configs.FIXED_BITS_*``; 0: fp32)."""
+    TMA reductions; ``fixed`` (with ``by_tma``): in int32 fixed point."""
     _require_compiler("compile_dkdvdq_sm90")
     from dataclasses import replace
 
@@ -183,7 +182,6 @@ def compile_dkdvdq_sm90(options: dict, *, masked: bool = False, dtype=torch.bflo
     kernel, _, args, kwargs = bwd_sm90.dkdvdq_kernel_args(
         q, q, q, q, q, q, dq_acc, lse2, lse2, offsets, indices, BLOCK, D**-0.5, sizes,
         options=schedule, order=order, by_tma=by_tma, dq_fix=lse2 if fixed else None,
-        fixed_bits=fixed or configs.FIXED_BITS_BY_CVT,
     )  # fmt: skip
     return compile_launch_sm90(kernel, args, kwargs)
 

@@ -217,8 +217,6 @@ _OPS = (
             _P("ours-nondet", "the same with deterministic=False (the one-pass backward)"),
             _P("ours-fixed", "the default with the one pass's dQ in fixed point (override)",
                default=False),
-            _P("ours-fixed20", "the same in 20-bit fixed point, rounded by an add (override)",
-               default=False),
             _P("ours-op", "the registered custom op called directly (kernels alone)",
                default=False),
             _P("cudnn", "dense SDPA pinned to cuDNN, real tokens", ("cudnn",), reference=True),

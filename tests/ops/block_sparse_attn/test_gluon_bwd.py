@@ -339,11 +339,10 @@ def test_gpu_engine_backward_is_bit_identical_across_runs(gluon_calls, one_pass)
         assert torch.equal(a, b)
 
 
-def _one_pass_case(dtype, padded, scale, seed, bits=28):
+def _one_pass_case(dtype, padded, scale, seed):
     """``(problem, one_pass, (dk, dv, dq))``: a 128x128 problem (``_problem``),
-    ``one_pass(**kw)`` calling ``dkdvdq_gluon`` on its forward's preprocess (fixed-point
-    multipliers of ``bits``) and transposed lists, and the dK/dV and dQ kernels' gradients
-    from the same."""
+    ``one_pass(**kw)`` calling ``dkdvdq_gluon`` on its forward's preprocess and transposed
+    lists, and the dK/dV and dQ kernels' gradients from the same."""
     from vidsparse.ops.block_sparse_attn import bwd, bwd_sm90, fwd
     from vidsparse.ops.block_sparse_attn.epilogue import NO_EPILOGUE
     from vidsparse.ops.block_sparse_attn.lists import cached_transpose
@@ -353,12 +352,12 @@ def _one_pass_case(dtype, padded, scale, seed, bits=28):
     q, k, v, do, idx, cnt, sizes = problem
     o, lse = fwd.block_sparse_attn_fwd(q, k, v, idx, cnt, sizes, bs, bs, sc, padding_finite=True)
     delta, lse2, _, dq_fix = bwd._preprocess(do, o, lse, bs, NO_EPILOGUE.fns(), (),
-                                             dq_fixed_of=(k, v, sc, sizes, bs, bits))  # fmt: skip
+                                             dq_fixed_of=(k, v, sc, sizes, bs))  # fmt: skip
     q_offsets, q_indices = cached_transpose(idx, cnt, k.shape[2] // bs)
     lists = (lse2, delta, q_offsets, q_indices, bs, sc)
 
     def one_pass(fixed=False, **kw):  # fixed: in int32 fixed point, by TMA
-        fix = dict(dq_fix=dq_fix, by_tma=True, fixed_bits=bits) if fixed else {}
+        fix = dict(dq_fix=dq_fix, by_tma=True) if fixed else {}
         return bwd_sm90.dkdvdq_gluon(q, k, v, do, *lists, kv_block_sizes=sizes, **kw, **fix)
 
     dk, dv = bwd_sm90.dkdv_gluon(q, k, v, do, *lists, kv_block_sizes=sizes)
@@ -385,17 +384,15 @@ def test_gpu_one_pass_backward_matches_reference_and_both_kernels(dtype, padded,
 
 
 @pytest.mark.parametrize("scale", [1.0, 4.0, 16.0])
-@pytest.mark.parametrize(("dtype", "bits"), [(torch.bfloat16, 28), (torch.float16, 28),
-                                             (torch.bfloat16, 20)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_gpu_fixed_point_one_pass_is_bit_identical_and_as_accurate(dtype, bits, padded, scale):
-    """``dkdvdq_gluon(dq_fix=...)`` (dQ's adds as int32 fixed point, by TMA in any order; each
-    term rounded by a conversion with 28 bits, by an fp32 add with 20, bf16's): dq
+def test_gpu_fixed_point_one_pass_is_bit_identical_and_as_accurate(dtype, padded, scale):
+    """``dkdvdq_gluon(dq_fix=...)`` (dQ's adds as int32 fixed point, by TMA in any order): dq
     the same bits on three runs; against fp64 as close as PyTorch in low precision and as the
     dQ kernel, 0 on the empty query row; within 1e-3 of the fp32 adds' dq; dK, dV the dK/dV
     kernel's bits; partial key blocks with large finite padding (left out of the bounds),
     input scales 1, 4 and 16."""
-    problem, one_pass, (dk_2, dv_2, dq_2) = _one_pass_case(dtype, padded, scale, 23, bits)
+    problem, one_pass, (dk_2, dv_2, dq_2) = _one_pass_case(dtype, padded, scale, 23)
     q, k, v, do, idx, cnt, sizes = problem
     runs = [one_pass(fixed=True) for _ in range(3)]
     dk, dv, dq = runs[0]
@@ -434,8 +431,7 @@ def _one_pass_spy(monkeypatch) -> list:
     def spy(*args, **kwargs):
         calls.append(configs.OnePassMode(kwargs.get("ordered_by") is not None,
                                          kwargs.get("by_tma", False),
-                                         kwargs["fixed_bits"] if kwargs.get("dq_fix") is not None
-                                         else 0))  # fmt: skip
+                                         kwargs.get("dq_fix") is not None))  # fmt: skip
         return real(*args, **kwargs)
 
     monkeypatch.setattr(bwd_sm90, "dkdvdq_gluon", spy)
@@ -443,7 +439,7 @@ def _one_pass_spy(monkeypatch) -> list:
 
 
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma", "ordered_tma", "fixed", "fixed20"])
+@pytest.mark.parametrize("mode", ["ordered", "unordered", "tma", "ordered_tma", "fixed"])
 def test_gpu_engine_backward_takes_the_one_pass_kernel_where_asked(monkeypatch, mode):
     """``configs.override(one_pass=mode)``: the engine's backward at 128x128 without an
     epilogue runs ``dkdvdq_gluon`` (ordered: with the forward lists; tma: by TMA reductions;

@@ -187,23 +187,6 @@ def test_hopper_takes_the_gluon_forward_and_tma(monkeypatch, fake_gpu, block):
         assert "DQ_FIXED" not in preprocess[0] and _backward_names(launches) == two
 
 
-@pytest.mark.parametrize(("mode", "dtype", "bits"), [
-    ("fixed", torch.bfloat16, 28), ("fixed", torch.float16, 28),
-    ("fixed20", torch.bfloat16, 20), ("fixed20", torch.float16, 28)])  # fmt: skip
-def test_fixed_point_bits_reach_the_preprocess_and_the_kernel(monkeypatch, fake_gpu, mode,
-                                                              dtype, bits):  # fmt: skip
-    """The mode's bits (``configs.fixed_point_bits``: fp16 keeps 28) go to both the
-    preprocess's multipliers and the one-pass kernel's rounding: a mismatch would round terms
-    out of the add's exact range or waste 8 bits."""
-    from vidsparse.ops.block_sparse_attn import configs
-
-    fake_gpu(9, 0)
-    with configs.override(one_pass=mode):
-        launches = _launches(monkeypatch, 128, dtype=dtype)
-    preprocess = [kw for name, kw in launches if "preprocess" in name]
-    assert preprocess[0]["DQ_FIXED"] == bits and launches[-1][1]["fixed_bits"] == bits
-
-
 def test_hopper_backward_leaves_the_gluon_kernels_where_they_do_not_fit(monkeypatch, fake_gpu):
     """At 128x128 the Gluon dK/dV and dQ kernels need D=128, 16-bit inputs, TMA, an epilogue
     with their Gluon hook, and a row that asks for them (the masked rows do not). Without one

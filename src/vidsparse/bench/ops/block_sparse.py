@@ -2,9 +2,8 @@
 
 Every provider in fwd, bwd and fwd+bwd, at each density and block size: ``ours`` (the public
 API, validation included), ``ours-nondet`` (the same with ``deterministic=False``: its backward
-in one pass where that applies), ``ours-fixed`` / ``ours-fixed20`` (the default with the one
-pass's dQ in fixed point, ``configs.override(one_pass="fixed" / "fixed20")``: tuning arms, not
-by default), ``ours-op`` (the
+in one pass where that applies), ``ours-fixed`` (the default with the one pass's dQ in fixed
+point, ``configs.override(one_pass="fixed")``: a tuning arm, not by default), ``ours-op`` (the
 custom op alone, not by default), ``cudnn`` /
 ``flash`` (dense SDPA on the real tokens, the reference rows) and ``flex`` / ``flex64``
 (compiled FlexAttention with a ``BlockMask`` of the same lists at 128x128 / 64x64). Effective
@@ -42,12 +41,11 @@ from vidsparse.bench.sdpa import dense_sdpa
 from vidsparse.layout import VideoGrid
 
 DENSE_PROVIDERS = ("cudnn", "flash")
-FIXED_ARMS = {"ours-fixed": "fixed", "ours-fixed20": "fixed20"}  # arm: its one_pass override
-OURS = ("ours", "ours-nondet", *FIXED_ARMS, "ours-op")
-# ours-nondet (the fixed arms) runs only where deterministic=False (the override) changes the
+OURS = ("ours", "ours-nondet", "ours-fixed", "ours-op")
+# ours-nondet (ours-fixed) runs only where deterministic=False (the override) changes the
 # backward (the one pass: 128x128).
 NONDET_BLOCKS = ((128, 128),)
-ONE_PASS_ARMS = ("ours-nondet", *FIXED_ARMS)
+ONE_PASS_ARMS = ("ours-nondet", "ours-fixed")
 SPARSE_PROVIDERS = (*OURS, "flex", "flex64")
 ALL_PROVIDERS = (*SPARSE_PROVIDERS, *DENSE_PROVIDERS)
 PROVIDERS = ALL_PROVIDERS
@@ -393,9 +391,9 @@ def make_provider(name: str, settings: Settings) -> Provider:
             return harness.mode_callable(forward, (q, k, v), case.mode)
         lists = case.lists
         q, k, v = random_qkv(case.shape, case.shape.seq_len, _case_key(case), settings)
-        if name in FIXED_ARMS:
+        if name == "ours-fixed":
             call = harness.mode_callable(_ours_forward(lists), (q, k, v), case.mode)
-            return harness.under_overrides(call, one_pass=FIXED_ARMS[name])
+            return harness.under_overrides(call, one_pass="fixed")
         if name in ("ours", "ours-nondet"):
             forward = _ours_forward(lists, deterministic=name == "ours")
         elif name == "ours-op":

@@ -17,6 +17,16 @@ processor chose.
 
 ``ROUTES`` is process-global (a stack: the innermost active self-attention last), so two
 patched models must not run concurrently in threads of one process.
+
+Under ``torch.compile``: Dynamo does not guard on module hooks (its default
+``skip_nnmodule_hook_guards``), and regional compilation shares one cache between every block
+of a class, in every model. A block graph traced through the shim with no route open (a model
+not patched, while another patched model keeps the shim installed) would then be reused for a
+patched model's blocks: the hooks never run and attention stays dense, silently (a trained
+gate got no gradient). So the shim reads ``_EPOCH``, which every attach and detach changes:
+each graph traced through it guards on the value and is traced again after a model is patched
+or unpatched (once per compiled region; diffusers' dispatch and the shim differ by identity,
+which Dynamo guards on too).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ DISPATCH_PARAMETERS = (
 SUPPORTED_DIFFUSERS = ">= 0.36 (tested up to 0.42)"
 
 ROUTES: list = []  # the active self-attention calls (hooks.py pushes and pops them)
+_EPOCH = 0  # changed by every attach and detach (the module docstring: compiled graphs)
 
 # model module name -> (diffusers' function, the patched transformers that route through it)
 _SHIMS: dict[str, tuple[Any, weakref.WeakSet]] = {}
@@ -101,7 +112,7 @@ def _make_shim(original):
         backend=None,
         parallel_config=None,
     ):
-        if ROUTES:
+        if _routed():
             args = DispatchArgs(
                 attn_mask,
                 dropout_p,
@@ -132,6 +143,17 @@ def _make_shim(original):
     dispatch_attention_fn.__doc__ = original.__doc__
     dispatch_attention_fn._vidsparse_shim = True
     return dispatch_attention_fn
+
+
+def _routed() -> bool:
+    """Is a vidsparse self-attention call open? ``_EPOCH`` is read first, so that a graph
+    Dynamo traces through the shim guards on its value (module docstring)."""
+    return _EPOCH >= 0 and bool(ROUTES)
+
+
+def _new_epoch() -> None:
+    global _EPOCH
+    _EPOCH += 1
 
 
 def diffusers_dispatch():
@@ -178,6 +200,7 @@ def attach(module_name: str, owner) -> None:
         setattr(module, DISPATCH_NAME, _make_shim(entry[0]))
         logger.debug("vidsparse: routing %s.%s", module_name, DISPATCH_NAME)
     entry[1].add(owner)
+    _new_epoch()
 
 
 def detach(module_name: str, owner) -> None:
@@ -186,6 +209,7 @@ def detach(module_name: str, owner) -> None:
     if entry is None:
         return
     entry[1].discard(owner)
+    _new_epoch()
     if len(entry[1]):
         return
     module = importlib.import_module(module_name)

@@ -81,9 +81,10 @@ def block_sparse_attn_bwd(
     choose = functools.partial(_kernels_and_mode, q, k, v, kv_block_sizes, block_q, block_kv,
                                padding_finite, epilogue, grad_rows, deterministic)  # fmt: skip
     chosen = None if mapped and grad_rows.out else choose(do)  # do as the kernels read it
+    fixed = chosen is not None and configs.one_pass_is_fixed(chosen[-1])
     delta, lse2, do, dq_fix = _preprocess(
         do, o, lse, block_q, fns, epilogue.prologue_args(call, do), grad_rows,
-        dq_fixed_of=_fixed_point_of(chosen, q, k, v, scale, kv_block_sizes, block_kv))  # fmt: skip
+        dq_fixed_of=(k, v, scale, kv_block_sizes, block_kv) if fixed else None)  # fmt: skip
     kv_cfg, kv_tma, q_cfg, q_tma, gluon_dkdv, gluon_dq, mode = chosen or choose(do)
     grad_hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
     kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
@@ -186,14 +187,6 @@ def _kernels_and_mode(q, k, v, kv_block_sizes, block_q, block_kv, padding_finite
     return kv_cfg, kv_tma, q_cfg, q_tma, gluon_dkdv, gluon_dq, mode
 
 
-def _fixed_point_of(chosen, q, k, v, scale, kv_block_sizes, block_kv):
-    """``_preprocess``'s ``dq_fixed_of`` where the chosen one-pass mode sums dQ in fixed point
-    (``configs.fixed_point_bits`` for q's dtype), else None."""
-    if chosen is None or not configs.one_pass_is_fixed(chosen[-1]):
-        return None
-    return k, v, scale, kv_block_sizes, block_kv, configs.fixed_point_bits(chosen[-1], q.dtype)
-
-
 def _dq_lists(kv_indices, kv_counts, kv_block_sizes, block_kv, gluon_dq):
     """``(lists, counts, tails, checked, their strides, (ends, its strides))`` the dQ kernels
     walk (``lists_by_size``), int32 for the Gluon kernel: converted here, not on dQ's side
@@ -256,7 +249,6 @@ def _one_pass(mode, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices, 
         kv_block_sizes=kv_block_sizes,
         ordered_by=(kv_indices, kv_counts) if how.ordered else None, by_tma=how.by_tma,
         dq_fix=dq_fix if how.fixed else None,
-        fixed_bits=configs.fixed_point_bits(mode, q.dtype) or configs.FIXED_BITS_BY_CVT,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -370,8 +362,8 @@ def _preprocess(do, o, lse, block_q, fns, prologue_args, grad_rows: GradRows | N
     Where ``grad_rows`` says o and do are in the q side's order (``GradRows.out``) they are
     read through its q map and the do returned is the engine-order copy the kernel writes
     (zeros on unmapped rows); else do itself. ``dq_fixed_of``: ``(k, v, scale,
-    kv_block_sizes, block_kv, bits)`` of the call, for each query row's fixed-point multiplier
-    (``configs.FIXED_BITS_*``) of the one pass's dQ (``dq_fix``, fp32 [B, H, Sq]; else None)."""
+    kv_block_sizes, block_kv)`` of the call, for each query row's fixed-point multiplier of
+    the one pass's dQ (``dq_fix``, fp32 [B, H, Sq]; else None)."""
     B, H, Sq = lse.shape
     D = o.shape[-1]
     delta = torch.empty((B, H, Sq), device=o.device, dtype=torch.float32)
@@ -383,8 +375,8 @@ def _preprocess(do, o, lse, block_q, fns, prologue_args, grad_rows: GradRows | N
                  or configs.preprocess_mapped_warps(target_of(o.device)))  # fmt: skip
         mapped = dict(IN_ROWS=grad_rows.q_rows, DO_T=do_t, IN_MAPPED=True, num_warps=warps)
     if dq_fixed_of is not None:
-        k, v, scale, kv_block_sizes, block_kv, bits = dq_fixed_of
-        fixed = dict(DQ_FIX=torch.empty_like(delta), scale=scale, DQ_FIXED=bits,
+        k, v, scale, kv_block_sizes, block_kv = dq_fixed_of
+        fixed = dict(DQ_FIX=torch.empty_like(delta), scale=scale, DQ_FIXED=True,
                      KV_BOUNDS=kv_bounds(k, v, kv_block_sizes, block_kv))  # fmt: skip
     block_sparse_attn_bwd_preprocess_kernel[(Sq // block_q, B * H)](
         o, do, lse, delta, lse2, *o.stride(), *do.stride(),

@@ -265,15 +265,14 @@ def dq_gluon(q, k, v, do, lse2, delta, kv_indices, kv_counts, block=128, scale=N
 def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_indices, block,
                        scale, kv_block_sizes=None,
                        options: configs.GluonBwdOptions | None = None,
-                       order=None, by_tma: bool = False, dq_fix=None,
-                       fixed_bits: int = configs.FIXED_BITS_BY_CVT):  # fmt: skip
+                       order=None, by_tma: bool = False, dq_fix=None):  # fmt: skip
     """``(kernel, grid, args, kwargs)`` of the one-pass backward (also used to compile for sm_90
     without a GPU): the dK/dV kernel's arguments and ``dq_acc``, fp32 [B, H, Sq, D] (int32
     with ``dq_fix``). ``order``: None (unordered adds), or ``(kv_indices, kv_counts,
     semaphores, ticket)``, the forward lists (int32, unit last stride) and zeroed int32
     ``[B*H*NQ*2]`` and ``[1]``: the ordered kernel. ``by_tma``: either kernel adding by TMA
     reductions; ``dq_fix`` (by TMA, unordered): the rows' fixed-point multipliers, fp32
-    [B, H, Sq], made for ``fixed_bits`` (``configs.FIXED_BITS_*``)."""
+    [B, H, Sq]."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     has_sizes = kv_block_sizes is not None
@@ -289,7 +288,7 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
                     semaphores, ticket)  # fmt: skip
         kernel = block_sparse_attn_bwd_dkdvdq_ordered_gluon_kernel
         table = configs.GLUON_DKDVDQ_ORDERED
-    fixed = dict(DQ_FIXED=fixed_bits if dq_fix is not None else 0) if order is None else {}
+    fixed = dict(DQ_FIXED=dq_fix is not None) if order is None else {}
     fix_arg = (_steps(dq_fix)[0] if dq_fix is not None else dq_acc,) if order is None else ()
     args = (*_tiles(q, k, v, do, dk, dv), *_steps(lse2, delta), dq_target, *fix_arg, q_offsets,
             q_indices, sizes, *broadcast_strides(q_offsets)[:2],
@@ -303,8 +302,7 @@ def dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta, q_offsets, q_in
 
 def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scale=None, *,
                  kv_block_sizes=None, options: configs.GluonBwdOptions | None = None,
-                 ordered_by=None, by_tma: bool = False, dq_fix=None,
-                 fixed_bits: int = configs.FIXED_BITS_BY_CVT):  # fmt: skip
+                 ordered_by=None, by_tma: bool = False, dq_fix=None):  # fmt: skip
     """``(dk, dv, dq)`` in one pass (Hopper, 128-row blocks, no epilogue): dK and dV the dK/dV
     kernel's bits, dQ added from every key block's step into an fp32 accumulator by atomics
     (``kernels/bwd_sm90_fused.py``). Unordered, dq's last bits vary from run to run;
@@ -315,9 +313,8 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     reductions from shared memory instead of atomics (ordered: by the writer warp, which waits
     for them to land before it counts the step). ``dq_fix`` (by TMA, unordered): dQ summed as
     int32 fixed point, each query row scaled by its multiplier (fp32 [B, H, Sq], the
-    preprocess's ``dq_fix`` for this call's k, v, scale and ``fixed_bits``: 28, each term
-    rounded by a conversion; 20, by an fp32 add), so dq is the same bits on every run at the
-    unordered kernel's traffic. Inputs as ``dkdv_gluon``'s. The engine's backward
+    preprocess's ``dq_fix`` for this call's k, v and scale), so dq is the same bits on every
+    run at the unordered kernel's traffic. Inputs as ``dkdv_gluon``'s. The engine's backward
     takes it, unordered and by TMA (``configs.NONDETERMINISTIC_ONE_PASS``), for
     ``deterministic=False``, and any variant under ``configs.override(one_pass=...)``; by
     atomics, and ordered either way, it is slower than the two kernels
@@ -327,7 +324,7 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
         raise ValueError(f"dkdvdq_gluon: block {block} not supported; "
                          f"supported: {sorted(configs.GLUON_DKDVDQ)}")  # fmt: skip
     _check_transposed_lists("dkdvdq_gluon", q_offsets, q_indices, k, block)
-    _check_fixed_point(dq_fix, q, ordered_by, by_tma, fixed_bits)
+    _check_fixed_point(dq_fix, q, ordered_by, by_tma)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -342,7 +339,7 @@ def dkdvdq_gluon(q, k, v, do, lse2, delta, q_offsets, q_indices, block=128, scal
     kernel, grid, args, kwargs = dkdvdq_kernel_args(q, k, v, do, dk, dv, dq_acc, lse2, delta,
                                                     q_offsets, q_indices, block, scale,
                                                     kv_block_sizes, options, order,
-                                                    by_tma, dq_fix, fixed_bits)  # fmt: skip
+                                                    by_tma, dq_fix)  # fmt: skip
     kernel[grid](*args, **kwargs)
     if dq_fix is None:
         return dk, dv, dq_acc.to(q.dtype)
@@ -361,14 +358,11 @@ def dq_from_fixed_point(acc: torch.Tensor, dq_fix: torch.Tensor, dtype) -> torch
     return dq
 
 
-def _check_fixed_point(dq_fix, q, ordered_by, by_tma, fixed_bits) -> None:
-    """What ``dkdvdq_gluon``'s fixed point needs: TMA reductions in any order, one fp32
-    multiplier a query row, and bits the kernel rounds for."""
+def _check_fixed_point(dq_fix, q, ordered_by, by_tma) -> None:
+    """What ``dkdvdq_gluon``'s fixed point needs: TMA reductions in any order, and one fp32
+    multiplier a query row."""
     if dq_fix is None:
         return
-    if fixed_bits not in (configs.FIXED_BITS_BY_CVT, configs.FIXED_BITS_BY_ADD):
-        raise ValueError(f"dkdvdq_gluon: fixed_bits={fixed_bits!r}: "
-                         f"{configs.FIXED_BITS_BY_CVT} or {configs.FIXED_BITS_BY_ADD}")  # fmt: skip
     if ordered_by is not None or not by_tma:
         raise ValueError("dkdvdq_gluon: dq_fix (fixed point) needs by_tma=True and no ordered_by")
     if dq_fix.dtype != torch.float32 or dq_fix.shape != q.shape[:3] or not dq_fix.is_contiguous():

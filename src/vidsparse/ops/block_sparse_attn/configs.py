@@ -191,24 +191,14 @@ GLUON_DKDVDQ_TMA = {128: GluonBwdOptions(STAGES=3)}
 GLUON_DKDVDQ_ORDERED = {128: GluonBwdOptions(STAGES=2, LOADER_REGS=32)}
 
 
-# dQ in fixed point: a row's multiplier puts the bound on its partial sums in
-# [2**bits, 2**(bits + 1)) (kernels/bwd.py, dq_fixed_point_multiplier). With 28 bits each term
-# is rounded by cvt.rni, a quarter-rate conversion per element; with 20 by an fp32 add of
-# 1.5 * 2**23 (exact for terms under 2**22; 2x headroom over the bound and bf16's rounding of
-# dS), one full-rate add and an integer subtract, at 2**-8 of the resolution
-# (benchmarks/tuning/sim_fixed_point_dq.py: bf16 dq within 1.13x of the cast's own error).
-FIXED_BITS_BY_CVT = 28
-FIXED_BITS_BY_ADD = 20
-
-
 class OnePassMode(NamedTuple):
     """How the one-pass backward adds dQ: in key-block order (a writer warp waits its turn),
     by TMA reductions, and as int32 fixed point (by TMA, in any order: integer adds give the
-    same bits whatever the order) with ``fixed`` bits (0: fp32)."""
+    same bits whatever the order)."""
 
     ordered: bool
     by_tma: bool
-    fixed: int = 0
+    fixed: bool = False
 
 
 # Overrides.one_pass's modes
@@ -217,23 +207,14 @@ ONE_PASS_MODES = {
     "ordered": OnePassMode(True, False),
     "tma": OnePassMode(False, True),
     "ordered_tma": OnePassMode(True, True),
-    "fixed": OnePassMode(False, True, fixed=FIXED_BITS_BY_CVT),
-    "fixed20": OnePassMode(False, True, fixed=FIXED_BITS_BY_ADD),
+    "fixed": OnePassMode(False, True, fixed=True),
 }
 
 
 def one_pass_is_fixed(mode: str | None) -> bool:
     """Does one-pass ``mode`` (None: no one pass) sum dQ in fixed point (the preprocess then
     forms the rows' multipliers)?"""
-    return mode is not None and ONE_PASS_MODES[mode].fixed > 0
-
-
-def fixed_point_bits(mode: str, dtype) -> int:
-    """The fixed-point bits of one-pass ``mode`` for gradients in ``dtype``: the mode's, but 28
-    where 20 would cost fp16's dq precision (2-4x its own rounding error at input scale 1,
-    ``sim_fixed_point_dq.py``; bf16's rounding hides it)."""
-    bits = ONE_PASS_MODES[mode].fixed
-    return FIXED_BITS_BY_CVT if bits and dtype == torch.float16 else bits
+    return mode is not None and ONE_PASS_MODES[mode].fixed
 
 
 # Rows a program of the fixed-point dQ's conversion (kernels/bwd.py) takes: a memory-bound pass.

@@ -51,7 +51,7 @@ def block_sparse_attn_bwd_preprocess_kernel(
     # DQ_FIXED: fp32 [B, H, Sq] out; fp32 [B*H, 2] (block_sparse_attn_bwd_kv_bounds_kernel's
     # max |k| and max row norm of v); the softmax scale
     DQ_FIX=None, KV_BOUNDS=None, scale=1.0,
-    DQ_FIXED: tl.constexpr = 0,
+    DQ_FIXED: tl.constexpr = False,
 ):  # fmt: skip
     """``delta = rowsum(o * do)`` and the base-2 lse, with ``-inf`` (rows that attended to
     nothing) turned into ``+inf`` so that their probabilities recompute to 0.
@@ -65,8 +65,8 @@ def block_sparse_attn_bwd_preprocess_kernel(
     is written in the engine's order to ``DO_T`` (contiguous ``[B, H, Sq, D]``, do's dtype)
     for the gradient kernels, which read it by TMA.
 
-    ``DQ_FIXED`` (bits; 0: none): each row's fixed-point multiplier for the one-pass
-    backward's dQ (``dq_fixed_point_multiplier``) into ``DQ_FIX``."""
+    ``DQ_FIXED``: each row's fixed-point multiplier for the one-pass backward's dQ
+    (``dq_fixed_point_multiplier``) into ``DQ_FIX``."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -100,7 +100,7 @@ def block_sparse_attn_bwd_preprocess_kernel(
     if DQ_FIXED:
         k_abs, v_norm = tl.load(KV_BOUNDS + 2 * pid_bh), tl.load(KV_BOUNDS + 2 * pid_bh + 1)
         bound = dq_row_bound(do, delta, k_abs, v_norm, scale)
-        tl.store(DQ_FIX + row, dq_fixed_point_multiplier(bound, DQ_FIXED))
+        tl.store(DQ_FIX + row, dq_fixed_point_multiplier(bound))
 
 
 @triton.jit
@@ -145,15 +145,13 @@ def dq_row_bound(do, delta, k_abs, v_norm, scale):
 
 
 @triton.jit
-def dq_fixed_point_multiplier(bound, BITS: tl.constexpr):
-    """``2**e`` with ``2**BITS <= bound * 2**e < 2**(BITS + 1)`` (``e <= 126``; NaN where the
-    bound is not finite). With ``BITS`` 28 a row's partial sums of dQ times it stay under
-    ``2**30`` with the rounding of every term and the bound's own, so int32 holds their sum
-    with room to spare; with 20 every term stays under ``2**22``, where an fp32 add rounds it
-    exactly (``bwd_sm90_fused._to_fixed_point_by_add``). From the float's exponent bits:
-    exact, and the same on every backend."""
+def dq_fixed_point_multiplier(bound):
+    """``2**e`` with ``2**28 <= bound * 2**e < 2**29`` (``e <= 126``; NaN where the bound is
+    not finite): a row's partial sums of dQ times it stay under ``2**30`` with the rounding of
+    every term and the bound's own, so int32 holds their sum with room to spare. From the
+    float's exponent bits: exact, and the same on every backend."""
     biased = (bound.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    e = tl.minimum(127 + BITS - biased, 126)
+    e = tl.minimum(155 - biased, 126)
     multiplier = ((e + 127) << 23).to(tl.float32, bitcast=True)
     return tl.where(biased == 255, float("nan"), multiplier)
 

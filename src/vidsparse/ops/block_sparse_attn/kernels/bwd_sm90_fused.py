@@ -39,11 +39,10 @@ With ``DQ_BY_TMA`` the ordered kernel's writer warp adds each step's tile by two
 and waits for them to land in global memory (``cp.async.bulk.wait_group 0``) before it counts
 the step, so the order holds and the warp issues four instructions where it issued 64 atomics.
 
-With ``DQ_FIXED`` (the rule's bits, by TMA, unordered) the accumulator is int32 fixed point:
-each step's tile is scaled by its rows' power-of-two multipliers (``DQ_FIX``, from the
-preprocess: a bound on every partial sum of the row times ``2**e`` stays under
-``2**(DQ_FIXED + 1)``), rounded to integers (``_to_fixed_point``) and reduced by the TMA unit
-as integer adds. Integer addition is associative, so the sum, and dq,
+With ``DQ_FIXED`` (by TMA, unordered) the accumulator is int32 fixed point: each step's tile
+is scaled by its rows' power-of-two multipliers (``DQ_FIX``, from the preprocess: a bound on
+every partial sum of the row times ``2**e`` stays under ``2**29``), rounded to integers and
+reduced by the TMA unit as integer adds. Integer addition is associative, so the sum, and dq,
 is the same bits whatever order the programs' adds land in: determinism without an order, at
 the unordered kernel's traffic (int32 tiles are the fp32 tiles' size).
 
@@ -111,17 +110,10 @@ def _add_dq(DQ_ACC, dq, q_row, COL0: gl.constexpr, HEAD_DIM: gl.constexpr,
 
 
 @gluon.jit
-def _to_fixed_point(x, BITS: gl.constexpr):
-    """``x`` rounded to the nearest int32, ties to even (the caller keeps it in range: under
-    ``2**(BITS + 2)``). Under ``2**22`` (``BITS`` 20) by an fp32 add: ``x + 1.5 * 2**23`` lies
-    in ``(2**23, 2**24)``, where fp32 steps by 1, so the add rounds x and the sum's mantissa
-    holds ``0x400000 + round(x)``; one full-rate add and an integer subtract per element, where
-    ``cvt.rni`` (``BITS`` 28) is a quarter-rate conversion."""
-    if BITS <= 20:
-        return (x + 12582912.0).to(gl.int32, bitcast=True) - 0x4B400000
-    else:
-        return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [x],
-                                         dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
+def _to_fixed_point(x):
+    """``x`` rounded to the nearest int32 (ties to even; the caller keeps it in range)."""
+    return gl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,r", [x],
+                                     dtype=gl.int32, is_pure=True, pack=1)  # fmt: skip
 
 
 @gluon.jit
@@ -219,7 +211,7 @@ def _fused_consumer(
                 tile = dq_smem.index(K_INDEX)
                 tma.store_wait(pendings=0)  # the last step's reduction has read the tile
                 if DQ_FIXED:
-                    tile.store(_to_fixed_point(dq * fix, DQ_FIXED))
+                    tile.store(_to_fixed_point(dq * fix))
                 else:
                     tile.store(dq)
                 fence_async_shared()  # generic-proxy stores -> visible to the TMA (async proxy)
