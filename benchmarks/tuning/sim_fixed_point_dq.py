@@ -20,21 +20,23 @@ import math
 
 import torch
 
+from vidsparse.masks.block_sparse import dense_from_lists, random_block_lists
+from vidsparse.testing import rel_l2
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def random_case(seq: int, head_dim: int, block: int, density: float, scale_in: float, dtype,
                 gen: torch.Generator):  # fmt: skip
-    """q, k, v, do in ``dtype``'s values (held in float64) and a random block mask."""
+    """q, k, v, do in ``dtype``'s values (held in float64) and a random block mask (the
+    engine's random lists, as a token mask)."""
     q, k, v, do = (torch.randn(seq, head_dim, generator=gen, dtype=torch.float64)
                    for _ in range(4))  # fmt: skip
     q = q * scale_in
     q, k, v, do = (t.to(dtype).double() for t in (q, k, v, do))
     blocks = seq // block
-    per_row = max(1, round(blocks * density))
-    keep = torch.zeros(blocks, blocks, dtype=torch.bool)
-    for row in range(blocks):
-        keep[row, torch.randperm(blocks, generator=gen)[:per_row]] = True
+    lists = random_block_lists(1, 1, blocks, blocks, density=density, generator=gen)
+    keep = dense_from_lists(*lists, blocks)[0, 0]
     return q, k, v, do, keep.repeat_interleave(block, 0).repeat_interleave(block, 1)
 
 
@@ -57,10 +59,6 @@ def fixed_point_dq(q, k, v, do, mask, block: int, bits: int, dtype):
         partial = (scale * ds[:, keys] @ k[keys]).float().double()
         total += torch.round(partial * multiplier[:, None])
     return exact, total / multiplier[:, None]
-
-
-def rel_l2(x, ref) -> float:
-    return float((x - ref).norm() / ref.norm())
 
 
 def main() -> None:
