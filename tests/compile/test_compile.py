@@ -25,6 +25,8 @@ OTHER_SPECS = (
     StripeSpec(1, 0, None, 1, 0, None),
     StripeSpec(1, 1, 3, 3, 2, 5),
 )
+pytestmark = pytest.mark.dynamo  # every test here traces through Dynamo
+
 PARTIAL = VideoGrid((3, 5, 6), (2, 2, 2))  # partial edge tiles: padding keys are masked
 FULL = VideoGrid((4, 4, 4), (2, 2, 2))  # every tile full
 

@@ -21,6 +21,7 @@ def test_options_turn_mix_order_reduction_off():
         assert training_compile.training_compile_options() == {"triton.mix_order_reduction": False}
 
 
+@pytest.mark.dynamo
 def test_blocks_compile_with_the_training_options(monkeypatch):
     from diffusers import WanTransformer3DModel
 

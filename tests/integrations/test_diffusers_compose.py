@@ -128,6 +128,7 @@ def _band(heads: int) -> list:
     return [spec] * heads
 
 
+@pytest.mark.dynamo
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize("name", ["hunyuan_video", "hunyuan_video15"])
@@ -168,6 +169,7 @@ def test_text_lengths_that_disagree_with_the_mask_are_refused(monkeypatch):
         remove_sparse_attention(model)
 
 
+@pytest.mark.dynamo
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize("method", ["vsa", "psa"])

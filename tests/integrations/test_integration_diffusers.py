@@ -343,6 +343,7 @@ def test_sparsity_schedule_drives_the_gate_modules(wan, patched):
 
 
 # The reference VSA path calls lru_cache'd grid helpers; dynamo traces through them (warning).
+@pytest.mark.dynamo
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize(
@@ -392,6 +393,7 @@ def compile_blocks_counting_graphs(model) -> list:
     return graphs
 
 
+@pytest.mark.dynamo
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize(
@@ -406,6 +408,7 @@ def test_regional_compile_one_graph_for_all_layers(method, options):
     assert len(graphs) == 1
 
 
+@pytest.mark.dynamo
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_regional_compile_shares_graphs_across_psa_layers():
     # Each layer's lists reach the compiled block as buffers, not as specs (constants), padded
@@ -423,6 +426,7 @@ def test_regional_compile_shares_graphs_across_psa_layers():
     assert len(graphs) == 1
 
 
+@pytest.mark.dynamo
 @pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 def test_compiled_blocks_follow_patching_across_models():
     """Regional compilation shares one Dynamo cache between every block of a class, in every

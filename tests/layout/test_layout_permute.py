@@ -198,6 +198,7 @@ def test_torch_backend_and_plain_cpu_keep_the_torch_path(monkeypatch):
     assert grid.untile(grid.tile(x)).equal(x)
 
 
+@pytest.mark.dynamo
 @pytest.mark.interpreter
 def test_fullgraph_compile(kernel_calls):
     """The custom ops keep ``torch.compile(fullgraph=True)`` to one graph, forward and back."""
@@ -223,6 +224,7 @@ def test_fullgraph_compile(kernel_calls):
     assert kernel_calls["tile"] >= 2 and kernel_calls["untile"] >= 2
 
 
+@pytest.mark.dynamo
 @pytest.mark.interpreter
 def test_untile_into_bshd_storage_is_untile_and_its_fake_agrees(kernel_calls):
     """``untile_op(..., bshd=True)``: untile's values and gradient, stored as [B, S, H, D] (so

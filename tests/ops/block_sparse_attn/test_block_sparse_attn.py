@@ -60,6 +60,7 @@ def test_public_function_torch_backend_gradients(torch_backend):
         torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-11, msg=f"d{name}")
 
 
+@pytest.mark.dynamo
 def test_torch_compile_fullgraph_cpu(torch_backend):
     B, H, S, D, bs = 1, 2, 64, 16, 16
     q, k, v = make_qkv(B, H, S, S, D, dtype=torch.float32, device="cpu", requires_grad=True)

@@ -372,6 +372,7 @@ def test_vsa_gpu_copies_from_the_pooling_read_equal_a_tiling_pass(dtype, monkeyp
         assert_rel_l2(name, a.float(), b.float(), 1e-3)
 
 
+@pytest.mark.dynamo
 @pytest.mark.slow
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")

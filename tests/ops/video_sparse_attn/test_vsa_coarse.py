@@ -362,6 +362,7 @@ def test_torch_backend_matches_reference(torch_backend):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.dynamo
 def test_torch_compile_sees_one_op(torch_backend):
     grid = GRIDS["8_tiles"]
     q_t, k_t, v_t = (x.requires_grad_() for x in _tiled_qkv(grid, 1, 2, 8, torch.float32, "cpu"))

@@ -305,11 +305,13 @@ def _compiled_matches_eager(name, device, backend):
     torch.testing.assert_close(g_c, g_e, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.dynamo
 @pytest.mark.parametrize("name", ["causal-cache", "compete"])
 def test_torch_compile_fullgraph_torch_backend(torch_backend, name):
     _compiled_matches_eager(name, "cpu", "eager")
 
 
+@pytest.mark.dynamo
 @pytest.mark.interpreter
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU CI")
 def test_torch_compile_fullgraph_triton_path(triton_backend):

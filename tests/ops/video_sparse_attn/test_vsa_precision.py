@@ -294,6 +294,7 @@ def test_residual_leaves_the_output_as_it_was(monkeypatch):
     assert torch.equal(with_grad.detach(), without)
 
 
+@pytest.mark.dynamo
 def test_residual_travels_through_torch_compile(monkeypatch):
     """The engine's custom ops carry the residual as a third forward output: their fake
     implementations agree with the eager ones (aot_eager on the engine's PyTorch path)."""

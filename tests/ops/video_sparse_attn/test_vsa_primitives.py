@@ -132,6 +132,7 @@ def test_primitives_and_the_engine_compose_to_vsa(request, backend):
     torch.testing.assert_close(composed, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.dynamo
 def test_primitives_trace_without_graph_breaks():
     grid = vidsparse.VideoGrid((3, 6, 7), (2, 4, 4))
 

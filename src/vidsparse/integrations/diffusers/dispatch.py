@@ -148,7 +148,7 @@ def _make_shim(original):
 def _routed() -> bool:
     """Is a vidsparse self-attention call open? ``_EPOCH`` is read first, so that a graph
     Dynamo traces through the shim guards on its value (module docstring)."""
-    return _EPOCH >= 0 and bool(ROUTES)
+    return _EPOCH >= 0 and len(ROUTES) > 0  # not bool(list): Dynamo in torch 2.11 cannot trace it
 
 
 def _new_epoch() -> None:
