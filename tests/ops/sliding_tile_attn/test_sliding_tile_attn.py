@@ -239,15 +239,20 @@ def test_triton_interpreter_matches_reference(triton_backend, case):
 WAN_480P = (21, 30, 52)  # tiles 6 x 8 x 13 at 4x4x4, partial along every axis
 
 
-def _masked_sdpa(q, k, v, mask):
-    """SDPA under a [S, S] bool mask, one head at a time (bounded memory at S = 32760)."""
-    return torch.cat(
-        [
-            F.scaled_dot_product_attention(q[:, h : h + 1], k[:, h : h + 1], v[:, h : h + 1], mask)
-            for h in range(q.shape[1])
-        ],
-        dim=1,
-    )
+def _masked_sdpa_with_grads(q, k, v, mask, do):
+    """SDPA's output and (dq, dk, dv) under a [S, S] bool mask, one head at a time.
+
+    Each head's graph is freed before the next is built: SDPA turns the bool mask into a bias
+    of its own per call (4 GiB in fp32 at S = 32760), and twelve heads' graphs held at once
+    did not fit beside the GPU suite's other processes on an 80 GB card.
+    """
+    outs, grads = [], []
+    for h in range(q.shape[1]):
+        qh, kh, vh = (x[:, h : h + 1].detach().requires_grad_(True) for x in (q, k, v))
+        oh = F.scaled_dot_product_attention(qh, kh, vh, mask)
+        grads.append(torch.autograd.grad(oh, (qh, kh, vh), do[:, h : h + 1]))
+        outs.append(oh.detach())
+    return torch.cat(outs, dim=1), [torch.cat(g, dim=1) for g in zip(*grads)]
 
 
 @pytest.mark.gpu
@@ -265,18 +270,18 @@ def test_gpu_wan_480p_bf16_matches_fp32_reference(window, tiled):
     def natural(x):
         return grid.untile(x, dim=-2) if tiled else x
 
-    q32, k32, v32 = (natural(x).detach().float().requires_grad_(True) for x in (q, k, v))
-    ref = _masked_sdpa(q32, k32, v32, mask)  # fp32, natural order
-    qn, kn, vn = (natural(x.detach()).requires_grad_(True) for x in (q, k, v))
-    low = _masked_sdpa(qn, kn, vn, mask)  # bf16: the yardstick
     o_nat = natural(o)
+    do = torch.randn_like(o_nat)
+    ref, ref_grads = _masked_sdpa_with_grads(  # fp32, natural order
+        *(natural(x.detach()).float() for x in (q, k, v)), mask, do.float()
+    )
+    low, low_grads = _masked_sdpa_with_grads(  # bf16: the yardstick
+        *(natural(x.detach()) for x in (q, k, v)), mask, do
+    )
     assert_error_relative("o", o_nat, ref, low, atol=2e-3)
     if tiled:
         assert (o[:, :, ~grid.real_token_mask("cuda")] == 0).all(), "padding rows are zero"
-    do = torch.randn_like(o_nat)
     grads = [natural(g) for g in torch.autograd.grad(o_nat, (q, k, v), do)]
-    ref_grads = torch.autograd.grad(ref, (q32, k32, v32), do.float())
-    low_grads = torch.autograd.grad(low, (qn, kn, vn), do)
     for name, g, r, lo in zip(("dq", "dk", "dv"), grads, ref_grads, low_grads):
         assert_error_relative(name, g, r, lo, atol=2e-3)
 
