@@ -22,7 +22,7 @@ from vidsparse.bench.ops.psa import mixed_specs
 def show(title: str, step, repeats: int = 5) -> None:
     prof = harness.cuda_profile(step, repeats)
     print(f"\n=== {title} ({repeats} steps; per-step = total / {repeats}) ===", flush=True)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14), flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24), flush=True)
 
 
 WAN_480P, WAN_720P = shapes.MODELS["wan1.3b-480p"], shapes.MODELS["wan14b-720p"]
@@ -37,6 +37,7 @@ def profile_vsa(grid_shape=WAN_480P.grid, heads=WAN_480P.heads, sparsity=0.875) 
     )
     tiled = [grid.tile(x.detach(), dim=-2).contiguous().requires_grad_() for x in (q, k, v, gate)]
     do_t = torch.randn_like(tiled[0])
+    do_n = torch.randn_like(q)
 
     def fwd_tiled():
         with torch.no_grad():
@@ -54,10 +55,15 @@ def profile_vsa(grid_shape=WAN_480P.grid, heads=WAN_480P.heads, sparsity=0.875) 
         )
         torch.autograd.grad(o, tiled, do_t)
 
+    def fwd_bwd_natural():  # what #19's VSA bars time: natural order with the gate
+        o = vidsparse.video_sparse_attn(q, k, v, grid, sparsity=sparsity, gate=gate)
+        torch.autograd.grad(o, (q, k, v, gate), do_n)
+
     name = f"VSA grid {grid_shape} H={heads} sparsity {sparsity}"
     show(f"{name} fwd tiled", fwd_tiled)
     show(f"{name} fwd natural", fwd_natural)
     show(f"{name} fwd+bwd tiled", fwd_bwd_tiled)
+    show(f"{name} fwd+bwd natural", fwd_bwd_natural)
 
 
 def profile_psa(grid_shape=WAN_720P.grid, heads=WAN_720P.heads, tiles=((2, 8, 8), (1, 8, 16))):
