@@ -1,4 +1,4 @@
-"""Three A/Bs of the backward (``--study``), each arm of ``STUDIES`` timed alternately in one
+"""A/Bs of the backward (``--study``), each arm of ``STUDIES`` timed alternately in one
 process. ``overlap`` (the default): the backward's dQ launch on a side stream beside dK/dV's
 (``KernelConfig.overlap``) against the two launches one after the other on one stream.
 ``grad-rows``: VSA in natural order with its gradients stored by the kernels through row
@@ -17,6 +17,10 @@ another order, so the arms need not be the same bits). ``preprocess-warps``: VSA
 order with the backward's preprocess (o and dO read through the token map, VSA's prologue) on
 4, 8 (``configs.PREPROCESS_MAPPED_WARPS``) and 16 warps (``configs.override(preprocess_warps=N)``;
 its row sums may add in another order, so the gradients may differ in their last bits).
+``coarse-softmax``: VSA in natural order with the coarse attention's softmax gradient in one
+launch (``coarse_softmax_bwd``, what the Triton path runs) against PyTorch's softmax and
+elementwise chain (the arm patches ``fine.coarse_attn_bwd``; exp2 against exp and another
+order of the row sums, so not the same bits).
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
@@ -43,6 +47,7 @@ prints a table last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -64,20 +69,53 @@ STUDIES = {
     "out-rows": {"untiled": dict(out_rows=False), "stored": dict(out_rows=True)},
     "tile-pool": {"separate": dict(tile_pool=False), "fused": dict(tile_pool=True)},
     "preprocess-warps": {f"warps{n}": dict(preprocess_warps=n) for n in (4, 8, 16)},
-}
+    "coarse-softmax": {"ops": dict(coarse_softmax_kernel=False),
+                       "kernel": dict(coarse_softmax_kernel=True)},
+}  # fmt: skip
 OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json",
           "out-rows": "try_out_rows.json", "tile-pool": "try_tile_pool.json",
-          "preprocess-warps": "try_preprocess_warps.json"}  # fmt: skip
+          "preprocess-warps": "try_preprocess_warps.json",
+          "coarse-softmax": "try_coarse_softmax.json"}  # fmt: skip
 # studies that time the forward alone too, and record each arm's peak memory
 FORWARD_STUDIES = ("out-rows", "tile-pool")
 D = 128
 
 
 def _entering(arms: dict[str, dict]):
-    """``enter(arm)``: the ``configs.override`` of ``arms[arm]``."""
-    from vidsparse.ops.block_sparse_attn import configs
+    """``enter(arm)``: the ``configs.override`` of ``arms[arm]`` (``coarse_softmax_kernel``,
+    not an override: ``_coarse_softmax``)."""
 
-    return lambda arm: configs.override(**arms[arm])
+    @contextlib.contextmanager
+    def enter(arm):
+        from vidsparse.ops.block_sparse_attn import configs
+
+        changes = dict(arms[arm])
+        kernel = changes.pop("coarse_softmax_kernel", None)
+        with configs.override(**changes), _coarse_softmax(kernel):
+            yield
+
+    return enter
+
+
+@contextlib.contextmanager
+def _coarse_softmax(kernel: bool | None):
+    """VSA's coarse backward with its softmax gradient in one launch (True) or in PyTorch ops
+    (False) whatever its caller asks; None leaves the library's choice."""
+    from vidsparse.ops.video_sparse_attn import fine
+
+    if kernel is None:
+        yield
+        return
+    original = fine.coarse_attn_bwd
+
+    def forced(*args, **kwargs):
+        return original(*args, **{**kwargs, "kernel": kernel})
+
+    fine.coarse_attn_bwd = forced
+    try:
+        yield
+    finally:
+        fine.coarse_attn_bwd = original
 
 
 def _engine_problem():

@@ -258,7 +258,7 @@ def _PooledGradStub(q, oc, gate, sizes, dpooled, gate_rows=None):
     attention's backward (a host step, nothing to compile) replaced by a fixed ``dpooled``."""
     epilogue = _combine(q, oc, gate, sizes, torch.empty_like(dpooled), residual=True,
                         gate_rows=gate_rows)  # fmt: skip
-    epilogue._pooled_grad = lambda d_coarse, call: dpooled
+    epilogue._pooled_grad = lambda d_coarse, call, kernel=False: dpooled
     return epilogue
 
 

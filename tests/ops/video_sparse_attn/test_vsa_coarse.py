@@ -327,6 +327,47 @@ def test_gradients_match_reference_autograd(triton_backend, grid_name, D, dtype,
         assert_error_relative(name, g, r, b, atol=1e-6)
 
 
+def _check_softmax_bwd(shape, out_dtype, scale, spread, device):
+    """``coarse_softmax_bwd`` against its PyTorch form in fp64, within twice that form's own
+    error in fp32 (rounded to ``out_dtype`` as the kernel's outputs are)."""
+    from vidsparse.ops.video_sparse_attn.coarse import _softmax_grads_torch, coarse_softmax_bwd
+
+    gen = torch.Generator(device=device).manual_seed(hash((shape, spread)) % 2**31)
+    scores = torch.randn(shape, generator=gen, device=device) * spread
+    dprobs = torch.randn(shape, generator=gen, device=device).to(out_dtype)
+    got = coarse_softmax_bwd(scores, dprobs, scale, out_dtype)
+    ref = _softmax_grads_torch(scores.double(), dprobs.double(), scale, torch.float64)
+    baseline = _softmax_grads_torch(scores, dprobs, scale, out_dtype)
+    for name, g, r, b in zip(("p", "ds"), got, ref, baseline):
+        assert g.dtype == out_dtype and g.shape == scores.shape, name
+        assert_error_relative(name, g.double(), r, b.double(), atol=1e-7)
+
+
+# (rows' leading shape, columns): one column; fewer columns than a step; several steps with a
+# partial last one; rows that do not fill the last program (the interpreter's table: 16 columns
+# a step, 4 rows a program).
+SOFTMAX_BWD_SHAPES = [((2, 3, 1), 1), ((1, 2, 5), 7), ((2, 1, 9), 40), ((1, 3, 7), 33)]
+
+
+@interpreter
+@pytest.mark.interpreter
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows, cols", SOFTMAX_BWD_SHAPES, ids=str)
+@pytest.mark.parametrize("spread", [1.0, 64.0])
+def test_softmax_bwd_kernel_matches_fp64(exact_bf16_interpreter, rows, cols, out_dtype, spread):
+    _check_softmax_bwd((*rows, cols), out_dtype, 0.125, spread, "cpu")
+
+
+def test_softmax_bwd_refuses_other_scores():
+    from vidsparse.ops.video_sparse_attn.coarse import coarse_softmax_bwd
+
+    x = torch.zeros(2, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="fp32 scores"):
+        coarse_softmax_bwd(x, x, 1.0, torch.float64)
+    with pytest.raises(ValueError, match="of their shape"):
+        coarse_softmax_bwd(x.float(), x[:1].float(), 1.0, torch.float32)
+
+
 @pytest.mark.parametrize("input_scale", [1.0, 16.0])
 def test_bf16_gradients_within_bf16_error(torch_backend, input_scale):
     """bf16 inputs: the coarse backward's gradient matmuls run in bf16 (fp32 probabilities),
@@ -478,6 +519,10 @@ def _record_launches(coarse, target, head_dim):
         coarse.coarse_attn_topk_fwd(pooled[0], pooled[1], pooled[2], topk, head_dim**-0.5,
                                     config=few)  # fmt: skip
         coarse.tile_mean_pool_bwd(pooled, sizes, num_tiles * volume, torch.bfloat16)
+        # the backward's softmax gradient at 480p (one step a row) and 720p (two)
+        for cols in (num_tiles, 1440):
+            scores = torch.empty(B, H, num_tiles, cols, dtype=torch.float32, device=meta)
+            coarse.coarse_softmax_bwd(scores, scores.bfloat16(), head_dim**-0.5, torch.bfloat16)
         # natural order, q as diffusers' processors pass it ([B, S, H, D] seen as [B, H, S, D])
         natural = torch.empty(B, 32760, H, head_dim, dtype=torch.bfloat16,
                               device=meta).transpose(1, 2)  # fmt: skip
@@ -517,7 +562,8 @@ def test_kernels_compile_spill_free(compiled, target):
         pytest.skip(f"{target}: {skipped[0]}")
     kernels = {r["kernel"] for r in reports}
     assert kernels == {"tile_mean_pool_fwd_kernel", "coarse_attn_topk_fwd_kernel",
-                       "tile_mean_pool_bwd_kernel", "tile_pool_fwd_kernel"}, kernels  # fmt: skip
+                       "tile_mean_pool_bwd_kernel", "tile_pool_fwd_kernel",
+                       "coarse_softmax_bwd_kernel"}, kernels  # fmt: skip
     failed = [f"{r['kernel']}: {r['error']}" for r in reports if not r["ok"]]
     assert not failed, "\n\n".join(failed)
     sys.path.insert(0, str(ROOT / "tests" / "compile"))
@@ -588,6 +634,14 @@ def test_gpu_wan480p_bf16_matches_reference(input_scale):
         assert g.dtype == torch.bfloat16 and not torch.isnan(g).any()
         assert (g[:, :, pad] == 0).all()
         assert_rel_l2(f"{name} (bf16 output)", g, r, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("cols", [624, 1440, 5000])  # Wan 480p, 720p, rows of several steps
+@pytest.mark.parametrize("spread", [1.0, 64.0])
+def test_gpu_softmax_bwd_kernel_matches_fp64(cols, out_dtype, spread):
+    _check_softmax_bwd((1, 12, 301, cols), out_dtype, 128**-0.5, spread, "cuda")
 
 
 @pytest.mark.gpu

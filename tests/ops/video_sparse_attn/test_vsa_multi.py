@@ -414,10 +414,14 @@ def test_empty_batch_with_a_key_grid_of_its_own(monkeypatch, backend, kv_shape):
         ([(8, 8, 8)], [(16, 8, 8)], True),  # a causal cache: one segment per query time tile
     ],
 )
-def test_coarse_backward_per_segment_is_autograd_of_the_masked_attention(grids, kv_grids, causal):
+@pytest.mark.parametrize("kernel", [False, True], ids=["ops", "kernel"])
+def test_coarse_backward_per_segment_is_autograd_of_the_masked_attention(
+    grids, kv_grids, causal, kernel
+):
     """The combine's coarse gradient per segment on its own tiles is autograd's gradient of
     the coarse attention masked to each query tile's key range (fp64, random tile means): the
-    packed backward no longer pays the square of the packed tiles."""
+    packed backward no longer pays the square of the packed tiles. ``kernel``: the Triton
+    path's softmax gradient (fp32 tile means, so within fp32's error of fp64's)."""
     from vidsparse.ops.video_sparse_attn.fine import _coarse_bwd_per_segment
     from vidsparse.ops.video_sparse_attn.segments import plan_tensors, plan_tiles
 
@@ -430,13 +434,20 @@ def test_coarse_backward_per_segment_is_autograd_of_the_masked_attention(grids, 
         torch.randn(2, 3, n, D, dtype=torch.float64, requires_grad=True) for n in (nq, nk, nk)
     )
     d_coarse = torch.randn(2, 3, nq, D, dtype=torch.float64)
+    tiles = (d_coarse, qc, kc, vc)
+    if kernel:  # fp32 tile means whose values are the fp64 ones
+        qc, kc, vc = (x.detach().float().double().requires_grad_() for x in (qc, kc, vc))
+        d_coarse = d_coarse.float().double()
+        tiles = tuple(x.detach().float() for x in (d_coarse, qc, kc, vc))
     keys = torch.arange(nk)
     allowed = (keys >= q_info[1].long()[:, None]) & (keys < q_info[2].long()[:, None])
     scores = (qc @ kc.transpose(-1, -2) * 0.3).masked_fill(~allowed, float("-inf"))
     grads = torch.autograd.grad(torch.softmax(scores, -1) @ vc, (qc, kc, vc), d_coarse)
     with torch.no_grad():
-        per_segment = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, plan.segments, 0.3, None)
+        per_segment = _coarse_bwd_per_segment(*tiles, plan.segments, 0.3, None, kernel)
     assert len(plan.segments) > 1
+    tol = 1e-5 if kernel else 1e-12
     for i, (name, g) in enumerate(zip(("dqc", "dkc", "dvc"), grads)):
         n = g.shape[2]
-        torch.testing.assert_close(per_segment[i, :, :, :n], g, rtol=1e-12, atol=1e-12, msg=name)
+        got = per_segment[i, :, :, :n].double()
+        torch.testing.assert_close(got, g, rtol=tol, atol=tol, msg=name)

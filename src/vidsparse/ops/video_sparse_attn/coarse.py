@@ -9,8 +9,9 @@ tensor anywhere::
 Natural-order inputs whose tile copies the fine stage reads (and whose gradients it writes
 itself) take :func:`vsa_coarse_stage_natural`: the copies are made by the pooling's read.
 
-The backward runs the coarse attention's gradient in PyTorch (:func:`coarse_attn_bwd`), then
-one launch of the pooling backward; selection is not differentiated. On the torch backend the
+The backward runs the coarse attention's gradient as PyTorch matmuls around one launch for the
+softmax's gradient (:func:`coarse_attn_bwd`), then one launch of the pooling backward;
+selection is not differentiated. On the torch backend the
 op composes the reference's functions (``reference.py``). :func:`vsa_coarse_stage` is the
 entry point: a custom op with fake and autograd, so ``torch.compile`` sees one opaque op.
 """
@@ -31,10 +32,12 @@ from vidsparse.ops.video_sparse_attn.configs import (
     REFERENCE_DTYPES,
     CoarseAttnConfig,
     PoolConfig,
+    SoftmaxBwdConfig,
     coarse_attn_config,
     fill_sms,
     pool_config,
     pow2_at_least,
+    softmax_bwd_config,
     tile_pool_config,
 )
 from vidsparse.ops.video_sparse_attn.kernels.coarse_topk import coarse_attn_topk_fwd_kernel
@@ -43,6 +46,7 @@ from vidsparse.ops.video_sparse_attn.kernels.pool import (
     tile_mean_pool_fwd_kernel,
     tile_pool_fwd_kernel,
 )
+from vidsparse.ops.video_sparse_attn.kernels.softmax_bwd import coarse_softmax_bwd_kernel
 from vidsparse.ops.video_sparse_attn.reference import (
     coarse_attention,
     select_topk,
@@ -65,6 +69,7 @@ __all__ = [
     "tile_mean_pool_bwd",
     "coarse_attn_topk_fwd",
     "coarse_attn_bwd",
+    "coarse_softmax_bwd",
     "coarse_grad_dtype",
     "speculates",
 ]
@@ -321,6 +326,8 @@ def coarse_attn_bwd(
     vc: torch.Tensor,
     scale: float,
     grad_dtype: torch.dtype | None = None,
+    *,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """Gradient of ``oc = softmax(qc kc^T * scale) vc``, chunked over query tiles (each
     ``[B, H, chunk, Nk]`` temporary within ``BWD_CHUNK_ELEMENTS``). ``qc`` may have ``Nq``
@@ -329,7 +336,10 @@ def coarse_attn_bwd(
     The probabilities are recomputed in qc's precision (fp32): at large input scales the
     softmax is sharp and bf16 scores would be off by ~25%. The four gradient matmuls run in
     ``grad_dtype`` (default qc's), with the products accumulated in fp32: bf16 there costs
-    ~4e-3 relative error, like any bf16 gradient, and runs on the tensor cores.
+    ~4e-3 relative error, like any bf16 gradient, and runs on the tensor cores. ``kernel``
+    (the Triton backend's callers): the softmax's gradient in one launch
+    (:func:`coarse_softmax_bwd`) for fp32 tiles; in PyTorch ops otherwise, and for fp64 tiles
+    (the torch backend's), whose scores stay fp64.
 
     Returns ``dpooled`` ``[3, B, H, max(Nq, Nk), D]`` = ``(dqc, dkc, dvc)`` in qc's dtype.
     """
@@ -342,19 +352,59 @@ def coarse_attn_bwd(
     dpooled = torch.zeros((3, B, H, max(num_tiles, num_keys), D), device=qc.device, dtype=qc.dtype)
     dqc, dkc, dvc = (g[:, :, :n] for g, n in zip(dpooled.unbind(0), (num_tiles,) + (num_keys,) * 2))
     kc_t = kc.transpose(-1, -2)  # [B, H, D, Nk]
+    fused = kernel and qc.dtype == torch.float32
+    softmax_grads = coarse_softmax_bwd if fused else _softmax_grads_torch
     chunk = max(1, BWD_CHUNK_ELEMENTS // max(1, B * H * num_keys))
     for start in range(0, num_tiles, chunk):
         rows = slice(start, min(start + chunk, num_tiles))
         do_rows = doc_low[:, :, rows]  # [B, H, c, D]
-        scores = torch.matmul(qc[:, :, rows], kc_t) * scale  # [B, H, c, Nk]
-        probs = torch.softmax(scores, dim=-1)  # [B, H, c, Nk]
-        dvc += torch.matmul(probs.to(low).transpose(-1, -2), do_rows)  # [B, H, Nt, D]
-        dprobs = torch.matmul(do_rows, vc_t_low).to(qc.dtype)  # [B, H, c, Nt]
-        delta = (probs * dprobs).sum(dim=-1, keepdim=True)  # [B, H, c, 1]
-        dscores = probs.mul_(dprobs.sub_(delta)).mul_(scale).to(low)  # [B, H, c, Nt]
+        scores = torch.matmul(qc[:, :, rows], kc_t)  # [B, H, c, Nk], unscaled
+        dprobs = torch.matmul(do_rows, vc_t_low)  # [B, H, c, Nk]
+        probs, dscores = softmax_grads(scores, dprobs, scale, low)  # both in low
+        dvc += torch.matmul(probs.transpose(-1, -2), do_rows)  # [B, H, Nk, D]
         dqc[:, :, rows] = torch.matmul(dscores, kc_low)  # [B, H, c, D]
         dkc += torch.matmul(dscores.transpose(-1, -2), qc_low[:, :, rows])  # [B, H, Nk, D]
     return dpooled
+
+
+def _softmax_grads_torch(scores, dprobs, scale: float, out_dtype: torch.dtype):
+    """:func:`coarse_softmax_bwd` in PyTorch ops (scores' precision)."""
+    probs = torch.softmax(scores * scale, dim=-1)
+    dprobs = dprobs.to(probs.dtype)
+    delta = (probs * dprobs).sum(dim=-1, keepdim=True)
+    dscores = (probs * dprobs.sub_(delta)).mul_(scale)
+    return probs.to(out_dtype), dscores.to(out_dtype)
+
+
+def coarse_softmax_bwd(
+    scores: torch.Tensor,
+    dprobs: torch.Tensor,
+    scale: float,
+    out_dtype: torch.dtype,
+    config: SoftmaxBwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, ds)`` in ``out_dtype`` for fp32 raw scores ``s`` ``[..., Nk]`` and ``dprobs``
+    (same shape, any float dtype): ``p = softmax(scale * s)`` and ``ds = p * (dprobs -
+    rowsum(p * dprobs)) * scale``, computed in fp32 (``kernels/softmax_bwd.py``)."""
+    if scores.dtype != torch.float32 or dprobs.shape != scores.shape:
+        raise ValueError(
+            f"coarse_softmax_bwd takes fp32 scores and dprobs of their shape, got"
+            f" {scores.dtype} {tuple(scores.shape)} and {tuple(dprobs.shape)}"
+        )
+    num_cols = scores.shape[-1]
+    scores, dprobs = scores.contiguous(), dprobs.contiguous()
+    probs, dscores = (torch.empty_like(scores, dtype=out_dtype) for _ in range(2))
+    num_rows = scores.numel() // max(1, num_cols)
+    if num_rows == 0 or num_cols == 0:
+        return probs, dscores
+    cfg = config or softmax_bwd_config(target_of(scores.device), num_cols)
+    rows = max(1, cfg.row_elements // cfg.block_cols)
+    coarse_softmax_bwd_kernel[(triton.cdiv(num_rows, rows),)](
+        scores, dprobs, probs, dscores, num_cols, num_cols, num_cols, num_cols,
+        num_rows, num_cols, float(scale), float(scale) * LOG2E,
+        ROWS=rows, BLOCK_COLS=cfg.block_cols, **cfg.launch_kwargs(),
+    )  # fmt: skip
+    return probs, dscores
 
 
 # ============================================================================ custom ops
@@ -406,7 +456,8 @@ def _vsa_coarse_stage_bwd_op(
     scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale, coarse_grad_dtype(dtype))
+    dpooled = coarse_attn_bwd(doc, pooled[0], pooled[1], pooled[2], scale,
+                              coarse_grad_dtype(dtype), kernel=backend == "triton")  # fmt: skip
     if backend == "triton":
         return tile_mean_pool_bwd(dpooled, tile_sizes, padded_len, dtype)
     return tile_means_bwd(dpooled, tile_sizes, padded_len, dtype)

@@ -3,6 +3,7 @@
 - ``pool``: the tile-mean pooling kernels (forward and backward), memory bound.
 - ``attn_topk``: the coarse attention + top-k kernel. ``attn_topk_small``, where a table has
   one, takes over on grids of at most ``SMALL_GRID_TILES`` tiles.
+- ``softmax_bwd``: the coarse backward's row-wise softmax gradient, memory bound.
 
 Keys are ``(kernel, head_dim)``; ``"*"`` matches any head_dim. Every entry compiles without
 spills for ``cuda:90`` and ``hip:gfx942`` (``tests/ops/video_sparse_attn/test_vsa_coarse.py``,
@@ -30,7 +31,9 @@ __all__ = [
     "SMALL_GRID_TILES",
     "PoolConfig",
     "CoarseAttnConfig",
+    "SoftmaxBwdConfig",
     "pool_config",
+    "softmax_bwd_config",
     "tile_pool_config",
     "coarse_attn_config",
     "fill_sms",
@@ -90,6 +93,23 @@ class CoarseAttnConfig:
 
     def launch_kwargs(self) -> dict:
         return {"num_warps": self.num_warps, "num_stages": self.num_stages, **dict(self.extra)}
+
+
+@dataclass(frozen=True)
+class SoftmaxBwdConfig:
+    block_cols: int = 1024  # columns a step (a power of two; fewer where the rows are shorter)
+    row_elements: int = 4096  # rows a program = row_elements // the step's columns
+    num_warps: int = 4
+    extra: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        for name in ("block_cols", "row_elements"):
+            n = getattr(self, name)
+            if n < 1 or n & (n - 1):
+                raise ValueError(f"{name} must be a power of two, got {n}")
+
+    def launch_kwargs(self) -> dict:
+        return {"num_warps": self.num_warps, **dict(self.extra)}
 
 
 def _amd(**extra) -> tuple[tuple[str, int], ...]:
@@ -153,6 +173,8 @@ INTERPRETER = {
     ("attn_topk", "*"): CoarseAttnConfig(block_m=16, block_n=32, num_pivots=8,
                                          bracket_capacity=32, input_precision="ieee",
                                          num_warps=4, num_stages=1),
+    # narrow steps, so the tests' short rows take several
+    ("softmax_bwd", "*"): SoftmaxBwdConfig(block_cols=16, row_elements=64),
 }  # fmt: skip
 
 
@@ -190,6 +212,14 @@ def tile_pool_config(target: Target, head_dim: int) -> PoolConfig:
     """Config of the natural-order tiling-and-pooling kernel (``kernels/pool.py``'s
     ``tile_pool_fwd_kernel``): one tile a program on 4 warps where the table has no row."""
     return _lookup(target, "tile_pool", head_dim, PoolConfig(tiles_per_program=1, num_warps=4))
+
+
+def softmax_bwd_config(target: Target, num_cols: int) -> SoftmaxBwdConfig:
+    """Config of the coarse backward's softmax gradient kernel (``kernels/softmax_bwd.py``),
+    its column step shrunk to fit rows of ``num_cols``. One default on GPUs: a memory-bound
+    row pass with no dot, whose first column step holds Wan 480p's 624-tile rows whole."""
+    cfg = _lookup(target, "softmax_bwd", 0, SoftmaxBwdConfig())
+    return replace(cfg, block_cols=min(cfg.block_cols, pow2_at_least(num_cols)))
 
 
 def coarse_attn_config(target: Target, head_dim: int, num_tiles: int) -> CoarseAttnConfig:

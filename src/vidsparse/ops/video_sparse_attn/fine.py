@@ -277,7 +277,7 @@ class CoarseCombine(Epilogue):
         if self.pooled is None:
             dummy = self.o_coarse
             return (dummy, 0, 0, 0, 0, dummy, dummy, 0, _constexpr(False))
-        dpool = self._pooled_grad(self._d_coarse, call).float()  # [3, B, H, max(Nq, Nk), D]
+        dpool = self._pooled_grad(self._d_coarse, call, kernel=True).float()  # [3,B,H,n,D]
         q_sizes = self._q_block_sizes(call)
         pooled_blocks = self._pooled_keys() * self._split
         return (dpool, *dpool.stride()[:4], q_sizes, call.kv_block_sizes, pooled_blocks,
@@ -308,17 +308,19 @@ class CoarseCombine(Epilogue):
             return self.o_coarse.shape[2]
         return (self.pooled.shape[2] - self.q_sizes.shape[1]) // 2
 
-    def _pooled_grad(self, d_coarse, call: EngineCall):
-        """``dpooled [3, B, H, n, D]`` per engine block (``n`` covers both sides' blocks)."""
+    def _pooled_grad(self, d_coarse, call: EngineCall, kernel: bool = False):
+        """``dpooled [3, B, H, n, D]`` per engine block (``n`` covers both sides' blocks);
+        ``kernel``: :func:`coarse_attn_bwd`'s (the Triton hooks' caller: True)."""
         p, low = self.pooled, coarse_grad_dtype(call.dtype)
         if not self._segmented:
-            return coarse_attn_bwd(d_coarse, p[0], p[1], p[2], call.scale, low)
+            return coarse_attn_bwd(d_coarse, p[0], p[1], p[2], call.scale, low, kernel=kernel)
         nq, nk, split = self.q_sizes.shape[1], self._pooled_keys(), self._split
         qc, kc, vc = p[:, :, :nq], p[:, :, nq : nq + nk], p[:, :, nq + nk :]
         if split > 1:  # the coarse term is per tile: its gradient sums the tile's blocks
             B, H, _, D = d_coarse.shape
             d_coarse = d_coarse.view(B, H, nq, split, D).sum(3)
-        dpool = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, self._segments, call.scale, low)
+        dpool = _coarse_bwd_per_segment(d_coarse, qc, kc, vc, self._segments, call.scale, low,
+                                        kernel)  # fmt: skip
         if split == 1:
             return dpool
         return _dpool_per_block(dpool, self.q_sizes[0], call.kv_block_sizes[: nk * split],
@@ -415,7 +417,8 @@ class CoarseCombine(Epilogue):
                             self.gate_rows >= 0)  # fmt: skip
 
 
-def _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, scale, low) -> torch.Tensor:
+def _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, scale, low,
+                            kernel: bool = False) -> torch.Tensor:  # fmt: skip
     """:func:`coarse_attn_bwd` of each segment on its own query and key tiles (the masked form
     over every tile pair costs the packed sequence's square). ``dpooled [3, B, H, n, D]``."""
     B, H, nq, D = qc.shape
@@ -423,9 +426,8 @@ def _coarse_bwd_per_segment(d_coarse, qc, kc, vc, segments, scale, low) -> torch
     dpool = torch.zeros((3, B, H, max(nq, nk), D), device=qc.device, dtype=qc.dtype)
     for seg in segments:
         rows, keys = slice(seg.q_start, seg.q_stop), slice(seg.k_start, seg.k_start + seg.k_count)
-        part = coarse_attn_bwd(
-            d_coarse[:, :, rows], qc[:, :, rows], kc[:, :, keys], vc[:, :, keys], scale, low
-        )
+        part = coarse_attn_bwd(d_coarse[:, :, rows], qc[:, :, rows], kc[:, :, keys],
+                               vc[:, :, keys], scale, low, kernel=kernel)  # fmt: skip
         dpool[0, :, :, rows] = part[0, :, :, : seg.q_stop - seg.q_start]
         dpool[1:, :, :, keys] += part[1:, :, :, : seg.k_count]
     return dpool
