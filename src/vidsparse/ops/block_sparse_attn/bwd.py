@@ -88,18 +88,9 @@ def block_sparse_attn_bwd(
         dq_fixed_of=(k, v, scale, kv_block_sizes, block_kv) if fixed else None)  # fmt: skip
     kv_cfg, kv_tma, q_cfg, q_tma, gluon_dkdv, gluon_dq, mode = chosen or choose(do)
     overlap = overlapped(kv_cfg, q_cfg, q.device)
-    # dK/dV's transposed lists (a sort and a dozen small launches where the lists are new, as
-    # VSA's are every call) beside the epilogue's gradient hooks (VSA: the coarse attention's
-    # backward, small launches too).
-    quiet_rows = epilogue.quiet_rows(call)  # made (where it is) on this stream
-    with _beside_this_stream(overlap and lists_beside(), q.device) as lists_stream:
-        with torch.cuda.stream(lists_stream):
-            q_offsets, q_indices, query_in, query_walks = _transposed_lists(
-                kv_cfg, quiet_rows, q, do, kv_indices, kv_counts, num_kv_blocks, block_q,
-                gluon_dkdv, kv_tma,
-            )  # fmt: skip
-        _used_on_this_stream(lists_stream, q_offsets, q_indices)
-        grad_hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
+    q_offsets, q_indices, query_in, query_walks, grad_hooks = _lists_and_hooks(
+        overlap and lists_beside(), epilogue, call, kv_cfg, q, do, kv_indices, kv_counts,
+        num_kv_blocks, block_q, gluon_dkdv, kv_tma)  # fmt: skip
     kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
                                  q_tma and not gluon_dq)  # fmt: skip
     if mode is not None:
@@ -363,6 +354,21 @@ def _transposed_lists(kv_cfg, quiet_rows, q, do, kv_indices, kv_counts, num_kv_b
     lists = cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows, block_q, q_tails)
     query_in = walk_operands(q, do, q_tails, kv_tma)
     return (*lists, query_in, {"QTAIL1": q_tails[0], "QTAIL2": q_tails[1]})
+
+
+def _lists_and_hooks(beside: bool, epilogue: Epilogue, call: EngineCall, kv_cfg, *args):
+    """dK/dV's transposed lists (``_transposed_lists`` of ``args``) and the gradient hooks
+    ``(dq hook, dkdv hook, the epilogue's grad_args)``. With ``beside`` the lists are made on
+    the side stream while the epilogue's ``grad_args`` runs on this one: where the lists are
+    new every call they cost a sort and a dozen small launches, and an epilogue may launch
+    small gradient work of its own there."""
+    fns, quiet_rows = epilogue.fns(), epilogue.quiet_rows(call)  # made on this stream
+    with _beside_this_stream(beside, args[0].device) as side:
+        with torch.cuda.stream(side):
+            lists = _transposed_lists(kv_cfg, quiet_rows, *args)
+        _used_on_this_stream(side, *lists[:2])
+        hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
+    return (*lists, hooks)
 
 
 def _query_walks(cfg: KernelConfig, quiet_rows, num_q_blocks: int, block_q: int,
