@@ -22,8 +22,8 @@ launch (``coarse_softmax_bwd``, what the Triton path runs) against PyTorch's sof
 elementwise chain (the arm patches ``fine.coarse_attn_bwd``; exp2 against exp and another
 order of the row sums, so not the same bits). ``lists-beside``: where the backward overlaps,
 dK/dV's transposed lists built on the side stream beside the epilogue's gradient hooks (VSA's
-coarse backward) against on the caller's stream (``configs.override(lists_beside=False)``;
-the same bits).
+coarse backward; ``configs.override(lists_beside=True)``) against on the caller's stream (the
+default; the same bits).
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial

@@ -6,11 +6,11 @@ either way. Each kernel reads its loop's tiles by TMA where its config and the i
 On Hopper, dK/dV and dQ each run in a Gluon kernel (``bwd_sm90.py``: FlashAttention-3's
 structure) where its config says ``gluon`` and the inputs and epilogue fit it; the two are
 then separate launches. Two launches on a GPU run concurrently where both configs say
-``overlap`` (dQ on a side stream, ``overlapped``; dK/dV's transposed lists are built there
-too, beside the epilogue's gradient hooks). No kernel uses atomics: the gradients are
-the same bits on every run. Only where the caller gives that up (``deterministic=False``) does
-the Hopper backward run in one pass, dQ added by TMA reductions in whatever order the
-programs reach them (``configs.NONDETERMINISTIC_ONE_PASS``).
+``overlap`` (dQ on a side stream, ``overlapped``; under an override, ``lists_beside``,
+dK/dV's transposed lists are built there too, beside the epilogue's gradient hooks). No kernel
+uses atomics: the gradients are the same bits on every run. Only where the caller gives that
+up (``deterministic=False``) does the Hopper backward run in one pass, dQ added by TMA
+reductions in whatever order the programs reach them (``configs.NONDETERMINISTIC_ONE_PASS``).
 """
 
 from __future__ import annotations
@@ -298,17 +298,17 @@ def _used_on_this_stream(side: torch.cuda.Stream | None, *tensors: torch.Tensor)
 
 
 def lists_beside() -> bool:
-    """Do dK/dV's transposed lists take the side stream where the backward overlaps
-    (``configs.override(lists_beside=...)``; on by default)?"""
-    forced = configs.active_overrides().lists_beside
-    return True if forced is None else forced
+    """Do dK/dV's transposed lists take the side stream where the backward overlaps? Only
+    under ``configs.override(lists_beside=True)``: the A/B where lists are new every call did
+    not show a gain beyond its rounds' spread (benchmarks/NOTES.md)."""
+    return bool(configs.active_overrides().lists_beside)
 
 
 def overlapped(dkdv: KernelConfig, dq: KernelConfig, device: torch.device) -> bool:
-    """Does dQ's launch run on a side stream beside dK/dV's (and dK/dV's transposed lists on
-    it beside the epilogue's gradient hooks, ``lists_beside``)? On a GPU, where both configs
-    ask (``KernelConfig.overlap``) or an override says so (``configs.override(overlap=...)``).
-    The fused launch takes only the lists' overlap."""
+    """Does dQ's launch run on a side stream beside dK/dV's (and, where ``lists_beside``,
+    dK/dV's transposed lists on it beside the epilogue's gradient hooks)? On a GPU, where both
+    configs ask (``KernelConfig.overlap``) or an override says so
+    (``configs.override(overlap=...)``). The fused launch takes only the lists' overlap."""
     if device.type != "cuda":
         return False
     forced = configs.active_overrides().overlap
