@@ -11,9 +11,9 @@ itself) take :func:`vsa_coarse_stage_natural`: the copies are made by the poolin
 
 The backward runs the coarse attention's gradient as PyTorch matmuls around one launch for the
 softmax's gradient (:func:`coarse_attn_bwd`), then one launch of the pooling backward;
-selection is not differentiated. On the torch backend the
-op composes the reference's functions (``reference.py``). :func:`vsa_coarse_stage` is the
-entry point: a custom op with fake and autograd, so ``torch.compile`` sees one opaque op.
+selection is not differentiated. On the torch backend the op composes the reference's
+functions (``reference.py``). :func:`vsa_coarse_stage` is the entry point: a custom op with
+fake and autograd, so ``torch.compile`` sees one opaque op.
 """
 
 from __future__ import annotations
