@@ -44,8 +44,7 @@
 #   preprocess-warps: the natural-order backward's preprocess on 4, 8 and 16 warps
 #   (try_bwd_overlap.py --study preprocess-warps; GRAD_ROWS_CASES as above);
 #   coarse-softmax: VSA 480p natural order with the coarse backward's softmax gradient in one
-#   launch against PyTorch's ops (try_bwd_overlap.py --study coarse-softmax); lists-beside:
-#   dK/dV's transposed lists on the side stream against the caller's (--study lists-beside);
+#   launch against PyTorch's ops (try_bwd_overlap.py --study coarse-softmax);
 #   compile-training-order: the compiled-training GPU test after the host-reads one, with
 #   tile_pool on and off, then alone (it lost a parameter's gradient once in that order);
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
@@ -212,8 +211,6 @@ for what in "$@"; do
       ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
     coarse-softmax) step try_coarse_softmax 300 env OUT="$OUT" python3 \
       benchmarks/tuning/try_bwd_overlap.py --study coarse-softmax --cases vsa480 ;;
-    lists-beside) step try_lists_beside 300 env OUT="$OUT" python3 \
-      benchmarks/tuning/try_bwd_overlap.py --study lists-beside --cases vsa480 ;;
     tile-pool-tests) step tile_pool_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/video_sparse_attn/test_vsa_coarse.py tests/ops/video_sparse_attn/test_vsa.py \
       tests/layout/test_layout_permute.py tests/integrations/test_diffusers_compile_training.py ;;

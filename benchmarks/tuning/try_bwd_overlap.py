@@ -20,10 +20,7 @@ its row sums may add in another order, so the gradients may differ in their last
 ``coarse-softmax``: VSA in natural order with the coarse attention's softmax gradient in one
 launch (``coarse_softmax_bwd``, what the Triton path runs) against PyTorch's softmax and
 elementwise chain (the arm patches ``fine.coarse_attn_bwd``; exp2 against exp and another
-order of the row sums, so not the same bits). ``lists-beside``: where the backward overlaps,
-dK/dV's transposed lists built on the side stream beside the epilogue's gradient hooks (VSA's
-coarse backward; ``configs.override(lists_beside=True)``) against on the caller's stream (the
-default; the same bits).
+order of the row sums, so not the same bits).
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
@@ -74,13 +71,11 @@ STUDIES = {
     "preprocess-warps": {f"warps{n}": dict(preprocess_warps=n) for n in (4, 8, 16)},
     "coarse-softmax": {"ops": dict(coarse_softmax_kernel=False),
                        "kernel": dict(coarse_softmax_kernel=True)},
-    "lists-beside": {"this": dict(lists_beside=False), "side": dict(lists_beside=True)},
 }  # fmt: skip
 OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json",
           "out-rows": "try_out_rows.json", "tile-pool": "try_tile_pool.json",
           "preprocess-warps": "try_preprocess_warps.json",
-          "coarse-softmax": "try_coarse_softmax.json",
-          "lists-beside": "try_lists_beside.json"}  # fmt: skip
+          "coarse-softmax": "try_coarse_softmax.json"}  # fmt: skip
 # studies that time the forward alone too, and record each arm's peak memory
 FORWARD_STUDIES = ("out-rows", "tile-pool")
 D = 128

@@ -1201,14 +1201,11 @@ OVERLAP_CASES = {"gluon128": (128, False, True), "triton64_sizes": (64, True, Tr
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", list(OVERLAP_CASES.values()), ids=list(OVERLAP_CASES))
 def test_gpu_overlapped_backward_is_bit_identical(case):
-    """dQ on a side stream beside dK/dV, and dK/dV's transposed lists built there (eagerly
-    with the derived lists forgotten, and inside the capture, which bypasses their cache),
-    against one stream: the same bits, eagerly and replayed from a CUDA graph (the forks and
-    joins captured), with fresh do between replays."""
+    """dQ on a side stream beside dK/dV against one stream: the same bits, eagerly and replayed
+    from a CUDA graph (the fork and join captured), with fresh do between replays."""
     from vidsparse.ops.block_sparse_attn.bwd import block_sparse_attn_bwd
     from vidsparse.ops.block_sparse_attn.configs import override
     from vidsparse.ops.block_sparse_attn.fwd import block_sparse_attn_fwd
-    from vidsparse.ops.block_sparse_attn.lists import forget_derived
 
     bs, padded, tma = case
     D = 128
@@ -1217,8 +1214,7 @@ def test_gpu_overlapped_backward_is_bit_identical(case):
     args = (q, k, v, o, lse, idx, cnt, sizes, bs, bs, D**-0.5)
     with override(fused=False, overlap=False):
         one = block_sparse_attn_bwd(do, *args, padding_finite=tma)
-    with override(fused=False, overlap=True, lists_beside=True):
-        forget_derived((idx, cnt, sizes))  # the transposed lists made on the side stream
+    with override(fused=False, overlap=True):
         two = block_sparse_attn_bwd(do, *args, padding_finite=tma)
         for name, a, b in zip(("dq", "dk", "dv"), one, two):
             assert torch.equal(a, b), f"{name} differs on two streams"

@@ -6,11 +6,10 @@ either way. Each kernel reads its loop's tiles by TMA where its config and the i
 On Hopper, dK/dV and dQ each run in a Gluon kernel (``bwd_sm90.py``: FlashAttention-3's
 structure) where its config says ``gluon`` and the inputs and epilogue fit it; the two are
 then separate launches. Two launches on a GPU run concurrently where both configs say
-``overlap`` (dQ on a side stream, ``overlapped``; under an override, ``lists_beside``,
-dK/dV's transposed lists are built there too, beside the epilogue's gradient hooks). No kernel
-uses atomics: the gradients are the same bits on every run. Only where the caller gives that
-up (``deterministic=False``) does the Hopper backward run in one pass, dQ added by TMA
-reductions in whatever order the programs reach them (``configs.NONDETERMINISTIC_ONE_PASS``).
+``overlap`` (dQ on a side stream, ``overlapped``). No kernel uses atomics: the gradients are
+the same bits on every run. Only where the caller gives that up (``deterministic=False``) does
+the Hopper backward run in one pass, dQ added by TMA reductions in whatever order the
+programs reach them (``configs.NONDETERMINISTIC_ONE_PASS``).
 """
 
 from __future__ import annotations
@@ -87,12 +86,13 @@ def block_sparse_attn_bwd(
         do, o, lse, block_q, fns, epilogue.prologue_args(call, do), grad_rows,
         dq_fixed_of=(k, v, scale, kv_block_sizes, block_kv) if fixed else None)  # fmt: skip
     kv_cfg, kv_tma, q_cfg, q_tma, gluon_dkdv, gluon_dq, mode = chosen or choose(do)
-    overlap = overlapped(kv_cfg, q_cfg, q.device)
-    q_offsets, q_indices, query_in, query_walks, grad_hooks = _lists_and_hooks(
-        overlap and lists_beside(), epilogue, call, kv_cfg, q, do, kv_indices, kv_counts,
-        num_kv_blocks, block_q, gluon_dkdv, kv_tma)  # fmt: skip
+    grad_hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
     kv_in, q_keys = _loop_inputs(q, k, v, do, block_kv, kv_cfg.sub_m, kv_tma and not gluon_dkdv,
                                  q_tma and not gluon_dq)  # fmt: skip
+    q_offsets, q_indices, query_in, query_walks = _transposed_lists(
+        kv_cfg, epilogue.quiet_rows(call), q, do, kv_indices, kv_counts, num_kv_blocks,
+        block_q, gluon_dkdv, kv_tma,
+    )  # fmt: skip
     if mode is not None:
         return _one_pass(mode, q, k, v, do, lse2, delta, q_offsets, q_indices, kv_indices,
                          kv_counts, block_kv, scale, kv_block_sizes, dq_fix)  # fmt: skip
@@ -134,7 +134,7 @@ def block_sparse_attn_bwd(
         )  # fmt: skip
         return dq, dk, dv
 
-    with _beside_this_stream(overlap, q.device) as dq_stream:  # dQ beside dK/dV
+    with _dq_beside_dkdv(overlapped(kv_cfg, q_cfg, q.device), q.device) as dq_stream:
         if gluon_dkdv:
             dk, dv = gluon_launcher("bwd_sm90", "backward").dkdv_gluon(
                 q, k, v, do, lse2, delta, q_offsets, q_indices, block_kv, scale,
@@ -265,14 +265,13 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @contextlib.contextmanager
-def _beside_this_stream(overlap: bool, device: torch.device):
-    """A stream for work to run beside what the current stream does inside the block (None:
-    the current one). With ``overlap`` a side stream (one per device) made to wait for the
-    current stream's work so far; on leaving, the current stream waits for it. Tensors the
-    side stream reads were allocated on the current stream and are freed there after that
-    wait; those it makes for the current stream are marked with ``_used_on_this_stream``, so
-    the caching allocator keeps them until the current stream is done with them. CUDA graph
-    capture takes the fork and the join."""
+def _dq_beside_dkdv(overlap: bool, device: torch.device):
+    """dQ's stream (None: the current one) for the block that launches dK/dV, then dQ. With
+    ``overlap`` a side stream (one per device) made to wait for the current stream's work so
+    far (the preprocess) before dK/dV is enqueued, so dQ runs beside dK/dV; on leaving, the
+    current stream waits for it. Every tensor dQ touches was allocated on the current stream
+    and is freed there after that wait, so the caching allocator needs no ``record_stream``;
+    CUDA graph capture takes the fork and the join."""
     if not overlap:
         yield None
         return
@@ -287,28 +286,10 @@ def _beside_this_stream(overlap: bool, device: torch.device):
         current.wait_stream(side)
 
 
-def _used_on_this_stream(side: torch.cuda.Stream | None, *tensors: torch.Tensor) -> None:
-    """Tensors made on ``side`` (None: nothing to do) for the current stream to read: their
-    memory goes back to ``side``'s pool only after the current stream's work at their free."""
-    if side is None:
-        return
-    current = torch.cuda.current_stream(side.device)
-    for t in tensors:
-        t.record_stream(current)
-
-
-def lists_beside() -> bool:
-    """Do dK/dV's transposed lists take the side stream where the backward overlaps? Only
-    under ``configs.override(lists_beside=True)``: the A/B where lists are new every call did
-    not show a gain beyond its rounds' spread (benchmarks/NOTES.md)."""
-    return bool(configs.active_overrides().lists_beside)
-
-
 def overlapped(dkdv: KernelConfig, dq: KernelConfig, device: torch.device) -> bool:
-    """Does dQ's launch run on a side stream beside dK/dV's (and, where ``lists_beside``,
-    dK/dV's transposed lists on it beside the epilogue's gradient hooks)? On a GPU, where both
-    configs ask (``KernelConfig.overlap``) or an override says so
-    (``configs.override(overlap=...)``). The fused launch takes only the lists' overlap."""
+    """Does dQ's launch run on a side stream beside dK/dV's? On a GPU, where both configs ask
+    (``KernelConfig.overlap``) or an override says so (``configs.override(overlap=...)``).
+    The fused launch never gets here."""
     if device.type != "cuda":
         return False
     forced = configs.active_overrides().overlap
@@ -354,21 +335,6 @@ def _transposed_lists(kv_cfg, quiet_rows, q, do, kv_indices, kv_counts, num_kv_b
     lists = cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows, block_q, q_tails)
     query_in = walk_operands(q, do, q_tails, kv_tma)
     return (*lists, query_in, {"QTAIL1": q_tails[0], "QTAIL2": q_tails[1]})
-
-
-def _lists_and_hooks(beside: bool, epilogue: Epilogue, call: EngineCall, kv_cfg, *args):
-    """dK/dV's transposed lists (``_transposed_lists`` of ``args``) and the gradient hooks
-    ``(dq hook, dkdv hook, the epilogue's grad_args)``. With ``beside`` the lists are made on
-    the side stream while the epilogue's ``grad_args`` runs on this one: where the lists are
-    new every call they cost a sort and a dozen small launches, and an epilogue may launch
-    small gradient work of its own there."""
-    fns, quiet_rows = epilogue.fns(), epilogue.quiet_rows(call)  # made on this stream
-    with _beside_this_stream(beside, args[0].device) as side:
-        with torch.cuda.stream(side):
-            lists = _transposed_lists(kv_cfg, quiet_rows, *args)
-        _used_on_this_stream(side, *lists[:2])
-        hooks = (fns.dq.fn, fns.dkdv.fn, epilogue.grad_args(call))
-    return (*lists, hooks)
 
 
 def _query_walks(cfg: KernelConfig, quiet_rows, num_q_blocks: int, block_q: int,

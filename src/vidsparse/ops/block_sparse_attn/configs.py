@@ -429,9 +429,6 @@ class Overrides:
     bwd_dq: KernelConfig | None = None
     fused: bool | None = None  # backward: one launch (True) or two (False)
     overlap: bool | None = None  # backward's two launches: on two streams (True) or one
-    # True: where the backward overlaps, dK/dV's transposed lists are built on the side stream
-    # beside the epilogue's gradient hooks rather than on the caller's stream
-    lists_beside: bool = False
     full_first: bool = True  # False: walk every key block masked, in the given order
     key_tails: bool = True  # False: partial key blocks are walked with all block_kv rows
     # False: callers whose q, k, v are copies in another row order (natural-order video) take
