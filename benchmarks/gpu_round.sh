@@ -45,6 +45,9 @@
 #   (try_bwd_overlap.py --study preprocess-warps; GRAD_ROWS_CASES as above);
 #   coarse-softmax: VSA 480p natural order with the coarse backward's softmax gradient in one
 #   launch against PyTorch's ops (try_bwd_overlap.py --study coarse-softmax);
+#   transpose-kernels: the transposed lists' kernels (lists.transpose_lists): their GPU tests,
+#   their time alone against the sort (try_transpose_lists.py) and VSA 480p's backward with each
+#   (try_bwd_overlap.py --study transpose-kernels);
 #   compile-training-order: the compiled-training GPU test after the host-reads one, with
 #   tile_pool on and off, then alone (it lost a parameter's gradient once in that order);
 #   engine-nondet: the engine's 128x128 table with deterministic=False beside the default
@@ -211,6 +214,12 @@ for what in "$@"; do
       ${GRAD_ROWS_CASES:+--cases "$GRAD_ROWS_CASES"} ;;
     coarse-softmax) step try_coarse_softmax 300 env OUT="$OUT" python3 \
       benchmarks/tuning/try_bwd_overlap.py --study coarse-softmax --cases vsa480 ;;
+    transpose-kernels)
+      step transpose_tests 200 python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/ops/block_sparse_attn/test_transpose_lists.py
+      step try_transpose_lists 120 env OUT="$OUT" python3 benchmarks/tuning/try_transpose_lists.py
+      step try_transpose_kernels 300 env OUT="$OUT" python3 \
+        benchmarks/tuning/try_bwd_overlap.py --study transpose-kernels --cases vsa480 ;;
     tile-pool-tests) step tile_pool_tests 300 python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/ops/video_sparse_attn/test_vsa_coarse.py tests/ops/video_sparse_attn/test_vsa.py \
       tests/layout/test_layout_permute.py tests/integrations/test_diffusers_compile_training.py ;;

@@ -20,7 +20,9 @@ its row sums may add in another order, so the gradients may differ in their last
 ``coarse-softmax``: VSA in natural order with the coarse attention's softmax gradient in one
 launch (``coarse_softmax_bwd``, what the Triton path runs) against PyTorch's softmax and
 elementwise chain (the arm patches ``fine.coarse_attn_bwd``; exp2 against exp and another
-order of the row sums, so not the same bits).
+order of the row sums, so not the same bits). ``transpose-kernels``: the backward's transposed
+lists (new every VSA call) built by bitmap kernels (``lists.transpose_lists``) against a sort in
+PyTorch (``configs.override(transpose_kernels=False)``; the same lists, so the same bits).
 
 Why it might pay: at 128x128 the Gluon dK/dV and dQ kernels each launch 3,072 programs of one
 a SM (23.3 waves on 132 SMs), and on one stream dQ's programs wait for dK/dV's last partial
@@ -40,7 +42,8 @@ B=1, H=12, S=32,768, random per-head lists: the README's engine table), ``vsa480
 and mode (bwd, fwd+bwd): alternating ``do_bench`` medians of three rounds per arm, the
 backward's kernels from the profiler, and the bit-identity of the gradients. Writes
 ``$OUT/try_bwd_overlap.json`` (``try_grad_rows.json``, ``try_out_rows.json``,
-``try_tile_pool.json``, ``try_preprocess_warps.json`` for those studies) if ``OUT`` is set;
+``try_tile_pool.json``, ``try_preprocess_warps.json``, ``try_coarse_softmax.json``,
+``try_transpose_kernels.json`` for those studies) if ``OUT`` is set;
 prints a table last.
 """
 
@@ -71,11 +74,14 @@ STUDIES = {
     "preprocess-warps": {f"warps{n}": dict(preprocess_warps=n) for n in (4, 8, 16)},
     "coarse-softmax": {"ops": dict(coarse_softmax_kernel=False),
                        "kernel": dict(coarse_softmax_kernel=True)},
+    "transpose-kernels": {"sort": dict(transpose_kernels=False),
+                          "kernels": dict(transpose_kernels=True)},
 }  # fmt: skip
 OUTPUT = {"overlap": "try_bwd_overlap.json", "grad-rows": "try_grad_rows.json",
           "out-rows": "try_out_rows.json", "tile-pool": "try_tile_pool.json",
           "preprocess-warps": "try_preprocess_warps.json",
-          "coarse-softmax": "try_coarse_softmax.json"}  # fmt: skip
+          "coarse-softmax": "try_coarse_softmax.json",
+          "transpose-kernels": "try_transpose_kernels.json"}  # fmt: skip
 # studies that time the forward alone too, and record each arm's peak memory
 FORWARD_STUDIES = ("out-rows", "tile-pool")
 D = 128

@@ -268,6 +268,24 @@ class ListReorderConfig:
 
 LIST_REORDER = ListReorderConfig()
 
+
+@dataclass(frozen=True)
+class ListTransposeConfig:
+    """The transposed lists' kernels (lists.transpose_lists): list entries a marking program,
+    bitmap bits a reading program (key blocks times query blocks a step) and the most query
+    blocks a step, the offsets' columns a step."""
+
+    mark_elements: int = 1024  # as LIST_REORDER's row_elements
+    read_elements: int = 4096
+    max_rows_step: int = 2048  # a key block's bits in one step up to NQ = 2,048
+    offsets_step: int = 1024
+
+    def num_warps(self, elements: int) -> int:
+        return min(16, max(4, elements // 256))
+
+
+LIST_TRANSPOSE = ListTransposeConfig()
+
 # Partial key blocks (a video grid's edge tiles, a text tail) are walked with fewer key rows
 # than the block holds: a block of s real keys takes the smallest of block_kv / 4, block_kv / 2
 # and block_kv rows that holds s, so its dots shrink with it (Wan 480p's 4x4x4 grid has edge
@@ -446,6 +464,9 @@ class Overrides:
     # True (with grad_rows): such callers may make their tile-order copies in a read of their
     # own that does more with the rows (a client's pooling) instead of in a tiling pass.
     tile_pool: bool = True
+    # False: the backward's transposed lists by a sort in PyTorch
+    # (``masks.transpose_block_lists``) instead of the bitmap kernels (``lists.transpose_lists``).
+    transpose_kernels: bool = True
     # The warps of the preprocess that reads o and dO through a row map (None:
     # PREPROCESS_MAPPED_WARPS).
     preprocess_warps: int | None = None

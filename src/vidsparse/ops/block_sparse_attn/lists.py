@@ -30,9 +30,15 @@ import torch
 import triton
 
 from vidsparse.masks.block_sparse import transpose_block_lists
-from vidsparse.ops.block_sparse_attn.configs import LIST_REORDER
+from vidsparse.ops.block_sparse_attn import configs
+from vidsparse.ops.block_sparse_attn.configs import LIST_REORDER, LIST_TRANSPOSE
 from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS as _KERNEL_QUERY_GROUPS
-from vidsparse.ops.block_sparse_attn.kernels.lists import blocks_by_size_kernel
+from vidsparse.ops.block_sparse_attn.kernels.lists import (
+    blocks_by_size_kernel,
+    column_offsets_kernel,
+    column_rows_kernel,
+    mark_pairs_kernel,
+)
 from vidsparse.utils.tensor_cache import TensorCache
 
 # Lists derived from block lists, per source tensors (see TensorCache).
@@ -59,18 +65,73 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=
     ``q_rows`` (int32, its first NQ entries: the rows of each query block that carry gradient)
     and short walks ``tails``, each key block's query blocks come in three groups
     (``query_groups``): ``q_offsets`` is then ``[Bi, H, 3 * NK + 1]``."""
+    transpose = transpose_lists if configs.active_overrides().transpose_kernels else \
+        transpose_block_lists  # fmt: skip
     if q_rows is None:
         return derived_lists.get(
-            "transpose", (kv_indices, kv_counts), (num_kv_blocks,),
-            lambda: transpose_block_lists(kv_indices, kv_counts, num_kv_blocks),
+            "transpose", (kv_indices, kv_counts), (num_kv_blocks, transpose),
+            lambda: transpose(kv_indices, kv_counts, num_kv_blocks),
         )  # fmt: skip
     return derived_lists.get(
-        "transpose_by_rows", (kv_indices, kv_counts, q_rows), (num_kv_blocks, block_q, tails),
-        lambda: transpose_block_lists(
+        "transpose_by_rows", (kv_indices, kv_counts, q_rows),
+        (num_kv_blocks, block_q, tails, transpose),
+        lambda: transpose(
             kv_indices, kv_counts, num_kv_blocks,
             query_groups(q_rows[: kv_indices.shape[2]], block_q, tails), QUERY_GROUPS,
         ),
     )  # fmt: skip
+
+
+def transpose_lists(
+    kv_indices: torch.Tensor,
+    kv_counts: torch.Tensor,
+    num_kv_blocks: int,
+    q_groups: torch.Tensor | None = None,
+    num_groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masks.transpose_block_lists`` (its contract, its result to the bit) in Triton kernels:
+    each listed pair marks a bit of its key block's row bitmap, counting itself in its column
+    where it set the bit; the columns' offsets follow by a prefix sum, and each column's query
+    blocks are read back from the bitmap, ascending::
+
+        kv_indices (NQ = 3, NK = 4):  row 0: [1, 3]  row 1: [3]  row 2: [0, 1]
+        bitmaps (rows 0-2 of key block j):  j=0: 001  j=1: 101  j=2: 000  j=3: 110
+        q_offsets = [0, 1, 3, 3, 5]      q_indices = [2 | 0, 2 | | 0, 1]
+
+    Four launches (a zeroed workspace of ``Bi*H*NK*(ceil(NQ/32) + G)`` int32, three kernels)
+    where the sort takes about twenty; nothing read back to the host,
+    so a CUDA graph can capture it. Lists that no check saw stay memory-safe: counts clamp into
+    ``[0, K]``, entries out of ``[0, NK)`` are left out and a pair listed twice counts once."""
+    bi, h, nq, k = kv_indices.shape
+    device = kv_indices.device
+    bh, columns, words = bi * h, num_kv_blocks * num_groups, triton.cdiv(nq, 32)
+    q_offsets = torch.empty((bh, columns + 1), device=device, dtype=torch.int32)
+    q_indices = torch.empty((bh, nq * k), device=device, dtype=torch.int32)
+    if bh == 0 or nq * k == 0:
+        return q_offsets.zero_().view(bi, h, -1), q_indices.view(bi, h, -1)
+    work = torch.zeros(bh * num_kv_blocks * (words + num_groups), device=device, dtype=torch.int32)
+    bits, counts = work.split([bh * num_kv_blocks * words, bh * columns])
+    groups = q_groups.to(device=device, dtype=torch.int32) if q_groups is not None else counts
+    cfg = LIST_TRANSPOSE
+    width = triton.next_power_of_2(k)
+    rows = max(1, cfg.mark_elements // width)
+    mark_pairs_kernel[(triton.cdiv(bh * nq, rows),)](
+        kv_indices, kv_counts, groups, bits, counts, *kv_indices.stride(), *kv_counts.stride(),
+        h, nq, k, num_kv_blocks, words, bh * nq,
+        GROUPS=num_groups, ROWS=rows, WIDTH=width, num_warps=cfg.num_warps(rows * width),
+    )  # fmt: skip
+    column_offsets_kernel[(bh,)](
+        counts, q_offsets, q_indices, columns, nq * k, STEP=cfg.offsets_step,
+        num_warps=cfg.num_warps(cfg.offsets_step),
+    )  # fmt: skip
+    rows_step = min(triton.next_power_of_2(nq), cfg.max_rows_step)
+    keys = max(1, cfg.read_elements // rows_step)
+    column_rows_kernel[(triton.cdiv(num_kv_blocks, keys), bh)](
+        bits, groups, q_offsets, q_indices, nq, num_kv_blocks, words, nq * k,
+        GROUPS=num_groups, KEYS=keys, ROWS_STEP=rows_step,
+        num_warps=cfg.num_warps(keys * rows_step),
+    )  # fmt: skip
+    return q_offsets.view(bi, h, -1), q_indices.view(bi, h, -1)
 
 
 def cached_dkdv_walk(q_offsets: torch.Tensor, batch: int, programs: int,
