@@ -140,3 +140,20 @@ def test_gpu_a_cuda_graph_captures_the_kernels():
     graph.replay()
     torch.cuda.synchronize()
     _assert_same(captured, transpose_block_lists(idx, cnt, 624, q_groups, 3))
+
+
+def test_the_query_groups_are_derived_once_per_rows_tensor():
+    """VSA's lists are new every call, its grid's rows are not: the groups come from the
+    cache after the first call, and again from the rows after an in-place change."""
+    gen = torch.Generator().manual_seed(11)
+    q_rows = torch.randint(1, 65, (30,), dtype=torch.int32, generator=gen)
+    with mock.patch.object(lists_mod, "query_groups", wraps=lists_mod.query_groups) as groups:
+        for seed in (1, 2):
+            idx, cnt = _lists(1, 2, 30, 16, 5, seed=seed)
+            got = cached_transpose(idx, cnt, 16, q_rows, 64, (32, 16))
+        assert groups.call_count == 1
+        q_rows[0] = 64 if q_rows[0] < 64 else 8
+        got = cached_transpose(idx, cnt, 16, q_rows, 64, (32, 16))
+        assert groups.call_count == 2
+    want_groups = lists_mod.query_groups(q_rows, 64, (32, 16))
+    _assert_same(got, transpose_block_lists(idx, cnt, 16, want_groups, 3))

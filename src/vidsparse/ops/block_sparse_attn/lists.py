@@ -77,8 +77,18 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=
         (num_kv_blocks, block_q, tails, transpose),
         lambda: transpose(
             kv_indices, kv_counts, num_kv_blocks,
-            query_groups(q_rows[: kv_indices.shape[2]], block_q, tails), QUERY_GROUPS,
+            _cached_query_groups(q_rows, kv_indices.shape[2], block_q, tails), QUERY_GROUPS,
         ),
+    )  # fmt: skip
+
+
+def _cached_query_groups(q_rows, num_q_blocks, block_q, tails):
+    """``query_groups`` of ``q_rows``' first ``num_q_blocks`` entries, once per rows tensor:
+    a caller's rows (a video grid's tile sizes) outlive its lists, which VSA makes anew every
+    call."""
+    return derived_lists.get(
+        "query_groups", (q_rows,), (num_q_blocks, block_q, tails),
+        lambda: query_groups(q_rows[:num_q_blocks], block_q, tails),
     )  # fmt: skip
 
 
