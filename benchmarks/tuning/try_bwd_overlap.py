@@ -52,7 +52,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: real kernels only
@@ -222,13 +221,7 @@ def main(argv=None) -> None:
     for name in cases.split(","):
         rows += [dict(row, study=args.study)
                  for row in run_case(name, STUDIES[args.study], args.study)]  # fmt: skip
-    out = os.environ.get("OUT")
-    if out:
-        meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_bwd_overlap",
-                                        study=args.study)  # fmt: skip
-        harness.write_results(os.path.join(out, OUTPUT[args.study]), meta, rows)
-    for row in rows:
-        print(json.dumps(row))
+    harness.emit_tuning_rows(OUTPUT[args.study], rows, "try_bwd_overlap", study=args.study)
 
 
 if __name__ == "__main__":

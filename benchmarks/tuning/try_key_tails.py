@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: real kernels only
@@ -138,12 +137,7 @@ def main(argv=None) -> None:
     rows = []
     for name in args.cases.split(","):
         rows += run_case(name)
-    out = os.environ.get("OUT")
-    if out:
-        meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_key_tails")
-        harness.write_results(os.path.join(out, "try_key_tails.json"), meta, rows)
-    for row in rows:
-        print(json.dumps(row))
+    harness.emit_tuning_rows("try_key_tails.json", rows, "try_key_tails")
 
 
 if __name__ == "__main__":

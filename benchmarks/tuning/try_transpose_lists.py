@@ -18,7 +18,6 @@ Cases (random per-head lists, every row full): ``vsa480`` (Wan 1.3B 480p at spar
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is defined: real kernels only
@@ -78,12 +77,7 @@ def main() -> None:
     from vidsparse.bench import harness
 
     rows = [row for name in CASES for row in run_case(name)]
-    out = os.environ.get("OUT")
-    if out:
-        meta = harness.collect_metadata(torch.device("cuda"), benchmark="try_transpose_lists")
-        harness.write_results(os.path.join(out, "try_transpose_lists.json"), meta, rows)
-    for row in rows:
-        print(json.dumps(row))
+    harness.emit_tuning_rows("try_transpose_lists.json", rows, "try_transpose_lists")
 
 
 if __name__ == "__main__":

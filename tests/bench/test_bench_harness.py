@@ -228,6 +228,31 @@ def test_harness_flops_table_and_json(tmp_path):
     assert row["provider"] == "x" and row["error"].startswith("OutOfMemoryError")
 
 
+def test_a_tuning_scripts_rows_go_to_out_with_the_runs_metadata(tmp_path, monkeypatch, capsys):
+    """``emit_tuning_rows``: ``$OUT/<file>`` holds the rows under the run's metadata (named
+    benchmark and extras); each row is printed as JSON, and nothing is written without OUT."""
+    seen = {}
+
+    def metadata(device, **extra):
+        seen.update(device=device, **extra)
+        return {"gpu": "stub", **extra}
+
+    monkeypatch.setattr(harness, "collect_metadata", metadata)
+    rows = [{"arm": "a", "ms": 1.25}, {"arm": "b", "ms": float("nan")}]
+    monkeypatch.delenv("OUT", raising=False)
+    harness.emit_tuning_rows("try_x.json", rows, "try_x")
+    assert seen == {} and not list(tmp_path.iterdir())
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == [{"arm": "a", "ms": 1.25}, {"arm": "b", "ms": None}]
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    harness.emit_tuning_rows("try_x.json", rows, "try_x", study="s")
+    written = json.loads((tmp_path / "try_x.json").read_text())
+    assert written["meta"] == {"gpu": "stub", "benchmark": "try_x", "study": "s"}
+    assert written["rows"][0] == rows[0] and written["rows"][1]["ms"] is None
+    assert seen["device"] == torch.device("cuda")
+
+
 def test_mode_callable_times_the_right_thing():
     calls = {"fwd": 0}
 

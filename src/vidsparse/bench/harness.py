@@ -559,6 +559,18 @@ def write_results(path: str | Path, meta: dict, rows: list[dict]) -> Path:
     return path
 
 
+def emit_tuning_rows(filename: str, rows: list[dict], benchmark: str, **meta_extra) -> None:
+    """A tuning script's ending (``benchmarks/tuning/``): ``$OUT/<filename>`` where ``OUT`` is
+    set (the GPU run's metadata with ``benchmark`` and ``meta_extra``), then each row printed
+    as JSON."""
+    out = os.environ.get("OUT")
+    if out:
+        meta = collect_metadata(torch.device("cuda"), benchmark=benchmark, **meta_extra)
+        write_results(Path(out) / filename, meta, rows)
+    for row in rows:
+        print(json.dumps(_json_safe(row)))
+
+
 def report_results(path, meta: dict, rows: list[dict], columns, shown=None) -> Path:
     """A benchmark's ending: the JSON written, its table printed (``shown`` rows, default
     all), and where the JSON went."""
