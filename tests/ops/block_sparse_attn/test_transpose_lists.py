@@ -19,10 +19,10 @@ from vidsparse.ops.block_sparse_attn import configs
 from vidsparse.ops.block_sparse_attn import lists as lists_mod
 from vidsparse.ops.block_sparse_attn.lists import cached_transpose, transpose_lists
 
-# Every loop of the kernels takes several steps at the tests' sizes: 8 query blocks a read
-# step, 4 columns an offsets step.
+# Many programs at the tests' sizes (a few pairs, one or two columns each) and several steps
+# of the offsets' loop (4 columns a step).
 SMALL = dataclasses.replace(
-    configs.LIST_TRANSPOSE, mark_elements=16, read_elements=16, max_rows_step=8, offsets_step=4
+    configs.LIST_TRANSPOSE, pair_elements=16, word_elements=2, offsets_step=4
 )
 
 
@@ -119,7 +119,7 @@ def test_the_backward_takes_the_kernels_and_the_sort_under_an_override():
 @pytest.mark.parametrize(
     "h,nq,k,num_groups",
     [(12, 624, 78, 3), (40, 1440, 180, 3), (12, 256, 32, 1), (2, 4100, 70, 1)],
-    ids=["wan480p-vsa", "wan14b-720p-vsa", "engine-32k", "rows-past-one-step"],
+    ids=["wan480p-vsa", "wan14b-720p-vsa", "engine-32k", "long"],
 )
 def test_gpu_the_kernels_give_the_sorts_lists_at_wans_sizes(h, nq, k, num_groups):
     idx, cnt = _lists(1, h, nq, nq, k, seed=nq)

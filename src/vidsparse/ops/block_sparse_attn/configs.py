@@ -271,13 +271,12 @@ LIST_REORDER = ListReorderConfig()
 
 @dataclass(frozen=True)
 class ListTransposeConfig:
-    """The transposed lists' kernels (lists.transpose_lists): list entries a marking program,
-    bitmap bits a reading program (key blocks times query blocks a step) and the most query
-    blocks a step, the offsets' columns a step."""
+    """The transposed lists' kernels (lists.transpose_lists): list entries a program of the
+    two walks over the pairs, bitmap words a program of the word counts, and the offsets'
+    columns a step."""
 
-    mark_elements: int = 1024  # as LIST_REORDER's row_elements
-    read_elements: int = 4096
-    max_rows_step: int = 2048  # a key block's bits in one step up to NQ = 2,048
+    pair_elements: int = 1024  # as LIST_REORDER's row_elements
+    word_elements: int = 1024
     offsets_step: int = 1024
 
     def num_warps(self, elements: int) -> int:

@@ -36,8 +36,9 @@ from vidsparse.ops.block_sparse_attn.kernels.lists import QUERY_GROUPS as _KERNE
 from vidsparse.ops.block_sparse_attn.kernels.lists import (
     blocks_by_size_kernel,
     column_offsets_kernel,
-    column_rows_kernel,
+    column_words_kernel,
     mark_pairs_kernel,
+    place_pairs_kernel,
 )
 from vidsparse.utils.tensor_cache import TensorCache
 
@@ -100,18 +101,19 @@ def transpose_lists(
     num_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``masks.transpose_block_lists`` (its contract, its result to the bit) in Triton kernels:
-    each listed pair marks a bit of its key block's row bitmap, counting itself in its column
-    where it set the bit; the columns' offsets follow by a prefix sum, and each column's query
-    blocks are read back from the bitmap, ascending::
+    each listed pair sets its bit in a bitmap of its column (key block, query group); the
+    columns' sizes and offsets follow from the bitmaps' set bits, and each pair goes to its
+    column's offset plus the set bits below its own, so each column comes out ascending::
 
         kv_indices (NQ = 3, NK = 4):  row 0: [1, 3]  row 1: [3]  row 2: [0, 1]
         bitmaps (rows 0-2 of key block j):  j=0: 001  j=1: 101  j=2: 000  j=3: 110
         q_offsets = [0, 1, 3, 3, 5]      q_indices = [2 | 0, 2 | | 0, 1]
 
-    Four launches (a zeroed workspace of ``Bi*H*NK*(ceil(NQ/32) + G)`` int32, three kernels)
-    where the sort takes about twenty; nothing read back to the host,
-    so a CUDA graph can capture it. Lists that no check saw stay memory-safe: counts clamp into
-    ``[0, K]``, entries out of ``[0, NK)`` are left out and a pair listed twice counts once."""
+    Five launches (the zeroed bitmaps, ``Bi*H*NK*G*ceil(NQ/32)`` int32, and four kernels) where
+    the sort takes about twenty; work in the pairs and the bitmaps' words, nothing read back to
+    the host, so a CUDA graph can capture it. Lists that no check saw stay memory-safe: counts
+    clamp into ``[0, K]``, entries out of ``[0, NK)`` are left out and a pair listed twice is
+    one bit (both copies store to its one slot)."""
     bi, h, nq, k = kv_indices.shape
     device = kv_indices.device
     bh, columns, words = bi * h, num_kv_blocks * num_groups, triton.cdiv(nq, 32)
@@ -119,28 +121,29 @@ def transpose_lists(
     q_indices = torch.empty((bh, nq * k), device=device, dtype=torch.int32)
     if bh == 0 or nq * k == 0:
         return q_offsets.zero_().view(bi, h, -1), q_indices.view(bi, h, -1)
-    work = torch.zeros(bh * num_kv_blocks * (words + num_groups), device=device, dtype=torch.int32)
-    bits, counts = work.split([bh * num_kv_blocks * words, bh * columns])
+    bits = torch.zeros(bh * columns * words, device=device, dtype=torch.int32)
+    below = torch.empty_like(bits)
+    counts = torch.empty(bh * columns, device=device, dtype=torch.int32)
     groups = q_groups.to(device=device, dtype=torch.int32) if q_groups is not None else counts
     cfg = LIST_TRANSPOSE
     width = triton.next_power_of_2(k)
-    rows = max(1, cfg.mark_elements // width)
-    mark_pairs_kernel[(triton.cdiv(bh * nq, rows),)](
-        kv_indices, kv_counts, groups, bits, counts, *kv_indices.stride(), *kv_counts.stride(),
-        h, nq, k, num_kv_blocks, words, bh * nq,
-        GROUPS=num_groups, ROWS=rows, WIDTH=width, num_warps=cfg.num_warps(rows * width),
+    rows = max(1, cfg.pair_elements // width)
+    pairs = (kv_indices, kv_counts, groups)
+    shape = (*kv_indices.stride(), *kv_counts.stride(), h, nq, k, num_kv_blocks, words, bh * nq)
+    walk = dict(GROUPS=num_groups, ROWS=rows, WIDTH=width, num_warps=cfg.num_warps(rows * width))
+    grid = (triton.cdiv(bh * nq, rows),)
+    mark_pairs_kernel[grid](*pairs, bits, *shape, **walk)
+    words_p = triton.next_power_of_2(words)
+    cols = max(1, cfg.word_elements // words_p)
+    column_words_kernel[(triton.cdiv(columns, cols), bh)](
+        bits, below, counts, columns, words, COLS=cols, WORDS_P=words_p,
+        num_warps=cfg.num_warps(cols * words_p),
     )  # fmt: skip
     column_offsets_kernel[(bh,)](
         counts, q_offsets, q_indices, columns, nq * k, STEP=cfg.offsets_step,
         num_warps=cfg.num_warps(cfg.offsets_step),
     )  # fmt: skip
-    rows_step = min(triton.next_power_of_2(nq), cfg.max_rows_step)
-    keys = max(1, cfg.read_elements // rows_step)
-    column_rows_kernel[(triton.cdiv(num_kv_blocks, keys), bh)](
-        bits, groups, q_offsets, q_indices, nq, num_kv_blocks, words, nq * k,
-        GROUPS=num_groups, KEYS=keys, ROWS_STEP=rows_step,
-        num_warps=cfg.num_warps(keys * rows_step),
-    )  # fmt: skip
+    place_pairs_kernel[grid](*pairs, bits, below, q_offsets, q_indices, *shape, nq * k, **walk)
     return q_offsets.view(bi, h, -1), q_indices.view(bi, h, -1)
 
 

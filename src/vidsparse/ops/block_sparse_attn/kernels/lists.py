@@ -70,23 +70,25 @@ def blocks_by_size_kernel(
     tl.store(OUT_CNT + rows64, end2 + n_short2, mask=row_ok)
 
 
-# The transposed lists (launcher: ``../lists.transpose_lists``), in three launches after one
-# zeroed workspace: each (row, key block) pair marks one bit of the key block's row bitmap
-# and, where it set the bit, counts one in its column; the columns' offsets; each column's
-# rows read back from the bitmaps in ascending order. No sort, no host sync, the same result
-# on every run (integer atomics); duplicates of a pair count once.
+# The transposed lists (launcher: ``../lists.transpose_lists``), in four launches after one
+# zeroed bitmap (a bit per query block in each (key block, query group) column): each listed
+# pair sets its bit; each column's word counts and their prefix; the columns' offsets; each
+# pair stored at its column's offset plus the set bits below its own. Work O(pairs + columns x
+# words), no sort, no host sync, the same result every run; a pair listed twice is one bit, so
+# both copies store to one slot.
 
 
 @triton.jit
-def mark_pairs_kernel(
-    KV_IDX, KV_CNT, Q_GROUPS, BITS, COUNTS,
-    # kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read
-    # only with GROUPS > 1); bits int32 [Bi*H, NK, WORDS], counts int32 [Bi*H, NK*GROUPS], zeroed
+def _listed_pairs(
+    KV_IDX, KV_CNT, Q_GROUPS,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
-    H, NQ, K, NK, WORDS, num_rows,
+    H, NQ, K, NK, num_rows,
     GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
+    """This program's pairs: ``(bh [R, 1], i [R, 1], column [R, W], live [R, W])``, the column
+    ``key block * GROUPS + query group`` of every entry read (counts clamped into ``[0, K]``,
+    entries out of ``[0, NK)`` not live)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R] flat (b, h, i) rows
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
@@ -96,23 +98,62 @@ def mark_pairs_kernel(
     h = bh % H
     count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + i * stride_cq, mask=row_ok, other=0)
     count = tl.minimum(tl.maximum(count, 0), K)
-
     offs = tl.arange(0, WIDTH)  # [W]
     live = offs[None, :] < count[:, None]  # [R, W]
     in_row = b * stride_ib + h * stride_ih + i * stride_iq  # [R]
     blocks = tl.load(KV_IDX + in_row[:, None] + offs[None, :] * stride_ik, mask=live, other=0)
     live = live & (blocks >= 0) & (blocks < NK)
-    blocks = tl.where(live, blocks, 0).to(tl.int64)
-    shift = (i % 32).to(tl.int32)[:, None]  # [R, 1]
-    bit = tl.full([ROWS, WIDTH], 1, tl.int32) << shift
-    word = BITS + (bh[:, None] * NK + blocks) * WORDS + (i // 32)[:, None]
-    old = tl.atomic_or(word, bit, mask=live, sem="relaxed")
-    first = live & (((old >> shift) & 1) == 0)  # this pair set the bit: count it once
-    group = 0
+    column = tl.where(live, blocks, 0).to(tl.int64) * GROUPS
     if GROUPS > 1:
-        group = tl.load(Q_GROUPS + i, mask=row_ok, other=0).to(tl.int64)[:, None]
-    column = bh[:, None] * (NK * GROUPS) + blocks * GROUPS + group
-    tl.atomic_add(COUNTS + column, tl.full([ROWS, WIDTH], 1, tl.int32), mask=first, sem="relaxed")
+        column += tl.load(Q_GROUPS + i, mask=row_ok, other=0).to(tl.int64)[:, None]
+    return bh[:, None], i[:, None], column, live
+
+
+@triton.jit
+def _popcount(x):
+    """Set bits of each uint32 (SWAR: pairs, nibbles, bytes, then a multiply sums the bytes)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return (x * 0x01010101) >> 24
+
+
+@triton.jit
+def mark_pairs_kernel(
+    KV_IDX, KV_CNT, Q_GROUPS, BITS,
+    # kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read
+    # only with GROUPS > 1); bits int32 [Bi*H, NK*GROUPS, WORDS], zeroed
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    H, NQ, K, NK, WORDS, num_rows,
+    GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    bh, i, column, live = _listed_pairs(
+        KV_IDX, KV_CNT, Q_GROUPS, stride_ib, stride_ih, stride_iq, stride_ik,
+        stride_cb, stride_ch, stride_cq, H, NQ, K, NK, num_rows, GROUPS, ROWS, WIDTH,
+    )  # fmt: skip
+    word = BITS + (bh * (NK * GROUPS) + column) * WORDS + i // 32
+    bit = tl.full([ROWS, WIDTH], 1, tl.int32) << (i % 32).to(tl.int32)
+    tl.atomic_or(word, bit, mask=live, sem="relaxed")
+
+
+@triton.jit
+def column_words_kernel(
+    BITS, BELOW, COUNTS,
+    # bits int32 [Bi*H, C, WORDS]; below int32 [Bi*H, C, WORDS]: each word's set bits before
+    # it in its column; counts int32 [Bi*H, C]: each column's
+    C, WORDS,
+    COLS: tl.constexpr, WORDS_P: tl.constexpr,
+):  # fmt: skip
+    c = tl.program_id(0) * COLS + tl.arange(0, COLS)  # [C'] columns
+    bh = tl.program_id(1).to(tl.int64)
+    w = tl.arange(0, WORDS_P)
+    ok = (c < C)[:, None] & (w < WORDS)[None, :]
+    at = (bh * C + c)[:, None] * WORDS + w[None, :]
+    words = tl.load(BITS + at, mask=ok, other=0).to(tl.uint32, bitcast=True)
+    n = _popcount(words).to(tl.int32)
+    tl.store(BELOW + at, tl.cumsum(n, axis=1) - n, mask=ok)
+    tl.store(COUNTS + bh * C + c, tl.sum(n, axis=1), mask=c < C)
 
 
 @triton.jit
@@ -138,29 +179,24 @@ def column_offsets_kernel(
 
 
 @triton.jit
-def column_rows_kernel(
-    BITS, Q_GROUPS, Q_OFF, Q_IDX,
-    # as in mark_pairs_kernel and column_offsets_kernel, all written before this launch
-    NQ, NK, WORDS, NQK,
-    GROUPS: tl.constexpr, KEYS: tl.constexpr, ROWS_STEP: tl.constexpr,
+def place_pairs_kernel(
+    KV_IDX, KV_CNT, Q_GROUPS, BITS, BELOW, Q_OFF, Q_IDX,
+    # as in mark_pairs_kernel, column_words_kernel and column_offsets_kernel, all written
+    # before this launch
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    H, NQ, K, NK, WORDS, num_rows, NQK,
+    GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    j = tl.program_id(0) * KEYS + tl.arange(0, KEYS)  # [J] key blocks
-    bh = tl.program_id(1).to(tl.int64)
-    j_ok = j < NK
-    bitmap = BITS + (bh * NK + j.to(tl.int64)) * WORDS  # [J]
-    for g in tl.static_range(GROUPS):
-        slot = tl.load(Q_OFF + bh * (NK * GROUPS + 1) + j * GROUPS + g, mask=j_ok, other=0)
-        for q0 in range(0, NQ, ROWS_STEP):
-            q = q0 + tl.arange(0, ROWS_STEP)  # [Q] query blocks, ascending
-            q_ok = q < NQ
-            word = tl.load(bitmap[:, None] + (q // 32)[None, :],
-                           mask=j_ok[:, None] & q_ok[None, :], other=0)  # fmt: skip
-            hit = ((word >> (q % 32)[None, :]) & 1) != 0  # [J, Q]
-            if GROUPS > 1:
-                group = tl.load(Q_GROUPS + q, mask=q_ok, other=-1)
-                hit = hit & (group == g)[None, :]
-            ones = hit.to(tl.int32)
-            dest = slot[:, None] + tl.cumsum(ones, axis=1) - 1
-            rows = tl.zeros([KEYS, ROWS_STEP], dtype=tl.int32) + q[None, :]
-            tl.store(Q_IDX + bh * NQK + dest, rows, mask=hit)
-            slot += tl.sum(ones, axis=1)
+    bh, i, column, live = _listed_pairs(
+        KV_IDX, KV_CNT, Q_GROUPS, stride_ib, stride_ih, stride_iq, stride_ik,
+        stride_cb, stride_ch, stride_cq, H, NQ, K, NK, num_rows, GROUPS, ROWS, WIDTH,
+    )  # fmt: skip
+    flat_column = bh * (NK * GROUPS) + column
+    at = flat_column * WORDS + i // 32
+    word = tl.load(BITS + at, mask=live, other=0).to(tl.uint32, bitcast=True)
+    bit = tl.full([ROWS, WIDTH], 1, tl.uint32) << (i % 32).to(tl.uint32)
+    rank = _popcount(word & (bit - 1)).to(tl.int32) + tl.load(BELOW + at, mask=live, other=0)
+    start = tl.load(Q_OFF + bh * (NK * GROUPS + 1) + column, mask=live, other=0)
+    rows = tl.zeros([ROWS, WIDTH], dtype=tl.int32) + i.to(tl.int32)
+    tl.store(Q_IDX + bh * NQK + start + rank, rows, mask=live)
