@@ -1,8 +1,9 @@
 """The backward's transposed lists in Triton kernels (``lists.transpose_lists``): the same
 offsets and indices, to the bit, as the sort in PyTorch (``masks.transpose_block_lists``, the
 reference), with and without query groups, on lists in any order and with what no check saw
-(counts out of ``[0, K]``, entries out of range, a pair listed twice); several steps of each
-kernel's loops through a small config; on the GPU at Wan's list sizes and under a CUDA graph."""
+(counts out of ``[0, K]``, entries out of range, a pair listed twice); through a small config
+too (many small programs, several steps of the offsets' loop); on the GPU at Wan's list sizes
+and under a CUDA graph."""
 
 from __future__ import annotations
 

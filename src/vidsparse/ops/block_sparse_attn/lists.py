@@ -85,8 +85,8 @@ def cached_transpose(kv_indices, kv_counts, num_kv_blocks, q_rows=None, block_q=
 
 def _cached_query_groups(q_rows, num_q_blocks, block_q, tails):
     """``query_groups`` of ``q_rows``' first ``num_q_blocks`` entries, once per rows tensor:
-    a caller's rows (a video grid's tile sizes) outlive its lists, which VSA makes anew every
-    call."""
+    a caller's rows (a video grid's tile sizes) may outlive its lists, which a caller that
+    selects blocks per call makes anew every call."""
     return derived_lists.get(
         "query_groups", (q_rows,), (num_q_blocks, block_q, tails),
         lambda: query_groups(q_rows[:num_q_blocks], block_q, tails),
