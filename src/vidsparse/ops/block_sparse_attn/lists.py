@@ -128,11 +128,11 @@ def transpose_lists(
     cfg = LIST_TRANSPOSE
     width = triton.next_power_of_2(k)
     rows = max(1, cfg.pair_elements // width)
-    pairs = (kv_indices, kv_counts, groups)
-    shape = (*kv_indices.stride(), *kv_counts.stride(), h, nq, k, num_kv_blocks, words, bh * nq)
+    pairs = (kv_indices, kv_counts, groups, *kv_indices.stride(), *kv_counts.stride(),
+             h, nq, k, num_kv_blocks, bh * nq)  # fmt: skip
     walk = dict(GROUPS=num_groups, ROWS=rows, WIDTH=width, num_warps=cfg.num_warps(rows * width))
     grid = (triton.cdiv(bh * nq, rows),)
-    mark_pairs_kernel[grid](*pairs, bits, *shape, **walk)
+    mark_pairs_kernel[grid](pairs, bits, words, **walk)
     words_p = triton.next_power_of_2(words)
     cols = max(1, cfg.word_elements // words_p)
     column_words_kernel[(triton.cdiv(columns, cols), bh)](
@@ -143,7 +143,7 @@ def transpose_lists(
         counts, q_offsets, q_indices, columns, nq * k, STEP=cfg.offsets_step,
         num_warps=cfg.num_warps(cfg.offsets_step),
     )  # fmt: skip
-    place_pairs_kernel[grid](*pairs, bits, below, q_offsets, q_indices, *shape, nq * k, **walk)
+    place_pairs_kernel[grid](pairs, bits, below, q_offsets, q_indices, words, nq * k, **walk)
     return q_offsets.view(bi, h, -1), q_indices.view(bi, h, -1)
 
 

@@ -79,16 +79,14 @@ def blocks_by_size_kernel(
 
 
 @triton.jit
-def _listed_pairs(
-    KV_IDX, KV_CNT, Q_GROUPS,
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    H, NQ, K, NK, num_rows,
-    GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
-):  # fmt: skip
+def _listed_pairs(LISTS, GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     """This program's pairs: ``(bh [R, 1], i [R, 1], column [R, W], live [R, W])``, the column
     ``key block * GROUPS + query group`` of every entry read (counts clamped into ``[0, K]``,
-    entries out of ``[0, NK)`` not live)."""
+    entries out of ``[0, NK)`` not live). ``LISTS``: ``(kv_idx [Bi, H, NQ, K] (int32 or
+    int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read only with GROUPS > 1), kv_idx's four
+    strides, kv_cnt's three, H, NQ, K, NK, Bi*H*NQ)``."""
+    KV_IDX, KV_CNT, Q_GROUPS, stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, \
+        stride_ch, stride_cq, H, NQ, K, NK, num_rows = LISTS  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R] flat (b, h, i) rows
     row_ok = rows < num_rows
     rows64 = rows.to(tl.int64)
@@ -120,18 +118,12 @@ def _popcount(x):
 
 @triton.jit
 def mark_pairs_kernel(
-    KV_IDX, KV_CNT, Q_GROUPS, BITS,
-    # kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read
-    # only with GROUPS > 1); bits int32 [Bi*H, NK*GROUPS, WORDS], zeroed
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    H, NQ, K, NK, WORDS, num_rows,
+    LISTS, BITS,  # the lists (_listed_pairs); bits int32 [Bi*H, NK*GROUPS, WORDS], zeroed
+    WORDS,
     GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    bh, i, column, live = _listed_pairs(
-        KV_IDX, KV_CNT, Q_GROUPS, stride_ib, stride_ih, stride_iq, stride_ik,
-        stride_cb, stride_ch, stride_cq, H, NQ, K, NK, num_rows, GROUPS, ROWS, WIDTH,
-    )  # fmt: skip
+    bh, i, column, live = _listed_pairs(LISTS, GROUPS, ROWS, WIDTH)
+    NK = LISTS[13]
     word = BITS + (bh * (NK * GROUPS) + column) * WORDS + i // 32
     bit = tl.full([ROWS, WIDTH], 1, tl.int32) << (i % 32).to(tl.int32)
     tl.atomic_or(word, bit, mask=live, sem="relaxed")
@@ -180,18 +172,14 @@ def column_offsets_kernel(
 
 @triton.jit
 def place_pairs_kernel(
-    KV_IDX, KV_CNT, Q_GROUPS, BITS, BELOW, Q_OFF, Q_IDX,
+    LISTS, BITS, BELOW, Q_OFF, Q_IDX,
     # as in mark_pairs_kernel, column_words_kernel and column_offsets_kernel, all written
     # before this launch
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    H, NQ, K, NK, WORDS, num_rows, NQK,
+    WORDS, NQK,
     GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    bh, i, column, live = _listed_pairs(
-        KV_IDX, KV_CNT, Q_GROUPS, stride_ib, stride_ih, stride_iq, stride_ik,
-        stride_cb, stride_ch, stride_cq, H, NQ, K, NK, num_rows, GROUPS, ROWS, WIDTH,
-    )  # fmt: skip
+    bh, i, column, live = _listed_pairs(LISTS, GROUPS, ROWS, WIDTH)
+    NK = LISTS[13]
     flat_column = bh * (NK * GROUPS) + column
     at = flat_column * WORDS + i // 32
     word = tl.load(BITS + at, mask=live, other=0).to(tl.uint32, bitcast=True)
