@@ -12,7 +12,7 @@ Cases (random per-head lists, every row full): ``vsa480`` (Wan 1.3B 480p at spar
 12 heads, 624 tiles, 78 listed a row, three query groups as dK/dV's short walks take them),
 ``vsa720`` (Wan 14B 720p: 40 heads, 1,440 tiles, 180 a row, three groups) and ``engine``
 (S=32,768 at 128x128, density 1/8: 12 heads, 256 blocks, 32 a row, one group). Writes
-``$OUT/try_transpose_lists.json`` if ``OUT`` is set; prints a table last.
+``$OUT/try_transpose_lists.json`` if ``OUT`` is set; prints each row as JSON last.
 """
 
 from __future__ import annotations
@@ -53,18 +53,18 @@ def run_case(name: str) -> list[dict]:
     same = all(torch.equal(a, b) for a, b in zip(built["sort"], built["kernels"]))
     print(f"{name}: the kernels' lists equal the sort's: {same}", flush=True)
 
-    def make_fn(arm=None):
-        return lambda: builders[arm](idx, cnt, blocks, q_groups, groups)
-
-    arm_now = {}
+    chosen = {}
 
     @contextlib.contextmanager
-    def enter(arm):
-        arm_now["arm"] = arm
+    def enter(arm):  # alternating_ms times make_fn() inside it
+        chosen["build"] = builders[arm]
         yield
 
-    times = harness.alternating_ms(builders, enter, lambda: make_fn(arm_now["arm"]),
-                                   device=idx.device)  # fmt: skip
+    def make_fn():
+        build = chosen["build"]
+        return lambda: build(idx, cnt, blocks, q_groups, groups)
+
+    times = harness.alternating_ms(builders, enter, make_fn, device=idx.device)
     rows = []
     for arm, ms_all in times.items():
         ms = sorted(ms_all)[1]

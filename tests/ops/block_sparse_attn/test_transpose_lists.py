@@ -82,8 +82,8 @@ def test_strided_lists_and_counts_are_read_through_their_strides():
 
 def test_a_pair_listed_twice_is_walked_once():
     """Lists changed behind the validation's back may repeat a key block in a row: the
-    kernels list that query block once under it (the offsets count what the read writes, so
-    no slot of a column is left unwritten)."""
+    kernels list that query block once under it (the offsets count set bits, and both copies
+    store to the one slot, so no slot of a column is left unwritten)."""
     idx = torch.tensor([[[[2, 2, 0], [1, 2, 1]]]], dtype=torch.int32)  # [1, 1, 2, 3]
     cnt = torch.tensor([[[3, 3]]], dtype=torch.int32)
     q_offsets, q_indices = transpose_lists(idx, cnt, 3)

@@ -21,6 +21,34 @@ def _group_slots(member, start):
 
 
 @triton.jit
+def _list_rows(
+    KV_IDX, KV_CNT,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    H, NQ, K, NK, num_rows,
+    ROWS: tl.constexpr, WIDTH: tl.constexpr,
+):  # fmt: skip
+    """This program's ``ROWS`` flat (b, h, i) rows of the lists: ``(rows64 [R], row_ok [R],
+    bh [R], i [R], blocks [R, W], live [R, W])``. ``live``: the entries read (counts clamped
+    into ``[0, K]``) that lie in ``[0, NK)``; ``blocks`` holds 0 elsewhere."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < num_rows
+    rows64 = rows.to(tl.int64)
+    i = rows64 % NQ
+    bh = rows64 // NQ
+    b = bh // H
+    h = bh % H
+    count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + i * stride_cq, mask=row_ok, other=0)
+    count = tl.minimum(count, K)  # count is 0 on rows past num_rows; negative: nothing read
+    offs = tl.arange(0, WIDTH)  # [W]
+    live = offs[None, :] < count[:, None]  # [R, W]
+    in_row = b * stride_ib + h * stride_ih + i * stride_iq  # [R]
+    blocks = tl.load(KV_IDX + in_row[:, None] + offs[None, :] * stride_ik, mask=live, other=0)
+    live = live & (blocks >= 0) & (blocks < NK)  # entries out of range are dropped
+    return rows64, row_ok, bh, i, tl.where(live, blocks, 0), live
+
+
+@triton.jit
 def blocks_by_size_kernel(
     KV_IDX, KV_CNT, KV_SIZES, OUT_IDX, OUT_ENDS, OUT_CNT,
     # kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], kv_sizes int32 [NK];
@@ -31,20 +59,10 @@ def blocks_by_size_kernel(
     H, NQ, K, NK, num_rows, full_size, tail1, tail2,  # tail1, tail2: 0 where there is no such walk
     ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R] flat (b, h, i) rows
-    row_ok = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    i = rows64 % NQ
-    h = (rows64 // NQ) % H
-    b = rows64 // (NQ * H)
-    count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + i * stride_cq, mask=row_ok, other=0)
-    count = tl.minimum(count, K)
-
-    offs = tl.arange(0, WIDTH)  # [W]
-    live = offs[None, :] < count[:, None]  # [R, W]; count is 0 on rows past num_rows
-    in_row = b * stride_ib + h * stride_ih + i * stride_iq  # [R]
-    blocks = tl.load(KV_IDX + in_row[:, None] + offs[None, :] * stride_ik, mask=live, other=0)
-    live = live & (blocks >= 0) & (blocks < NK)  # entries out of range are dropped
+    rows64, row_ok, _, _, blocks, live = _list_rows(
+        KV_IDX, KV_CNT, stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, stride_ch,
+        stride_cq, H, NQ, K, NK, num_rows, ROWS, WIDTH,
+    )  # fmt: skip
     sizes = tl.load(KV_SIZES + blocks, mask=live, other=0)  # [R, W]
     full = live & (sizes == full_size)
     partial = live & (sizes != full_size)
@@ -81,27 +99,16 @@ def blocks_by_size_kernel(
 @triton.jit
 def _listed_pairs(LISTS, GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr):
     """This program's pairs: ``(bh [R, 1], i [R, 1], column [R, W], live [R, W])``, the column
-    ``key block * GROUPS + query group`` of every entry read (counts clamped into ``[0, K]``,
-    entries out of ``[0, NK)`` not live). ``LISTS``: ``(kv_idx [Bi, H, NQ, K] (int32 or
-    int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read only with GROUPS > 1), kv_idx's four
-    strides, kv_cnt's three, H, NQ, K, NK, Bi*H*NQ)``."""
+    ``key block * GROUPS + query group`` of every entry of ``_list_rows``' rows. ``LISTS``:
+    ``(kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read
+    only with GROUPS > 1), kv_idx's four strides, kv_cnt's three, H, NQ, K, NK, Bi*H*NQ)``."""
     KV_IDX, KV_CNT, Q_GROUPS, stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, \
         stride_ch, stride_cq, H, NQ, K, NK, num_rows = LISTS  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [R] flat (b, h, i) rows
-    row_ok = rows < num_rows
-    rows64 = rows.to(tl.int64)
-    i = rows64 % NQ
-    bh = rows64 // NQ
-    b = bh // H
-    h = bh % H
-    count = tl.load(KV_CNT + b * stride_cb + h * stride_ch + i * stride_cq, mask=row_ok, other=0)
-    count = tl.minimum(tl.maximum(count, 0), K)
-    offs = tl.arange(0, WIDTH)  # [W]
-    live = offs[None, :] < count[:, None]  # [R, W]
-    in_row = b * stride_ib + h * stride_ih + i * stride_iq  # [R]
-    blocks = tl.load(KV_IDX + in_row[:, None] + offs[None, :] * stride_ik, mask=live, other=0)
-    live = live & (blocks >= 0) & (blocks < NK)
-    column = tl.where(live, blocks, 0).to(tl.int64) * GROUPS
+    _, row_ok, bh, i, blocks, live = _list_rows(
+        KV_IDX, KV_CNT, stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, stride_ch,
+        stride_cq, H, NQ, K, NK, num_rows, ROWS, WIDTH,
+    )  # fmt: skip
+    column = blocks.to(tl.int64) * GROUPS
     if GROUPS > 1:
         column += tl.load(Q_GROUPS + i, mask=row_ok, other=0).to(tl.int64)[:, None]
     return bh[:, None], i[:, None], column, live
