@@ -111,6 +111,7 @@ def run_metadata(tiny: bool) -> dict:
 
 def save(meta: dict, results: dict, name: str) -> None:
     if os.environ.get("OUT"):
+        os.makedirs(os.environ["OUT"], exist_ok=True)
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump({"meta": meta, "arms": results}, f, indent=1)
 
