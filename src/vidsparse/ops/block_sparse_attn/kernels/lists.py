@@ -97,21 +97,24 @@ def blocks_by_size_kernel(
 
 
 @triton.jit
-def _listed_pairs(LISTS, GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr):
-    """This program's pairs: ``(bh [R, 1], i [R, 1], column [R, W], live [R, W])``, the column
-    ``key block * GROUPS + query group`` of every entry of ``_list_rows``' rows. ``LISTS``:
-    ``(kv_idx [Bi, H, NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read
-    only with GROUPS > 1), kv_idx's four strides, kv_cnt's three, H, NQ, K, NK, Bi*H*NQ)``."""
+def _listed_pairs(LISTS, WORDS, GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+    """This program's pairs: ``(bh [R, 1], i [R, 1], column [R, W], word [R, W], live [R, W])``
+    for every entry of ``_list_rows``' rows: its column among all (batch, head)s' (``bh * NK *
+    GROUPS + key block * GROUPS + query group``) and the index of the bitmap word holding its
+    bit (bit ``i % 32`` of word ``column * WORDS + i // 32``). ``LISTS``: ``(kv_idx [Bi, H,
+    NQ, K] (int32 or int64), kv_cnt [Bi, H, NQ], q_groups int32 [NQ] (read only with GROUPS >
+    1), kv_idx's four strides, kv_cnt's three, H, NQ, K, NK, Bi*H*NQ)``."""
     KV_IDX, KV_CNT, Q_GROUPS, stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, \
         stride_ch, stride_cq, H, NQ, K, NK, num_rows = LISTS  # fmt: skip
     _, row_ok, bh, i, blocks, live = _list_rows(
         KV_IDX, KV_CNT, stride_ib, stride_ih, stride_iq, stride_ik, stride_cb, stride_ch,
         stride_cq, H, NQ, K, NK, num_rows, ROWS, WIDTH,
     )  # fmt: skip
-    column = blocks.to(tl.int64) * GROUPS
+    bh, i = bh[:, None], i[:, None]
+    column = bh * (NK * GROUPS) + blocks.to(tl.int64) * GROUPS
     if GROUPS > 1:
-        column += tl.load(Q_GROUPS + i, mask=row_ok, other=0).to(tl.int64)[:, None]
-    return bh[:, None], i[:, None], column, live
+        column += tl.load(Q_GROUPS + i, mask=row_ok[:, None], other=0).to(tl.int64)
+    return bh, i, column, column * WORDS + i // 32, live
 
 
 @triton.jit
@@ -129,11 +132,9 @@ def mark_pairs_kernel(
     WORDS,
     GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    bh, i, column, live = _listed_pairs(LISTS, GROUPS, ROWS, WIDTH)
-    NK = LISTS[13]
-    word = BITS + (bh * (NK * GROUPS) + column) * WORDS + i // 32
+    _, i, _, word, live = _listed_pairs(LISTS, WORDS, GROUPS, ROWS, WIDTH)
     bit = tl.full([ROWS, WIDTH], 1, tl.int32) << (i % 32).to(tl.int32)
-    tl.atomic_or(word, bit, mask=live, sem="relaxed")
+    tl.atomic_or(BITS + word, bit, mask=live, sem="relaxed")
 
 
 @triton.jit
@@ -181,17 +182,16 @@ def column_offsets_kernel(
 def place_pairs_kernel(
     LISTS, BITS, BELOW, Q_OFF, Q_IDX,
     # as in mark_pairs_kernel, column_words_kernel and column_offsets_kernel, all written
-    # before this launch
+    # before this launch; q_off int32 [Bi*H, NK*GROUPS + 1], q_idx int32 [Bi*H, NQK]
     WORDS, NQK,
     GROUPS: tl.constexpr, ROWS: tl.constexpr, WIDTH: tl.constexpr,
 ):  # fmt: skip
-    bh, i, column, live = _listed_pairs(LISTS, GROUPS, ROWS, WIDTH)
-    NK = LISTS[13]
-    flat_column = bh * (NK * GROUPS) + column
-    at = flat_column * WORDS + i // 32
-    word = tl.load(BITS + at, mask=live, other=0).to(tl.uint32, bitcast=True)
+    bh, i, column, word, live = _listed_pairs(LISTS, WORDS, GROUPS, ROWS, WIDTH)
+    bits = tl.load(BITS + word, mask=live, other=0).to(tl.uint32, bitcast=True)
     bit = tl.full([ROWS, WIDTH], 1, tl.uint32) << (i % 32).to(tl.uint32)
-    rank = _popcount(word & (bit - 1)).to(tl.int32) + tl.load(BELOW + at, mask=live, other=0)
-    start = tl.load(Q_OFF + bh * (NK * GROUPS + 1) + column, mask=live, other=0)
+    rank = _popcount(bits & (bit - 1)).to(tl.int32) + tl.load(BELOW + word, mask=live, other=0)
+    # q_off's rows hold NK*GROUPS + 1 entries (the columns', then the total): bh more than
+    # the column's index among all columns
+    start = tl.load(Q_OFF + column + bh, mask=live, other=0)
     rows = tl.zeros([ROWS, WIDTH], dtype=tl.int32) + i.to(tl.int32)
     tl.store(Q_IDX + bh * NQK + start + rank, rows, mask=live)
